@@ -1,0 +1,200 @@
+"""Model configuration built from a Hugging Face ``config.json``.
+
+The architecture of a target model always comes from its HF config; YAML run configs never restate it.
+One frozen dataclass covers every supported family; the differences are switches:
+
+- LlamaForCausalLM (Llama-2/3/3.1/3.2, SmolLM2): optional "llama3" / "linear" rope scaling.
+- MistralForCausalLM: optional sliding window.
+- Qwen2ForCausalLM (Qwen2, Qwen2.5): bias on q/k/v projections.
+- Qwen3ForCausalLM: RMSNorm on q and k per head, explicit head_dim.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+SUPPORTED_ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
+}
+
+SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+
+# Config fields that exist in HF configs of the supported families and that we read, or that have no effect on
+# the forward pass of a causal LM at inference / frozen-target time. Anything else that changes the math is refused.
+_REFUSED_IF_TRUE = {
+    "use_sliding_window": "qwen2-style sliding window attention",
+    "attention_bias_in_o_proj": "o_proj bias",
+    "mlp_bias": "MLP bias",
+}
+
+
+class ConfigError(ValueError):
+    """A config.json that specjax cannot run faithfully."""
+
+
+def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
+    """EAGLE3 training convention: OUTPUTS of layers {1, L//2-1, L-4} (0-based)."""
+    if num_layers < 5:
+        # Tiny test models: keep three distinct, in-range, increasing layers.
+        ids = sorted({min(1, num_layers - 1), max(0, num_layers // 2 - 1), max(0, num_layers - 4)})
+        while len(ids) < 3:
+            ids.append(ids[-1])
+        return tuple(ids)  # type: ignore[return-value]
+    return (1, num_layers // 2 - 1, num_layers - 4)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    architecture: str
+    family: str  # llama | mistral | qwen2 | qwen3
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    qkv_bias: bool = False
+    qk_norm: bool = False
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None  # frozen, hashable copy of the HF dict
+    sliding_window: int | None = None
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"  # parameter / compute dtype
+
+    @property
+    def rope_scaling_dict(self) -> dict[str, Any] | None:
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    @property
+    def q_per_kv(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+    def replace(self, **kw) -> "ModelConfig":
+        return dataclasses.replace(self, **kw)
+
+    def num_params(self) -> int:
+        """Parameter count, derived from shapes (used by eval_shape checks and MFU)."""
+        d, f, v = self.hidden_size, self.intermediate_size, self.vocab_size
+        n, k, h = self.num_heads, self.num_kv_heads, self.head_dim
+        attn = d * n * h + 2 * d * k * h + n * h * d
+        if self.qkv_bias:
+            attn += n * h + 2 * k * h
+        if self.qk_norm:
+            attn += 2 * h
+        per_layer = attn + 3 * d * f + 2 * d
+        total = self.num_layers * per_layer + v * d + d
+        if not self.tie_word_embeddings:
+            total += v * d
+        return total
+
+    @classmethod
+    def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
+        archs = hf.get("architectures") or []
+        arch = archs[0] if archs else None
+        if arch is None:
+            mt = hf.get("model_type")
+            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM"}.get(mt)
+        if arch not in SUPPORTED_ARCHITECTURES:
+            raise ConfigError(
+                f"unsupported architecture {archs or hf.get('model_type')!r}; specjax supports "
+                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        family = SUPPORTED_ARCHITECTURES[arch]
+        for field, what in _REFUSED_IF_TRUE.items():
+            if hf.get(field):
+                raise ConfigError(f"{arch}: config field {field}=true ({what}) is not supported")
+        act = hf.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"{arch}: hidden_act={act!r} is not supported (only 'silu')")
+        missing = [k for k in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                               "num_attention_heads") if k not in hf]
+        if missing:
+            raise ConfigError(f"{arch}: config.json lacks required fields {missing}")
+
+        num_heads = int(hf["num_attention_heads"])
+        num_kv = int(hf.get("num_key_value_heads") or num_heads)
+        head_dim = int(hf.get("head_dim") or hf["hidden_size"] // num_heads)
+        if num_heads % num_kv:
+            raise ConfigError(f"{arch}: num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv}")
+
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        # transformers >= 4.56 may store rope settings under "rope_parameters".
+        rp = hf.get("rope_parameters")
+        if isinstance(rp, dict):
+            rope_theta = rope_theta or rp.get("rope_theta")
+            if rope_scaling is None and rp.get("rope_type", "default") != "default":
+                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+        rope_theta = float(rope_theta if rope_theta is not None else 10000.0)
+        if rope_scaling is not None:
+            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+            if rtype not in SUPPORTED_ROPE_TYPES:
+                raise ConfigError(f"{arch}: rope_scaling type {rtype!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+            if rtype == "default":
+                rope_scaling = None
+            else:
+                rope_scaling = dict(rope_scaling, rope_type=rtype)
+                rope_scaling.pop("type", None)
+                rope_scaling.pop("rope_theta", None)
+
+        sliding = None
+        if family == "mistral" and hf.get("sliding_window"):
+            sliding = int(hf["sliding_window"])
+
+        if family == "llama" and hf.get("attention_bias"):
+            raise ConfigError(f"{arch}: attention_bias=true is not supported")
+
+        eos = hf.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
+
+        if dtype is None:
+            dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise ConfigError(f"unsupported dtype {dtype!r}")
+
+        return cls(
+            architecture=arch,
+            family=family,
+            vocab_size=int(hf["vocab_size"]),
+            hidden_size=int(hf["hidden_size"]),
+            intermediate_size=int(hf["intermediate_size"]),
+            num_layers=int(hf["num_hidden_layers"]),
+            num_heads=num_heads,
+            num_kv_heads=num_kv,
+            head_dim=head_dim,
+            rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+            rope_theta=rope_theta,
+            max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            qkv_bias=family == "qwen2",
+            qk_norm=family == "qwen3",
+            rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
+            sliding_window=sliding,
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_ids=tuple(int(e) for e in eos_ids),
+            dtype=dtype,
+        )
+
+    @classmethod
+    def from_pretrained(cls, path: str, dtype: str | None = None) -> "ModelConfig":
+        """Read ``config.json`` from a local folder, a path to the json itself, or a resolved hub id."""
+        cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
+        if not os.path.exists(cfg_path):
+            raise ConfigError(f"no config.json at {cfg_path}")
+        with open(cfg_path) as f:
+            try:
+                hf = json.load(f)
+            except json.JSONDecodeError as e:
+                raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
+        return cls.from_hf_dict(hf, dtype=dtype)

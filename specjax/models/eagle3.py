@@ -1,0 +1,263 @@
+"""EAGLE3 draft head (HF ``LlamaForCausalLMEagle3``), shared by training (TTT rollout) and serving (cached steps).
+
+One draft step for token embeddings ``e`` and incoming hidden ``h`` ([B, T, H]):
+    x = concat(input_layernorm(e), hidden_norm(h));  h = h + o_proj(attn(x));  h = h + mlp(post_norm(h))
+    logits = lm_head(norm(h))           (over the draft vocab; target id = i + d2t[i])
+The first step's h is fc(concat(aux1, aux2, aux3)); later steps feed back h (before ``norm``).
+Extra layers (num_layers > 1, optional) are plain Llama decoder layers over H applied after the midlayer.
+The embedding is the target's (never part of the head's params).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import layers
+from specjax.config import ModelConfig, default_aux_layer_ids
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config:
+    hidden_size: int
+    intermediate_size: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # the TARGET's vocab
+    draft_vocab_size: int
+    target_hidden_size: int
+    rms_norm_eps: float
+    rope_theta: float
+    max_position_embeddings: int
+    rope_scaling: tuple[tuple[str, Any], ...] | None = None
+    num_layers: int = 1
+    aux_layer_ids: tuple[int, ...] = (1, 13, 24)
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    dtype: str = "bfloat16"
+
+    @property
+    def rope_scaling_dict(self):
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    def replace(self, **kw) -> "Eagle3Config":
+        return dataclasses.replace(self, **kw)
+
+    @classmethod
+    def from_target(cls, tcfg: ModelConfig, *, draft_vocab_size: int | None = None, num_layers: int = 1,
+                    aux_layer_ids: tuple[int, ...] | None = None, dtype: str | None = None, **overrides) -> "Eagle3Config":
+        """A head shaped like one layer of its target (SpecForge's default recipe)."""
+        kw = dict(
+            hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_heads=tcfg.num_heads,
+            num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, vocab_size=tcfg.vocab_size,
+            draft_vocab_size=min(draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size),
+            target_hidden_size=tcfg.hidden_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
+            max_position_embeddings=tcfg.max_position_embeddings, rope_scaling=tcfg.rope_scaling,
+            num_layers=num_layers,
+            aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(tcfg.num_layers),
+            bos_token_id=tcfg.bos_token_id, eos_token_ids=tcfg.eos_token_ids, dtype=dtype or tcfg.dtype)
+        kw.update(overrides)
+        return cls(**kw)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class HeadLayerParams:
+    """One head layer. The midlayer (index 0) takes 2H inputs and has ``hidden_norm``; later layers take H."""
+    input_norm: jax.Array  # [H]
+    wq: jax.Array  # [Din, N, Hd]   Din = 2H for the midlayer, H otherwise
+    wk: jax.Array  # [Din, K, Hd]
+    wv: jax.Array  # [Din, K, Hd]
+    wo: jax.Array  # [N, Hd, H]
+    post_norm: jax.Array  # [H]
+    w_gate: jax.Array  # [H, F]
+    w_up: jax.Array  # [H, F]
+    w_down: jax.Array  # [F, H]
+    hidden_norm: jax.Array | None = None  # [H] (midlayer only)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Eagle3Params:
+    fc: jax.Array  # [3*Ht, H]
+    layers: list  # list[HeadLayerParams], layers[0] is the midlayer
+    norm: jax.Array  # [H]
+    lm_head: jax.Array  # [H, Vd]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class VocabMap:
+    """Draft <-> target vocab. Not trained; kept apart from the params so the optimizer never sees it."""
+    d2t: jax.Array  # i32[Vd] offsets: target_id = i + d2t[i]
+    t2d: jax.Array  # bool[V] target token j is in the draft vocab
+
+    @classmethod
+    def identity(cls, vocab_size: int) -> "VocabMap":
+        return cls(d2t=jnp.zeros((vocab_size,), jnp.int32), t2d=jnp.ones((vocab_size,), bool))
+
+    @classmethod
+    def from_used_ids(cls, used_ids: np.ndarray, vocab_size: int) -> "VocabMap":
+        used = np.sort(np.asarray(used_ids, np.int64))
+        t2d = np.zeros((vocab_size,), bool)
+        t2d[used] = True
+        return cls(d2t=jnp.asarray(used - np.arange(len(used)), jnp.int32), t2d=jnp.asarray(t2d))
+
+    def draft_to_target(self, draft_ids):
+        return draft_ids + self.d2t[draft_ids]
+
+
+def param_shapes(cfg: Eagle3Config) -> Eagle3Params:
+    dt = jnp.dtype(cfg.dtype)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dt)
+    h, f, n, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    lays = []
+    for i in range(cfg.num_layers):
+        din = 2 * h if i == 0 else h
+        lays.append(HeadLayerParams(
+            input_norm=s(h), wq=s(din, n, hd), wk=s(din, k, hd), wv=s(din, k, hd), wo=s(n, hd, h), post_norm=s(h),
+            w_gate=s(h, f), w_up=s(h, f), w_down=s(f, h), hidden_norm=s(h) if i == 0 else None))
+    return Eagle3Params(fc=s(len(cfg.aux_layer_ids) * cfg.target_hidden_size, h), layers=lays, norm=s(h),
+                        lm_head=s(h, cfg.draft_vocab_size))
+
+
+def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.02) -> Eagle3Params:
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, sd), kk in zip(leaves, keys):
+        if "norm" in jax.tree_util.keystr(path):
+            out.append(jnp.ones(sd.shape, sd.dtype))
+        else:
+            out.append((jax.random.normal(kk, sd.shape, jnp.float32) * scale).astype(sd.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+def project_aux(params: Eagle3Params, aux):
+    """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H]."""
+    return jnp.einsum("btc,ch->bth", aux.astype(params.fc.dtype), params.fc)
+
+
+def layer_input(lp: HeadLayerParams, cfg: Eagle3Config, emb, hidden):
+    """Attention input of a layer: midlayer -> concat(input_norm(emb), hidden_norm(hidden)); others -> norm(hidden)."""
+    if lp.hidden_norm is not None:
+        return jnp.concatenate([layers.rms_norm(emb, lp.input_norm, cfg.rms_norm_eps),
+                                layers.rms_norm(hidden, lp.hidden_norm, cfg.rms_norm_eps)], axis=-1)  # [B, T, 2H]
+    return layers.rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
+
+
+def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions):
+    """Rotated q [B, T, N, Hd], k [B, T, K, Hd] and v of a layer input x [B, T, Din]."""
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    q = jnp.einsum("btc,cnh->btnh", x, lp.wq)
+    k = jnp.einsum("btc,ckh->btkh", x, lp.wk)
+    v = jnp.einsum("btc,ckh->btkh", x, lp.wv)
+    return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq), v
+
+
+def finish_layer(lp: HeadLayerParams, cfg: Eagle3Config, hidden, attn_out):
+    """Residual + o_proj, then the SwiGLU MLP. hidden: [B, T, H]; attn_out: [B, T, N, Hd] -> [B, T, H]."""
+    h = hidden + jnp.einsum("btnh,nhd->btd", attn_out, lp.wo)
+    return h + layers.swiglu(layers.rms_norm(h, lp.post_norm, cfg.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down)
+
+
+def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):
+    """f32 logits over the draft vocab from the pre-norm hidden state [..., H] -> [..., Vd]."""
+    return jnp.einsum("...h,hv->...v", layers.rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head,
+                      preferred_element_type=jnp.float32)
+
+
+def forward_cached(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, mask, *, cache=None,
+                   cache_attention=None):
+    """Serving step over T new tokens against the head's own paged cache (``KVCache`` with one entry per layer).
+
+    emb: [B, T, H] target embeddings of the tokens; hidden: [B, T, H] incoming hidden (fc(aux) or fed-back h);
+    positions: i32[B, T]; mask: bool[B, T, T] which new keys each query sees (causal or tree ancestors).
+    Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd]).
+    """
+    from specjax.kv_cache import gather_layer
+    b, t = positions.shape
+    sm_scale = cfg.head_dim ** -0.5
+    cache_valid = None
+    if cache is not None:
+        key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+        cache_valid = jnp.broadcast_to(key_pos[None, None, :] < cache.lengths[:, None, None], (b, t, cache.max_len))
+    ks, vs = [], []
+    h = hidden
+    for i, lp in enumerate(params.layers):
+        x = layer_input(lp, cfg, emb, h)
+        q, k, v = qkv(lp, cfg, x, positions)
+        if cache is None:
+            o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
+        elif cache_attention is not None:
+            o = cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache_valid, sm_scale)
+        else:
+            kc, vc = gather_layer(cache.k[i], cache.v[i], cache.page_table)
+            o = layers.attention(q, k, v, mask, k_cache=kc, v_cache=vc, cache_valid=cache_valid, sm_scale=sm_scale)
+        h = finish_layer(lp, cfg, h, o)
+        ks.append(k)
+        vs.append(v)
+    return h, jnp.stack(ks), jnp.stack(vs)
+
+
+# ---- config.json (HF format) ------------------------------------------------------------------------------------
+def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dict[str, Any]:
+    """The ``LlamaForCausalLMEagle3`` config.json of ../shared/specs/eagle.md. Aux layer ids are written only when
+    they differ from the default for ``target_num_layers`` (engines disagree on how to read them)."""
+    out: dict[str, Any] = {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",
+        "hidden_size": cfg.hidden_size, "intermediate_size": cfg.intermediate_size,
+        "num_attention_heads": cfg.num_heads, "num_key_value_heads": cfg.num_kv_heads,
+        "num_hidden_layers": cfg.num_layers, "rms_norm_eps": cfg.rms_norm_eps, "rope_theta": cfg.rope_theta,
+        "rope_scaling": cfg.rope_scaling_dict, "max_position_embeddings": cfg.max_position_embeddings,
+        "vocab_size": cfg.vocab_size, "draft_vocab_size": cfg.draft_vocab_size, "tie_word_embeddings": False,
+        "torch_dtype": cfg.dtype, "bos_token_id": cfg.bos_token_id,
+        "eos_token_id": (cfg.eos_token_ids[0] if len(cfg.eos_token_ids) == 1 else list(cfg.eos_token_ids)) or None,
+        "hidden_act": "silu",
+    }
+    if cfg.head_dim != cfg.hidden_size // cfg.num_heads:
+        out["head_dim"] = cfg.head_dim
+    if cfg.target_hidden_size != cfg.hidden_size:
+        out["target_hidden_size"] = cfg.target_hidden_size
+    if target_num_layers is None or tuple(cfg.aux_layer_ids) != default_aux_layer_ids(target_num_layers):
+        if target_num_layers is not None:
+            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                                   "use_aux_hidden_state": True}
+    return out
+
+
+def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None = None) -> Eagle3Config:
+    archs = hf.get("architectures") or []
+    if archs and archs[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"):
+        raise ValueError(f"not an EAGLE3 head: architectures={archs}")
+    h = int(hf["hidden_size"])
+    n = int(hf["num_attention_heads"])
+    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    rs = hf.get("rope_scaling")
+    if rs is not None and rs.get("rope_type", rs.get("type")) in (None, "default"):
+        rs = None
+    return Eagle3Config(
+        hidden_size=h, intermediate_size=int(hf["intermediate_size"]), num_heads=n,
+        num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or h // n),
+        vocab_size=int(hf["vocab_size"]), draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
+        target_hidden_size=int(hf.get("target_hidden_size") or h), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
+        rope_theta=float(hf.get("rope_theta", 10000.0)), max_position_embeddings=int(hf.get("max_position_embeddings",
+                                                                                            4096)),
+        rope_scaling=tuple(sorted(rs.items())) if rs else None, num_layers=int(hf.get("num_hidden_layers", 1)),
+        aux_layer_ids=tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_num_layers),
+        bos_token_id=hf.get("bos_token_id"),
+        eos_token_ids=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list)
+        else ((hf["eos_token_id"],) if hf.get("eos_token_id") is not None else ()),
+        dtype=dtype or hf.get("torch_dtype") or "bfloat16")
+
+
+def read_hf_config(folder: str) -> dict[str, Any]:
+    with open(os.path.join(folder, "config.json")) as f:
+        return json.load(f)

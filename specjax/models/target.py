@@ -1,0 +1,232 @@
+"""ONE decoder for every supported family (Llama, Mistral, Qwen2/2.5, Qwen3): pure functions over a param pytree.
+
+``forward`` serves every use:
+- training (frozen target): no cache, full sequence, logits at every position and the EAGLE3 aux features;
+- prefill / decode: attends over the paged cache prefix plus the new tokens under a causal mask, returns the new
+  tokens' K/V for the caller to write (``kv_cache.write``);
+- tree verification: the same call with the tree's ancestor mask instead of the causal one; the caller writes only
+  the accepted path's K/V.
+Layers run under one ``lax.scan`` over stacked weights; aux features are captured inside the scan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import layers
+from specjax.config import ModelConfig, default_aux_layer_ids
+from specjax.kv_cache import KVCache, gather_layer
+from specjax.sharding import constrain
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LayerParams:
+    """One decoder layer; in TargetParams every field carries a leading L (layers) axis."""
+    attn_norm: jax.Array  # [D]
+    wq: jax.Array  # [D, N, H]
+    wk: jax.Array  # [D, K, H]
+    wv: jax.Array  # [D, K, H]
+    wo: jax.Array  # [N, H, D]
+    mlp_norm: jax.Array  # [D]
+    w_gate: jax.Array  # [D, F]
+    w_up: jax.Array  # [D, F]
+    w_down: jax.Array  # [F, D]
+    bq: jax.Array | None = None  # [N, H]  Qwen2
+    bk: jax.Array | None = None  # [K, H]
+    bv: jax.Array | None = None  # [K, H]
+    q_norm: jax.Array | None = None  # [H]  Qwen3
+    k_norm: jax.Array | None = None  # [H]
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class TargetParams:
+    embed: jax.Array  # [V, D]
+    layers: LayerParams  # stacked: [L, ...]
+    final_norm: jax.Array  # [D]
+    lm_head: jax.Array | None  # [D, V]; None when tied to embed
+
+
+# Logical axes of every parameter (without the leading "layers" axis of stacked layer params).
+LAYER_AXES = {
+    "attn_norm": ("embed",), "wq": ("embed", "heads", "head_dim"), "wk": ("embed", "kv_heads", "head_dim"),
+    "wv": ("embed", "kv_heads", "head_dim"), "wo": ("heads", "head_dim", "embed"), "mlp_norm": ("embed",),
+    "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
+    "bq": ("heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
+    "q_norm": ("head_dim",), "k_norm": ("head_dim",),
+}
+TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
+
+
+def param_shapes(cfg: ModelConfig) -> TargetParams:
+    """Shape/dtype skeleton of the params (``jax.ShapeDtypeStruct`` leaves), without allocating."""
+    dt = jnp.dtype(cfg.dtype)
+    d, f, v, n, k, h, nl = (cfg.hidden_size, cfg.intermediate_size, cfg.vocab_size, cfg.num_heads,
+                            cfg.num_kv_heads, cfg.head_dim, cfg.num_layers)
+    s = lambda *shape: jax.ShapeDtypeStruct(shape, dt)
+    lp = LayerParams(
+        attn_norm=s(nl, d), wq=s(nl, d, n, h), wk=s(nl, d, k, h), wv=s(nl, d, k, h), wo=s(nl, n, h, d),
+        mlp_norm=s(nl, d), w_gate=s(nl, d, f), w_up=s(nl, d, f), w_down=s(nl, f, d),
+        bq=s(nl, n, h) if cfg.qkv_bias else None, bk=s(nl, k, h) if cfg.qkv_bias else None,
+        bv=s(nl, k, h) if cfg.qkv_bias else None,
+        q_norm=s(nl, h) if cfg.qk_norm else None, k_norm=s(nl, h) if cfg.qk_norm else None)
+    return TargetParams(embed=s(v, d), layers=lp, final_norm=s(d),
+                        lm_head=None if cfg.tie_word_embeddings else s(d, v))
+
+
+def param_logical_axes(cfg: ModelConfig) -> TargetParams:
+    """Same tree as ``param_shapes`` with tuples of logical axis names as leaves."""
+    shapes = param_shapes(cfg)
+    lp = LayerParams(**{f.name: (("layers",) + LAYER_AXES[f.name]) if getattr(shapes.layers, f.name) is not None
+                        else None for f in dataclasses.fields(LayerParams)})
+    return TargetParams(embed=TOP_AXES["embed"], layers=lp, final_norm=TOP_AXES["final_norm"],
+                        lm_head=TOP_AXES["lm_head"] if shapes.lm_head is not None else None)
+
+
+def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> TargetParams:
+    """Random params (benchmarks and tests); norms start at 1."""
+    shapes = param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(key, len(leaves))
+    out = []
+    for (path, sd), kk in zip(leaves, keys):
+        name = jax.tree_util.keystr(path)
+        if "norm" in name:
+            out.append(jnp.ones(sd.shape, sd.dtype))
+        else:
+            out.append((jax.random.normal(kk, sd.shape, jnp.float32) * scale).astype(sd.dtype))
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class ForwardOut:
+    logits: jax.Array | None  # f32[B, M, V] at ``logits_at`` (or [B, T, V] for all positions)
+    aux: jax.Array | None  # [B, T, 3*D] outputs of the aux layers, concatenated in order
+    hidden: jax.Array | None  # [B, T, D] final hidden state after the final norm (input of lm_head)
+    k_new: jax.Array | None  # [L, B, T, K, H] keys of the new tokens (to be written into the cache)
+    v_new: jax.Array | None  # [L, B, T, K, H]
+
+
+AttentionFn = Callable[..., jax.Array]
+
+
+def _xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
+    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
+    return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
+                            sm_scale=sm_scale)
+
+
+def embed_tokens(params: TargetParams, tokens):
+    return jnp.take(params.embed, tokens, axis=0)  # [B, T, D]
+
+
+def lm_head_weight(params: TargetParams):
+    return params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
+
+
+def compute_logits(params: TargetParams, hidden):
+    """f32 logits of final-normed hidden states [..., D] -> [..., V]."""
+    return jnp.einsum("...d,dv->...v", hidden, lm_head_weight(params), preferred_element_type=jnp.float32)
+
+
+def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,
+            mask=None, valid=None, aux_layers: tuple[int, ...] | None = None, logits_at=None,
+            return_logits: bool = True, return_hidden: bool = False, return_kv: bool | None = None,
+            cache_attention: AttentionFn | None = None) -> ForwardOut:
+    """Run the decoder over new tokens.
+
+    tokens, positions: i32[B, T]. valid: bool[B, T] real tokens (default all). mask: bool[B, T, T] which new keys
+    each new query sees (default causal & valid). With ``cache``, queries also see cached positions
+    ``< cache.lengths[b]`` (and, for sliding-window models, within the window).
+    aux_layers: layer ids whose OUTPUTS are returned concatenated as ``aux`` (None: no aux; () : default ids).
+    logits_at: i32[B, M] indices into T where logits are wanted (default: every position).
+    cache_attention: replaces the XLA cache attention (e.g. the Pallas tree-attention kernel on TPU).
+    """
+    b, t = tokens.shape
+    if valid is None:
+        valid = jnp.ones((b, t), bool)
+    if mask is None:
+        mask = layers.causal_mask(valid)
+    if cfg.sliding_window is not None:
+        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < cfg.sliding_window)
+    if return_kv is None:
+        return_kv = cache is not None
+    if aux_layers is not None and len(aux_layers) == 0:
+        aux_layers = default_aux_layer_ids(cfg.num_layers)
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    sm_scale = cfg.head_dim ** -0.5
+    dt = jnp.dtype(cfg.dtype)
+
+    cache_valid = None
+    if cache is not None:
+        s = cache.max_len
+        key_pos = jnp.arange(s, dtype=jnp.int32)
+        cache_valid = key_pos[None, None, :] < cache.lengths[:, None, None]  # bool[B, 1, S]
+        if cfg.sliding_window is not None:
+            cache_valid = cache_valid & ((positions[:, :, None] - key_pos[None, None, :]) < cfg.sliding_window)
+        cache_valid = jnp.broadcast_to(cache_valid, (b, t, s))  # bool[B, T, S]
+    attn_fn = cache_attention or _xla_cache_attention
+
+    n_aux = len(aux_layers) if aux_layers else 0
+    aux_slot = np.full((cfg.num_layers,), -1, np.int32)
+    for i, lid in enumerate(aux_layers or ()):
+        if not 0 <= lid < cfg.num_layers:
+            raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
+        aux_slot[lid] = i
+
+    x = embed_tokens(params, tokens).astype(dt)
+    x = constrain(x, ("batch", "seq", "embed"))
+
+    def layer(carry, xs):
+        h, aux = carry
+        lp, slot, k_pages, v_pages = xs
+        y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
+        q = jnp.einsum("btd,dnh->btnh", y, lp.wq)  # [B, T, N, H]
+        k = jnp.einsum("btd,dkh->btkh", y, lp.wk)  # [B, T, K, H]
+        v = jnp.einsum("btd,dkh->btkh", y, lp.wv)
+        if lp.bq is not None:
+            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+        if lp.q_norm is not None:
+            q = layers.rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+            k = layers.rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+        q = layers.apply_rope(q, positions, inv_freq)
+        k = layers.apply_rope(k, positions, inv_freq)
+        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+        if k_pages is None:
+            o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
+        else:
+            o = attn_fn(q, k, v, mask, k_pages, v_pages, cache.page_table, cache_valid, sm_scale)
+        h = h + jnp.einsum("btnh,nhd->btd", o, lp.wo)  # [B, T, D]
+        y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+        h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
+        h = constrain(h, ("batch", "seq", "embed"))
+        if aux is not None:
+            idx = jnp.maximum(slot, 0)
+            upd = jnp.where(slot >= 0, h, aux[idx])
+            aux = jax.lax.dynamic_update_index_in_dim(aux, upd, idx, 0)
+        kv = (k, v) if return_kv else None
+        return (h, aux), kv
+
+    aux0 = jnp.zeros((n_aux, b, t, cfg.hidden_size), dt) if n_aux else None
+    xs = (params.layers, jnp.asarray(aux_slot),
+          cache.k if cache is not None else None, cache.v if cache is not None else None)
+    (h, aux), kv = jax.lax.scan(layer, (x, aux0), xs)
+
+    hidden = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps)  # [B, T, D]
+    logits = None
+    if return_logits:
+        hl = hidden if logits_at is None else jnp.take_along_axis(hidden, logits_at[..., None], axis=1)
+        logits = compute_logits(params, hl)
+        logits = constrain(logits, ("batch", "seq", "vocab"))
+    aux_out = None
+    if n_aux:
+        aux_out = jnp.moveaxis(aux, 0, 2).reshape(b, t, n_aux * cfg.hidden_size)  # [B, T, n_aux*D]
+    return ForwardOut(logits=logits, aux=aux_out, hidden=hidden if return_hidden else None,
+                      k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None)

@@ -1,0 +1,112 @@
+"""Mesh (dp, tp) and the one table that maps logical axes to mesh axes.
+
+Params and activations name their axes logically (batch, seq, embed, heads, kv_heads, head_dim, ffw, vocab, layers);
+``RULES`` maps each to a mesh axis or None. ``logical_to_spec`` turns a tuple of logical names into a
+PartitionSpec and refuses a spec that uses one mesh axis twice, or a dimension that does not divide.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from typing import Sequence
+
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+DEFAULT_RULES: dict[str, str | None] = {
+    "batch": "dp",
+    "seq": None,
+    "embed": None,
+    "heads": "tp",
+    "kv_heads": "tp",
+    "head_dim": None,
+    "ffw": "tp",
+    "vocab": "tp",
+    "layers": None,
+    "pages": None,
+    "draft_vocab": None,
+}
+
+
+class ShardingError(ValueError):
+    pass
+
+
+def make_mesh(dp: int = 1, tp: int = 1, devices: Sequence[jax.Device] | None = None) -> Mesh:
+    """A (dp, tp) mesh over ``devices`` (default: all devices of all processes). tp is the fast (inner) axis so that
+    tensor-parallel collectives stay within a host."""
+    devices = list(devices if devices is not None else jax.devices())
+    if dp * tp != len(devices):
+        raise ShardingError(f"mesh dp={dp} x tp={tp} = {dp * tp} devices, but {len(devices)} are available")
+    arr = np.array(devices, dtype=object).reshape(dp, tp)
+    return Mesh(arr, ("dp", "tp"))
+
+
+def logical_to_spec(axes: Sequence[str | None], rules: dict[str, str | None] | None = None) -> P:
+    rules = DEFAULT_RULES if rules is None else rules
+    mesh_axes = []
+    for a in axes:
+        if a is None:
+            mesh_axes.append(None)
+            continue
+        if a not in rules:
+            raise ShardingError(f"logical axis {a!r} has no rule")
+        mesh_axes.append(rules[a])
+    used = [m for m in mesh_axes if m is not None]
+    if len(used) != len(set(used)):
+        raise ShardingError(f"logical axes {tuple(axes)} map mesh axes {mesh_axes} more than once")
+    return P(*mesh_axes)
+
+
+def spec_for_shape(shape, axes, mesh: Mesh, rules=None, *, replicate_indivisible: Sequence[str] = ()) -> P:
+    """PartitionSpec for an array of ``shape`` named ``axes``; a dimension that does not divide by its mesh axis
+    raises, except logical axes listed in ``replicate_indivisible`` (e.g. kv_heads), which fall back to replication."""
+    spec = list(logical_to_spec(axes, rules))
+    for i, (dim, m) in enumerate(zip(shape, spec)):
+        if m is None:
+            continue
+        size = mesh.shape[m]
+        if dim % size:
+            if axes[i] in replicate_indivisible:
+                spec[i] = None
+                continue
+            raise ShardingError(
+                f"dimension {axes[i]}={dim} does not divide by mesh axis {m}={size}; choose a tp size that divides "
+                f"{dim}")
+    return P(*spec)
+
+
+# ---- activation constraints -------------------------------------------------------------------------------------
+_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("specjax_mesh", default=None)
+
+
+@contextlib.contextmanager
+def use_mesh(mesh: Mesh | None, rules: dict[str, str | None] | None = None):
+    """Within this context, ``constrain`` pins activations to the mesh; outside, it is a no-op."""
+    token = _ACTIVE.set((mesh, rules or DEFAULT_RULES) if mesh is not None else None)
+    try:
+        yield
+    finally:
+        _ACTIVE.reset(token)
+
+
+def constrain(x, axes: Sequence[str | None]):
+    active = _ACTIVE.get()
+    if active is None:
+        return x
+    mesh, rules = active
+    spec = list(logical_to_spec(axes, rules))
+    for i, m in enumerate(spec):  # never force an indivisible activation dimension
+        if m is not None and x.shape[i] % mesh.shape[m]:
+            spec[i] = None
+    return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
+
+
+def named(mesh: Mesh, spec: P) -> NamedSharding:
+    return NamedSharding(mesh, spec)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+    return NamedSharding(mesh, P())

