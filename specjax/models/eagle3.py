@@ -197,7 +197,7 @@ def forward_cached(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positio
         if cache is None:
             o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
         elif cache_attention is not None:
-            o = cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache_valid, sm_scale)
+            o = cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, sm_scale)
         else:
             kc, vc = gather_layer(cache.k[i], cache.v[i], cache.page_table)
             o = layers.attention(q, k, v, mask, k_cache=kc, v_cache=vc, cache_valid=cache_valid, sm_scale=sm_scale)

@@ -117,7 +117,8 @@ class ForwardOut:
 AttentionFn = Callable[..., jax.Array]
 
 
-def _xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
+def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
+    """Reference (XLA) attention over the gathered paged prefix plus the new tokens (see layers.attention)."""
     k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
     return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
                             sm_scale=sm_scale)
@@ -147,7 +148,9 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     ``< cache.lengths[b]`` (and, for sliding-window models, within the window).
     aux_layers: layer ids whose OUTPUTS are returned concatenated as ``aux`` (None: no aux; () : default ids).
     logits_at: i32[B, M] indices into T where logits are wanted (default: every position).
-    cache_attention: replaces the XLA cache attention (e.g. the Pallas tree-attention kernel on TPU).
+    cache_attention: replaces the XLA cache attention, e.g. the Pallas tree-attention kernel on TPU. Contract:
+      ``fn(q [B,T,N,H], k [B,T,K,H], v, mask bool[B,T,T], k_pages [P,Z,K,H], v_pages, page_table i32[B,pps],
+      lengths i32[B], sm_scale) -> [B,T,N,H]``: queries see cached positions < lengths[b] plus new keys under mask.
     """
     b, t = tokens.shape
     if valid is None:
@@ -172,7 +175,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         if cfg.sliding_window is not None:
             cache_valid = cache_valid & ((positions[:, :, None] - key_pos[None, None, :]) < cfg.sliding_window)
         cache_valid = jnp.broadcast_to(cache_valid, (b, t, s))  # bool[B, T, S]
-    attn_fn = cache_attention or _xla_cache_attention
+    if cache_attention is not None and cfg.sliding_window is not None:
+        raise ValueError("sliding-window models use the XLA attention path; do not pass cache_attention")
 
     n_aux = len(aux_layers) if aux_layers else 0
     aux_slot = np.full((cfg.num_layers,), -1, np.int32)
@@ -201,8 +205,10 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         q = constrain(q, ("batch", "seq", "heads", "head_dim"))
         if k_pages is None:
             o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
+        elif cache_attention is not None:
+            o = cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, sm_scale)
         else:
-            o = attn_fn(q, k, v, mask, k_pages, v_pages, cache.page_table, cache_valid, sm_scale)
+            o = xla_cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache_valid, sm_scale)
         h = h + jnp.einsum("btnh,nhd->btd", o, lp.wo)  # [B, T, D]
         y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
         h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)

@@ -1,0 +1,41 @@
+"""The slot-level decoding interface between the server's scheduler (serve/engine.py) and the model.
+
+A runner owns a fixed number of slots (the running batch, ``max_batch``). Requests join a free slot (``prefill``)
+and leave it between steps; ``step`` advances every active slot by one plain decode step or one speculative
+draft-verify-commit step, entirely on device. The target and draft KV caches share one page table: page ids handed
+out by the scheduler index both pools.
+
+Implementations:
+- ``serve.model_runner.PlainRunner``: plain decoding (one token per step).
+- ``specjax.spec.decoder.SpecRunner``: EAGLE3 / EAGLE speculative decoding (1..num_steps+1 tokens per step).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Protocol
+
+import numpy as np
+
+
+class Runner(Protocol):
+    max_batch: int  # number of slots B
+    page_size: int  # Z tokens per page
+    pages_per_seq: int  # page-table row length; max tokens per sequence = pages_per_seq * page_size
+    num_pages: int  # pages in the pool(s)
+    tokens_per_step: int  # W = most tokens one step can emit per slot (1 plain, num_steps + 1 speculative)
+
+    def init_state(self) -> Any:
+        """Device state: caches (all pages free), per-slot lengths 0, slots inactive."""
+
+    def prefill(self, state: Any, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
+                cached: int = 0) -> tuple[Any, int]:
+        """Run the prompt ``tokens`` (i32[n]) into ``slot``, whose page-table row becomes ``page_row`` (i32[pps]).
+        The first ``cached`` tokens are already in the cache pages (prefix reuse) and are not recomputed.
+        ``sampling``: {temperature, top_k, top_p, min_p, seed}. Returns (state, first generated token)."""
+
+    def step(self, state: Any, active: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
+        """One decode step for all slots with ``active`` (bool[B]) set.
+        Returns (state, tokens i32[B, W], counts i32[B]): slot b emitted tokens[b, :counts[b]] (0 if inactive)."""
+
+    def release(self, state: Any, slot: int) -> Any:
+        """Mark the slot free (its pages are returned by the scheduler)."""
