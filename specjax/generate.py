@@ -1,0 +1,243 @@
+"""Plain (non-speculative) generation: the reference output that speculative decoding must reproduce.
+
+A batch of prompts of different lengths is right-padded and prefilled in one call (``decode.prefill`` with a valid
+mask); the decode loop then runs as ONE jitted ``lax.while_loop`` (no host round-trip per token) in which each row
+stops on its own stop token or after ``max_new_tokens``, and the loop ends as soon as every row is done.
+
+Output convention (matches HF ``model.generate``): the generated tokens only (no prompt), INCLUDING the stop token
+that ended a row; a row that hits ``max_new_tokens`` has exactly that many tokens.
+
+    python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt "What is JAX?"
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import functools
+import json
+import os
+import sys
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import decode, kv_cache, sampling
+from specjax.config import ModelConfig
+from specjax.models import target
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopState:
+    """State of the on-device decode loop."""
+    cache: kv_cache.KVCache  # paged KV cache; holds every token fed to the model so far
+    out: jax.Array  # i32[B, M]  generated tokens per row (M = max_new_tokens); slots past ``count`` are unused
+    last: jax.Array  # i32[B]  the latest generated token of each row (the next decode input)
+    count: jax.Array  # i32[B]  generated tokens per row so far
+    done: jax.Array  # bool[B]  row finished (stop token emitted or M tokens generated)
+    sampling: sampling.SamplingBatch  # per-row sampling parameters and PRNG keys
+
+
+def _record(state: LoopState, tok, active, stop_ids) -> LoopState:
+    """Append ``tok`` (i32[B]) to the rows that are ``active`` (bool[B]) and update which rows are done."""
+    b, m = state.out.shape
+    col = jnp.where(active, state.count, m)  # out-of-range column for inactive rows: dropped by the scatter
+    out = state.out.at[jnp.arange(b), col].set(tok, mode="drop")  # i32[B, M]
+    count = state.count + active.astype(jnp.int32)
+    is_stop = (tok[:, None] == stop_ids[None, :]).any(-1)  # bool[B]
+    done = state.done | (active & is_stop) | (count >= m)
+    last = jnp.where(active, tok, state.last)
+    return dataclasses.replace(state, out=out, count=count, done=done, last=last)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_attention"), donate_argnames=("cache",))
+def _prefill(params, cfg: ModelConfig, cache, tokens, valid, sb, stop_ids, *, max_new_tokens: int,
+             cache_attention=None) -> LoopState:
+    """Prefill the right-padded prompts (tokens i32[B, T], valid bool[B, T]) and sample each row's first token."""
+    cache, out = decode.prefill(params, cfg, cache, tokens, valid, cache_attention=cache_attention)
+    tok, sb = sampling.sample_next(out.logits, sb)  # i32[B]
+    b = tokens.shape[0]
+    state = LoopState(cache=cache, out=jnp.zeros((b, max_new_tokens), jnp.int32), last=tok,
+                      count=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool), sampling=sb)
+    return _record(state, tok, jnp.ones((b,), bool), stop_ids)
+
+
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("state",))
+def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_attention=None) -> LoopState:
+    """Decode until every row is done, entirely on device."""
+    def cond(s: LoopState):
+        return ~s.done.all()
+
+    def body(s: LoopState):
+        active = ~s.done  # bool[B]
+        cache, logits = decode.decode(params, cfg, s.cache, s.last, active, cache_attention=cache_attention)
+        tok, sb = sampling.sample_next(logits, s.sampling)
+        return _record(dataclasses.replace(s, cache=cache, sampling=sb), tok, active, stop_ids)
+
+    return jax.lax.while_loop(cond, body, state)
+
+
+def _round_up(n: int, m: int) -> int:
+    return -(-n // m) * m
+
+
+def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+             temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
+             page_size: int = 16, cache_attention=None) -> list[list[int]]:
+    """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
+
+    Sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0 is greedy. A row stops
+    after emitting any of ``stop_token_ids`` (default: the config's eos ids; pass ``()`` to never stop early).
+    Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns them).
+    Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
+    """
+    if not prompts:
+        return []
+    if max_new_tokens < 0:
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
+    if max_new_tokens == 0:
+        return [[] for _ in prompts]
+    b = len(prompts)
+    for t, k, p, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
+        sampling.validate(float(t), int(k), float(p), float(m))
+
+    lengths = [len(p) for p in prompts]
+    t_pad = _round_up(max(lengths), page_size)  # fewer distinct shapes -> fewer recompiles
+    tokens = np.zeros((b, t_pad), np.int32)
+    valid = np.zeros((b, t_pad), bool)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+        valid[i, :len(p)] = True
+    stop = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)  # -1 never matches a token
+
+    max_len = _round_up(max(lengths) + max_new_tokens, page_size)
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, max_len, page_size=page_size,
+                                dtype=jnp.dtype(cfg.dtype))
+    sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    state = _prefill(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(valid), sb, stop_ids,
+                     max_new_tokens=max_new_tokens, cache_attention=cache_attention)
+    state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
+    out, count = np.asarray(state.out), np.asarray(state.count)
+    return [out[i, :count[i]].tolist() for i in range(b)]
+
+
+# ---- text in, text out ------------------------------------------------------------------------------------------
+
+def _generation_eos_ids(folder: str) -> tuple[int, ...]:
+    """eos ids from generation_config.json (instruct models often list end-of-turn tokens only there)."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return ()
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def load_tokenizer(folder: str):
+    from transformers import AutoTokenizer
+    try:
+        return AutoTokenizer.from_pretrained(folder)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a folder without a tokenizer
+        from specjax.weights import WeightsError
+        raise WeightsError(f"could not load a tokenizer from {folder} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the model folder needs "
+                           f"tokenizer.json / tokenizer_config.json") from None
+
+
+def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
+    """Token ids of each prompt; with ``chat`` each prompt is one user turn rendered by the chat template."""
+    if not chat:
+        return [list(tokenizer(p)["input_ids"]) for p in prompts]
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError("--chat needs a tokenizer with a chat template; this model has none (drop --chat)")
+    out = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True)
+        out.append(list(tokenizer(text, add_special_tokens=False)["input_ids"]))
+    return out
+
+
+def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *, max_new_tokens: int = 128,
+                  dtype: str | None = None, model=None, tokenizer=None, **sampling_kw) -> list[str]:
+    """Load model and tokenizer from ``model_dir`` (a folder or hub id), generate, and decode to text.
+
+    ``model`` = (cfg, params) and ``tokenizer`` skip loading. ``sampling_kw`` go to ``generate`` (temperature,
+    top_k, top_p, min_p, seed, stop_token_ids). Stop tokens default to the eos ids of config.json,
+    generation_config.json and the tokenizer. Special tokens (the stop token included) are dropped from the text.
+    """
+    from specjax.weights import load_model, resolve_model_path
+    folder = resolve_model_path(model_dir)
+    cfg, params = model if model is not None else load_model(folder, dtype=dtype)
+    tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
+    ids = encode_prompts(tokenizer, prompts, chat)
+    if sampling_kw.get("stop_token_ids") is None:
+        stop = list(cfg.eos_token_ids) + list(_generation_eos_ids(folder))
+        if tokenizer.eos_token_id is not None:
+            stop.append(int(tokenizer.eos_token_id))
+        sampling_kw["stop_token_ids"] = tuple(dict.fromkeys(stop))
+    outs = generate(params, cfg, ids, max_new_tokens=max_new_tokens, **sampling_kw)
+    return [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(
+        prog="python -m specjax.generate",
+        description="Plain generation with a target model (no speculation): the reference output that speculative "
+                    "decoding must reproduce.",
+        epilog="example: python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt 'What is JAX?'")
+    ap.add_argument("--model", required=True, metavar="PATH",
+                    help="folder with config.json, *.safetensors and the tokenizer (or a hub id when online)")
+    ap.add_argument("--prompt", action="append", metavar="TEXT",
+                    help="a prompt; repeat for a batch (default: one example prompt)")
+    ap.add_argument("--chat", action="store_true",
+                    help="render each prompt as a user turn with the model's chat template")
+    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--top-k", type=int, default=-1, help="-1 = off (default)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
+    ap.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
+    ap.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
+    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
+                    help="parameter/compute dtype; auto = the checkpoint's torch_dtype (default)")
+    return ap
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from specjax.config import ConfigError
+    from specjax.safetensors_io import SafetensorsError
+    from specjax.weights import WeightsError
+    prompts = args.prompt or ["The capital of France is"]
+    try:
+        sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)
+        texts = generate_text(args.model, prompts, args.chat, max_new_tokens=args.max_new_tokens,
+                              dtype=None if args.dtype == "auto" else args.dtype, temperature=args.temperature,
+                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
+    except (WeightsError, ConfigError, SafetensorsError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for i, (p, t) in enumerate(zip(prompts, texts)):
+        if len(prompts) > 1:
+            print(f"--- [{i}] {p}")
+        print(t)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
