@@ -1,0 +1,194 @@
+"""EAGLE3 training-time-test (TTT) loss: ../shared/specs/eagle.md section 3.
+
+For a micro-batch of sequences x_0 .. x_{T-1} with the frozen target's aux features ``aux[t]`` (which encode
+x_0..x_t) and logits ``z[t]`` (the target's prediction of x_{t+1}), the head is unrolled ``ttt_length`` times with
+``h = fc(aux)`` computed once. At step k (s = k + 1) every position t is shifted left by s:
+
+  input token   x_{t+s}               (its target embedding; past the end: zeros, masked)
+  RoPE position position_ids[t] + k
+  target        p = softmax(z[t+s] restricted to the draft vocab), a = argmax z[t+s] over the whole vocab
+  loss mask     loss_mask[t+s] * attention_mask[t+s] * t2d[a]      (the "position mask")
+  hidden input  step 0: fc(aux[t]); step k > 0: step k-1's output at t, before ``norm``
+  attention     the query at t sees step 0's keys at positions <= t (causal, padding keys hidden) plus, for each
+                i = 1..k, only step i's key at the SAME position t; one softmax over all of them.
+
+The diagonal part is an elementwise q.k per position (``[B, K, G, T, k]`` scores), so a step costs one [T, T]
+score matrix (its query against step 0's keys) plus k dot products per position, never a [T, T] per cached step.
+
+Normalisation (as SpecForge and the spec's ``.mean()``): ``loss_k = sum(position_mask * CE) / (B * T)``, a mean
+over ALL positions of the micro-batch, padding included. Micro-batches of equal shape therefore average exactly
+to the loss of their concatenation (gradient accumulation is exact), at the price of a loss scale that shrinks
+with the padding fraction. Total loss = sum_k decay**k * loss_k.
+
+Accuracy: ``acc_k`` = correct / positions with ``loss_mask`` set (valid positions, including those whose target
+argmax lies outside the draft vocab, which the draft cannot get right), where correct means
+``argmax(draft) + d2t[argmax(draft)] == argmax(target)``. ``acc_k_allpos`` divides the same count by all B*T
+positions, as SpecJAX does (it understates accuracy; reported only for comparison with SpecJAX's numbers).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+
+from specjax import layers
+from specjax.models import eagle3
+from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
+from specjax.sharding import constrain
+
+# Accumulable statistics of a rollout (sums over a micro-batch), each f32[ttt_length] except ``positions`` (f32[]).
+STAT_KEYS = ("ce_sum", "correct", "valid", "positions")
+
+
+def shift_left(x, n: int, fill=0):
+    """x shifted left by n along axis 1 (the sequence): out[:, t] = x[:, t + n], ``fill`` past the end."""
+    if n == 0:
+        return x
+    t = x.shape[1]
+    if n >= t:
+        return jnp.full_like(x, fill)
+    pad = [(0, 0)] * x.ndim
+    pad[1] = (0, n)
+    return jnp.pad(x[:, n:], pad, constant_values=fill)
+
+
+def target_distribution(target_logits, vocab_map: VocabMap):
+    """The target side of the loss, per (unshifted) position.
+
+    target_logits: f32[B, T, V]. Returns p f32[B, T, Vd] (softmax over the target logits of the draft vocab's
+    tokens, in draft-id order = increasing target id, i.e. the t2d selection), top i32[B, T] (target argmax over
+    the whole vocab) and in_draft bool[B, T] (t2d[top]).
+    """
+    vd = vocab_map.d2t.shape[0]
+    draft_to_target = jnp.arange(vd, dtype=jnp.int32) + vocab_map.d2t.astype(jnp.int32)  # i32[Vd]
+    restricted = jnp.take(target_logits, draft_to_target, axis=-1).astype(jnp.float32)  # f32[B, T, Vd]
+    restricted = constrain(restricted, ("batch", "seq", "draft_vocab"))
+    p = jax.nn.softmax(restricted, axis=-1)
+    top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # i32[B, T]
+    return p, top, vocab_map.t2d[top]
+
+
+def diagonal_attention(q, k0, v0, mask0, diag_k, diag_v, *, sm_scale: float):
+    """TTT attention of one step.
+
+    q: [B, T, N, H] this step's queries; k0, v0: [B, T, K, H] step 0's keys/values; mask0: bool[B, T, T] (causal &
+    key valid); diag_k, diag_v: [B, T, K, i, H] the keys/values of steps 1..i at each query's own position (i may
+    be 0, then None). Softmax in fp32 over [step-0 keys | diagonal keys]. Returns [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    kh = k0.shape[2]
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+    s0 = jnp.einsum("btkgh,bskh->bkgts", qg, k0, preferred_element_type=jnp.float32) * sm_scale
+    s0 = jnp.where(mask0[:, None, None], s0, layers.NEG_INF)  # [B, K, G, T, T]
+    if diag_k is None:
+        p = jax.nn.softmax(s0, axis=-1)
+        out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v0.dtype), v0)
+        return out.reshape(b, t, n, h)
+    sd = jnp.einsum("btkgh,btkih->bkgti", qg, diag_k, preferred_element_type=jnp.float32) * sm_scale  # [B,K,G,T,i]
+    p = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)  # [B, K, G, T, T + i]
+    out = jnp.einsum("bkgts,bskh->btkgh", p[..., :t].astype(v0.dtype), v0)
+    out = out + jnp.einsum("bkgti,btkih->btkgh", p[..., t:].astype(diag_v.dtype), diag_v)
+    return out.reshape(b, t, n, h)
+
+
+def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
+                target_logits, vocab_map: VocabMap, *, ttt_length: int = 7, decay: float = 0.8, position_ids=None):
+    """The TTT rollout: (loss f32[], stats) where stats holds the accumulable sums of ``STAT_KEYS``.
+
+    The head computes in the dtype of ``head_params`` (cast fp32 master weights before calling for bf16 compute).
+    embed: [V, Ht] the target's embedding table; aux: [B, T, 3*Ht]; input_ids, loss_mask, attention_mask: [B, T]
+    (right padding: attention_mask 0 on pads); target_logits: f32[B, T, V] (unshifted: z[t] predicts x_{t+1});
+    position_ids: i32[B, T] (default arange(T)).
+    """
+    b, t = input_ids.shape
+    dt = head_params.fc.dtype
+    sm_scale = head_cfg.head_dim ** -0.5
+    if position_ids is None:
+        position_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))
+    valid = attention_mask.astype(bool)
+    mask0 = layers.causal_mask(valid)  # bool[B, T, T], the same for every step
+    loss_mask = loss_mask.astype(jnp.float32) * valid.astype(jnp.float32)  # never train on padding
+
+    emb_all = jnp.take(embed, input_ids, axis=0).astype(dt)  # [B, T, H] embeddings of x_t, shifted per step
+    emb_all = constrain(emb_all, ("batch", "seq", "embed"))
+    p_all, top_all, in_draft_all = target_distribution(target_logits, vocab_map)
+    d2t = vocab_map.d2t.astype(jnp.int32)
+
+    h = eagle3.project_aux(head_params, aux)  # [B, T, H]
+    h = constrain(h, ("batch", "seq", "embed"))
+    nl = len(head_params.layers)
+    step0_kv: list[tuple[Any, Any]] = []  # per layer: step 0's (k, v) [B, T, K, Hd]
+    diag_kv: list[list[tuple[Any, Any]]] = [[] for _ in range(nl)]  # per layer: steps 1..k
+    losses, stats = [], {k: [] for k in STAT_KEYS[:3]}
+    for k in range(ttt_length):
+        s = k + 1
+        emb = shift_left(emb_all, s)  # [B, T, H]
+        pos = position_ids + k
+        x_h = h
+        for li, lp in enumerate(head_params.layers):
+            x = eagle3.layer_input(lp, head_cfg, emb, x_h)  # [B, T, 2H] (midlayer) or [B, T, H]
+            q, kk, vv = eagle3.qkv(lp, head_cfg, x, pos)
+            q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+            if k == 0:
+                step0_kv.append((kk, vv))
+                dk = dv = None
+            else:
+                diag_kv[li].append((kk, vv))
+                dk = jnp.stack([e[0] for e in diag_kv[li]], axis=3)  # [B, T, K, k, Hd]
+                dv = jnp.stack([e[1] for e in diag_kv[li]], axis=3)
+            o = diagonal_attention(q, step0_kv[li][0], step0_kv[li][1], mask0, dk, dv, sm_scale=sm_scale)
+            x_h = eagle3.finish_layer(lp, head_cfg, x_h, o)  # [B, T, H]
+            x_h = constrain(x_h, ("batch", "seq", "embed"))
+        h = x_h  # fed to the next step before the final norm
+        logits = eagle3.draft_logits(head_params, head_cfg, h)  # f32[B, T, Vd]
+        logits = constrain(logits, ("batch", "seq", "draft_vocab"))
+
+        p = shift_left(p_all, s)  # f32[B, T, Vd]
+        top = shift_left(top_all, s)  # i32[B, T]
+        lm = shift_left(loss_mask, s)  # f32[B, T]
+        position_mask = lm * shift_left(in_draft_all, s, False).astype(jnp.float32)
+        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # f32[B, T]
+        ce_sum = jnp.sum(position_mask * ce)
+        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[B, T] draft ids
+        correct = jnp.sum(lm * ((pred + d2t[pred]) == top).astype(jnp.float32))
+        losses.append(ce_sum / (b * t))
+        stats["ce_sum"].append(ce_sum)
+        stats["correct"].append(correct)
+        stats["valid"].append(jnp.sum(lm))
+    loss = sum((decay ** k) * l for k, l in enumerate(losses))
+    out = {k: jnp.stack(v) for k, v in stats.items()}
+    out["positions"] = jnp.asarray(b * t, jnp.float32)
+    return loss, out
+
+
+def finalize_metrics(stats, decay: float) -> dict[str, jax.Array]:
+    """Metrics from (summed) rollout stats: loss, ploss_k, acc_k (valid positions), acc_k_allpos, valid_tokens."""
+    n = stats["positions"]
+    ploss = stats["ce_sum"] / n
+    acc = stats["correct"] / jnp.maximum(stats["valid"], 1.0)
+    acc_all = stats["correct"] / n
+    out = {"loss": sum((decay ** k) * ploss[k] for k in range(ploss.shape[0])),
+           "valid_tokens": stats["valid"][0]}
+    for k in range(ploss.shape[0]):
+        out[f"ploss_{k}"] = ploss[k]
+        out[f"acc_{k}"] = acc[k]
+        out[f"acc_{k}_allpos"] = acc_all[k]
+    return out
+
+
+def ttt_forward(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
+                target_logits, vocab_map: VocabMap, *, ttt_length: int = 7, decay: float = 0.8, position_ids=None):
+    """TTT loss of one micro-batch: (loss f32[], metrics). See the module docstring for the exact definition.
+
+    Metrics: ``loss``, ``ploss_k``, ``acc_k`` (over valid positions), ``acc_k_allpos`` (over all B*T positions,
+    SpecJAX's normalisation) for k < ttt_length, and ``valid_tokens`` (loss-masked positions at step 0).
+    """
+    loss, stats = ttt_rollout(head_params, head_cfg, embed, aux, input_ids, loss_mask, attention_mask, target_logits,
+                              vocab_map, ttt_length=ttt_length, decay=decay, position_ids=position_ids)
+    return loss, finalize_metrics(jax.lax.stop_gradient(stats), decay)
+
+
+__all__ = ["ttt_forward", "ttt_rollout", "finalize_metrics", "target_distribution", "diagonal_attention",
+           "shift_left", "STAT_KEYS"]
