@@ -1,0 +1,271 @@
+"""Training checkpoints: orbax CheckpointManager (async saves, keep last K) plus a commit marker of our own.
+
+One checkpoint = one step folder with four items:
+  params  the head's params (what export needs)          train  opt_state, step, rng (key data)
+  vocab   d2t / t2d of the draft vocab                    meta   JSON: run config, head config, target model
+                                                                 path, data iterator state
+After orbax has finalised a step, process 0 writes ``specjax_commit.json`` into it: a manifest of every file with
+its size. A step without the marker, with a missing file or a file of the wrong size (a crash mid-write, a
+truncated copy) is not valid: ``restore`` takes the newest valid step, and process 0 moves invalid ones aside
+(``corrupt-<step>-<time>``) so that training can save that step number again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+from etils import epath
+
+from specjax.models import eagle3
+from specjax.models.eagle3 import Eagle3Config, VocabMap
+
+COMMIT_FILE = "specjax_commit.json"
+FORMAT_VERSION = 1
+log = logging.getLogger("specjax.train.checkpoint")
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+def _files(step_dir: epath.Path) -> dict[str, int]:
+    out = {}
+    stack = [step_dir]
+    while stack:
+        for p in stack.pop().iterdir():
+            if p.is_dir():
+                stack.append(p)
+            elif not p.name.startswith(COMMIT_FILE):
+                out[str(p.relative_to(step_dir))] = int(p.stat().length)
+    return out
+
+
+def _step_dirs(root: epath.Path) -> dict[int, epath.Path]:
+    out = {}
+    if not root.exists():
+        return out
+    for p in root.iterdir():
+        if p.is_dir() and p.name.isdigit():
+            out[int(p.name)] = p
+    return out
+
+
+def validate_step_dir(step_dir: epath.Path) -> str | None:
+    """None if the step is complete, else the reason it is not."""
+    marker = step_dir / COMMIT_FILE
+    if not marker.exists():
+        return "no commit marker (interrupted save?)"
+    try:
+        manifest = json.loads(marker.read_text())["files"]
+    except Exception as e:  # noqa: BLE001
+        return f"unreadable commit marker ({type(e).__name__})"
+    for rel, size in manifest.items():
+        p = step_dir / rel
+        if not p.exists():
+            return f"missing file {rel}"
+        got = int(p.stat().length)
+        if got != size:
+            return f"file {rel} has {got} bytes, expected {size}"
+    return None
+
+
+def _sync(name: str) -> None:
+    if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices(name)
+
+
+class Checkpointer:
+    """Save / validate / restore training checkpoints under ``directory``."""
+
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+        self.root = epath.Path(directory)
+        self.primary = jax.process_index() == 0
+        self._pending: list[int] = []
+        if self.primary:
+            self.root.mkdir(parents=True, exist_ok=True)
+        _sync("specjax_ckpt_mkdir")
+        self.quarantine_invalid()
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        self.mgr = ocp.CheckpointManager(self.root, options=opts, item_names=("params", "train", "vocab", "meta"))
+
+    # ---- validity ---------------------------------------------------------------------------------------------
+    def valid_steps(self) -> list[int]:
+        return sorted(s for s, p in _step_dirs(self.root).items() if validate_step_dir(p) is None)
+
+    def latest_step(self) -> int | None:
+        steps = self.valid_steps()
+        return steps[-1] if steps else None
+
+    def quarantine_invalid(self) -> list[int]:
+        """Move invalid step folders aside (process 0) so they are never restored nor block a new save."""
+        bad = {s: r for s, p in _step_dirs(self.root).items() if (r := validate_step_dir(p)) is not None}
+        if self.primary:
+            for s, reason in sorted(bad.items()):
+                dst = self.root / f"corrupt-{s}-{int(time.time() * 1000)}"
+                log.warning("checkpoint step %d is invalid (%s); moved to %s", s, reason, dst)
+                print(f"checkpoint: step {s} is invalid ({reason}); moved aside to {dst.name}", flush=True)
+                (self.root / str(s)).rename(dst)
+        _sync("specjax_ckpt_quarantine")
+        if hasattr(self, "mgr"):
+            self.mgr.reload()
+        return sorted(bad)
+
+    def _commit(self, step: int) -> None:
+        step_dir = self.root / str(step)
+        if self.primary and step_dir.exists():
+            tmp = step_dir / (COMMIT_FILE + ".tmp")
+            tmp.write_text(json.dumps({"step": step, "format": FORMAT_VERSION, "time": time.time(),
+                                       "files": _files(step_dir)}))
+            tmp.rename(step_dir / COMMIT_FILE)
+
+    def poll(self) -> None:
+        """Write the commit markers of saves that have finished (cheap; call every step)."""
+        if self._pending and not self.mgr.is_saving_in_progress():
+            self.mgr.check_for_errors()
+            for s in self._pending:
+                self._commit(s)
+            self._pending = []
+
+    def wait(self) -> None:
+        self.mgr.wait_until_finished()
+        for s in self._pending:
+            self._commit(s)
+        self._pending = []
+
+    # ---- save / restore ---------------------------------------------------------------------------------------
+    def save(self, step: int, *, params, train: dict[str, Any], vocab: VocabMap, meta: dict[str, Any],
+             wait: bool = False) -> None:
+        self.wait()  # one save in flight at a time; commits the previous one
+        args = ocp.args.Composite(
+            params=ocp.args.StandardSave(params),
+            train=ocp.args.StandardSave(train),
+            vocab=ocp.args.StandardSave({"d2t": vocab.d2t, "t2d": vocab.t2d}),
+            meta=ocp.args.JsonSave(dict(meta, format=FORMAT_VERSION, step=int(step))),
+        )
+        self.mgr.save(int(step), args=args, force=True)
+        self._pending.append(int(step))
+        if wait:
+            self.wait()
+
+    def restore(self, step: int | None = None, *, params=None, train=None, vocab=None) -> tuple[int, dict[str, Any]]:
+        """Restore the newest valid step (or ``step``). ``params`` / ``train`` / ``vocab``: abstract pytrees
+        (``jax.ShapeDtypeStruct`` leaves carrying shardings) of the items wanted; items left None are skipped.
+        Returns (step, {"params", "train", "vocab", "meta"}). A step that fails to restore is quarantined and
+        the previous valid one is tried."""
+        steps = [step] if step is not None else self.valid_steps()[::-1]
+        if not steps:
+            raise CheckpointError(f"no valid checkpoint in {self.root}")
+        errors = []
+        for s in steps:
+            items: dict[str, Any] = {"meta": ocp.args.JsonRestore()}
+            if params is not None:
+                items["params"] = ocp.args.StandardRestore(params)
+            if train is not None:
+                items["train"] = ocp.args.StandardRestore(train)
+            if vocab is not None:
+                items["vocab"] = ocp.args.StandardRestore(vocab)
+            try:
+                out = self.mgr.restore(s, args=ocp.args.Composite(**items))
+                return s, {k: out[k] for k in items}
+            except Exception as e:  # noqa: BLE001 - damaged data that passed the size check
+                errors.append(f"step {s}: {type(e).__name__}: {str(e)[:200]}")
+                print(f"checkpoint: step {s} failed to restore ({type(e).__name__}); trying an older one", flush=True)
+                if step is not None:
+                    break
+                if self.primary:
+                    (self.root / str(s) / COMMIT_FILE).unlink(missing_ok=True)
+                _sync("specjax_ckpt_unmark")
+                self.quarantine_invalid()
+        raise CheckpointError(f"no checkpoint in {self.root} could be restored: {errors}")
+
+    def close(self) -> None:
+        self.wait()
+        self.mgr.close()
+
+
+# ---- the train state -------------------------------------------------------------------------------------------
+def _is_typed_key(x) -> bool:
+    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def rng_to_data(rng):
+    return jax.random.key_data(rng) if _is_typed_key(rng) else rng
+
+
+def abstract_rng_data(abstract_rng):
+    """ShapeDtypeStruct of the raw key data of an abstract (possibly typed) key."""
+    if _is_typed_key(abstract_rng):
+        return jax.eval_shape(jax.random.key_data, abstract_rng)
+    return abstract_rng
+
+
+def head_config_to_dict(cfg: Eagle3Config) -> dict[str, Any]:
+    d = dataclasses.asdict(cfg)
+    d["rope_scaling"] = [list(kv) for kv in cfg.rope_scaling] if cfg.rope_scaling is not None else None
+    d["aux_layer_ids"] = list(cfg.aux_layer_ids)
+    d["eos_token_ids"] = list(cfg.eos_token_ids)
+    return d
+
+
+def head_config_from_dict(d: dict[str, Any]) -> Eagle3Config:
+    d = dict(d)
+    d["rope_scaling"] = tuple((k, v) for k, v in d["rope_scaling"]) if d.get("rope_scaling") else None
+    d["aux_layer_ids"] = tuple(d["aux_layer_ids"])
+    d["eos_token_ids"] = tuple(d.get("eos_token_ids") or ())
+    names = {f.name for f in dataclasses.fields(Eagle3Config)}
+    return Eagle3Config(**{k: v for k, v in d.items() if k in names})
+
+
+def _single_device(tree):
+    dev = jax.sharding.SingleDeviceSharding(jax.local_devices()[0])
+    return jax.tree.map(lambda s: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=dev), tree)
+
+
+def _resolve_dir(ckpt_dir: str) -> tuple[str, int | None]:
+    """A manager root -> (root, None); a step folder inside one -> (root, step)."""
+    p = epath.Path(ckpt_dir)
+    if p.name.isdigit() and ((p / COMMIT_FILE).exists() or (p / "meta").exists()):
+        return str(p.parent), int(p.name)
+    return str(p), None
+
+
+def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Params, VocabMap, str]:
+    """(head_cfg, head_params, vocab_map, target_model_path) of the newest valid checkpoint under ``ckpt_dir``
+    (a training checkpoint folder or one step folder in it), on the first local device."""
+    root, step = _resolve_dir(ckpt_dir)
+    if not epath.Path(root).exists():
+        raise CheckpointError(f"checkpoint folder {root} does not exist")
+    ck = Checkpointer.__new__(Checkpointer)  # read-only: no quarantine, no mkdir
+    ck.root, ck.primary, ck._pending = epath.Path(root), False, []
+    ck.mgr = ocp.CheckpointManager(ck.root, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
+                                   item_names=("params", "train", "vocab", "meta"))
+    try:
+        steps = [step] if step is not None else ck.valid_steps()[::-1]
+        if not steps:
+            raise CheckpointError(f"no valid checkpoint in {root}")
+        if step is not None and (reason := validate_step_dir(ck.root / str(step))) is not None:
+            raise CheckpointError(f"checkpoint {ckpt_dir} is not valid: {reason}")
+        _, meta = ck.restore(steps[0], params=None)
+        head_cfg = head_config_from_dict(meta["meta"]["head_config"])
+        abstract_params = _single_device(eagle3.param_shapes(head_cfg))
+        v = head_cfg.vocab_size
+        abstract_vocab = _single_device({"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), jnp.int32),
+                                         "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)})
+        _, out = ck.restore(steps[0], params=abstract_params, vocab=abstract_vocab)
+    finally:
+        ck.mgr.close()
+    vm = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
+    return head_cfg, out["params"], vm, out["meta"].get("target_model_path", "")
+
+
+__all__ = ["Checkpointer", "CheckpointError", "load_head_for_export", "validate_step_dir", "head_config_to_dict",
+           "head_config_from_dict", "rng_to_data", "abstract_rng_data"]

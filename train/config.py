@@ -1,0 +1,358 @@
+"""Run configuration: short YAML -> nested frozen dataclasses, with dotted command-line overrides.
+
+    python -m specjax.train --config configs/qwen2.5-7b.yaml --optimizer.lr 3e-4 --mesh.tp 2
+
+The target's architecture always comes from its HF config.json (``model.path``); the YAML only says where things
+are and how to train. Unknown keys (in YAML or on the command line) raise ``ConfigError`` naming the valid ones.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import os
+import types
+import typing
+from typing import Any, Sequence
+
+import yaml
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used as written."""
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+    """The frozen target."""
+    path: str = ""  # local HF folder (config.json, *.safetensors, tokenizer) or hub id
+    tokenizer: str | None = None  # tokenizer folder / hub id; default: model.path
+    dtype: str | None = None  # target compute dtype; default: config.json's torch_dtype
+    random_init: bool = False  # tests only: config.json + tokenizer but random weights (seeded by training.seed)
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadConfig:
+    """The EAGLE3 draft head being trained."""
+    draft_vocab_size: int = 32000
+    num_layers: int = 1
+    init_from: str | None = None  # specjax checkpoint dir: fine-tune that head (keeps its vocab map)
+    vocab_map: str | None = None  # .npz / .safetensors from `python -m specjax.train.vocab`; default: computed
+    dtype: str = "float32"  # dtype of the trained params (fp32 master weights)
+    aux_layer_ids: tuple[int, ...] | None = None  # default: EAGLE3's {1, L/2-1, L-4}
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+    """Chat data, rendered with the target tokenizer's chat template."""
+    paths: tuple[str, ...] = ()  # local .json / .jsonl / .parquet files or `datasets.save_to_disk` folders;
+    #                              the name "sharegpt" means the cleaned ShareGPT fetched into the cache
+    hf_datasets: tuple[str, ...] = ()  # hub datasets (`datasets.load_dataset(name, split=...)`)
+    split: str = "train"
+    format: str = "auto"  # auto | sharegpt (conversations/from/value) | messages (OpenAI role/content)
+    max_length: int = 2048
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    overlong: str = "truncate"  # truncate | drop: what to do with conversations longer than max_length
+    eval_fraction: float = 0.01  # held-out share of the conversations (deterministic from training.seed)
+    eval_max: int = 512  # at most this many held-out conversations
+    max_examples: int | None = None  # use only the first N conversations (smoke runs)
+    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
+    cache_dir: str | None = None  # tokenized-data cache; default: ~/.cache/specjax/data
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainingConfig:
+    batch_size: int = 4  # GLOBAL micro-batch (sequences), split over mesh.dp
+    grad_accum: int = 1  # micro-batches per optimizer step
+    epochs: int = 1
+    max_steps: int | None = None  # stop after this many optimizer steps (default: epochs over the data)
+    seed: int = 0
+    ttt_length: int = 7
+    decay: float = 0.8
+
+
+@dataclasses.dataclass(frozen=True)
+class OptimizerConfig:
+    lr: float = 8e-4
+    warmup_ratio: float = 0.03
+    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
+    weight_decay: float = 0.0
+    b1: float = 0.9
+    b2: float = 0.95
+    clip_norm: float = 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+    dp: int = -1  # -1: all devices not used by tp
+    tp: int = 1
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointConfig:
+    dir: str = "checkpoints/run"
+    every: int = 500  # optimizer steps between saves (and one at the end, and on SIGTERM)
+    keep: int = 3
+    async_save: bool = True
+    resume: bool = True  # continue from the latest good checkpoint in dir, if any
+
+
+@dataclasses.dataclass(frozen=True)
+class LoggingConfig:
+    every: int = 10  # steps between metric lines
+    jsonl: str | None = None  # default: <checkpoint.dir>/metrics.jsonl
+    tensorboard: str | None = None  # log dir; needs tensorboardX or tensorflow
+    eval_every: int = 500  # steps between evals on the held-out split (0: never)
+    eval_batches: int = 8
+    progress: bool = True  # tqdm progress bar (process 0)
+
+
+@dataclasses.dataclass(frozen=True)
+class OfflineConfig:
+    """Offline mode: cache the target's aux features + final hidden states once, then train from disk."""
+    dir: str | None = None  # cache folder; setting it trains from the cache
+    build: bool = False  # build the cache (then exit)
+
+
+@dataclasses.dataclass(frozen=True)
+class MultihostConfig:
+    """Explicit jax.distributed.initialize arguments; empty = auto-detect (TPU pods, SLURM) or single host."""
+    coordinator: str | None = None  # host:port of process 0
+    num_processes: int | None = None
+    process_id: int | None = None
+
+
+@dataclasses.dataclass(frozen=True)
+class RunConfig:
+    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    head: HeadConfig = dataclasses.field(default_factory=HeadConfig)
+    data: DataConfig = dataclasses.field(default_factory=DataConfig)
+    training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
+    optimizer: OptimizerConfig = dataclasses.field(default_factory=OptimizerConfig)
+    mesh: MeshConfig = dataclasses.field(default_factory=MeshConfig)
+    checkpoint: CheckpointConfig = dataclasses.field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = dataclasses.field(default_factory=LoggingConfig)
+    offline: OfflineConfig = dataclasses.field(default_factory=OfflineConfig)
+    multihost: MultihostConfig = dataclasses.field(default_factory=MultihostConfig)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    def replace(self, **kw) -> "RunConfig":
+        return dataclasses.replace(self, **kw)
+
+
+# ---- building from dicts -----------------------------------------------------------------------------------------
+def _strip_optional(tp):
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else tp), True
+    return tp, False
+
+
+def _coerce(value: Any, tp: Any, where: str) -> Any:
+    tp, optional = _strip_optional(tp)
+    if value is None:
+        if optional:
+            return None
+        raise ConfigError(f"{where}: null is not allowed here")
+    origin = typing.get_origin(tp)
+    if origin is tuple:
+        if isinstance(value, (str, int, float)):
+            value = [value]
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        (elt, *_) = typing.get_args(tp) or (Any,)
+        return tuple(_coerce(v, elt, f"{where}[{i}]") for i, v in enumerate(value))
+    if tp is dict or origin is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return dict(value)
+    if tp is bool:
+        if isinstance(value, bool):
+            return value
+        if isinstance(value, str) and value.lower() in ("true", "false", "1", "0", "yes", "no"):
+            return value.lower() in ("true", "1", "yes")
+        raise ConfigError(f"{where}: expected true/false, got {value!r}")
+    if tp is int:
+        if isinstance(value, bool) or not (isinstance(value, int) or (isinstance(value, float) and value.is_integer())):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return int(value)
+    if tp is float:
+        if isinstance(value, bool):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        try:
+            return float(value)
+        except (TypeError, ValueError):
+            raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+    if tp is str:
+        if isinstance(value, (dict, list)):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return str(value)
+    return value
+
+
+def _unknown(key: str, valid: Sequence[str], where: str) -> ConfigError:
+    near = difflib.get_close_matches(key, valid, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f"unknown config key '{where}{key}'{hint}; valid keys: {', '.join(valid)}")
+
+
+def from_dict(d: dict[str, Any], cls=RunConfig, where: str = ""):
+    if not isinstance(d, dict):
+        raise ConfigError(f"{where or 'config'}: expected a mapping, got {type(d).__name__}")
+    hints = typing.get_type_hints(cls)
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    kw = {}
+    for key, value in d.items():
+        if key not in fields:
+            raise _unknown(key, list(fields), where)
+        tp = hints[key]
+        if dataclasses.is_dataclass(tp):
+            kw[key] = from_dict(value or {}, tp, f"{where}{key}.")
+        else:
+            kw[key] = _coerce(value, tp, f"{where}{key}")
+    return cls(**kw)
+
+
+def to_dict(obj) -> dict[str, Any]:
+    out = {}
+    for f in dataclasses.fields(obj):
+        v = getattr(obj, f.name)
+        if dataclasses.is_dataclass(v):
+            v = to_dict(v)
+        elif isinstance(v, tuple):
+            v = list(v)
+        out[f.name] = v
+    return out
+
+
+def _set_dotted(d: dict, dotted: str, value: Any) -> None:
+    parts = dotted.split(".")
+    cls = RunConfig
+    node = d
+    for i, p in enumerate(parts):
+        names = [f.name for f in dataclasses.fields(cls)]
+        if p not in names:
+            raise _unknown(p, names, ".".join(parts[:i]) + ("." if i else ""))
+        tp = typing.get_type_hints(cls)[p]
+        if i == len(parts) - 1:
+            if dataclasses.is_dataclass(tp):
+                raise ConfigError(f"--{dotted} names a section; set one of its keys, e.g. --{dotted}."
+                                  f"{dataclasses.fields(tp)[0].name}")
+            node[p] = value
+            return
+        if not dataclasses.is_dataclass(tp):
+            raise ConfigError(f"--{dotted}: {'.'.join(parts[:i + 1])} is not a section")
+        nxt = node.get(p)
+        if nxt is None:
+            nxt = node[p] = {}
+        elif not isinstance(nxt, dict):
+            raise ConfigError(f"--{dotted}: {'.'.join(parts[:i + 1])} is not a mapping in the YAML")
+        node = nxt
+        cls = tp
+
+
+def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
+    """``--a.b VALUE`` / ``--a.b=VALUE`` pairs; a bare ``--a.b`` (last, or followed by another flag) means true.
+    Values are parsed as YAML scalars/lists (``3e-4`` -> float, ``[128,256]`` -> list, ``null`` -> None)."""
+    out = []
+    i = 0
+    argv = list(argv)
+    while i < len(argv):
+        arg = argv[i]
+        if not arg.startswith("--") or len(arg) == 2:
+            raise ConfigError(f"unexpected argument {arg!r}; overrides look like --section.key VALUE")
+        key = arg[2:]
+        if "=" in key:
+            key, raw = key.split("=", 1)
+            i += 1
+        elif i + 1 < len(argv) and not argv[i + 1].startswith("--"):
+            raw = argv[i + 1]
+            i += 2
+        else:
+            raw = "true"
+            i += 1
+        key = key.replace("-", "_")
+        try:
+            value = yaml.safe_load(raw) if raw != "" else ""
+        except yaml.YAMLError:
+            value = raw
+        if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
+            value = float(value)
+        out.append((key, value))
+    return out
+
+
+def _is_number(s: str) -> bool:
+    try:
+        float(s)
+        return True
+    except ValueError:
+        return False
+
+
+def load_config(path: str | None = None, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RunConfig:
+    """YAML file (optional) + overrides -> validated RunConfig. Relative paths in the YAML stay relative to the
+    working directory (configs are run from the repository root)."""
+    d: dict[str, Any] = {}
+    if path is not None:
+        if not os.path.exists(path):
+            raise ConfigError(f"config file {path} does not exist")
+        with open(path) as f:
+            try:
+                d = yaml.safe_load(f) or {}
+            except yaml.YAMLError as e:
+                raise ConfigError(f"{path} is not valid YAML: {e}") from None
+        if not isinstance(d, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of sections")
+    pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
+    for key, value in pairs:
+        _set_dotted(d, key, value)
+    cfg = from_dict(d)
+    validate(cfg)
+    return cfg
+
+
+def validate(cfg: RunConfig) -> None:
+    dc = cfg.data
+    if dc.format not in ("auto", "sharegpt", "messages"):
+        raise ConfigError(f"data.format must be auto, sharegpt or messages, not {dc.format!r}")
+    if dc.overlong not in ("truncate", "drop"):
+        raise ConfigError(f"data.overlong must be truncate or drop, not {dc.overlong!r}")
+    if dc.max_length < 2:
+        raise ConfigError("data.max_length must be at least 2")
+    if any(b <= 0 for b in dc.buckets):
+        raise ConfigError(f"data.buckets must be positive lengths, got {list(dc.buckets)}")
+    if not 0.0 <= dc.eval_fraction < 1.0:
+        raise ConfigError("data.eval_fraction must be in [0, 1)")
+    t = cfg.training
+    for name in ("batch_size", "grad_accum", "epochs", "ttt_length"):
+        if getattr(t, name) < 1:
+            raise ConfigError(f"training.{name} must be >= 1")
+    if t.max_steps is not None and t.max_steps < 1:
+        raise ConfigError("training.max_steps must be >= 1 (or null)")
+    if cfg.mesh.tp < 1 or cfg.mesh.dp == 0 or cfg.mesh.dp < -1:
+        raise ConfigError("mesh.tp must be >= 1 and mesh.dp >= 1 (or -1 for all remaining devices)")
+    if cfg.checkpoint.every < 1 or cfg.checkpoint.keep < 1:
+        raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
+    if cfg.head.draft_vocab_size < 1:
+        raise ConfigError("head.draft_vocab_size must be >= 1")
+
+
+def dump_yaml(cfg: RunConfig) -> str:
+    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
+
+
+def describe() -> str:
+    """Every key with its default, for --help."""
+    lines = []
+    for sec in dataclasses.fields(RunConfig):
+        lines.append(f"  {sec.name}:")
+        for f in dataclasses.fields(typing.get_type_hints(RunConfig)[sec.name]):
+            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
+            if isinstance(default, tuple):
+                default = list(default)
+            lines.append(f"    --{sec.name}.{f.name} (default {default!r})")
+    return "\n".join(lines)

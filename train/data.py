@@ -1,0 +1,538 @@
+"""Chat data -> tokenized conversations with an assistant-only loss mask -> bucketed, sharded global batches.
+
+Inputs (``data.paths`` / ``data.hf_datasets``): ShareGPT JSON/JSONL (``conversations`` of ``{from, value}``,
+roles human/gpt/system), OpenAI-style ``messages`` JSONL (``{role, content}``), any ``datasets`` dataset (hub name,
+parquet, or a ``save_to_disk`` folder) holding either shape, and the name ``sharegpt`` (the cleaned ShareGPT file
+that ``specjax.convert.fetch`` downloads into the cache).
+
+Rendering: the TARGET tokenizer's chat template. Assistant spans are found by rendering incrementally: turn i's
+tokens start where ``render(messages[:i], add_generation_prompt=True)`` stops matching the full rendering, and end
+where ``render(messages[:i+1])`` ends (or, when a template renders a turn differently once it is no longer last,
+e.g. Qwen3 dropping thinking spans from history, at the template's end-of-turn marker). The mask covers the
+assistant's text and its end-of-turn token, not the role header, nor a thinking span that the generation prompt
+itself injects. Character spans map to tokens through the fast tokenizer's offsets on the one full rendering.
+
+Batches: lengths are rounded up to a few ``buckets``; each global batch (grad_accum x batch_size rows) holds
+conversations of one bucket, so the step compiles once per bucket. The order is a deterministic function of
+(seed, epoch); the iterator state is ``{"epoch", "position"}``. Every process builds the same plan and
+materialises only the rows its devices hold; ``jax.make_array_from_process_local_data`` assembles the global array.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+from typing import Any, Callable, Iterable, Iterator
+
+import numpy as np
+
+from specjax.train.config import DataConfig
+
+ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
+         "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
+
+
+class BadRecord(Exception):
+    """A conversation that cannot be used; ``reason`` is the counter it goes to."""
+
+    def __init__(self, reason: str, detail: str = ""):
+        super().__init__(f"{reason}: {detail}" if detail else reason)
+        self.reason = reason
+
+
+# ---- reading records -----------------------------------------------------------------------------------------------
+def _read_json_array(path: str) -> Iterator[Any]:
+    """Items of a top-level JSON array, one at a time; a file cut off mid-way yields its complete items."""
+    with open(path, encoding="utf-8", errors="surrogatepass") as f:
+        text = f.read()
+    dec = json.JSONDecoder()
+    i = text.index("[") + 1
+    n = len(text)
+    while True:
+        while i < n and text[i] in " \t\r\n,":
+            i += 1
+        if i >= n or text[i] == "]":
+            return
+        try:
+            item, i = dec.raw_decode(text, i)
+        except json.JSONDecodeError:
+            return  # truncated tail
+        yield item
+
+
+def _read_jsonl(path: str) -> Iterator[Any]:
+    with open(path, "rb") as f:
+        for line in f:
+            if not line.strip():
+                continue
+            try:
+                yield json.loads(line.decode("utf-8"))
+            except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                yield BadRecord("undecodable", str(e)[:80])
+
+
+def _read_local(path: str) -> Iterator[Any]:
+    if os.path.isdir(path):
+        import datasets
+        ds = datasets.load_from_disk(path)
+        if isinstance(ds, datasets.DatasetDict):
+            ds = ds["train"] if "train" in ds else ds[next(iter(ds))]
+        yield from ds
+        return
+    low = path.lower()
+    if low.endswith(".jsonl") or low.endswith(".jsonl.gz"):
+        yield from _read_jsonl(path)
+    elif low.endswith(".json"):
+        with open(path, "rb") as f:
+            head = f.read(4096).lstrip()
+        if head.startswith(b"["):
+            yield from _read_json_array(path)
+        else:
+            yield from _read_jsonl(path)  # JSON lines named .json
+    elif low.endswith((".parquet", ".arrow", ".csv")):
+        import datasets
+        kind = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[low.rsplit(".", 1)[1]]
+        yield from datasets.load_dataset(kind, data_files=path, split="train")
+    else:
+        raise ValueError(f"data file {path}: unknown format (use .json, .jsonl, .parquet, .arrow or a "
+                         f"datasets.save_to_disk folder)")
+
+
+def resolve_paths(paths: Iterable[str]) -> list[str]:
+    out = []
+    for p in paths:
+        if p == "sharegpt":
+            try:
+                from specjax.convert.fetch import fetch_sharegpt
+            except ImportError as e:
+                raise FileNotFoundError(f"data.paths names 'sharegpt' but the fetcher is unavailable ({e})") from None
+            out.append(str(fetch_sharegpt()))
+            continue
+        p = os.path.expanduser(p)
+        hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
+        if not hits or not all(os.path.exists(h) for h in hits):
+            raise FileNotFoundError(f"data path {p} does not exist")
+        out.extend(hits)
+    return out
+
+
+def iter_records(cfg: DataConfig) -> Iterator[Any]:
+    """Raw records of every source in order (BadRecord instances for lines that could not be parsed)."""
+    for path in resolve_paths(cfg.paths):
+        yield from _read_local(path)
+    for name in cfg.hf_datasets:
+        import datasets
+        yield from datasets.load_dataset(name, split=cfg.split)
+
+
+# ---- normalising a record ------------------------------------------------------------------------------------------
+def to_messages(record: Any, fmt: str = "auto") -> list[dict[str, str]]:
+    """A record in either supported shape -> [{"role": system|user|assistant, "content": str}], cleaned:
+    leading assistant turns dropped, cut at the first empty turn, trailing non-assistant turns dropped."""
+    if isinstance(record, BadRecord):
+        raise record
+    if not isinstance(record, dict):
+        raise BadRecord("bad_format", f"record is a {type(record).__name__}")
+    if fmt in ("auto", "sharegpt") and "conversations" in record:
+        turns, role_key, text_key = record["conversations"], "from", "value"
+    elif fmt in ("auto", "messages") and "messages" in record:
+        turns, role_key, text_key = record["messages"], "role", "content"
+    else:
+        raise BadRecord("bad_format", f"no {'conversations' if fmt == 'sharegpt' else 'messages' if fmt == 'messages' else 'conversations or messages'} field")
+    if not isinstance(turns, list):
+        raise BadRecord("bad_format", "turns are not a list")
+    msgs = []
+    for t in turns:
+        if not isinstance(t, dict):
+            raise BadRecord("bad_format", "turn is not a mapping")
+        role = t.get(role_key, t.get("role", t.get("from")))
+        text = t.get(text_key, t.get("content", t.get("value")))
+        if not isinstance(role, str) or role.lower() not in ROLES:
+            raise BadRecord("wrong_role", repr(role)[:40])
+        if text is None:
+            text = ""
+        if not isinstance(text, str):
+            raise BadRecord("bad_format", "content is not a string")
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError:
+            raise BadRecord("undecodable", "invalid unicode in content") from None
+        msgs.append({"role": ROLES[role.lower()], "content": text})
+    if any(m["role"] == "system" for m in msgs[1:]):
+        raise BadRecord("wrong_role", "system message after the first turn")
+    system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
+    rest = msgs[len(system):]
+    while rest and rest[0]["role"] == "assistant":  # ShareGPT sometimes starts mid-conversation
+        rest = rest[1:]
+    for i, m in enumerate(rest):
+        if not m["content"].strip():
+            rest = rest[:i]
+            break
+    while rest and rest[-1]["role"] != "assistant":
+        rest = rest[:-1]
+    if not any(m["role"] == "assistant" for m in rest):
+        raise BadRecord("empty", "no assistant turn with text")
+    for a, b in zip(rest, rest[1:]):
+        if a["role"] == b["role"]:
+            raise BadRecord("wrong_role", f"two {a['role']} turns in a row")
+    return system + rest
+
+
+# ---- rendering with an assistant-only mask -----------------------------------------------------------------------
+def _common_prefix(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    if a[:n] == b[:n]:
+        return n
+    lo, hi = 0, n  # a[:lo] == b[:lo], a[:hi] != b[:hi]
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if a[:mid] == b[:mid]:
+            lo = mid
+        else:
+            hi = mid
+    return lo
+
+
+class ChatEncoder:
+    """Renders conversations with a tokenizer's chat template; returns token ids and the assistant loss mask."""
+
+    def __init__(self, tokenizer, template_kwargs: dict | None = None):
+        if getattr(tokenizer, "chat_template", None) is None:
+            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
+                             f"set one in tokenizer_config.json (chat_template)")
+        self.tok = tokenizer
+        self.kwargs = dict(template_kwargs or {})
+        self.end_marker = self._probe_end_marker()
+
+    def render(self, msgs, gen: bool) -> str:
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **self.kwargs)
+
+    def _probe_end_marker(self) -> str:
+        """The text a template puts after an assistant message (e.g. '<|im_end|>', '<|eot_id|>'), stripped."""
+        probe = "Zq7 probe reply"
+        try:
+            text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], False)
+        except Exception:  # noqa: BLE001 - templates raise anything
+            return ""
+        i = text.rfind(probe)
+        return text[i + len(probe):].strip() if i >= 0 else ""
+
+    def char_spans(self, msgs) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(msgs, False)
+        spans, prev_end = [], 0
+        for i, m in enumerate(msgs):
+            if m["role"] != "assistant":
+                continue
+            start = max(_common_prefix(self.render(msgs[:i], True), full), prev_end)
+            upto = self.render(msgs[:i + 1], False)
+            if full.startswith(upto):
+                end = len(upto)
+            else:  # this turn renders differently once it is not last: end at its end-of-turn marker
+                if not self.end_marker:
+                    raise BadRecord("template_mismatch", "turn rendering is not prefix-stable and no end marker")
+                j = full.find(self.end_marker, start)
+                if j < 0:
+                    raise BadRecord("template_mismatch", "no end-of-turn marker after an assistant turn")
+                end = j + len(self.end_marker)
+            while end > start and full[end - 1].isspace():  # the newline after the end token is not generated
+                end -= 1
+            if end > start:
+                spans.append((start, end))
+                prev_end = end
+        return full, spans
+
+    def encode(self, msgs) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[T] token ids, u8[T] loss mask: 1 on assistant tokens)."""
+        try:
+            full, spans = self.char_spans(msgs)
+        except BadRecord:
+            raise
+        except Exception as e:  # noqa: BLE001 - a template may raise on odd conversations
+            raise BadRecord("template_error", f"{type(e).__name__}: {str(e)[:80]}") from None
+        try:
+            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
+        except Exception as e:  # noqa: BLE001
+            raise BadRecord("undecodable", f"tokenizer: {str(e)[:80]}") from None
+        ids = np.asarray(enc["input_ids"], np.int32)
+        starts = np.asarray([s for s, _ in enc["offset_mapping"]], np.int64)
+        mask = np.zeros(len(ids), np.uint8)
+        for s, e in spans:
+            mask[(starts >= s) & (starts < e)] = 1
+        return ids, mask
+
+
+def load_tokenizer(path: str):
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(path)
+    if not getattr(tok, "is_fast", False):
+        raise ValueError(f"tokenizer at {path} is not a fast tokenizer; specjax needs offsets (tokenizer.json)")
+    return tok
+
+
+# ---- tokenized dataset ---------------------------------------------------------------------------------------------
+@dataclasses.dataclass
+class TokenizedData:
+    """All kept conversations, concatenated: example i is tokens[offsets[i]:offsets[i+1]]."""
+    tokens: np.ndarray  # i32[N]
+    loss_mask: np.ndarray  # u8[N]
+    offsets: np.ndarray  # i64[n+1]
+    stats: dict[str, int]  # records, kept, truncated and one counter per skip reason
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    @property
+    def lengths(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def example(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        a, b = self.offsets[i], self.offsets[i + 1]
+        return self.tokens[a:b], self.loss_mask[a:b]
+
+    def subset(self, idx: np.ndarray) -> "TokenizedData":
+        parts = [self.example(int(i)) for i in idx]
+        lens = np.asarray([len(p[0]) for p in parts], np.int64)
+        cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
+        return TokenizedData(cat([p[0] for p in parts], np.int32), cat([p[1] for p in parts], np.uint8),
+                             np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(self.stats))
+
+    def save(self, path: str) -> None:
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, tokens=self.tokens, loss_mask=self.loss_mask, offsets=self.offsets,
+                 stats=np.asarray(json.dumps(self.stats)))
+        os.replace(tmp, path)
+
+    @classmethod
+    def load(cls, path: str) -> "TokenizedData":
+        z = np.load(path)
+        return cls(z["tokens"], z["loss_mask"], z["offsets"], json.loads(str(z["stats"])))
+
+
+def summary(stats: dict[str, int]) -> str:
+    skipped = {k: v for k, v in stats.items() if k not in ("records", "kept", "truncated") and v}
+    s = f"kept {stats.get('kept', 0)} of {stats.get('records', 0)} conversations"
+    if stats.get("truncated"):
+        s += f" ({stats['truncated']} truncated)"
+    if skipped:
+        s += "; skipped: " + ", ".join(f"{k} {v}" for k, v in sorted(skipped.items()))
+    return s
+
+
+def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length: int, overlong: str = "truncate",
+                     fmt: str = "auto", max_examples: int | None = None) -> TokenizedData:
+    stats: collections.Counter = collections.Counter()
+    toks, masks, lens = [], [], []
+    for rec in records:
+        if max_examples is not None and stats["records"] >= max_examples:
+            break
+        stats["records"] += 1
+        try:
+            ids, mask = encoder.encode(to_messages(rec, fmt))
+            if len(ids) > max_length:
+                if overlong == "drop":
+                    raise BadRecord("too_long")
+                ids, mask = ids[:max_length], mask[:max_length]
+                stats["truncated"] += 1
+            if not mask.any():
+                raise BadRecord("no_assistant_tokens")
+        except BadRecord as e:
+            stats[e.reason] += 1
+            continue
+        toks.append(ids)
+        masks.append(mask)
+        lens.append(len(ids))
+        stats["kept"] += 1
+    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
+    return TokenizedData(cat(toks, np.int32), cat(masks, np.uint8),
+                         np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(stats))
+
+
+def _cache_key(cfg: DataConfig, tok) -> str:
+    h = hashlib.sha256()
+    srcs = []
+    for p in cfg.paths:
+        if p == "sharegpt":
+            srcs.append(p)
+            continue
+        for q in resolve_paths([p]):
+            st = os.stat(q)
+            srcs.append((os.path.abspath(q), st.st_size, int(st.st_mtime)))
+    vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
+    h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
+                         cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig, 1],
+                        sort_keys=True, default=str).encode())
+    return h.hexdigest()[:20]
+
+
+def default_cache_dir() -> str:
+    base = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
+    return os.path.join(base, "data")
+
+
+def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print) -> TokenizedData:
+    """Tokenize every source (cached on disk by content of the config, sources and tokenizer)."""
+    cache_dir = cfg.cache_dir or default_cache_dir()
+    path = os.path.join(cache_dir, f"tokenized-{_cache_key(cfg, tokenizer)}.npz")
+    if os.path.exists(path):
+        try:
+            data = TokenizedData.load(path)
+            log(f"data: {summary(data.stats)} (cached {path})")
+            return data
+        except Exception:  # noqa: BLE001 - a damaged cache is rebuilt
+            pass
+    encoder = ChatEncoder(tokenizer, cfg.chat_template_kwargs)
+    data = tokenize_records(iter_records(cfg), encoder, max_length=cfg.max_length, overlong=cfg.overlong,
+                            fmt=cfg.format, max_examples=cfg.max_examples)
+    log(f"data: {summary(data.stats)}")
+    if len(data) == 0:
+        raise ValueError(f"no usable conversations in {list(cfg.paths) + list(cfg.hf_datasets)}: "
+                         f"{summary(data.stats)}")
+    try:
+        os.makedirs(cache_dir, exist_ok=True)
+        data.save(path)
+    except OSError:
+        pass
+    return data
+
+
+def split_eval(data: TokenizedData, fraction: float, max_eval: int, seed: int) -> tuple[TokenizedData, TokenizedData]:
+    """Deterministic held-out split (by conversation)."""
+    n = len(data)
+    n_eval = 0 if fraction <= 0 or n < 2 else min(max(1, int(round(n * fraction))), max_eval, n - 1)
+    perm = np.random.default_rng([seed, 7919]).permutation(n)
+    eval_idx, train_idx = np.sort(perm[:n_eval]), np.sort(perm[n_eval:])
+    return data.subset(train_idx), data.subset(eval_idx)
+
+
+# ---- buckets and the batch plan -----------------------------------------------------------------------------------
+def bucket_sizes(buckets, max_length: int) -> tuple[int, ...]:
+    """Sorted bucket lengths, capped at max_length, which is always the last bucket."""
+    out = sorted({b for b in buckets if b < max_length} | {max_length})
+    return tuple(out)
+
+
+def bucket_of(lengths: np.ndarray, sizes: tuple[int, ...]) -> np.ndarray:
+    return np.searchsorted(np.asarray(sizes), lengths, side="left")
+
+
+@dataclasses.dataclass(frozen=True)
+class PlannedBatch:
+    seq_len: int  # T of this batch (its bucket)
+    rows: np.ndarray  # i64[A*B] example index per row; -1 = padding row
+
+
+def epoch_plan(lengths: np.ndarray, sizes: tuple[int, ...], rows_per_batch: int, seed: int, epoch: int,
+               shuffle: bool = True) -> list[PlannedBatch]:
+    """Batches of one epoch: examples grouped by bucket (shuffled within it), cut into global batches (the last
+    of each bucket padded with empty rows), then the batches shuffled. Same (seed, epoch) -> same plan."""
+    rng = np.random.default_rng([seed, epoch])
+    which = bucket_of(lengths, sizes)
+    batches = []
+    for b, size in enumerate(sizes):
+        idx = np.nonzero(which == b)[0]
+        if shuffle:
+            idx = idx[rng.permutation(len(idx))]
+        for s in range(0, len(idx), rows_per_batch):
+            rows = np.full((rows_per_batch,), -1, np.int64)
+            chunk = idx[s:s + rows_per_batch]
+            rows[:len(chunk)] = chunk
+            batches.append(PlannedBatch(size, rows))
+    if shuffle:
+        batches = [batches[i] for i in rng.permutation(len(batches))]
+    return batches
+
+
+def steps_per_epoch(lengths: np.ndarray, sizes: tuple[int, ...], rows_per_batch: int) -> int:
+    counts = np.bincount(bucket_of(lengths, sizes), minlength=len(sizes))
+    return int(sum(-(-c // rows_per_batch) for c in counts))
+
+
+def local_batch_rows(sharding, global_shape: tuple[int, int, int]) -> np.ndarray:
+    """Indices along B (axis 1) that this process's devices hold, in the order local data must list them."""
+    if sharding is None:
+        return np.arange(global_shape[1])
+    rows: set[int] = set()
+    for idx in sharding.addressable_devices_indices_map(global_shape).values():
+        sl = idx[1] if len(idx) > 1 else slice(None)
+        rows.update(range(*sl.indices(global_shape[1])))
+    return np.asarray(sorted(rows), np.int64)
+
+
+class BatchIterator:
+    """Endless, resumable iterator of global batches ``dict(input_ids, loss_mask, attention_mask)``, each
+    i32[A, B, T] (A = grad-accum micro-batches, B = global batch size).
+
+    State: ``{"epoch": e, "position": p}``: the next batch is batch p of epoch e's plan. With a sharding, each
+    process fills only the rows its devices hold and the global array is assembled across processes.
+    """
+
+    def __init__(self, data: TokenizedData, *, batch_size: int, grad_accum: int, buckets, max_length: int,
+                 seed: int, sharding=None, pad_id: int = 0, shuffle: bool = True):
+        self.data, self.b, self.a = data, batch_size, grad_accum
+        self.sizes = bucket_sizes(buckets, max_length)
+        self.seed, self.sharding, self.pad_id, self.shuffle = seed, sharding, pad_id, shuffle
+        self.lengths = data.lengths
+        self.epoch, self.position = 0, 0
+        self._plan: list[PlannedBatch] | None = None
+        self._plan_epoch = -1
+
+    @property
+    def steps_per_epoch(self) -> int:
+        return steps_per_epoch(self.lengths, self.sizes, self.a * self.b)
+
+    def plan(self, epoch: int) -> list[PlannedBatch]:
+        if self._plan_epoch != epoch:
+            self._plan = epoch_plan(self.lengths, self.sizes, self.a * self.b, self.seed, epoch, self.shuffle)
+            self._plan_epoch = epoch
+        return self._plan  # type: ignore[return-value]
+
+    def state_dict(self) -> dict[str, int]:
+        return {"epoch": int(self.epoch), "position": int(self.position)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = int(state["epoch"]), int(state["position"])
+
+    def __iter__(self):
+        return self
+
+    def peek(self) -> PlannedBatch:
+        plan = self.plan(self.epoch)
+        if self.position >= len(plan):
+            self.epoch, self.position = self.epoch + 1, 0
+            plan = self.plan(self.epoch)
+        return plan[self.position]
+
+    def __next__(self) -> tuple[dict[str, Any], dict[str, int]]:
+        pb = self.peek()
+        self.position += 1
+        return self.materialise(pb)
+
+    def materialise(self, pb: PlannedBatch) -> tuple[dict[str, Any], dict[str, int]]:
+        """(batch, info): info has seq_len, tokens (real tokens in the global batch) and loss_tokens."""
+        a, b, t = self.a, self.b, pb.seq_len
+        grid = pb.rows.reshape(a, b)
+        mine = local_batch_rows(self.sharding, (a, b, t))
+        ids = np.full((a, len(mine), t), self.pad_id, np.int32)
+        lmask = np.zeros((a, len(mine), t), np.int32)
+        amask = np.zeros((a, len(mine), t), np.int32)
+        for i in range(a):
+            for j, r in enumerate(mine):
+                ex = grid[i, r]
+                if ex < 0:
+                    continue
+                tok, m = self.data.example(int(ex))
+                ids[i, j, :len(tok)] = tok
+                lmask[i, j, :len(tok)] = m
+                amask[i, j, :len(tok)] = 1
+        real = pb.rows[pb.rows >= 0]
+        info = {"seq_len": t, "tokens": int(self.lengths[real].sum()),
+                "loss_tokens": int(sum(int(self.data.example(int(e))[1].sum()) for e in real))}
+        batch = {"input_ids": ids, "loss_mask": lmask, "attention_mask": amask}
+        if self.sharding is not None:
+            import jax
+            batch = {k: jax.make_array_from_process_local_data(self.sharding, v, (a, b, t)) for k, v in batch.items()}
+        return batch, info

@@ -1,0 +1,133 @@
+"""Draft vocabulary: the Vd most frequent target token ids at loss-masked positions of the training set.
+
+    python -m specjax.train.vocab --config configs/qwen2.5-7b.yaml --out vocab.npz [--dotted.overrides]
+
+Rule (../shared/specs/eagle.md section 3): count target ids where loss_mask == 1 over the WHOLE training split;
+keep the Vd most frequent (ties: smaller id first); sort by id; ``d2t[i] = used[i] - i``; ``t2d[j] = j in used``;
+if fewer than Vd distinct ids occur, fill with the smallest unused ids. Saved as .npz (default) or .safetensors
+with ``d2t`` (i64[Vd]) and ``t2d`` (bool[V]), the same tensor names as published EAGLE3 heads.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+import numpy as np
+
+from specjax.models.eagle3 import VocabMap
+
+
+def count_tokens(tokens: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
+    """i64[V] counts of token ids at positions where loss_mask is set."""
+    ids = np.asarray(tokens)[np.asarray(loss_mask).astype(bool)]
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        raise ValueError(f"token ids outside [0, {vocab_size}): min {ids.min()}, max {ids.max()}; is the tokenizer "
+                         f"the target's?")
+    return np.bincount(ids, minlength=vocab_size).astype(np.int64)
+
+
+def select_draft_ids(counts: np.ndarray, draft_vocab_size: int) -> np.ndarray:
+    """Sorted i64[Vd] target ids of the draft vocab."""
+    counts = np.asarray(counts)
+    v = len(counts)
+    if not 0 < draft_vocab_size <= v:
+        raise ValueError(f"draft_vocab_size {draft_vocab_size} must be in [1, vocab_size={v}]")
+    seen = np.nonzero(counts > 0)[0]
+    # most frequent first; stable sort on -count keeps ascending id order among ties
+    order = seen[np.argsort(-counts[seen], kind="stable")]
+    used = order[:draft_vocab_size]
+    if len(used) < draft_vocab_size:
+        unused = np.setdiff1d(np.arange(v), used, assume_unique=True)
+        used = np.concatenate([used, unused[:draft_vocab_size - len(used)]])
+    return np.sort(used).astype(np.int64)
+
+
+def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
+    return VocabMap.from_used_ids(select_draft_ids(counts, draft_vocab_size), len(counts))
+
+
+def vocab_map_to_numpy(vm: VocabMap) -> dict[str, np.ndarray]:
+    return {"d2t": np.asarray(vm.d2t).astype(np.int64), "t2d": np.asarray(vm.t2d).astype(bool)}
+
+
+def vocab_map_from_numpy(d2t, t2d) -> VocabMap:
+    import jax.numpy as jnp
+    d2t, t2d = np.asarray(d2t), np.asarray(t2d).astype(bool)
+    used = d2t + np.arange(len(d2t))
+    if int(t2d.sum()) != len(d2t) or not t2d[used].all():
+        raise ValueError("vocab map is inconsistent: d2t and t2d name different draft vocabularies")
+    return VocabMap(d2t=jnp.asarray(d2t, jnp.int32), t2d=jnp.asarray(t2d))
+
+
+def save_vocab_map(path: str, vm: VocabMap, counts: np.ndarray | None = None) -> None:
+    arrs = vocab_map_to_numpy(vm)
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    if path.endswith(".safetensors"):
+        from safetensors.numpy import save_file
+        save_file(arrs, path)
+    else:
+        if counts is not None:
+            arrs["counts"] = np.asarray(counts, np.int64)
+        tmp = path + ".tmp.npz"
+        np.savez(tmp, **arrs)
+        os.replace(tmp, path)
+
+
+def load_vocab_map(path: str) -> VocabMap:
+    """From .npz / .safetensors with d2t and t2d (a published head's model.safetensors works too)."""
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"vocab map {path} does not exist")
+    if path.endswith(".safetensors"):
+        from safetensors import safe_open
+        with safe_open(path, "np") as f:
+            keys = set(f.keys())
+            if not {"d2t", "t2d"} <= keys:
+                raise ValueError(f"{path} has no d2t/t2d tensors")
+            return vocab_map_from_numpy(f.get_tensor("d2t"), f.get_tensor("t2d"))
+    z = np.load(path)
+    return vocab_map_from_numpy(z["d2t"], z["t2d"])
+
+
+def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.ndarray]:
+    """Tokenize the run config's data (same split as training) and build the map."""
+    from specjax.train import data as data_lib
+    tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
+    full = data_lib.load_dataset(cfg.data, tok, log=log)
+    train, _ = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    counts = count_tokens(train.tokens, train.loss_mask, vocab_size)
+    vm = build_vocab_map(counts, min(cfg.head.draft_vocab_size, vocab_size))
+    covered = counts[np.asarray(vm.t2d)].sum() / max(1, counts.sum())
+    log(f"vocab: {int((counts > 0).sum())} distinct target ids in {int(counts.sum())} loss tokens; draft vocab "
+        f"{len(vm.d2t)} covers {covered:.2%} of them")
+    return vm, counts
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(
+        prog="python -m specjax.train.vocab",
+        description="Count loss-masked target token ids over the training data of a run config and save the "
+                    "draft<->target vocab map (d2t, t2d). Training computes it itself when head.vocab_map is "
+                    "not set; precompute it to share it between runs.",
+        epilog="Any --section.key VALUE override of the run config is accepted (e.g. --head.draft_vocab_size 16000).")
+    p.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
+    p.add_argument("--out", required=True, help="output file (.npz or .safetensors)")
+    args, rest = p.parse_known_args(argv)
+    from specjax.config import ModelConfig as TargetConfig
+    from specjax.train.config import ConfigError, load_config
+    from specjax.weights import resolve_model_path
+    try:
+        cfg = load_config(args.config, rest)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    tcfg = TargetConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
+    save_vocab_map(args.out, vm, counts)
+    print(f"wrote {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
