@@ -1,0 +1,345 @@
+"""Tree attention for speculative verification: a Pallas TPU kernel, its reference, and input validation.
+
+One verify step runs the T tree tokens of every sequence through the target. In each layer, query t of sequence b
+attends to the committed prefix (positions < lengths[b], read page by page from the paged pool through the page
+table) and to the tree tokens that ``mask[b, t]`` marks (its ancestors and itself). The semantics are exactly
+``specjax.layers.attention`` over ``kv_cache.gather_layer``; see docs/06-tree-attention-kernel.md for the design.
+
+Kernel layout, per grid step (one sequence b):
+- queries are regrouped to [K, G*Tp, H] so that the G query heads sharing a kv head form one matmul operand;
+- the T new keys/values arrive as [K, Tp, H] blocks and the tree mask as bits (i32[Tp, ceil(Tp/32)]);
+- cache pages are DMA'd from HBM ``pages_per_block`` at a time into a double buffer (the next block streams in
+  while the current one is used), each page whole ([Z, K, H], contiguous) and only if it holds committed tokens;
+- flash-style online softmax in fp32 across the tree block and the page blocks, state kept in VMEM scratch.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+
+from specjax.kv_cache import gather_layer
+
+MASK_VALUE = -1e30  # finite (like layers.NEG_INF): a row that sees nothing yet stays finite, never NaN
+_LANES = 128  # running max / sum are stored lane-broadcast, one full vreg row per query row
+_TARGET_BLOCK_TOKENS = 256  # default pages_per_block aims at this many cached tokens per DMA block
+
+
+def _cdiv(a, b):
+    return (a + b - 1) // b if isinstance(a, int) else lax.div(a + b - 1, b)  # operands are >= 0: truncation
+
+
+def _round_up(a: int, b: int) -> int:
+    return _cdiv(a, b) * b
+
+
+def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale=1.0, pages_per_block=None):
+    """Raise ValueError unless the arguments fit the tree-attention contract (static checks: shapes, dtypes)."""
+    if q.ndim != 4:
+        raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
+    b, t, n, h = q.shape
+    if t < 1:
+        raise ValueError("q must hold at least one tree token (T >= 1)")
+    if k.ndim != 4 or k.shape[:2] != (b, t) or k.shape[3] != h:
+        raise ValueError(f"k must be [B, T, K, H] = [{b}, {t}, K, {h}], got {k.shape}")
+    if v.shape != k.shape:
+        raise ValueError(f"v must have k's shape {k.shape}, got {v.shape}")
+    kh = k.shape[2]
+    if kh < 1 or n % kh:
+        raise ValueError(f"GQA needs N % K == 0: {n} query heads, {kh} kv heads")
+    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
+        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if mask.shape != (b, t, t):
+        raise ValueError(f"mask must be [B, T, T] = [{b}, {t}, {t}] (T = q.shape[1]), got {mask.shape}")
+    if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
+        raise ValueError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
+    if k_pages.ndim != 4:
+        raise ValueError(f"k_pages must be [P, Z, K, H], got shape {k_pages.shape}")
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages {k_pages.shape} {k_pages.dtype}")
+    if k_pages.shape[2:] != (kh, h):
+        raise ValueError(f"pages must be [P, Z, K={kh}, H={h}], got {k_pages.shape}")
+    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
+        raise ValueError(f"pages must be floating point, got {k_pages.dtype}")
+    if k_pages.shape[0] < 1 or k_pages.shape[1] < 1:
+        raise ValueError(f"the pool needs at least one page of at least one slot, got {k_pages.shape}")
+    if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
+        raise ValueError(f"page_table must be [B={b}, pages_per_seq >= 1], got {page_table.shape}")
+    if lengths.shape != (b,):
+        raise ValueError(f"lengths must be [B={b}], got {lengths.shape}")
+    if page_table.dtype != jnp.int32 or lengths.dtype != jnp.int32:
+        raise ValueError(f"page_table and lengths must be int32, got {page_table.dtype}, {lengths.dtype}")
+    if not isinstance(sm_scale, (int, float)) or not sm_scale > 0:
+        raise ValueError(f"sm_scale must be a positive Python number, got {sm_scale!r}")
+    if pages_per_block is not None and (not isinstance(pages_per_block, int) or pages_per_block < 1):
+        raise ValueError(f"pages_per_block must be a positive int, got {pages_per_block!r}")
+
+
+def ref_tree_attention(q,  # [B, T, N, H]
+                       k,  # [B, T, K, H]
+                       v,  # [B, T, K, H]
+                       mask,  # bool[B, T, T]
+                       k_pages,  # [P, Z, K, H]
+                       v_pages,  # [P, Z, K, H]
+                       page_table,  # i32[B, pps]
+                       lengths,  # i32[B]
+                       *, sm_scale: float):
+    """Plain-jnp reference: gather the prefix, repeat kv heads, one masked softmax over [prefix | tree] keys.
+
+    Slots at positions >= lengths[b] (and pages the table does not reach) may hold anything, NaN included.
+    """
+    validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
+    b, t, n, _ = q.shape
+    g = n // k.shape[2]
+    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)  # [B, S, K, H]
+    s = k_cache.shape[1]
+    seen = jnp.arange(s)[None, :] < lengths[:, None]  # bool[B, S]
+    keys = jnp.concatenate([k_cache.astype(q.dtype), k], axis=1)  # [B, S+T, K, H]
+    values = jnp.concatenate([jnp.where(seen[:, :, None, None], v_cache, 0).astype(v.dtype), v], axis=1)
+    keys, values = jnp.repeat(keys, g, axis=2), jnp.repeat(values, g, axis=2)  # [B, S+T, N, H]
+    visible = jnp.concatenate([jnp.broadcast_to(seen[:, None, :], (b, t, s)), mask.astype(bool)], axis=2)
+    logits = jnp.einsum("btnh,bsnh->bnts", q, keys, preferred_element_type=jnp.float32) * sm_scale
+    logits = jnp.where(visible[:, None], logits, MASK_VALUE)  # [B, N, T, S+T]; where() drops NaN logits
+    probs = jax.nn.softmax(logits, axis=-1)
+    out = jnp.einsum("bnts,bsnh->btnh", probs.astype(values.dtype), values, preferred_element_type=jnp.float32)
+    return out.astype(q.dtype)
+
+
+def pack_tree_mask(mask, padded_t: int):  # bool[B, T, T] -> i32[B, Tp, ceil(Tp / 32)]
+    """Bit j % 32 of word j // 32 in row i says query i sees tree key j; padded rows and columns are 0."""
+    b, t, _ = mask.shape
+    words = _cdiv(padded_t, 32)
+    bits = jnp.zeros((b, padded_t, words * 32), jnp.uint32).at[:, :t, :t].set(mask.astype(jnp.uint32))
+    bits = bits.reshape(b, padded_t, words, 32) << jnp.arange(32, dtype=jnp.uint32)
+    return lax.bitcast_convert_type(bits.sum(-1, dtype=jnp.uint32), jnp.int32)
+
+
+def _unpack_tree_mask(words, padded_t: int):  # i32[R, W] -> bool[R, Tp]
+    col = lax.broadcasted_iota(jnp.int32, (words.shape[0], padded_t), 1)
+    word = words[:, 0:1]
+    for w in range(1, words.shape[1]):
+        word = jnp.where(col >= 32 * w, words[:, w:w + 1], word)
+    return (lax.shift_right_logical(word, col & 31) & 1) == 1
+
+
+def _head_keys(buf, h: int, num_kv: int, rows: int):
+    """The rows of kv head h in one VMEM block buf [rows * K, H] (token-major, heads interleaved).
+
+    Returns [(x [n, H] f32-or-pool dtype, first, step)]: x[i] holds token first + step * i of the block. 32-bit pools
+    use one sublane-strided load. 16-bit pools pack two consecutive rows per 32-bit word, so we load 32-bit words
+    with stride K/2 (or K for odd K, once for even and once for odd tokens) and take the low or high half; a bf16
+    value placed in the high half of an f32 is exactly that value.
+    """
+    if num_kv == 1:
+        return [(buf[...], 0, 1)]
+    itemsize = jnp.dtype(buf.dtype).itemsize
+    if itemsize == 4:
+        return [(buf[pl.ds(h, rows, stride=num_kv), :], 0, 1)]
+    if itemsize != 2:
+        raise NotImplementedError(f"cache pages of dtype {buf.dtype}")
+    words = buf.bitcast(jnp.uint32)  # [rows * K / 2, H]
+
+    def half(first_row: int, count: int, stride: int):
+        w = words[pl.ds(first_row // 2, count, stride=stride), :]
+        w = w << 16 if first_row % 2 == 0 else w & jnp.uint32(0xFFFF0000)
+        return pltpu.bitcast(w, jnp.float32)
+
+    if num_kv % 2 == 0:
+        return [(half(h, rows, num_kv // 2), 0, 1)]
+    return [(half(h, rows // 2, num_kv), 0, 2), (half(h + num_kv, rows // 2, num_kv), 1, 2)]
+
+
+def _tree_attention_kernel(
+        lengths_ref,  # i32[B]  (SMEM, scalar prefetch)
+        page_table_ref,  # i32[B * pps]  (SMEM, scalar prefetch)
+        q_ref,  # [K, G*Tp, H]  this sequence's queries, grouped by kv head
+        k_new_ref,  # [K, Tp, H]
+        v_new_ref,  # [K, Tp, H]
+        mask_ref,  # i32[Tp, W]  bit-packed tree mask
+        k_hbm,  # [P, Z, K, H]  key pool (HBM)
+        v_hbm,  # [P, Z, K, H]  value pool (HBM)
+        o_ref,  # [K, G*Tp, H]
+        k_buf,  # [2, pages_per_block, Z, K, H]  VMEM double buffer
+        v_buf,  # [2, pages_per_block, Z, K, H]
+        sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
+        m_ref,  # f32[K, G*Tp, 128]  running max (lane-broadcast)
+        l_ref,  # f32[K, G*Tp, 128]  running sum
+        acc_ref,  # f32[K, G*Tp, H]  running numerator
+        *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
+    b = pl.program_id(0)
+    num_pages, page_size, num_kv, head_dim = k_hbm.shape
+    rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
+    groups = rows // padded_t
+    block_tokens = pages_per_block * page_size
+    # Clamp what the tables say so that a bad entry can never move a DMA out of the pool.
+    length = jnp.clip(lengths_ref[b], 0, pages_per_seq * page_size)
+    used_pages = _cdiv(length, page_size)
+    num_blocks = _cdiv(length, block_tokens)
+
+    def page_copies(blk, slot):
+        """(needed, k copy, v copy) for every page of block blk; pages past the sequence's end are not read."""
+        out = []
+        for j in range(pages_per_block):
+            idx = blk * pages_per_block + j
+            page = page_table_ref[b * pages_per_seq + jnp.minimum(idx, pages_per_seq - 1)]
+            page = jnp.clip(page, 0, num_pages - 1)
+            out.append((idx < used_pages,
+                        pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot]),
+                        pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])))
+        return out
+
+    def start_block(blk, slot):
+        for needed, kc, vc in page_copies(blk, slot):
+            @pl.when(needed)
+            def _():
+                kc.start()
+                vc.start()
+
+    def wait_block(blk, slot):
+        for needed, kc, vc in page_copies(blk, slot):
+            @pl.when(needed)
+            def _():
+                kc.wait()
+                vc.wait()
+
+    def update(h, s, values, first):
+        """Fold scores s f32[G*Tp, n] (already masked) and their values [n, H] into head h's running state."""
+        m_next = jnp.max(s, axis=1, keepdims=True)  # [G*Tp, 1]
+        if not first:
+            m_prev = m_ref[h][:, :1]
+            m_next = jnp.maximum(m_prev, m_next)
+        p = jnp.exp(s - m_next)
+        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)  # [G*Tp, H]
+        l_next = jnp.sum(p, axis=1, keepdims=True)
+        if first:
+            acc = pv
+        else:
+            alpha = jnp.exp(m_prev - m_next)
+            l_next = alpha * l_ref[h][:, :1] + l_next
+            acc = alpha * acc_ref[h] + pv
+        m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
+        l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+        acc_ref[h] = acc
+
+    def scores(h, keys):  # keys [n, H] -> f32[G*Tp, n]
+        qh = q_ref[h]
+        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        return s * sm_scale
+
+    @pl.when(num_blocks > 0)
+    def _():
+        start_block(0, 0)
+
+    # The tree block first (it initialises the state) while the first page block streams in.
+    words = mask_ref[...]  # i32[Tp, W]; query row g*Tp + t of a head group uses tree row t
+    tree_visible = _unpack_tree_mask(jnp.concatenate([words] * groups, axis=0) if groups > 1 else words, padded_t)
+    for h in range(num_kv):
+        s = jnp.where(tree_visible, scores(h, k_new_ref[h]), MASK_VALUE)
+        update(h, s, v_new_ref[h], first=True)
+
+    def page_block(blk, carry):
+        slot = lax.rem(blk, 2)
+
+        @pl.when(blk + 1 < num_blocks)
+        def _():
+            start_block(blk + 1, 1 - slot)
+
+        wait_block(blk, slot)
+        k_rows = k_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
+        v_rows = v_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
+        for h in range(num_kv):
+            for (keys, first, step), (values, _, _) in zip(_head_keys(k_rows, h, num_kv, block_tokens),
+                                                           _head_keys(v_rows, h, num_kv, block_tokens)):
+                n = keys.shape[0]
+                # Slots past the committed length may hold anything (NaN): mask their scores and zero their values.
+                start = blk * block_tokens + first
+                key_pos = start + step * lax.broadcasted_iota(jnp.int32, (1, n), 1)
+                value_pos = start + step * lax.broadcasted_iota(jnp.int32, (n, 1), 0)
+                s = jnp.where(key_pos < length, scores(h, keys), MASK_VALUE)
+                values = jnp.where(value_pos < length, values.astype(jnp.float32), 0.0)
+                update(h, s, values.astype(v_new_ref.dtype), first=False)
+        return carry
+
+    lax.fori_loop(0, num_blocks, page_block, 0)
+    for h in range(num_kv):
+        o_ref[h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+
+
+def _pages_per_block(requested: int | None, page_size: int, pages_per_seq: int, num_kv: int, pool_dtype) -> int:
+    pb = requested or max(1, _TARGET_BLOCK_TOKENS // page_size)
+    pb = min(pb, pages_per_seq)
+    if jnp.dtype(pool_dtype).itemsize == 2 and num_kv % 2 and num_kv > 1 and pb * page_size % 2:
+        pb *= 2  # odd K with 16-bit pages loads even and odd tokens separately: the block needs an even length
+    return pb
+
+
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "pages_per_block"))
+def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
+                   k,  # [B, T, K, H]  keys of the tree tokens
+                   v,  # [B, T, K, H]  values of the tree tokens
+                   mask,  # bool[B, T, T]  query i sees tree key j (ancestors and itself)
+                   k_pages,  # [P, Z, K, H]  one layer's key pool
+                   v_pages,  # [P, Z, K, H]  one layer's value pool
+                   page_table,  # i32[B, pps]  pool page of each logical page
+                   lengths,  # i32[B]  committed prefix length: positions < lengths[b] are visible
+                   *, sm_scale: float, interpret: bool = False, pages_per_block: int | None = None):
+    """Attention of the T tree tokens over (paged committed prefix) + (tree tokens under mask). Returns [B, T, N, H].
+
+    Same math as ``ref_tree_attention`` (and ``layers.attention`` over ``gather_layer``). ``interpret=True`` runs the
+    kernel in Pallas' TPU interpreter (any backend). ``pages_per_block`` pages are fetched per DMA block (default:
+    about 256 tokens). Entries of ``lengths`` are clamped to the table's capacity and page indices to the pool, so a
+    bad table gives wrong numbers, never an out-of-bounds DMA.
+    """
+    validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
+                    pages_per_block=pages_per_block)
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    g = n // kh
+    _, z, _, _ = k_pages.shape
+    pps = page_table.shape[1]
+    pb = _pages_per_block(pages_per_block, z, pps, kh, k_pages.dtype)
+    # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
+    tp = _round_up(t, 8 * (4 // jnp.dtype(q.dtype).itemsize))
+    pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
+    qg = jnp.pad(q, pad).reshape(b, tp, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * tp, h)
+    k_new = jnp.pad(k, pad).transpose(0, 2, 1, 3)  # [B, K, Tp, H]
+    v_new = jnp.pad(v, pad).transpose(0, 2, 1, 3)
+    mask_bits = pack_tree_mask(mask, tp)  # i32[B, Tp, W]
+    words = mask_bits.shape[2]
+
+    # VMEM: page double buffers, the pipelined q/out and new k/v blocks (2 buffers each), and the fp32 state.
+    vmem = (4 * pb * z * kh * h * jnp.dtype(k_pages.dtype).itemsize
+            + 4 * kh * (g + 1) * tp * h * jnp.dtype(q.dtype).itemsize + kh * g * tp * (2 * _LANES + h) * 4)
+    vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
+
+    kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
+                               pages_per_seq=pps)
+    per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))
+    out = pl.pallas_call(
+        kernel,
+        grid_spec=pltpu.PrefetchScalarGridSpec(
+            num_scalar_prefetch=2,
+            grid=(b,),
+            in_specs=[per_seq(kh, g * tp, h), per_seq(kh, tp, h), per_seq(kh, tp, h), per_seq(tp, words),
+                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+            out_specs=per_seq(kh, g * tp, h),
+            scratch_shapes=[
+                pltpu.VMEM((2, pb, z, kh, h), k_pages.dtype),
+                pltpu.VMEM((2, pb, z, kh, h), v_pages.dtype),
+                pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
+                pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
+                pltpu.VMEM((kh, g * tp, h), jnp.float32),
+            ]),
+        out_shape=jax.ShapeDtypeStruct((b, kh, g * tp, h), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit),
+        interpret=interpret,
+        name="tree_attention",
+    )(lengths, page_table.reshape(-1), qg, k_new, v_new, mask_bits, k_pages, v_pages)
+    out = out.reshape(b, kh, g, tp, h).transpose(0, 3, 1, 2, 4)  # [B, Tp, K, G, H]
+    return out[:, :t].reshape(b, t, n, h)
