@@ -324,7 +324,7 @@ def summary(stats: dict[str, int]) -> str:
 
 def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length: int, overlong: str = "truncate",
                      fmt: str = "auto", max_examples: int | None = None) -> TokenizedData:
-    stats: collections.Counter = collections.Counter()
+    stats: collections.Counter = collections.Counter(records=0, kept=0)
     toks, masks, lens = [], [], []
     for rec in records:
         if max_examples is not None and stats["records"] >= max_examples:

@@ -1,0 +1,260 @@
+"""Chat data: input formats, assistant-only loss masks (multi-turn, thinking templates), bad records, buckets,
+deterministic and resumable order, sharded batches."""
+
+import json
+import os
+
+import jax
+import numpy as np
+import pytest
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+import train_fixtures as tf
+from specjax.sharding import make_mesh
+from specjax.train import data as D
+from specjax.train.config import DataConfig
+
+
+@pytest.fixture(scope="module")
+def tok(tmp_path_factory):
+    return tf.make_tokenizer(str(tmp_path_factory.mktemp("tok")))
+
+
+@pytest.fixture(scope="module")
+def think_tok(tmp_path_factory):
+    return tf.make_tokenizer(str(tmp_path_factory.mktemp("tok_think")), template=tf.THINKING)
+
+
+CONV = [{"from": "system", "value": "be brief"},
+        {"from": "human", "value": "what is the sky"},
+        {"from": "gpt", "value": "blue sky one two"},
+        {"from": "human", "value": "and the sea"},
+        {"from": "gpt", "value": "green sea three"},
+        {"from": "human", "value": "thanks"},
+        {"from": "gpt", "value": "yes happy"}]
+
+
+def _expected(tok, segments):
+    """Independent oracle: tokenize each (text, is_target) segment on its own (the tiny BPE never merges across
+    these boundaries) and concatenate."""
+    ids, mask = [], []
+    for text, target in segments:
+        t = tok(text, add_special_tokens=False)["input_ids"]
+        ids += t
+        mask += [int(target)] * len(t)
+    return np.asarray(ids), np.asarray(mask)
+
+
+def test_multiturn_mask_exact(tok):
+    enc = D.ChatEncoder(tok)
+    ids, mask = enc.encode(D.to_messages({"conversations": CONV}))
+    segs = [("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is the sky<|im_end|>\n"
+             "<|im_start|>assistant\n", 0), ("blue sky one two<|im_end|>", 1),
+            ("\n<|im_start|>user\nand the sea<|im_end|>\n<|im_start|>assistant\n", 0), ("green sea three<|im_end|>", 1),
+            ("\n<|im_start|>user\nthanks<|im_end|>\n<|im_start|>assistant\n", 0), ("yes happy<|im_end|>", 1), ("\n", 0)]
+    want_ids, want_mask = _expected(tok, segs)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(mask, want_mask)
+    assert tok.decode(ids[mask == 1]) == "blue sky one two<|im_end|>green sea three<|im_end|>yes happy<|im_end|>"
+
+
+@pytest.mark.parametrize("thinking", [True, False])
+def test_thinking_template(think_tok, thinking):
+    """Qwen3-style: history turns render without a thinking block, the last turn with one. With thinking off the
+    generation prompt injects the empty block, so it is context, not a target."""
+    enc = D.ChatEncoder(think_tok, {} if thinking else {"enable_thinking": False})
+    msgs = D.to_messages({"conversations": CONV[1:5]})
+    ids, mask = enc.encode(msgs)
+    think = "<think>\n\n</think>\n\n"
+    segs = [("<|im_start|>user\nwhat is the sky<|im_end|>\n<|im_start|>assistant\n", 0), ("blue sky one two<|im_end|>", 1),
+            ("\n<|im_start|>user\nand the sea<|im_end|>\n<|im_start|>assistant\n", 0), (think, int(thinking)),
+            ("green sea three<|im_end|>", 1), ("\n", 0)]
+    want_ids, want_mask = _expected(think_tok, segs)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(mask, want_mask)
+
+
+def test_smollm2_tokenizer_mask():
+    from specjax.convert.fetch import default_smollm2_path
+    path = default_smollm2_path()
+    if not os.path.exists(os.path.join(path, "tokenizer.json")):
+        pytest.skip(f"SmolLM2 not fetched ({path}); run `python -m specjax.convert fetch-smollm2`")
+    tok = D.load_tokenizer(path)
+    enc = D.ChatEncoder(tok)
+    ids, mask = enc.encode(D.to_messages({"conversations": CONV}))
+    assert tok.decode(ids[mask == 1]) == "blue sky one two<|im_end|>green sea three<|im_end|>yes happy<|im_end|>"
+    assert tok.decode(ids) == tok.apply_chat_template(D.to_messages({"conversations": CONV}), tokenize=False)
+
+
+def _write_sources(d, convs):
+    """The same conversations as ShareGPT JSON (cut off mid-way), ShareGPT JSONL, messages JSONL, parquet and a
+    datasets.save_to_disk folder."""
+    import datasets
+    role = {"human": "user", "gpt": "assistant", "system": "system"}
+    msgs = [{"messages": [{"role": role[t["from"]], "content": t["value"]} for t in c["conversations"]]}
+            for c in convs]
+    text = json.dumps(convs, indent=1)
+    cut = text + "\n"  # append a truncated extra item, like the real ShareGPT file
+    cut = text[:-1].rstrip() + ', {"id": "x", "conversations": [{"from": "human", "va'
+    paths = {"sharegpt_json": str(d / "sg.json"), "sharegpt_jsonl": str(d / "sg.jsonl"),
+             "messages_jsonl": str(d / "msgs.jsonl"), "parquet": str(d / "msgs.parquet"), "disk": str(d / "ds")}
+    open(paths["sharegpt_json"], "w").write(cut)
+    tf.write_jsonl(paths["sharegpt_jsonl"], convs)
+    tf.write_jsonl(paths["messages_jsonl"], msgs)
+    ds = datasets.Dataset.from_list(msgs)
+    ds.to_parquet(paths["parquet"])
+    datasets.Dataset.from_list(convs).save_to_disk(paths["disk"])
+    return paths
+
+
+def test_input_formats_agree(tok, tmp_path):
+    convs = tf.make_conversations(12, seed=3)
+    paths = _write_sources(tmp_path, convs)
+    enc = D.ChatEncoder(tok)
+    results = {}
+    for name, p in paths.items():
+        cfg = DataConfig(paths=(p,), max_length=4096)
+        results[name] = D.tokenize_records(D.iter_records(cfg), enc, max_length=4096)
+    ref = results["sharegpt_jsonl"]
+    assert ref.stats["kept"] == 12 and len(ref) == 12
+    for name, r in results.items():
+        assert r.stats["kept"] == 12, (name, r.stats)
+        np.testing.assert_array_equal(r.tokens, ref.tokens)
+        np.testing.assert_array_equal(r.loss_mask, ref.loss_mask)
+        np.testing.assert_array_equal(r.offsets, ref.offsets)
+    # load_dataset caches the tokenized data and reads it back identically
+    cfg = DataConfig(paths=(paths["sharegpt_jsonl"], paths["messages_jsonl"]), max_length=4096,
+                     cache_dir=str(tmp_path / "cache"))
+    a = D.load_dataset(cfg, tok, log=lambda s: None)
+    b = D.load_dataset(cfg, tok, log=lambda s: None)
+    assert len(os.listdir(tmp_path / "cache")) == 1 and len(a) == 24
+    np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_bad_records_counted(tok, tmp_path):
+    good = tf.make_conversations(3, seed=1)
+    p = tmp_path / "bad.jsonl"
+    with open(p, "wb") as f:
+        for r in good:
+            f.write((json.dumps(r) + "\n").encode())
+        f.write(b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "val\n')  # broken json
+        f.write(b'\xff\xfe not utf8\n')  # undecodable
+        f.write(b'{"conversations": []}\n')  # empty
+        f.write(b'{"conversations": [{"from": "human", "value": "hi"}]}\n')  # no assistant turn
+        f.write(b'{"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "  "}]}\n')  # empty
+        f.write(b'{"conversations": [{"from": "alien", "value": "hi"}]}\n')  # wrong role
+        f.write(b'{"conversations": [{"from": "human", "value": "a"}, {"from": "human", "value": "b"}, '
+                b'{"from": "gpt", "value": "c"}]}\n')  # two user turns in a row
+        f.write(b'{"conversations": [{"from": "human", "value": 5}, {"from": "gpt", "value": "x"}]}\n')
+        f.write(b'{"text": "no conversation here"}\n')
+        f.write(b'[1, 2]\n')
+        f.write(b'{"conversations": [{"from": "human", "value": "\\ud800"}, {"from": "gpt", "value": "x"}]}\n')
+        f.write((json.dumps({"conversations": [{"from": "human", "value": "hi"},
+                                               {"from": "gpt", "value": "cat " * 300}]}) + "\n").encode())
+    enc = D.ChatEncoder(tok)
+    cfg = DataConfig(paths=(str(p),))
+    out = D.tokenize_records(D.iter_records(cfg), enc, max_length=256, overlong="drop")
+    assert out.stats == {"records": 15, "kept": 3, "undecodable": 3, "empty": 3, "wrong_role": 2,
+                         "bad_format": 3, "too_long": 1}, out.stats
+    assert "kept 3 of 15" in D.summary(out.stats)
+    out = D.tokenize_records(D.iter_records(cfg), enc, max_length=256, overlong="truncate")
+    assert out.stats["kept"] == 4 and out.stats["truncated"] == 1 and out.lengths.max() == 256
+    # a conversation truncated before its first assistant token has nothing to learn from
+    out = D.tokenize_records(D.iter_records(cfg), enc, max_length=8, overlong="truncate")
+    assert out.stats["kept"] == 0 and out.stats["no_assistant_tokens"] == 4
+
+
+def _fake_data(lengths, seed=0):
+    rng = np.random.default_rng(seed)
+    toks = [rng.integers(1, 100, size=n).astype(np.int32) for n in lengths]
+    masks = [(rng.random(n) < 0.5).astype(np.uint8) for n in lengths]
+    return D.TokenizedData(np.concatenate(toks), np.concatenate(masks),
+                           np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64), {})
+
+
+def test_buckets_and_plan():
+    assert D.bucket_sizes((128, 256, 512, 1024), 300) == (128, 256, 300)
+    assert D.bucket_sizes((128, 256), 1024) == (128, 256, 1024)
+    lengths = np.random.default_rng(0).integers(5, 300, size=103)
+    data = _fake_data(lengths)
+    sizes = D.bucket_sizes((32, 64, 128, 256), 300)
+    plan = D.epoch_plan(data.lengths, sizes, 8, seed=1, epoch=0)
+    assert len(plan) == D.steps_per_epoch(data.lengths, sizes, 8)
+    seen = np.concatenate([pb.rows[pb.rows >= 0] for pb in plan])
+    assert sorted(seen) == list(range(103))  # every conversation exactly once per epoch
+    for pb in plan:
+        real = pb.rows[pb.rows >= 0]
+        assert pb.seq_len in sizes and (data.lengths[real] <= pb.seq_len).all()
+        smaller = [s for s in sizes if s < pb.seq_len]
+        assert not smaller or (data.lengths[real] > smaller[-1]).all()  # the smallest bucket that fits
+    assert {pb.seq_len for pb in plan} <= set(sizes)
+    # deterministic per (seed, epoch); epochs differ
+    again = D.epoch_plan(data.lengths, sizes, 8, seed=1, epoch=0)
+    assert all(a.seq_len == b.seq_len and (a.rows == b.rows).all() for a, b in zip(plan, again))
+    other = D.epoch_plan(data.lengths, sizes, 8, seed=1, epoch=1)
+    assert any((a.rows != b.rows).any() for a, b in zip(plan, other))
+
+
+def test_iterator_resume_and_contents():
+    lengths = np.random.default_rng(1).integers(5, 60, size=37)
+    data = _fake_data(lengths, seed=2)
+    kw = dict(batch_size=4, grad_accum=2, buckets=(16, 32), max_length=64, seed=5)
+    it = D.BatchIterator(data, **kw)
+    n = it.steps_per_epoch
+    ref = [next(it) for _ in range(n + 3)]  # crosses into epoch 1
+    assert it.state_dict() == {"epoch": 1, "position": 3}
+    b, info = ref[0]
+    assert b["input_ids"].shape == (2, 4, info["seq_len"]) and b["input_ids"].dtype == np.int32
+    # rows hold the examples, padded; masks agree
+    pb = D.epoch_plan(data.lengths, it.sizes, 8, 5, 0)[0]
+    for k, ex in enumerate(pb.rows):
+        a, r = divmod(k, 4)
+        if ex < 0:
+            assert b["attention_mask"][a, r].sum() == 0
+            continue
+        t, m = data.example(int(ex))
+        np.testing.assert_array_equal(b["input_ids"][a, r, :len(t)], t)
+        np.testing.assert_array_equal(b["loss_mask"][a, r, :len(t)], m)
+        assert b["attention_mask"][a, r].sum() == len(t) and b["loss_mask"][a, r, len(t):].sum() == 0
+    # resume from any saved state gives the same continuation
+    for stop in (1, n - 1, n + 1):
+        it2 = D.BatchIterator(data, **kw)
+        it2.load_state_dict(json.loads(json.dumps(ref_state(kw, data, stop))))
+        for want in ref[stop:]:
+            got = next(it2)
+            for key in want[0]:
+                np.testing.assert_array_equal(got[0][key], want[0][key])
+
+
+def ref_state(kw, data, steps):
+    it = D.BatchIterator(data, **kw)
+    for _ in range(steps):
+        it.peek()
+        it.position += 1
+    return it.state_dict()
+
+
+def test_sharded_batches_match():
+    lengths = np.random.default_rng(3).integers(5, 60, size=40)
+    data = _fake_data(lengths, seed=4)
+    mesh = make_mesh(dp=4, tp=4)
+    sharding = NamedSharding(mesh, P(None, "dp", None))
+    kw = dict(batch_size=8, grad_accum=2, buckets=(32,), max_length=64, seed=0)
+    plain, sharded = D.BatchIterator(data, **kw), D.BatchIterator(data, sharding=sharding, **kw)
+    for _ in range(3):
+        (a, ia), (b, ib) = next(plain), next(sharded)
+        assert ia == ib
+        for k in a:
+            assert isinstance(b[k], jax.Array) and b[k].sharding == sharding
+            np.testing.assert_array_equal(np.asarray(b[k]), a[k])
+    assert list(D.local_batch_rows(sharding, (2, 8, 32))) == list(range(8))
+
+
+def test_split_eval():
+    data = _fake_data(np.full(50, 10))
+    tr, ev = D.split_eval(data, 0.1, 100, seed=0)
+    assert len(tr) == 45 and len(ev) == 5
+    tr2, ev2 = D.split_eval(data, 0.1, 100, seed=0)
+    np.testing.assert_array_equal(ev.tokens, ev2.tokens)
+    assert len(D.split_eval(data, 0.5, 3, seed=0)[1]) == 3
+    assert len(D.split_eval(data, 0.0, 3, seed=0)[1]) == 0

@@ -1,0 +1,80 @@
+"""Draft vocab map: counts at loss-masked positions, top-Vd with ties by id, fill rule, d2t/t2d, files, CLI."""
+
+import os
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import train_fixtures as tf
+from specjax.train import vocab as V
+
+
+def test_counts_only_masked():
+    tokens = np.array([1, 2, 2, 3, 3, 3, 9])
+    mask = np.array([1, 1, 0, 1, 1, 0, 1])
+    np.testing.assert_array_equal(V.count_tokens(tokens, mask, 10), [0, 1, 1, 2, 0, 0, 0, 0, 0, 1])
+    with pytest.raises(ValueError, match="outside"):
+        V.count_tokens(np.array([10]), np.array([1]), 10)
+
+
+def test_top_k_sorted_with_ties_by_id():
+    counts = np.array([0, 5, 1, 5, 0, 7, 1, 0, 2, 0])
+    # order by count: 5(7), 1(5), 3(5), 8(2), 2(1), 6(1); ties keep the smaller id
+    np.testing.assert_array_equal(V.select_draft_ids(counts, 4), [1, 3, 5, 8])
+    np.testing.assert_array_equal(V.select_draft_ids(counts, 5), [1, 2, 3, 5, 8])
+
+
+def test_fill_with_smallest_unused():
+    counts = np.array([0, 0, 3, 0, 1, 0, 0, 9])
+    np.testing.assert_array_equal(V.select_draft_ids(counts, 5), [0, 1, 2, 4, 7])
+    np.testing.assert_array_equal(V.select_draft_ids(np.zeros(6), 3), [0, 1, 2])
+    with pytest.raises(ValueError):
+        V.select_draft_ids(counts, 9)
+
+
+def test_d2t_t2d():
+    counts = np.array([0, 4, 0, 0, 2, 0, 1, 3])
+    vm = V.build_vocab_map(counts, 3)
+    used = np.array([1, 4, 7])
+    np.testing.assert_array_equal(np.asarray(vm.d2t), used - np.arange(3))
+    np.testing.assert_array_equal(np.asarray(vm.t2d), np.isin(np.arange(8), used))
+    np.testing.assert_array_equal(np.asarray(vm.draft_to_target(np.arange(3))), used)
+
+
+@pytest.mark.parametrize("ext", ["npz", "safetensors"])
+def test_save_load(tmp_path, ext):
+    vm = V.build_vocab_map(np.arange(20) % 7, 6)
+    path = str(tmp_path / f"vocab.{ext}")
+    V.save_vocab_map(path, vm, counts=np.arange(20))
+    back = V.load_vocab_map(path)
+    np.testing.assert_array_equal(np.asarray(back.d2t), np.asarray(vm.d2t))
+    np.testing.assert_array_equal(np.asarray(back.t2d), np.asarray(vm.t2d))
+    with pytest.raises(ValueError, match="inconsistent"):
+        V.vocab_map_from_numpy(np.zeros(3, np.int64), np.ones(20, bool))
+
+
+def test_cli(tmp_path):
+    from transformers import LlamaConfig
+    model = tmp_path / "model"
+    tok = tf.make_tokenizer(str(model))
+    LlamaConfig(vocab_size=len(tok), hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                num_attention_heads=2).save_pretrained(str(model))
+    data = tf.write_jsonl(str(tmp_path / "d.jsonl"), tf.make_conversations(30))
+    out = str(tmp_path / "v.npz")
+    env = dict(os.environ, SPECJAX_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "specjax.train.vocab", "--config", "configs/tiny.yaml",
+                        "--model.path", str(model), "--data.paths", f"[{data}]", "--data.eval_fraction", "0",
+                        "--head.draft_vocab_size", "40", "--out", out], capture_output=True, text=True, env=env,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))), timeout=120)
+    assert r.returncode == 0, r.stderr + r.stdout
+    vm = V.load_vocab_map(out)
+    assert len(vm.d2t) == 40 and int(np.asarray(vm.t2d).sum()) == 40
+    # the same as counting by hand
+    from specjax.train import data as D
+    from specjax.train.config import DataConfig
+    enc = D.ChatEncoder(tok)
+    td = D.tokenize_records(D.iter_records(DataConfig(paths=(data,))), enc, max_length=256)
+    want = V.select_draft_ids(V.count_tokens(td.tokens, td.loss_mask, len(tok)), 40)
+    np.testing.assert_array_equal(np.nonzero(np.asarray(vm.t2d))[0], want)
