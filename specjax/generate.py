@@ -118,7 +118,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
         tokens[i, :len(p)] = p
         valid[i, :len(p)] = True
     stop = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)  # -1 never matches a token
+    # Padded with -1 (never a token) to a multiple of 8 so that different stop sets share one compile.
+    stop_ids = jnp.asarray(list(stop) + [-1] * (_round_up(len(stop) + 1, 8) - len(stop)), jnp.int32)
 
     max_len = _round_up(max(lengths) + max_new_tokens, page_size)
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, max_len, page_size=page_size,

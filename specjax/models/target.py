@@ -178,11 +178,15 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     if cache_attention is not None and cfg.sliding_window is not None:
         raise ValueError("sliding-window models use the XLA attention path; do not pass cache_attention")
 
-    n_aux = len(aux_layers) if aux_layers else 0
-    aux_slot = np.full((cfg.num_layers,), -1, np.int32)
-    for i, lid in enumerate(aux_layers or ()):
+    requested = tuple(aux_layers or ())
+    for lid in requested:
         if not 0 <= lid < cfg.num_layers:
             raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
+    # Capture each distinct layer once (tiny models' default ids repeat a layer), then gather in requested order.
+    unique = sorted(set(requested))
+    n_aux = len(unique)
+    aux_slot = np.full((cfg.num_layers,), -1, np.int32)
+    for i, lid in enumerate(unique):
         aux_slot[lid] = i
 
     x = embed_tokens(params, tokens).astype(dt)
@@ -233,6 +237,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         logits = constrain(logits, ("batch", "seq", "vocab"))
     aux_out = None
     if n_aux:
-        aux_out = jnp.moveaxis(aux, 0, 2).reshape(b, t, n_aux * cfg.hidden_size)  # [B, T, n_aux*D]
+        if tuple(unique) != requested:
+            aux = aux[np.asarray([unique.index(lid) for lid in requested])]  # [len(requested), B, T, D]
+        aux_out = jnp.moveaxis(aux, 0, 2).reshape(b, t, len(requested) * cfg.hidden_size)  # [B, T, 3*D]
     return ForwardOut(logits=logits, aux=aux_out, hidden=hidden if return_hidden else None,
                       k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None)
