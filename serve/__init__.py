@@ -1,0 +1,16 @@
+"""The serving front: ``python -m specjax.serve`` (HTTP, SGLang/OpenAI-compatible) and ``specjax.Engine`` (offline).
+
+Modules: args (ServerArgs + CLI), launch (load + budget + runner), engine (scheduler thread), model_runner
+(PlainRunner), pages (free list + radix cache), request (per-request state, detokenization, stops), protocol
+(pydantic bodies), api (FastAPI), offline (Engine), metrics (Prometheus).
+"""
+
+
+def __getattr__(name):
+    if name == "Engine":
+        from .offline import Engine
+        return Engine
+    if name == "ServerArgs":
+        from .args import ServerArgs
+        return ServerArgs
+    raise AttributeError(name)

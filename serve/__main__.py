@@ -1,0 +1,51 @@
+"""``python -m specjax.serve --model-path PATH [...]``: load, warm up, serve over HTTP. ``--help`` lists every flag."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+from .args import ArgsError, parse_args
+
+log = logging.getLogger("specjax.serve")
+
+
+def main(argv=None) -> int:
+    try:
+        args = parse_args(argv)
+    except ArgsError as e:
+        print(f"python -m specjax.serve: error: {e}", file=sys.stderr)
+        return 2
+    import uvicorn
+
+    from .api import create_app
+    from .launch import build, setup_logging
+
+    setup_logging(args.log_level)
+    try:
+        backend = build(args)
+    except Exception as e:  # noqa: BLE001 - a startup failure is reported in one line, not a traceback
+        log.debug("startup failed", exc_info=True)
+        print(f"python -m specjax.serve: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
+        return 1
+    if args.skip_server_warmup:
+        log.info("skipping warmup (--skip-server-warmup): the first requests compile their shapes")
+    else:
+        log.info("warming up (compiling the common shapes; --skip-server-warmup skips this)")
+        log.info("warmup done in %.1fs", backend.warmup())
+    app = create_app(backend)
+    log.info("serving %s on http://%s:%d (startup %.1fs)", args.model_name, args.host, args.port,
+             time.perf_counter() - t_start)
+    try:
+        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                    timeout_keep_alive=30)
+    finally:
+        backend.shutdown()
+    return 0
+
+
+t_start = time.perf_counter()
+
+if __name__ == "__main__":
+    sys.exit(main())

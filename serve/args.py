@@ -1,0 +1,248 @@
+"""ServerArgs: the one set of options shared by the command line (``python -m specjax.serve``) and the offline
+``specjax.Engine(**kwargs)``. Names, aliases and meanings follow SGLang; defaults are specjax's where SGLang's make no
+sense on TPU/CPU. ``build_parser`` makes the argparse front; ``ServerArgs.validate`` gives every clear error."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+
+log = logging.getLogger("specjax.serve")
+
+SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
+# SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
+GPU_ONLY_FLAGS = {
+    "cuda_graph_max_bs": int, "enable_torch_compile": bool, "torch_compile_max_bs": int, "attention_backend": str,
+}
+
+
+class ArgsError(ValueError):
+    """An invalid combination of server arguments; the message says what to change."""
+
+
+@dataclasses.dataclass
+class ServerArgs:
+    # Model and tokenizer.
+    model_path: str = ""
+    tokenizer_path: str | None = None
+    served_model_name: str | None = None
+    chat_template: str | None = None
+    trust_remote_code: bool = False
+    dtype: str = "auto"
+    context_length: int | None = None
+    # HTTP.
+    host: str = "127.0.0.1"
+    port: int = 30000
+    api_key: str | None = None
+    log_level: str = "info"
+    enable_metrics: bool = False
+    skip_server_warmup: bool = False
+    # Parallelism.
+    tp_size: int = 1
+    dp_size: int = 1
+    # Memory and scheduling.
+    mem_fraction_static: float = 0.85
+    max_running_requests: int | None = None
+    max_total_tokens: int | None = None
+    chunked_prefill_size: int = 512
+    page_size: int = 16
+    schedule_policy: str = "fcfs"
+    disable_radix_cache: bool = False
+    random_seed: int = 0
+    attention_impl: str = "auto"
+    # Speculative decoding.
+    speculative_algorithm: str | None = None
+    speculative_draft_model_path: str | None = None
+    speculative_num_steps: int | None = None
+    speculative_eagle_topk: int | None = None
+    speculative_num_draft_tokens: int | None = None
+    speculative_token_map: str | None = None
+    speculative_accept_threshold_single: float = 1.0
+    speculative_accept_threshold_acc: float = 1.0
+    # GPU-only SGLang flags (no effect here).
+    cuda_graph_max_bs: int | None = None
+    enable_torch_compile: bool = False
+    torch_compile_max_bs: int | None = None
+    attention_backend: str | None = None
+
+    def __post_init__(self):
+        if self.speculative_algorithm is not None:
+            self.speculative_algorithm = str(self.speculative_algorithm).upper()
+            # SGLang's defaults apply only when speculative decoding is on.
+            if self.speculative_num_steps is None:
+                self.speculative_num_steps = 5
+            if self.speculative_eagle_topk is None:
+                self.speculative_eagle_topk = 4
+            if self.speculative_num_draft_tokens is None:
+                self.speculative_num_draft_tokens = (self.speculative_num_steps + 1
+                                                     if self.speculative_eagle_topk == 1 else 8)
+
+    def validate(self) -> "ServerArgs":
+        if not self.model_path:
+            raise ArgsError("--model-path is required: a local folder with config.json and *.safetensors, or a hub id")
+        if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
+            raise ArgsError(f"--dtype must be one of auto, bfloat16, float16, float32 (got {self.dtype!r})")
+        if not 1 <= self.port <= 65535:
+            raise ArgsError(f"--port must be in 1..65535 (got {self.port})")
+        if self.tp_size < 1 or self.dp_size < 1:
+            raise ArgsError("--tp-size and --dp-size must be >= 1")
+        if not 0.0 < self.mem_fraction_static <= 1.0:
+            raise ArgsError(f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})")
+        if self.max_running_requests is not None and self.max_running_requests < 1:
+            raise ArgsError("--max-running-requests must be >= 1")
+        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
+            raise ArgsError(f"--max-total-tokens must hold at least one page ({self.page_size} tokens)")
+        if self.page_size < 1:
+            raise ArgsError("--page-size must be >= 1")
+        if self.context_length is not None and self.context_length < 2:
+            raise ArgsError("--context-length must be >= 2")
+        if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
+            raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ArgsError(f"--schedule-policy must be fcfs or lpm (got {self.schedule_policy!r})")
+        if self.attention_impl not in ("auto", "xla", "pallas"):
+            raise ArgsError(f"--attention-impl must be auto, xla or pallas (got {self.attention_impl!r})")
+        if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
+            raise ArgsError(f"--log-level must be debug, info, warning, error or critical (got {self.log_level!r})")
+        algo = self.speculative_algorithm
+        if algo is None:
+            if self.speculative_draft_model_path:
+                raise ArgsError("--speculative-draft-model-path is set but --speculative-algorithm is not; "
+                                "add --speculative-algorithm EAGLE3 (or EAGLE)")
+            return self
+        if algo not in SPEC_ALGORITHMS:
+            raise ArgsError(f"--speculative-algorithm must be EAGLE or EAGLE3 (got {algo!r}); "
+                            "leave it unset for plain decoding")
+        if not self.speculative_draft_model_path:
+            raise ArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH "
+                            "(the draft head's folder)")
+        steps, topk, m = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
+        if steps < 1:
+            raise ArgsError(f"--speculative-num-steps must be >= 1 (got {steps})")
+        if topk < 1:
+            raise ArgsError(f"--speculative-eagle-topk must be >= 1 (got {topk})")
+        if topk == 1 and m != steps + 1:
+            raise ArgsError(f"with --speculative-eagle-topk 1 (a chain) --speculative-num-draft-tokens must be "
+                            f"num_steps + 1 = {steps + 1} (got {m})")
+        most = 1 + topk + (steps - 1) * topk * topk  # root + every candidate the draft tree can hold
+        if not 2 <= m <= most:
+            raise ArgsError(f"--speculative-num-draft-tokens {m} must be in [2, {most}] for steps={steps}, "
+                            f"topk={topk} (the root plus at most topk + (steps-1)*topk^2 candidates)")
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ArgsError(f"--{name.replace('_', '-')} must be in (0, 1] (got {v})")
+        if self.speculative_token_map and algo != "EAGLE":
+            log.warning("--speculative-token-map is meant for EAGLE heads; EAGLE3 heads carry their own vocab map")
+        return self
+
+    @property
+    def model_name(self) -> str:
+        return self.served_model_name or self.model_path
+
+    def notices(self) -> list[str]:
+        """One line per GPU-only flag that was set (it has no effect here)."""
+        out = []
+        for name in GPU_ONLY_FLAGS:
+            v = getattr(self, name)
+            if v not in (None, False):
+                out.append(f"--{name.replace('_', '-')} is a CUDA-only SGLang flag and has no effect in specjax")
+        return out
+
+    @classmethod
+    def from_kwargs(cls, **kwargs) -> "ServerArgs":
+        """Build from SGLang-style keyword names (``specjax.Engine(model_path=..., tp_size=...)``)."""
+        aliases = {"model": "model_path", "speculative_draft_model": "speculative_draft_model_path",
+                   "tokenizer": "tokenizer_path"}
+        names = {f.name for f in dataclasses.fields(cls)}
+        clean = {}
+        for k, v in kwargs.items():
+            k = aliases.get(k, k)
+            if k not in names:
+                raise ArgsError(f"unknown engine argument {k!r}; see `python -m specjax.serve --help` for the names")
+            clean[k] = v
+        return cls(**clean)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="python -m specjax.serve",
+        description="Serve a model over HTTP (SGLang-compatible native /generate and OpenAI /v1 endpoints), "
+                    "optionally with EAGLE3 / EAGLE speculative decoding.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        epilog="examples:\n"
+               "  python -m specjax.serve --model-path ~/models/SmolLM2-135M-Instruct --port 30000\n"
+               "  python -m specjax.serve --model-path meta-llama/Llama-3.1-8B-Instruct --tp-size 8 \\\n"
+               "      --speculative-algorithm EAGLE3 --speculative-draft-model-path ./eagle3-head \\\n"
+               "      --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8\n"
+               "then: curl localhost:30000/generate -d '{\"text\": \"Hello\", \"sampling_params\": "
+               "{\"max_new_tokens\": 16}}'")
+    d = ServerArgs()
+    g = p.add_argument_group("model")
+    g.add_argument("--model-path", "--model", dest="model_path", required=True,
+                   help="HF-format model folder (config.json + *.safetensors) or hub id")
+    g.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model folder)")
+    g.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: model path)")
+    g.add_argument("--chat-template", default=None,
+                   help="Jinja chat template file, or a built-in name (chatml, llama-3-instruct); default: the "
+                        "tokenizer's own template")
+    g.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
+    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
+                   help="parameter/compute dtype; auto = the checkpoint's torch_dtype")
+    g.add_argument("--context-length", type=int, default=None,
+                   help="max tokens per sequence (prompt + output); default: the model's max_position_embeddings")
+    g = p.add_argument_group("http")
+    g.add_argument("--host", default=d.host)
+    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
+    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
+    g.add_argument("--skip-server-warmup", action="store_true", help="start without compiling the common shapes")
+    g = p.add_argument_group("parallelism")
+    g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size, help="tensor-parallel devices")
+    g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,
+                   help="data-parallel devices (the running batch is split over them)")
+    g = p.add_argument_group("memory and scheduling")
+    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
+                   help="fraction of device memory for weights + KV pages (host RAM on CPU); ignored when "
+                        "--max-total-tokens is set")
+    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (overrides the fraction)")
+    g.add_argument("--max-running-requests", type=int, default=None,
+                   help="slots in the running batch (default: 32, fewer if the KV pool is small)")
+    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
+                   help="max prompt tokens computed per scheduler iteration, so long prompts interleave with "
+                        "decoding (-1: whole prompt at once)")
+    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (radix cache granularity)")
+    g.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
+                   help="order of admission: first come first served, or longest cached prefix first")
+    g.add_argument("--disable-radix-cache", action="store_true", help="turn off prefix reuse between requests")
+    g.add_argument("--random-seed", type=int, default=d.random_seed, help="seed for requests that bring none")
+    g.add_argument("--attention-impl", default=d.attention_impl, choices=["auto", "xla", "pallas"],
+                   help="attention kernel: pallas (TPU), xla (reference), auto = pallas on TPU else xla")
+    g = p.add_argument_group("speculative decoding")
+    g.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=list(SPEC_ALGORITHMS),
+                   help="EAGLE3 (aux-feature heads) or EAGLE (EAGLE-1/2 heads); unset = plain decoding")
+    g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
+                   default=None, help="draft head folder (required with an algorithm)")
+    g.add_argument("--speculative-num-steps", type=int, default=None, help="draft tree depth (default 5)")
+    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step; 1 = chain (default 4)")
+    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
+                   help="tree size incl. root (default 8; with topk 1 it must be steps + 1)")
+    g.add_argument("--speculative-token-map", default=None, help="FR-Spec hot-token list for EAGLE heads")
+    g.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
+                   help="SGLang's relaxed acceptance; 1.0 = lossless")
+    g.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
+                   help="SGLang's relaxed acceptance; 1.0 = lossless")
+    g = p.add_argument_group("CUDA-only SGLang flags (accepted, no effect)")
+    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--enable-torch-compile", action="store_true", help=argparse.SUPPRESS)
+    g.add_argument("--torch-compile-max-bs", type=int, default=None, help=argparse.SUPPRESS)
+    g.add_argument("--attention-backend", default=None, help=argparse.SUPPRESS)
+    g.description = "--cuda-graph-max-bs, --enable-torch-compile, --torch-compile-max-bs, --attention-backend"
+    return p
+
+
+def parse_args(argv=None) -> ServerArgs:
+    ns = build_parser().parse_args(argv)
+    return ServerArgs(**vars(ns)).validate()

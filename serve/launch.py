@@ -1,0 +1,233 @@
+"""From ServerArgs to a running scheduler: tokenizer, model, mesh, KV budget, runner, warmup. Shared by the HTTP
+server (``python -m specjax.serve``) and the offline ``specjax.Engine``.
+
+KV budget (pages of ``--page-size`` tokens; one extra scratch page):
+- ``--max-total-tokens N``: exactly N tokens of pages.
+- otherwise ``--mem-fraction-static f``: on TPU/GPU, ``f * bytes_limit`` of each device minus that device's share of
+  the weights, divided by the bytes of one page on one device (K/V of every layer, sharded over tp when the kv
+  heads divide). On CPU there is no device limit: ``f`` of host RAM minus the weights, capped at
+  ``max_running_requests * context_length`` and at CPU_MAX_POOL_TOKENS (CPU serving is for development).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import threading
+import time
+
+import jax
+import numpy as np
+
+from .args import ServerArgs
+from .engine import Scheduler
+from .metrics import Metrics
+from .request import RequestError, SamplingParams
+
+log = logging.getLogger("specjax.serve")
+
+CPU_MAX_POOL_TOKENS = 1 << 16
+DEFAULT_MAX_RUNNING = 32
+
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['role'] + '<|end_header_id|>\n\n' + "
+          "m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
+          "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
+BUILTIN_CHAT_TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama-3-instruct": LLAMA3, "llama3": LLAMA3}
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
+                        format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
+    log.setLevel(getattr(logging, level.upper(), logging.INFO))
+
+
+def _file_eos_ids(folder: str) -> list[int]:
+    path = os.path.join(folder, "generation_config.json")
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return []
+    if eos is None:
+        return []
+    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
+
+
+def _resolve_chat_template(args: ServerArgs, tokenizer) -> str:
+    if args.chat_template:
+        if os.path.isfile(args.chat_template):
+            with open(args.chat_template) as f:
+                text = f.read()
+            if args.chat_template.endswith(".json"):  # an HF tokenizer_config.json-style file
+                text = json.loads(text).get("chat_template", text)
+            return text
+        if args.chat_template in BUILTIN_CHAT_TEMPLATES:
+            return BUILTIN_CHAT_TEMPLATES[args.chat_template]
+        raise ValueError(f"--chat-template {args.chat_template!r} is neither a file nor a built-in name "
+                         f"({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))})")
+    tmpl = getattr(tokenizer, "chat_template", None)
+    if tmpl:
+        return tmpl
+    log.warning("the tokenizer has no chat template and --chat-template is not set; /v1/chat/completions uses ChatML")
+    return CHATML
+
+
+def _kv_budget_tokens(args: ServerArgs, cfg, params, page_bytes_per_device: int, max_running: int,
+                      context_length: int) -> int:
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    dev = jax.devices()[0]
+    stats = None
+    try:
+        stats = dev.memory_stats()
+    except Exception:  # noqa: BLE001 - CPU backends may raise instead of returning None
+        stats = None
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) // max(1, args.tp_size)
+    if stats and stats.get("bytes_limit"):
+        avail = args.mem_fraction_static * stats["bytes_limit"] - param_bytes
+        tokens = int(max(avail, 0) // page_bytes_per_device) * args.page_size
+    else:
+        try:
+            host = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+        except (ValueError, OSError, AttributeError):
+            host = 8 << 30
+        avail = args.mem_fraction_static * host - param_bytes
+        tokens = int(max(avail, 0) // page_bytes_per_device) * args.page_size
+        tokens = min(tokens, max_running * context_length, CPU_MAX_POOL_TOKENS)
+    if tokens < args.page_size * 2:
+        raise MemoryError(f"no room for KV pages: --mem-fraction-static {args.mem_fraction_static} leaves "
+                          f"{tokens} tokens after the weights; raise it or set --max-total-tokens")
+    return tokens
+
+
+@dataclasses.dataclass
+class Backend:
+    """Everything the HTTP layer and the offline engine share."""
+    args: ServerArgs
+    model_folder: str
+    tokenizer_folder: str
+    tokenizer: object
+    cfg: object
+    scheduler: Scheduler
+    chat_template: str
+    context_length: int
+    spec: bool
+    metrics: Metrics
+    startup_s: float = 0.0
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def render_chat(self, messages: list[dict]) -> str:
+        try:
+            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                      add_generation_prompt=True)
+        except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, etc.)
+            raise RequestError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
+                               param="messages") from None
+
+    def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None):
+        return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed)
+
+    def warmup(self) -> float:
+        """Compile the common shapes, then run one request end to end. Returns seconds."""
+        t0 = time.perf_counter()
+        runner = self.scheduler.runner
+        if hasattr(runner, "warmup"):
+            self.scheduler.call(lambda: setattr(self.scheduler, "state", runner.warmup(self.scheduler.state)),
+                                timeout=3600)
+        done = threading.Event()
+        sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
+        self.submit(self.encode("Hello, warm up.")[:8] or [0], sp,
+                    lambda ev: done.set() if ev["finished"] else None, rid="warmup")
+        done.wait(3600)
+        self.scheduler.flush_cache()
+        return time.perf_counter() - t0
+
+    def shutdown(self) -> None:
+        self.scheduler.shutdown()
+
+
+def make_mesh_for(args: ServerArgs):
+    if args.tp_size * args.dp_size == 1:
+        return None
+    from specjax.sharding import make_mesh
+    devs = jax.devices()
+    n = args.tp_size * args.dp_size
+    if len(devs) < n:
+        raise ValueError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} needs {n} devices; "
+                         f"{len(devs)} available ({devs[0].platform})")
+    return make_mesh(dp=args.dp_size, tp=args.tp_size, devices=devs[:n])
+
+
+def build(args: ServerArgs) -> Backend:
+    """Load everything and start the scheduler thread (no warmup)."""
+    from transformers import AutoTokenizer
+
+    from specjax.weights import load_model, resolve_model_path
+
+    t0 = time.perf_counter()
+    for line in args.notices():
+        log.warning(line)
+    if args.speculative_algorithm and (args.speculative_accept_threshold_single != 1.0
+                                       or args.speculative_accept_threshold_acc != 1.0):
+        log.warning("relaxed acceptance thresholds are not implemented; verification stays lossless (1.0)")
+    folder = resolve_model_path(args.model_path)
+    tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
+    tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)
+    mesh = make_mesh_for(args)
+    cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
+    context_length = args.context_length or cfg.max_position_embeddings
+    spec = args.speculative_algorithm is not None
+    w = args.speculative_num_steps + 1 if spec else 1
+    z = args.page_size
+    pages_per_seq = -(-(context_length + w) // z)
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
+    kv_layers = cfg.num_layers
+    draft = None
+    if spec:
+        from specjax.spec.decoder import load_draft
+        draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
+                           token_map=args.speculative_token_map)
+        kv_layers += getattr(draft[0], "num_layers", 1)
+    kv_shard = args.tp_size if cfg.num_kv_heads % args.tp_size == 0 else 1
+    page_bytes = 2 * kv_layers * z * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize // kv_shard
+    tokens = _kv_budget_tokens(args, cfg, params, page_bytes, max_running, context_length)
+    num_pages = tokens // z + 1  # + the scratch page
+    if args.max_running_requests is None:
+        max_running = max(1, min(max_running, num_pages - 1))
+    chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else \
+        context_length
+    if spec:
+        from specjax.spec.decoder import SpecRunner
+        draft_cfg, draft_params, vmap = draft
+        runner = SpecRunner(cfg, params, args.speculative_algorithm, draft_cfg, draft_params, vmap,
+                            num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
+                            num_draft_tokens=args.speculative_num_draft_tokens, max_batch=max_running,
+                            pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
+                            attention_impl=args.attention_impl)
+    else:
+        from .model_runner import PlainRunner
+        runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,
+                             num_pages=num_pages, max_prefill_tokens=chunk, attention_impl=args.attention_impl,
+                             mesh=mesh)
+    eos = list(cfg.eos_token_ids) + _file_eos_ids(folder)
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        eos.append(int(tokenizer.eos_token_id))
+    metrics = Metrics(enabled=args.enable_metrics, model_name=args.model_name)
+    scheduler = Scheduler(runner, tokenizer, context_length=context_length, vocab_size=cfg.vocab_size, eos_ids=eos,
+                          chunked_prefill_size=args.chunked_prefill_size,
+                          enable_radix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy,
+                          random_seed=args.random_seed, spec=spec, metrics=metrics)
+    scheduler.start()
+    log.info("loaded %s (%s, %d layers, dtype %s) in %.1fs; KV pool %d pages x %d tokens, %d slots, context %d%s",
+             folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,
+             max_running, context_length, f", {args.speculative_algorithm}" if spec else "")
+    return Backend(args=args, model_folder=folder, tokenizer_folder=tok_folder, tokenizer=tokenizer, cfg=cfg,
+                   scheduler=scheduler, chat_template=_resolve_chat_template(args, tokenizer),
+                   context_length=context_length, spec=spec, metrics=metrics,
+                   startup_s=time.perf_counter() - t0)

@@ -1,0 +1,232 @@
+"""PlainRunner: the ``specjax.runner.Runner`` protocol for plain decoding (one token per slot per step).
+
+Shapes are bucketed so that a handful of compiled programs cover every request mix:
+- prefill runs one slot at a time on a B=1 view of the shared page pool, its new tokens padded to a power of two
+  (16 .. max_prefill_tokens);
+- decode runs the first ``nb`` slots only (nb = power of two covering the highest active slot; the scheduler hands
+  out the lowest free slot first, so the running batch stays packed at the front);
+- both read only the first ``np`` page-table columns (np = power of two covering the longest active sequence),
+  so attention over the XLA reference path costs what the sequences hold, not the context length.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from functools import partial
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax import decode, kv_cache, sampling
+from specjax.config import ModelConfig
+from specjax.sharding import use_mesh
+
+log = logging.getLogger("specjax.serve")
+
+MIN_PREFILL_BUCKET = 16
+MIN_PAGE_BUCKET_TOKENS = 256
+
+
+def resolve_cache_attention(impl: str):
+    """``--attention-impl`` -> the ``cache_attention`` callable for ``target.forward`` (None = XLA reference)."""
+    if impl == "xla" or (impl == "auto" and jax.default_backend() != "tpu"):
+        return None
+    try:
+        from specjax.kernels import tree_attention as ta  # the Pallas TPU kernel package
+    except ImportError as e:
+        if impl == "auto":
+            log.warning("Pallas tree-attention kernel not importable (%s); using the XLA attention path", e)
+            return None
+        raise RuntimeError(f"--attention-impl pallas: the kernel package specjax.kernels.tree_attention is not "
+                           f"importable ({e})") from None
+    for name in ("cache_attention", "paged_tree_attention", "tree_attention"):
+        fn = getattr(ta, name, None)
+        if callable(fn):
+            return fn
+    if impl == "auto":
+        log.warning("specjax.kernels.tree_attention exports no cache-attention entry point; using XLA attention")
+        return None
+    raise RuntimeError("--attention-impl pallas: specjax.kernels.tree_attention exports no cache-attention function")
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` up to ``hi``, with ``hi`` itself as the last bucket."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+def pick(buckets: list[int], need: int) -> int:
+    for b in buckets:
+        if b >= need:
+            return b
+    raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PlainState:
+    cache: kv_cache.KVCache  # pool [L, P, Z, K, H]; page_table i32[B, pps]; lengths i32[B]
+    sampling: sampling.SamplingBatch  # per-slot sampling parameters and PRNG keys, [B]
+    last: jax.Array  # i32[B] last emitted token of each slot (the next decode input)
+
+
+class PlainRunner:
+    """Plain decoding over a paged pool shared by ``max_batch`` slots."""
+
+    tokens_per_step = 1
+
+    def __init__(self, cfg: ModelConfig, params, *, max_batch: int, pages_per_seq: int, page_size: int,
+                 num_pages: int, max_prefill_tokens: int = 512, attention_impl: str = "auto",
+                 mesh: Mesh | None = None):
+        self.cfg, self.params, self.mesh = cfg, params, mesh
+        self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
+            num_pages
+        self.cache_attention = resolve_cache_attention(attention_impl)
+        max_tokens = pages_per_seq * page_size
+        self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, min(max(max_prefill_tokens, 1), max_tokens))
+        self.batch_buckets = pow2_buckets(1, max_batch)
+        self.page_buckets = pow2_buckets(max(1, -(-MIN_PAGE_BUCKET_TOKENS // page_size)), pages_per_seq)
+        self._lengths = np.zeros((max_batch,), np.int64)  # host mirror of cache lengths, for bucketing
+        self._active = np.zeros((max_batch,), bool)
+        self._compiled: set = set()
+        self._prefill_jit = jax.jit(self._prefill, static_argnames=("npages",), donate_argnums=(1,))
+        self._step_jit = jax.jit(self._step, static_argnames=("nb", "npages"), donate_argnums=(1,))
+
+    # ---- device state --------------------------------------------------------------------------------------------
+    def init_state(self) -> PlainState:
+        c = self.cfg
+        shape = (c.num_layers, self.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
+        dt = jnp.dtype(c.dtype)
+        k = jnp.zeros(shape, dt)
+        v = jnp.zeros(shape, dt)
+        if self.mesh is not None:
+            tp = self.mesh.shape["tp"]
+            spec = P(None, None, None, "tp", None) if c.num_kv_heads % tp == 0 else P()
+            k = jax.device_put(k, NamedSharding(self.mesh, spec))
+            v = jax.device_put(v, NamedSharding(self.mesh, spec))
+        b = self.max_batch
+        cache = kv_cache.KVCache(k=k, v=v, page_table=jnp.zeros((b, self.pages_per_seq), jnp.int32),
+                                 lengths=jnp.zeros((b,), jnp.int32))
+        self._lengths[:] = 0
+        self._active[:] = False
+        return PlainState(cache=cache, sampling=sampling.SamplingBatch.make(b), last=jnp.zeros((b,), jnp.int32))
+
+    # ---- jitted bodies -------------------------------------------------------------------------------------------
+    def _prefill(self, params, state: PlainState, slot, tokens, n, cached, page_row, temperature, top_k, top_p,
+                 min_p, seed, *, npages: int):
+        t = tokens.shape[0]
+        view = kv_cache.KVCache(k=state.cache.k, v=state.cache.v, page_table=page_row[None, :npages],
+                                lengths=cached[None])
+        valid = (jnp.arange(t) < n)[None]  # bool[1, T]
+        view, out = decode.prefill(params, self.cfg, view, tokens[None], valid, cache_attention=self.cache_attention)
+        key = jax.random.key_data(jax.random.PRNGKey(seed))[None]  # u32[1, 2]: the request's own stream
+        sb = sampling.SamplingBatch(temperature=temperature[None], top_k=top_k[None], top_p=top_p[None],
+                                    min_p=min_p[None], key=key)
+        tok, sb = sampling.sample_next(out.logits, sb)  # i32[1]
+        cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=state.cache.page_table.at[slot].set(page_row),
+                                 lengths=state.cache.lengths.at[slot].set(cached + n))
+        samp = jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, sb)
+        return PlainState(cache=cache, sampling=samp, last=state.last.at[slot].set(tok[0])), tok[0]
+
+    def _step(self, params, state: PlainState, active, *, nb: int, npages: int):
+        c = state.cache
+        view = kv_cache.KVCache(k=c.k, v=c.v, page_table=c.page_table[:nb, :npages], lengths=c.lengths[:nb])
+        act = active[:nb]
+        view, logits = decode.decode(params, self.cfg, view, state.last[:nb], act,
+                                     cache_attention=self.cache_attention)
+        sb = jax.tree.map(lambda a: a[:nb], state.sampling)
+        tok, sb = sampling.sample_next(logits, sb)  # i32[nb]
+        tok = jnp.where(act, tok, 0)
+        samp = jax.tree.map(lambda a, r: a.at[:nb].set(r), state.sampling, sb)
+        cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=c.page_table, lengths=c.lengths.at[:nb].set(
+            view.lengths))
+        return PlainState(cache=cache, sampling=samp, last=state.last.at[:nb].set(
+            jnp.where(act, tok, state.last[:nb]))), tok
+
+    def _note_compile(self, key, t0):
+        if key not in self._compiled:
+            self._compiled.add(key)
+            log.debug("compiled %s in %.2fs", key, time.perf_counter() - t0)
+
+    # ---- protocol ------------------------------------------------------------------------------------------------
+    def prefill(self, state, slot: int, tokens, page_row, sampling_params: dict, cached: int = 0):
+        tokens = np.asarray(tokens, np.int32)
+        page_row = np.asarray(page_row, np.int32)
+        sp = sampling_params
+        args = [np.float32(sp.get("temperature", 1.0)), np.int32(sp.get("top_k", -1)),
+                np.float32(sp.get("top_p", 1.0)), np.float32(sp.get("min_p", 0.0)),
+                np.uint32(sp.get("seed", 0) % (1 << 32))]
+        pos, total, tok = int(cached), len(tokens), None
+        if total <= pos:
+            raise ValueError(f"prefill needs at least one uncached token (cached={pos}, tokens={total})")
+        while pos < total:  # a prompt longer than the largest bucket runs as several chunks
+            n = min(total - pos, self.prefill_buckets[-1])
+            t = pick(self.prefill_buckets, n)
+            npages = pick(self.page_buckets, -(-(pos + n) // self.page_size))
+            chunk = np.zeros((t,), np.int32)
+            chunk[:n] = tokens[pos:pos + n]
+            t0 = time.perf_counter()
+            with use_mesh(self.mesh):
+                state, tok = self._prefill_jit(self.params, state, np.int32(slot), chunk, np.int32(n),
+                                               np.int32(pos), page_row, *args, npages=npages)
+            self._note_compile(("prefill", t, npages), t0)
+            pos += n
+        self._lengths[slot] = total
+        self._active[slot] = True
+        return state, int(tok)
+
+    def step(self, state, active):
+        active = np.asarray(active, bool)
+        b = self.max_batch
+        idx = np.nonzero(active)[0]
+        if len(idx) == 0:
+            return state, np.zeros((b, 1), np.int32), np.zeros((b,), np.int32)
+        nb = pick(self.batch_buckets, int(idx[-1]) + 1)
+        longest = int(self._lengths[idx].max()) + 1
+        npages = pick(self.page_buckets, -(-longest // self.page_size))
+        t0 = time.perf_counter()
+        with use_mesh(self.mesh):
+            state, tok = self._step_jit(self.params, state, active, nb=nb, npages=npages)
+        self._note_compile(("step", nb, npages), t0)
+        tokens = np.zeros((b, 1), np.int32)
+        tokens[:nb, 0] = np.asarray(tok)
+        self._lengths[idx] += 1
+        return state, tokens, active.astype(np.int32)
+
+    def release(self, state, slot: int):
+        self._lengths[slot] = 0
+        self._active[slot] = False
+        return state
+
+    def warmup(self, state, log_fn=log.info):
+        """Compile every prefill bucket and every batch bucket at the shortest page bucket; returns the state."""
+        t0 = time.perf_counter()
+        row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
+        greedy = {"temperature": 0.0}
+        for t in self.prefill_buckets:
+            state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
+            state = self.release(state, 0)
+        for nb in self.batch_buckets:
+            active = np.zeros((self.max_batch,), bool)
+            active[nb - 1] = True
+            state = self._step_only(state, active)
+        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {len(self.batch_buckets)} decode shapes in "
+               f"{time.perf_counter() - t0:.1f}s")
+        return state
+
+    def _step_only(self, state, active):
+        # Decode at length 0 over the scratch page: compiles the shape without touching any live slot.
+        self._lengths[active] = 0
+        state, _, _ = self.step(state, active)
+        self._lengths[active] = 0
+        state = dataclasses.replace(state, cache=dataclasses.replace(
+            state.cache, lengths=jnp.where(jnp.asarray(active), 0, state.cache.lengths)))
+        return state

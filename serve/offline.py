@@ -1,0 +1,119 @@
+"""``specjax.Engine``: the server's scheduler in-process, with SGLang's offline API.
+
+    llm = specjax.Engine(model_path="...", speculative_algorithm="EAGLE3", speculative_draft_model_path="...",
+                         speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
+    out = llm.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
+    for chunk in llm.generate("Hi", {"max_new_tokens": 8}, stream=True):
+        print(chunk["text"], end="")      # streamed chunks carry the NEW text (and token ids) only
+    llm.shutdown()
+
+Keyword arguments are ServerArgs' fields (the same set as the command line flags, dashes -> underscores).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import queue
+from typing import Any, Iterator
+
+from .args import ServerArgs
+from .request import SamplingParams
+
+
+class Engine:
+    def __init__(self, **kwargs):
+        from .launch import build, setup_logging
+
+        kwargs.setdefault("log_level", "warning")
+        self.server_args = ServerArgs.from_kwargs(**kwargs).validate()
+        setup_logging(self.server_args.log_level)
+        self.backend = build(self.server_args)
+        self.tokenizer = self.backend.tokenizer
+        if not self.server_args.skip_server_warmup:
+            self.backend.warmup()
+
+    # ---- inputs --------------------------------------------------------------------------------------------------
+    def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        if (prompt is None) == (input_ids is None):
+            raise ValueError("give exactly one of prompt or input_ids")
+        if prompt is not None:
+            single = isinstance(prompt, str)
+            texts = [prompt] if single else list(prompt)
+            return [self.backend.encode(t) for t in texts], single
+        single = not input_ids or not isinstance(input_ids[0], (list, tuple))
+        return ([list(input_ids)] if single else [list(x) for x in input_ids]), single
+
+    def _submit_all(self, prompt, sampling_params, input_ids, sink_for):
+        prompts, single = self._prompts(prompt, input_ids)
+        if isinstance(sampling_params, (list, tuple)):
+            if len(sampling_params) != len(prompts):
+                raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
+            sps = [SamplingParams.from_dict(s) for s in sampling_params]
+        else:
+            sps = [SamplingParams.from_dict(sampling_params)] * len(prompts)
+        reqs = []
+        try:
+            for ids, sp in zip(prompts, sps):
+                for j in range(sp.n):
+                    seed = None if sp.seed is None else sp.seed + j
+                    reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), seed=seed))
+        except Exception:
+            for r in reqs:
+                self.backend.scheduler.abort(r.rid)
+            raise
+        return reqs, single and len(reqs) == 1
+
+    # ---- API -----------------------------------------------------------------------------------------------------
+    def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False
+                 ) -> dict | list[dict] | Iterator[dict]:
+        """Returns {text, output_ids, meta_info} for one prompt (n == 1), else a list in prompt order (n copies
+        of each prompt in a row). With ``stream=True`` returns an iterator of chunks {text, output_ids, meta_info,
+        index, finished} holding each request's new text and token ids."""
+        q: queue.Queue = queue.Queue()
+        reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))))
+        if stream:
+            return self._stream(q, reqs)
+        outs: list[dict[str, Any]] = [{"text": "", "output_ids": [], "meta_info": {}} for _ in reqs]
+        done = 0
+        try:
+            while done < len(reqs):
+                i, ev = q.get()
+                outs[i]["text"] += ev["text"]
+                outs[i]["output_ids"] += ev["token_ids"]
+                outs[i]["meta_info"] = ev["meta_info"]
+                done += ev["finished"]
+        except BaseException:
+            for r in reqs:
+                self.backend.scheduler.abort(r.rid)
+            raise
+        return outs[0] if single else outs
+
+    def _stream(self, q: queue.Queue, reqs) -> Iterator[dict]:
+        done = 0
+        try:
+            while done < len(reqs):
+                i, ev = q.get()
+                done += ev["finished"]
+                yield {"text": ev["text"], "output_ids": ev["token_ids"], "meta_info": ev["meta_info"], "index": i,
+                       "finished": ev["finished"]}
+        finally:
+            for r in reqs:
+                self.backend.scheduler.abort(r.rid)  # no-op for finished ones; frees pages if the caller stopped
+
+    def flush_cache(self) -> bool:
+        return self.backend.scheduler.flush_cache()
+
+    def get_server_info(self) -> dict:
+        info = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
+        info["internal_states"] = [self.backend.scheduler.stats()]
+        return info
+
+    def shutdown(self) -> None:
+        self.backend.shutdown()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.shutdown()

@@ -1,0 +1,147 @@
+"""KV pages on the host side: the free list, and the radix cache of full pages shared between requests.
+
+Page 0 is a scratch page that is never handed out: unused page-table entries point at it, so a stray write (a
+padded token, a rejected draft) lands somewhere harmless. The radix cache is a trie whose edges are whole pages
+of token ids; a node owns its page while it is in the trie. Requests hold references on the nodes of their prefix
+(ref counts); only unreferenced leaves are evicted, least recently used first.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+import time
+
+
+class PagePool:
+    def __init__(self, num_pages: int):
+        if num_pages < 2:
+            raise ValueError("the KV pool needs at least 2 pages (one is scratch)")
+        self.num_pages = num_pages
+        self.capacity = num_pages - 1  # pages that can be handed out
+        self._free = list(range(num_pages - 1, 0, -1))
+
+    @property
+    def num_free(self) -> int:
+        return len(self._free)
+
+    def alloc(self, n: int) -> list[int] | None:
+        if n > len(self._free):
+            return None
+        out = [self._free.pop() for _ in range(n)]
+        return out
+
+    def release(self, pages) -> None:
+        self._free.extend(pages)
+
+    def reset(self) -> None:
+        self._free = list(range(self.num_pages - 1, 0, -1))
+
+
+class Node:
+    __slots__ = ("key", "page", "parent", "children", "ref", "last_used")
+
+    def __init__(self, key, page, parent):
+        self.key, self.page, self.parent = key, page, parent
+        self.children: dict[tuple, Node] = {}
+        self.ref = 0
+        self.last_used = time.monotonic()
+
+
+class RadixCache:
+    """Prefix reuse at page granularity. ``enabled=False`` turns every call into a no-op (nothing is shared)."""
+
+    def __init__(self, pool: PagePool, page_size: int, enabled: bool = True):
+        self.pool, self.page_size, self.enabled = pool, page_size, enabled
+        self.root = Node((), -1, None)
+        self.num_nodes = 0
+        self._tick = itertools.count()
+
+    def _keys(self, tokens, num_pages):
+        z = self.page_size
+        return [tuple(tokens[i * z:(i + 1) * z]) for i in range(num_pages)]
+
+    def match(self, tokens, max_pages: int) -> list[Node]:
+        """Nodes of the longest cached prefix of ``tokens``, at most ``max_pages`` pages (nothing is locked)."""
+        if not self.enabled:
+            return []
+        out, node = [], self.root
+        for key in self._keys(tokens, min(max_pages, len(tokens) // self.page_size)):
+            node = node.children.get(key)
+            if node is None:
+                break
+            out.append(node)
+        return out
+
+    def lock(self, nodes) -> None:
+        now = time.monotonic()
+        for n in nodes:
+            n.ref += 1
+            n.last_used = now
+
+    def unlock(self, nodes) -> None:
+        now = time.monotonic()
+        for n in nodes:
+            n.ref -= 1
+            n.last_used = now
+            assert n.ref >= 0, "radix node unlocked more often than locked"
+
+    def insert(self, tokens, pages, held: list[Node]) -> list[Node]:
+        """Insert the full pages of ``tokens`` (KV in ``pages``) below the path ``held`` that the caller already holds.
+        Returns the nodes newly held by the caller (locked): existing nodes are reused, and the caller's own page
+        becomes the trie's only when the node is new. The caller keeps (and later frees) pages the trie did not take.
+        """
+        if not self.enabled:
+            return []
+        keys = self._keys(tokens, len(tokens) // self.page_size)
+        node = held[-1] if held else self.root
+        new: list[Node] = []
+        for i in range(len(held), len(keys)):
+            child = node.children.get(keys[i])
+            if child is None:
+                child = Node(keys[i], pages[i], node)
+                node.children[keys[i]] = child
+                self.num_nodes += 1
+            new.append(child)
+            node = child
+        self.lock(new)
+        return new
+
+    def owns(self, node: Node, page: int) -> bool:
+        return node.page == page
+
+    def evictable_pages(self) -> int:
+        return sum(1 for n in self._walk() if n.ref == 0)
+
+    def cached_pages(self) -> int:
+        return self.num_nodes
+
+    def _walk(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            yield n
+            stack.extend(n.children.values())
+
+    def evict(self, num_pages: int) -> int:
+        """Free up to ``num_pages`` pages from unreferenced leaves, least recently used first. Returns pages freed."""
+        if num_pages <= 0:
+            return 0
+        heap = [(n.last_used, next(self._tick), n) for n in self._walk() if n.ref == 0 and not n.children]
+        heapq.heapify(heap)
+        freed = 0
+        while heap and freed < num_pages:
+            _, _, n = heapq.heappop(heap)
+            parent = n.parent
+            del parent.children[n.key]
+            self.num_nodes -= 1
+            self.pool.release([n.page])
+            freed += 1
+            if parent is not self.root and parent.ref == 0 and not parent.children:
+                heapq.heappush(heap, (parent.last_used, next(self._tick), parent))
+        return freed
+
+    def reset(self) -> None:
+        """Forget every node (their pages are returned by the caller resetting the pool)."""
+        self.root = Node((), -1, None)
+        self.num_nodes = 0

@@ -1,0 +1,202 @@
+"""One generation request as the scheduler sees it: sampling parameters, incremental detokenization, stop conditions
+and the output events it sends to its consumer (an HTTP handler or the offline engine)."""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from typing import Any, Callable
+
+from specjax import sampling
+
+DETOK_CONTEXT = 6  # prompt tokens decoded with the output so that the first output token gets its leading space
+
+
+class RequestError(ValueError):
+    """A request that can never be served as asked (too long, bad parameters); maps to HTTP 400."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Per-request sampling and stop parameters (SGLang's names and defaults)."""
+    max_new_tokens: int = 128
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    min_p: float = 0.0
+    stop: list[str] = dataclasses.field(default_factory=list)
+    stop_token_ids: list[int] = dataclasses.field(default_factory=list)
+    ignore_eos: bool = False
+    skip_special_tokens: bool = True
+    n: int = 1
+    seed: int | None = None
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        d = dict(d or {})
+        if "sampling_seed" in d and d.get("seed") is None:
+            d["seed"] = d.pop("sampling_seed")
+        d.pop("sampling_seed", None)
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(d) - names)
+        if unknown:
+            raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(names)}", param=unknown[0])
+        d = {k: v for k, v in d.items() if v is not None}
+        if isinstance(d.get("stop"), str):
+            d["stop"] = [d["stop"]]
+        sp = cls(**d)
+        sp.validate()
+        return sp
+
+    def validate(self) -> None:
+        try:
+            if int(self.max_new_tokens) < 1 or isinstance(self.max_new_tokens, bool):
+                raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+            self.max_new_tokens = int(self.max_new_tokens)
+            self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
+            self.top_k = int(self.top_k)
+            if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
+                self.top_k = -1
+            sampling.validate(self.temperature, self.top_k, self.top_p, self.min_p)
+        except RequestError:
+            raise
+        except (TypeError, ValueError) as e:
+            param = str(e).split(" ")[0] if str(e) else None
+            raise RequestError(str(e), param=param) from None
+        if not 1 <= int(self.n) <= 64:
+            raise RequestError(f"n must be in [1, 64], got {self.n}", "n")
+        if not all(isinstance(s, str) and s for s in self.stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+        if len(self.stop) > 16:
+            raise RequestError("at most 16 stop strings", "stop")
+        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
+            raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+
+    def runner_dict(self, seed: int) -> dict:
+        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
+                "seed": seed}
+
+
+@dataclasses.dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    sink: Callable[[dict], None]  # receives output events; called on the scheduler thread
+    seed: int = 0
+    arrival: float = dataclasses.field(default_factory=time.perf_counter)
+    # Scheduling state (owned by the scheduler thread).
+    slot: int | None = None
+    pages: list[int] = dataclasses.field(default_factory=list)  # page-table row (logical page -> pool page)
+    nodes: list = dataclasses.field(default_factory=list)  # radix nodes this request holds a reference on
+    cached_tokens: int = 0  # prompt tokens reused from the radix cache
+    prefilled: int = 0  # prompt tokens in the KV cache
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    spec_verify_ct: int = 0
+    finish_reason: dict | None = None
+    abort_requested: bool = False
+    first_token_time: float | None = None
+    # Detokenization state.
+    text: str = ""  # visible output text so far (stop strings removed)
+    sent_chars: int = 0  # text[:sent_chars] has been streamed
+    sent_ids: int = 0
+    _detok_ids: list[int] = dataclasses.field(default_factory=list)
+    _prefix_offset: int = 0
+    _read_offset: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+    @property
+    def prefill_done(self) -> bool:
+        return self.prefilled >= len(self.prompt_ids)
+
+    def tokens_in_cache(self) -> list[int]:
+        """Tokens whose KV sits in this request's pages: the prompt part computed so far, then every emitted token
+        but the last (which has not been fed back yet)."""
+        if not self.prefill_done:
+            return self.prompt_ids[:self.prefilled]
+        return self.prompt_ids + self.output_ids[:-1]
+
+    def init_detok(self) -> None:
+        ctx = self.prompt_ids[-DETOK_CONTEXT:]
+        self._detok_ids = list(ctx)
+        self._prefix_offset, self._read_offset = 0, len(ctx)
+
+    def _decode_delta(self, tokenizer, final: bool) -> str:
+        """vLLM-style incremental decode: emit text only once it no longer ends in a partial UTF-8 character."""
+        skip = self.params.skip_special_tokens
+        prefix = tokenizer.decode(self._detok_ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
+        full = tokenizer.decode(self._detok_ids[self._prefix_offset:], skip_special_tokens=skip)
+        if len(full) > len(prefix) and (final or not full.endswith("\ufffd")):
+            # Some tokenizers rewrite the prefix when more tokens follow; keep what we have already emitted.
+            delta = full[len(prefix):] if full.startswith(prefix) else full[len(prefix):]
+            self._prefix_offset, self._read_offset = self._read_offset, len(self._detok_ids)
+            return delta
+        return ""
+
+    def append_tokens(self, tokens, tokenizer, eos_ids: frozenset[int], context_left: int) -> None:
+        """Add newly generated tokens one by one, stopping at the first stop condition (the rest are dropped)."""
+        sp = self.params
+        stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
+        max_stop = max((len(s) for s in sp.stop), default=0)
+        for tok in tokens:
+            tok = int(tok)
+            if self.first_token_time is None:
+                self.first_token_time = time.perf_counter()
+            self.output_ids.append(tok)
+            if tok in stop_ids:
+                self.finish_reason = {"type": "stop", "matched": tok}
+                return
+            self._detok_ids.append(tok)
+            old_len = len(self.text)
+            self.text += self._decode_delta(tokenizer, final=False)
+            if max_stop and len(self.text) > old_len:
+                start = max(0, old_len - max_stop + 1)
+                hits = [(self.text.find(s, start), s) for s in sp.stop]
+                hits = [(i, s) for i, s in hits if i >= 0]
+                if hits:
+                    i, s = min(hits)
+                    self.text = self.text[:i]
+                    self.finish_reason = {"type": "stop", "matched": s}
+                    return
+            if len(self.output_ids) >= sp.max_new_tokens or len(self.output_ids) >= context_left:
+                self.finish_reason = {"type": "length", "length": len(self.output_ids)}
+                return
+
+    def flush_text(self, tokenizer) -> None:
+        """At finish: emit the tail held back for a possibly incomplete character."""
+        if self.finish_reason and self.finish_reason.get("type") == "stop" and isinstance(
+                self.finish_reason.get("matched"), str):
+            return
+        self.text += self._decode_delta(tokenizer, final=True)
+
+    def stream_delta(self) -> tuple[str, list[int]]:
+        """New text and ids since the last event. While running, text that might begin a stop string is held back."""
+        end = len(self.text)
+        if not self.finished and self.params.stop:
+            for s in self.params.stop:
+                for k in range(min(len(s) - 1, end), 0, -1):
+                    if self.text.endswith(s[:k]):
+                        end = min(end, len(self.text) - k)
+                        break
+        end = max(end, self.sent_chars)
+        text = self.text[self.sent_chars:end]
+        ids = self.output_ids[self.sent_ids:]
+        self.sent_chars, self.sent_ids = end, len(self.output_ids)
+        return text, ids
+
+    def meta_info(self, spec: bool) -> dict:
+        now = time.perf_counter()
+        m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
+             "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens,
+             "e2e_latency": now - self.arrival}
+        if spec:
+            m["spec_verify_ct"] = self.spec_verify_ct
+            m["spec_accept_length"] = (len(self.output_ids) / self.spec_verify_ct) if self.spec_verify_ct else 0.0
+        return m

@@ -1,0 +1,124 @@
+"""Shared by the server tests: a tiny random Llama with a tiny byte-level BPE tokenizer (ChatML template), and a
+server subprocess on a free 127.0.0.1 port. Holds no tests itself."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import httpx
+
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
+          "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
+CORPUS = [
+    "The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs.",
+    "Speculative decoding drafts several tokens and verifies them in one forward pass of the target model.",
+    "The capital of France is Paris. The capital of Italy is Rome. Hello world, hello there!",
+    "def add(a, b):\n    return a + b\n\nprint(add(2, 3))  # 5",
+    "Caf\u00e9 na\u00efve r\u00e9sum\u00e9 \u00fcber stra\u00dfe \u65e5\u672c\u8a9e \U0001F600 emoji and unicode text.",
+]
+_MODELS: dict[str, str] = {}
+
+
+def tiny_model_dir(seed: int = 0) -> str:
+    """Folder with config.json, model.safetensors, tokenizer.json, tokenizer_config.json (built once per process)."""
+    key = f"llama-{seed}"
+    if key in _MODELS:
+        return _MODELS[key]
+    import torch
+    import transformers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    folder = tempfile.mkdtemp(prefix="specjax_tiny_llama_")
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=320, special_tokens=SPECIALS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    tok.train_from_iterator(CORPUS * 4, trainer)
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, eos_token="<|endoftext|>",
+                                                bos_token="<|endoftext|>", pad_token="<|endoftext|>")
+    fast.chat_template = CHATML
+    fast.save_pretrained(folder)
+    vocab = len(fast)
+    torch.manual_seed(seed)
+    cfg = transformers.LlamaConfig(vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=512,
+                                   initializer_range=0.2, bos_token_id=fast.bos_token_id,
+                                   eos_token_id=fast.eos_token_id, tie_word_embeddings=False)
+    model = transformers.LlamaForCausalLM(cfg).eval()
+    model.save_pretrained(folder)
+    _MODELS[key] = folder
+    return folder
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+SERVER_FLAGS = ["--dtype", "float32", "--context-length", "256", "--max-total-tokens", "8192", "--page-size", "8",
+                "--chunked-prefill-size", "64", "--max-running-requests", "8", "--log-level", "warning"]
+
+
+class Server:
+    """``python -m specjax.serve`` in a subprocess; ``url`` once /health answers."""
+
+    def __init__(self, model_dir: str, *extra: str, timeout: float = 240.0):
+        self.port = free_port()
+        self.url = f"http://127.0.0.1:{self.port}"
+        self.log_path = tempfile.mktemp(prefix="specjax_server_", suffix=".log")
+        cmd = [sys.executable, "-m", "specjax.serve", "--model-path", model_dir, "--port", str(self.port),
+               *SERVER_FLAGS, *extra]
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
+        deadline = time.time() + timeout
+        while time.time() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited with {self.proc.returncode}:\n{self.log()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        self.stop()
+        raise RuntimeError(f"server did not come up in {timeout}s:\n{self.log()}")
+
+    def log(self) -> str:
+        with open(self.log_path) as f:
+            return f.read()[-5000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self._log.close()
+
+
+def sse_events(lines) -> list:
+    """Parse an SSE body (iterable of lines) into JSON objects; asserts it ends with [DONE]."""
+    out, done = [], False
+    for line in lines:
+        if not line:
+            continue
+        assert line.startswith("data: "), line
+        data = line[len("data: "):]
+        if data == "[DONE]":
+            done = True
+            continue
+        assert not done, "event after [DONE]"
+        out.append(json.loads(data))
+    assert done, "stream did not end with data: [DONE]"
+    return out
