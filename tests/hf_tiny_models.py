@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 torch.set_num_threads(1)
@@ -47,8 +49,7 @@ def build(name: str, folder, seed: int = 0, dtype=torch.float32, **save_kw):
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     model.eval()
     if dtype != torch.float32:
-        model.to(dtype).save_pretrained(str(folder), **save_kw)
-        model.to(torch.float32)
+        copy.deepcopy(model).to(dtype).save_pretrained(str(folder), **save_kw)
     else:
         model.save_pretrained(str(folder), **save_kw)
     return model

@@ -1,0 +1,104 @@
+"""The safetensors loader: exact values, sharded and half-precision checkpoints, and loud refusals."""
+
+import copy
+import os
+import shutil
+
+import ml_dtypes
+import numpy as np
+import pytest
+import torch
+
+from hf_tiny_models import build
+from specjax.safetensors_io import load_file, save_file
+from specjax.weights import WeightsError, load_model, params_to_hf, resolve_model_path
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    """A tiny Qwen2 checkpoint (q/k/v biases, untied head) and its HF state dict as numpy."""
+    folder = tmp_path_factory.mktemp("qwen2")
+    hf = build("qwen2", folder)
+    return str(folder), {k: v.numpy() for k, v in hf.state_dict().items()}, hf
+
+
+def _edit(src, dst, fn):
+    """Copy checkpoint folder ``src`` to ``dst`` with its tensors passed through ``fn(dict) -> dict``."""
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    save_file(fn(load_file(path)), path)
+    return str(dst)
+
+
+def test_loads_exact_values(ckpt):
+    folder, state, _ = ckpt
+    cfg, params = load_model(folder, dtype="float32")
+    assert cfg.family == "qwen2" and cfg.dtype == "float32"
+    back = params_to_hf(params, cfg)
+    assert set(back) == set(state)
+    for k, v in state.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+def test_missing_tensor(ckpt, tmp_path):
+    key = "model.layers.1.mlp.up_proj.weight"
+    bad = _edit(ckpt[0], tmp_path / "m", lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(WeightsError, match=f"lacks tensor '{key}'"):
+        load_model(bad, dtype="float32")
+
+
+def test_misshaped_tensor(ckpt, tmp_path):
+    key = "model.layers.0.self_attn.k_proj.bias"
+    bad = _edit(ckpt[0], tmp_path / "m", lambda t: {**t, key: np.zeros(7, np.float32)})
+    with pytest.raises(WeightsError, match=rf"'{key}' has shape \(7,\), expected \(32,\)"):
+        load_model(bad, dtype="float32")
+
+
+def test_unexpected_extra_tensor(ckpt, tmp_path):
+    key = "model.layers.0.self_attn.o_proj.bias"
+    bad = _edit(ckpt[0], tmp_path / "m", lambda t: {**t, key: np.zeros(64, np.float32)})
+    with pytest.raises(WeightsError, match=rf"does not use: \['{key}'\]"):
+        load_model(bad, dtype="float32")
+
+
+def test_sharded_checkpoint(ckpt, tmp_path):
+    folder, state, hf = ckpt
+    hf.save_pretrained(str(tmp_path), max_shard_size="100KB")
+    files = os.listdir(tmp_path)
+    assert "model.safetensors.index.json" in files
+    assert sum(f.endswith(".safetensors") for f in files) > 1
+    cfg, params = load_model(str(tmp_path), dtype="float32")
+    back = params_to_hf(params, cfg)
+    for k, v in state.items():
+        np.testing.assert_array_equal(back[k], v, err_msg=k)
+
+
+@pytest.mark.parametrize("torch_dtype,name,np_dtype", [(torch.bfloat16, "bfloat16", ml_dtypes.bfloat16),
+                                                       (torch.float16, "float16", np.float16)])
+def test_half_precision_checkpoint(ckpt, tmp_path, torch_dtype, name, np_dtype):
+    _, state, hf = ckpt
+    copy.deepcopy(hf).to(torch_dtype).save_pretrained(str(tmp_path))
+    cfg, params = load_model(str(tmp_path))  # dtype from config.json
+    assert cfg.dtype == name
+    assert params.embed.dtype == np_dtype and params.layers.wq.dtype == np_dtype
+    key = "model.layers.1.self_attn.q_proj.weight"
+    want = state[key].astype(np_dtype)
+    np.testing.assert_array_equal(params_to_hf(params, cfg)[key], want)
+    # Upcasting on load is exact.
+    cfg32, params32 = load_model(str(tmp_path), dtype="float32")
+    np.testing.assert_array_equal(params_to_hf(params32, cfg32)[key], want.astype(np.float32))
+
+
+def test_missing_path_without_hub(tmp_path, monkeypatch):
+    import huggingface_hub.constants as hub_constants
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)
+    for path in (str(tmp_path / "no-such-model"), "no-such-org/no-such-model"):
+        with pytest.raises(WeightsError, match="not a local folder.*Pass a local folder with config.json"):
+            resolve_model_path(path)
+        with pytest.raises(WeightsError, match="Pass a local folder"):
+            load_model(path)
+    a_file = tmp_path / "model.safetensors"
+    a_file.write_bytes(b"")
+    with pytest.raises(WeightsError, match="is a file; pass the folder"):
+        load_model(str(a_file))
