@@ -1,0 +1,287 @@
+"""Speculative decoding front ends: offline ``speculative_generate`` and ``SpecRunner`` (the server's slot runner).
+
+Both run the prompt through the target and the draft (``step.prefill``), then ``step.spec_step`` — a whole
+draft-verify-commit step in one jitted call with the state donated. ``speculative_generate`` loops with
+``step.generate_loop`` (a ``lax.while_loop`` that returns to Python only when every row is done); the runner does
+one step per call because the server's scheduler adds and removes requests between steps.
+
+Output convention (as ``specjax.generate``): generated tokens only, the stop token that ended a row included.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import sampling as sampling_lib
+from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache
+from specjax.models import eagle, target
+from specjax.spec import draft as draft_lib
+from specjax.spec import step as step_lib
+from specjax.spec.draft import Draft
+
+_prefill_jit = jax.jit(step_lib.prefill, static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
+_loop_jit = jax.jit(step_lib.generate_loop, static_argnames=("tcfg", "scfg"), donate_argnames=("state", "out"))
+_step_jit = jax.jit(step_lib.spec_step, static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
+
+PREFILL_CHUNK = 512
+
+
+def _bucket(n: int, lo: int = 16, hi: int = PREFILL_CHUNK) -> int:
+    """Power-of-two chunk length >= n (bounded), so that prompts of many lengths share few compiles."""
+    t = lo
+    while t < n and t < hi:
+        t *= 2
+    return min(t, hi)
+
+
+def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,
+               dtype: str | None = None):
+    """(draft_cfg, draft_params, vocab) from an HF head folder. vocab: EAGLE3 -> eagle3.VocabMap (from the head's
+    d2t/t2d); EAGLE -> hot-token ids from ``token_map`` (``--speculative-token-map``) or None."""
+    algorithm = algorithm.upper()
+    dtype = dtype or target_cfg.dtype
+    if algorithm == "EAGLE3":
+        try:
+            from specjax.convert.head import load_head
+        except ImportError as e:
+            raise NotImplementedError(f"loading EAGLE3 heads needs specjax.convert.head.load_head ({e})") from None
+        loaded = load_head(path, target_cfg=target_cfg, dtype=dtype)
+        cfg, params, vocab = loaded[0], loaded[1], loaded[2] if len(loaded) > 2 else None
+        if token_map is not None:
+            import warnings
+            warnings.warn("--speculative-token-map is ignored for EAGLE3 heads (they carry their own d2t map)")
+        return cfg, params, vocab
+    if algorithm == "EAGLE":
+        cfg, params = eagle.load_head(path, dtype=dtype)
+        if cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {cfg.hidden_size} != target hidden_size "
+                             f"{target_cfg.hidden_size}")
+        ids = eagle.load_token_map(token_map, target_cfg.vocab_size) if token_map else None
+        return cfg, params, ids
+    raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE3 or EAGLE")
+
+
+def _as_draft(draft, algorithm: str, target_params) -> Draft:
+    if isinstance(draft, Draft):
+        return draft
+    cfg, params, vocab = draft
+    return draft_lib.make_draft(algorithm, cfg, params, target_params, vocab)
+
+
+def _shifted(tokens: np.ndarray) -> np.ndarray:
+    nxt = np.zeros_like(tokens)
+    nxt[:, :-1] = tokens[:, 1:]
+    return nxt
+
+
+def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
+                         algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
+                         max_new_tokens: int = 128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
+                         stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
+                         attention_impl: str = "auto", sample_accept_fn=None):
+    """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
+
+    draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
+    Sampling parameters and ``seed`` are scalars or one value per prompt (temperature 0 = greedy).
+    Returns (outputs list[list[int]], stats) with stats = {verify_steps: per row, accept_lengths: per row the tokens
+    emitted by each verify step, completion_tokens: per row, tau: total completion tokens / total verify steps}.
+    ``completion_tokens`` counts the first token (from prefill) too, as SGLang's spec_accept_length does.
+    """
+    if not prompts:
+        return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
+    d = _as_draft(draft, algorithm, target_params)
+    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl),
+                               sample_accept_fn)
+    b = len(prompts)
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        if any(not 0 <= int(t) < target_cfg.vocab_size for t in p):
+            raise ValueError(f"prompt {i} has token ids outside [0, {target_cfg.vocab_size})")
+    for t, k, pp, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
+        sampling_lib.validate(float(t), int(k), float(pp), float(m))
+    if max_new_tokens <= 0:
+        return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
+                                           completion_tokens=[0] * b, tau=0.0)
+    lengths = np.asarray([len(p) for p in prompts])
+    max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // page_size) * page_size
+    state = step_lib.init_state(target_cfg, d, scfg, b, max_len, page_size=page_size)
+    state = dataclasses.replace(state, sampling=sampling_lib.SamplingBatch.make(
+        b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
+
+    chunk = _bucket(int(lengths.max()))
+    n_chunks = -(-int(lengths.max()) // chunk)
+    full = np.zeros((b, n_chunks * chunk + 1), np.int32)
+    for i, p in enumerate(prompts):
+        full[i, :len(p)] = p
+    first = np.zeros((b,), np.int32)
+    for c in range(n_chunks):
+        lo, hi = c * chunk, (c + 1) * chunk
+        toks = full[:, lo:hi]
+        nxt = full[:, lo + 1:hi + 1]
+        valid = np.arange(lo, hi)[None, :] < lengths[:, None]
+        last = (lengths > lo) & (lengths <= hi)
+        state, f = _prefill_jit(target_params, target_cfg, d, scfg, state, jnp.asarray(toks), jnp.asarray(nxt),
+                                jnp.asarray(valid), jnp.asarray(last))
+        first = np.where(last, np.asarray(f), first)
+
+    stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
+    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
+    cap = max_new_tokens
+    out = step_lib.LoopOut(tokens=jnp.zeros((b, cap), jnp.int32).at[:, 0].set(jnp.asarray(first)),
+                           num_tokens=jnp.ones((b,), jnp.int32), verify_steps=jnp.zeros((b,), jnp.int32),
+                           step_counts=jnp.zeros((b, cap), jnp.int32))
+    done = jnp.asarray(np.isin(first, np.asarray(stop)) | (max_new_tokens <= 1))
+    max_new = jnp.full((b,), max_new_tokens, jnp.int32)
+    state, out = _loop_jit(target_params, target_cfg, d, scfg, state, out, done, max_new, stop_ids)
+    toks, num, steps, counts = (np.asarray(a) for a in (out.tokens, out.num_tokens, out.verify_steps,
+                                                        out.step_counts))
+    outputs = [toks[i, :num[i]].tolist() for i in range(b)]
+    total_steps = int(steps.sum())
+    stats = dict(verify_steps=steps.tolist(), completion_tokens=num.tolist(),
+                 accept_lengths=[counts[i, :steps[i]].tolist() for i in range(b)],
+                 tau=float(num.sum()) / total_steps if total_steps else 0.0)
+    return outputs, stats
+
+
+# ---- the server's runner ----------------------------------------------------------------------------------------
+def _row(a, slot):
+    return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
+
+
+def _put_row(full, row, slot):
+    return jax.lax.dynamic_update_slice_in_dim(full, row.astype(full.dtype), slot, axis=0)
+
+
+_ROW_FIELDS = ("last_token", "root_h", "root_p", "root_ids")
+
+
+def _slot_view(state: step_lib.SpecState, slot) -> step_lib.SpecState:
+    cache = KVCache(k=state.cache.k, v=state.cache.v, page_table=_row(state.cache.page_table, slot),
+                    lengths=_row(state.cache.lengths, slot))
+    rows = {f: _row(getattr(state, f), slot) for f in _ROW_FIELDS}
+    return step_lib.SpecState(cache=cache, draft_k=state.draft_k, draft_v=state.draft_v,
+                              sampling=jax.tree.map(lambda a: _row(a, slot), state.sampling), **rows)
+
+
+def _merge_slot(state: step_lib.SpecState, sub: step_lib.SpecState, slot) -> step_lib.SpecState:
+    cache = KVCache(k=sub.cache.k, v=sub.cache.v, page_table=_put_row(state.cache.page_table, sub.cache.page_table,
+                                                                       slot),
+                    lengths=_put_row(state.cache.lengths, sub.cache.lengths, slot))
+    rows = {f: _put_row(getattr(state, f), getattr(sub, f), slot) for f in _ROW_FIELDS}
+    return step_lib.SpecState(cache=cache, draft_k=sub.draft_k, draft_v=sub.draft_v,
+                              sampling=jax.tree.map(lambda a, r: _put_row(a, r, slot), state.sampling, sub.sampling),
+                              **rows)
+
+
+@functools.partial(jax.jit, static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
+def _prefill_slot(tparams, tcfg, draft, scfg, state, slot, tokens, next_tokens, valid, last, write_from):
+    sub, first = step_lib.prefill(tparams, tcfg, draft, scfg, _slot_view(state, slot), tokens, next_tokens, valid,
+                                  last, write_from)
+    return _merge_slot(state, sub, slot), first[0]
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _begin_slot(state, slot, page_row, start, sampling_row):
+    cache = dataclasses.replace(state.cache, page_table=state.cache.page_table.at[slot].set(page_row),
+                                lengths=state.cache.lengths.at[slot].set(start))
+    sb = jax.tree.map(lambda a, r: _put_row(a, r, slot), state.sampling, sampling_row)
+    return dataclasses.replace(state, cache=cache, sampling=sb)
+
+
+@functools.partial(jax.jit, donate_argnames=("state",))
+def _release_slot(state, slot):
+    return dataclasses.replace(state, cache=dataclasses.replace(state.cache,
+                                                                lengths=state.cache.lengths.at[slot].set(0)))
+
+
+class SpecRunner:
+    """EAGLE3 / EAGLE speculative decoding behind ``specjax.runner.Runner`` (one draft-verify-commit step per call,
+    1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
+    index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step."""
+
+    def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,
+                 draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
+                 max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
+                 prefill_chunk: int = PREFILL_CHUNK):
+        self.target_cfg = target_cfg
+        self.target_params = target_params
+        self.algorithm = algorithm.upper()
+        self.draft = draft_lib.make_draft(self.algorithm, draft_cfg, draft_params, target_params,
+                                          vocab_map_or_token_map)
+        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl))
+        vd = draft_cfg.draft_vocab_size if self.algorithm == "EAGLE3" else int(self.draft.ids.shape[0])
+        if topk > vd:
+            raise ValueError(f"eagle_topk={topk} exceeds the draft vocab size {vd}")
+        self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
+            num_pages
+        self.tokens_per_step = num_steps + 1
+        self.prefill_chunk = prefill_chunk
+        self._seed_counter = 0
+
+    def init_state(self) -> step_lib.SpecState:
+        return step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
+                                   self.pages_per_seq * self.page_size, page_size=self.page_size,
+                                   num_pages=self.num_pages)
+
+    def prefill(self, state, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
+                cached: int = 0) -> tuple[Any, int]:
+        tokens = np.asarray(tokens, np.int32)
+        n = len(tokens)
+        if n == 0:
+            raise ValueError("empty prompt")
+        if n + self.tokens_per_step > self.pages_per_seq * self.page_size:
+            raise ValueError(f"prompt of {n} tokens leaves no room for a speculative step in "
+                             f"{self.pages_per_seq * self.page_size} positions")
+        # With a reused prefix, recompute its last token for its features (the draft pair at cached-1 needs the
+        # next token, which differs between requests) without rewriting its target K/V.
+        start = max(int(cached) - 1, 0) if cached else 0
+        seed = sampling.get("seed")
+        if seed is None:
+            self._seed_counter += 1
+            seed = (hash((id(self), self._seed_counter)) & 0x7FFFFFFF)
+        row = sampling_lib.SamplingBatch.make(1, temperature=sampling.get("temperature", 0.0),
+                                              top_k=sampling.get("top_k", -1), top_p=sampling.get("top_p", 1.0),
+                                              min_p=sampling.get("min_p", 0.0), seed=int(seed))
+        state = _begin_slot(state, jnp.int32(slot), jnp.asarray(page_row, jnp.int32), jnp.int32(start), row)
+        rest = tokens[start:]
+        nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
+        first = 0
+        pos = 0
+        while pos < len(rest):
+            t = _bucket(len(rest) - pos, hi=self.prefill_chunk)
+            seg = rest[pos:pos + t]
+            m = len(seg)
+            toks = np.zeros((1, t), np.int32)
+            nxt = np.zeros((1, t), np.int32)
+            toks[0, :m] = seg
+            nxt[0, :m] = nxt_all[pos:pos + m]
+            valid = np.arange(t)[None, :] < m
+            is_last = pos + m >= len(rest)
+            state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg, state,
+                                     jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
+                                     jnp.asarray([is_last]), jnp.asarray([int(cached)], jnp.int32))
+            if is_last:
+                first = int(f)
+            pos += m
+        return state, first
+
+    def step(self, state, active: np.ndarray):
+        state, toks, counts = _step_jit(self.target_params, self.target_cfg, self.draft, self.scfg, state,
+                                        jnp.asarray(active, bool))
+        return state, np.asarray(toks), np.asarray(counts)
+
+    def release(self, state, slot: int):
+        return _release_slot(state, jnp.int32(slot))
+
+
+make_draft = draft_lib.make_draft
+
+__all__ = ["speculative_generate", "SpecRunner", "load_draft", "make_draft"]

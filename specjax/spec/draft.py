@@ -1,0 +1,134 @@
+"""One interface over the two draft heads (EAGLE3 and EAGLE-1/2), as the speculative step sees them.
+
+A draft step takes, per position, a token embedding ``emb`` (the target's) and an incoming ``feature``:
+- for a committed pair (feature of position t, token t+1): EAGLE3 -> fc(aux_t); EAGLE -> target final hidden at t;
+- for a tree node at depth d >= 1: its parent's output ``h`` (EAGLE3 pre-norm hidden / EAGLE predicted feature).
+It returns ``h`` (fed to the node's children) and its K/V, and ``logits(h)`` over the draft vocab whose entry i is
+target token ``ids[i]``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from specjax import layers
+from specjax.kv_cache import KVCache, gather_layer
+from specjax.models import eagle, eagle3, target
+
+ALGORITHMS = ("EAGLE3", "EAGLE")
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Draft:
+    params: Any  # eagle3.Eagle3Params | eagle.EagleParams
+    ids: jax.Array  # i32[Vd] target token id of each draft-vocab entry
+    lm_head: jax.Array | None  # [H, Vd] EAGLE: the target's lm_head (cut to hot ids); None for EAGLE3 (own head)
+    cfg: Any = dataclasses.field(metadata=dict(static=True))  # Eagle3Config | EagleConfig
+    algorithm: str = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def num_layers(self) -> int:
+        return self.cfg.num_layers
+
+
+def make_draft(algorithm: str, cfg, params, target_params: target.TargetParams, vocab=None) -> Draft:
+    """Wrap a head. ``vocab``: EAGLE3 -> eagle3.VocabMap (None: identity); EAGLE -> hot-token ids i32[Vd] (FR-Spec
+    token map) or None (full target vocab)."""
+    algorithm = algorithm.upper()
+    if algorithm == "EAGLE3":
+        if vocab is None:
+            vocab = eagle3.VocabMap.identity(cfg.draft_vocab_size)
+        if not isinstance(vocab, eagle3.VocabMap):
+            raise TypeError("EAGLE3 needs an eagle3.VocabMap (d2t/t2d); --speculative-token-map is for EAGLE heads")
+        vd = cfg.draft_vocab_size
+        ids = jnp.arange(vd, dtype=jnp.int32) + jnp.asarray(vocab.d2t, jnp.int32)
+        return Draft(params=params, ids=ids, lm_head=None, cfg=cfg, algorithm="EAGLE3")
+    if algorithm == "EAGLE":
+        head = target.lm_head_weight(target_params)  # [D, V]
+        if vocab is None:
+            ids = jnp.arange(head.shape[1], dtype=jnp.int32)
+        else:
+            ids = jnp.asarray(np.asarray(vocab), jnp.int32)
+            head = jnp.take(head, ids, axis=1)  # [D, Vd]
+        return Draft(params=params, ids=ids, lm_head=head, cfg=cfg, algorithm="EAGLE")
+    raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected one of {ALGORITHMS}")
+
+
+def target_kwargs(draft: Draft) -> dict:
+    """What the target forward must return for this head."""
+    if draft.algorithm == "EAGLE3":
+        return dict(aux_layers=tuple(draft.cfg.aux_layer_ids))
+    return dict(return_hidden=True)
+
+
+def raw_features(draft: Draft, out: target.ForwardOut):
+    """What the head reads from a target forward: EAGLE3 aux [B, T, 3*Ht]; EAGLE final-normed hidden [B, T, H]."""
+    return out.aux if draft.algorithm == "EAGLE3" else out.hidden
+
+
+def project(draft: Draft, raw):
+    """Raw target features -> the head's incoming feature [B, T, H] (EAGLE3: fc; EAGLE: as is)."""
+    return eagle3.project_aux(draft.params, raw) if draft.algorithm == "EAGLE3" else raw
+
+
+def target_features(draft: Draft, out: target.ForwardOut):
+    """The per-position feature the head consumes from a target forward: [B, T, H]."""
+    return project(draft, raw_features(draft, out))
+
+
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o
+
+
+def forward(draft: Draft, emb, feature, positions, attend: AttendFn):
+    """One draft step over T tokens. emb, feature: [B, T, H]; positions i32[B, T].
+    Returns (h [B, T, H], k_new [nl, B, T, K, Hd], v_new)."""
+    cfg = draft.cfg
+    ks, vs = [], []
+    if draft.algorithm == "EAGLE3":
+        h = feature.astype(draft.params.norm.dtype)
+        emb = emb.astype(h.dtype)
+        for i, lp in enumerate(draft.params.layers):
+            q, k, v = eagle3.qkv(lp, cfg, eagle3.layer_input(lp, cfg, emb, h), positions)
+            h = eagle3.finish_layer(lp, cfg, h, attend(i, q, k, v))
+            ks.append(k)
+            vs.append(v)
+    else:
+        h = eagle.embed_input(draft.params, emb, feature)
+        for i, lp in enumerate(draft.params.layers):
+            q, k, v = eagle3.qkv(lp, cfg, eagle.layer_input(lp, cfg, h), positions)
+            h = eagle3.finish_layer(lp, cfg, h, attend(i, q, k, v))
+            ks.append(k)
+            vs.append(v)
+    return h, jnp.stack(ks), jnp.stack(vs)
+
+
+def logits(draft: Draft, h):
+    """f32 logits over the draft vocab: [..., H] -> [..., Vd]."""
+    if draft.algorithm == "EAGLE3":
+        return eagle3.draft_logits(draft.params, draft.cfg, h)
+    return eagle.draft_logits(draft.lm_head, h)
+
+
+def cache_attend(cache: KVCache, mask, cache_attention=None) -> AttendFn:
+    """Attention of new tokens over the draft's paged cache (positions < lengths) plus themselves under ``mask``."""
+    def attend(i, q, k, v):
+        scale = q.shape[-1] ** -0.5
+        if cache_attention is not None:
+            return cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, scale)
+        b, t = q.shape[:2]
+        key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
+        valid = jnp.broadcast_to(key_pos[None, None, :] < cache.lengths[:, None, None], (b, t, cache.max_len))
+        kc, vc = gather_layer(cache.k[i], cache.v[i], cache.page_table)
+        return layers.attention(q, k, v, mask, k_cache=kc, v_cache=vc, cache_valid=valid, sm_scale=scale)
+    return attend
+
+
+def draft_head_dims(cfg) -> tuple[int, int, int]:
+    """(layers, kv heads, head dim) of the head's KV cache."""
+    return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim

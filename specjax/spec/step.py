@@ -1,0 +1,287 @@
+"""The speculative step, draft -> tree -> verify -> accept -> commit, as pure functions meant for ONE jit with the
+state donated, and a ``lax.while_loop`` over steps that never returns to Python.
+
+State invariant between steps, per row b (n = ``cache.lengths[b]``):
+- the target cache holds positions [0, n); ``last_token`` (x_n, already emitted) is not yet in it;
+- the draft cache holds the pairs (feature_t, x_{t+1}) for t in [0, n) at position t (same pages, same lengths);
+- ``root_h`` is the draft's output at position n-1 and ``root_p`` / ``root_ids`` its top-k (the depth-1
+  distribution of the next tree).
+A step drafts a tree rooted at x_n (position n), verifies all M nodes in ONE target forward under the ancestor mask,
+accepts a path of a <= num_steps draft tokens plus a bonus, writes the path's target KV at n..n+a, runs the draft over
+the a+1 new pairs (extending its cache and producing the next root) and leaves n' = n + a + 1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+
+from specjax import kv_cache, layers
+from specjax import sampling as sampling_lib
+from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache, gather_layer
+from specjax.models import target
+from specjax.spec import draft as draft_lib
+from specjax.spec import tree as tree_lib
+from specjax.spec import verify as verify_lib
+from specjax.spec.draft import Draft
+
+
+@dataclasses.dataclass(frozen=True)
+class SpecConfig:
+    """Static shape of the speculative step (hashable: a jit static argument)."""
+    num_steps: int  # tree depth S
+    topk: int  # branching
+    num_draft_tokens: int  # M, tree size incl. the root
+    cache_attention: Callable | None = None  # target.forward's cache_attention hook (None: XLA)
+    sample_accept_fn: Callable | None = None  # tests only: replaces verify.sample_accept
+
+    def __post_init__(self):
+        tree_lib.validate(self.num_steps, self.topk, self.num_draft_tokens)
+
+    @property
+    def tokens_per_step(self) -> int:
+        return self.num_steps + 1
+
+
+@functools.lru_cache(maxsize=None)
+def resolve_attention(impl: str = "auto"):
+    """The cache_attention hook for ``impl`` in {'auto', 'xla', 'pallas'} (kernel imported lazily; None = XLA).
+    Cached so that the same impl gives the same (hashable) hook and jitted steps are not recompiled."""
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
+    if impl == "xla":
+        return None
+    try:
+        from specjax.kernels.tree_attention import make_cache_attention
+    except ImportError as e:
+        if impl == "pallas":
+            raise ValueError(f"attention_impl='pallas' but specjax.kernels.tree_attention is unavailable: {e}") from None
+        return None
+    return make_cache_attention(impl)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class SpecState:
+    cache: KVCache  # target cache; its page_table and lengths are the draft cache's too
+    draft_k: jax.Array  # [Ld, P, Z, Kd, Hd] draft key pages
+    draft_v: jax.Array  # [Ld, P, Z, Kd, Hd]
+    last_token: jax.Array  # i32[B] newest emitted token = next tree root (not yet in the target cache)
+    root_h: jax.Array  # [B, H] draft output at position lengths-1
+    root_p: jax.Array  # f32[B, topk] top draft probs there
+    root_ids: jax.Array  # i32[B, topk] their target token ids
+    sampling: sampling_lib.SamplingBatch
+
+
+def draft_cache(state: SpecState) -> KVCache:
+    return KVCache(k=state.draft_k, v=state.draft_v, page_table=state.cache.page_table, lengths=state.cache.lengths)
+
+
+def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, max_len: int, *, page_size: int = 16,
+               num_pages: int | None = None, dtype=None) -> SpecState:
+    """Empty state: contiguous page table when ``num_pages`` covers the batch, else zeros (the server assigns)."""
+    dtype = jnp.dtype(dtype or tcfg.dtype)
+    cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, batch, max_len,
+                                page_size=page_size, dtype=dtype, num_pages=num_pages)
+    nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
+    shape = (nl,) + cache.k.shape[1:3] + (kh, hd)
+    return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
+                     last_token=jnp.zeros((batch,), jnp.int32),
+                     root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),
+                     root_p=jnp.zeros((batch, scfg.topk), jnp.float32),
+                     root_ids=jnp.zeros((batch, scfg.topk), jnp.int32),
+                     sampling=sampling_lib.SamplingBatch.make(batch))
+
+
+def _root(draft: Draft, h, topk: int):
+    """Top-k of the draft distribution from h [B, H] -> (f32[B, k], target ids i32[B, k])."""
+    p = jax.nn.softmax(draft_lib.logits(draft, h), axis=-1)
+    top_p, idx = jax.lax.top_k(p, topk)
+    return top_p, jnp.take(draft.ids, idx)
+
+
+def _where_rows(cond, new, old):
+    return jax.tree.map(lambda a, b: jnp.where(cond.reshape(cond.shape + (1,) * (a.ndim - 1)), a, b), new, old)
+
+
+# ---- prefill ----------------------------------------------------------------------------------------------------
+def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
+            tokens, next_tokens, valid, last, write_from=None):
+    """Append a prompt chunk per row to the target and draft caches.
+
+    tokens: i32[B, T] right-padded; valid: bool[B, T] (a prefix of each row); next_tokens: i32[B, T] the token after
+    each one (tokens shifted left; its entry at a row's last valid index is replaced by the sampled first token when
+    ``last[b]``). write_from: i32[B] positions below it are already in the target cache (prefix reuse) and are only
+    recomputed for their features, not rewritten. Rows with no valid token are untouched.
+    Returns (state, first token i32[B] — meaningful where ``last``).
+    """
+    b, t = tokens.shape
+    cache = state.cache
+    n = valid.sum(axis=1).astype(jnp.int32)
+    positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # i32[B, T]
+    lastidx = jnp.maximum(n - 1, 0)
+    mask = layers.causal_mask(valid)
+    out = target.forward(tparams, tcfg, tokens, positions, cache=cache, valid=valid, mask=mask,
+                         logits_at=lastidx[:, None], return_kv=True, cache_attention=scfg.cache_attention,
+                         **draft_lib.target_kwargs(draft))
+    wvalid = valid if write_from is None else valid & (positions >= write_from[:, None])
+    new_cache = kv_cache.write(cache, out.k_new, out.v_new, positions, wvalid)
+    first, sb = sampling_lib.sample_next(out.logits[:, 0], state.sampling)
+    sb = _where_rows(last, sb, state.sampling)
+    at_last = (jnp.arange(t)[None, :] == lastidx[:, None]) & last[:, None]
+    nxt = jnp.where(at_last, first[:, None], next_tokens)
+    emb = target.embed_tokens(tparams, nxt)
+    feat = draft_lib.target_features(draft, out)
+    dcache = draft_cache(state)
+    h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
+                                  draft_lib.cache_attend(dcache, mask, scfg.cache_attention))
+    dcache = kv_cache.write(dcache, dk, dv, positions, valid)
+    new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
+    h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
+    rp, rid = _root(draft, h_last, scfg.topk)
+    roots = (first, h_last.astype(state.root_h.dtype), rp, rid)
+    old = (state.last_token, state.root_h, state.root_p, state.root_ids)
+    last_token, root_h, root_p, root_ids = _where_rows(last & (n > 0), roots, old)
+    state = SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
+                      root_p=root_p, root_ids=root_ids, sampling=sb)
+    return state, first
+
+
+# ---- the step, by phases ----------------------------------------------------------------------------------------
+def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState) -> tree_lib.Tree:
+    """Grow the draft tree from the stored root distribution (num_steps - 1 draft forwards) and select it.
+
+    Each frontier node attends to the committed draft cache plus, from a tree buffer, its TRUE ancestors' draft K/V
+    (not SGLang's per-branch slots), so the draft sees exactly the context it would see on the real path."""
+    k = scfg.topk
+    dcache = draft_cache(state)
+    lengths = dcache.lengths
+    b = lengths.shape[0]
+    nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
+    n_buf = max((scfg.num_steps - 1) * k, 1)
+    prefix = [gather_layer(dcache.k[i], dcache.v[i], dcache.page_table) for i in range(nl)]  # [B, S, Kd, Hd] x2
+    s_len = dcache.max_len
+    prefix_valid = jnp.broadcast_to((jnp.arange(s_len)[None, :] < lengths[:, None])[:, None, :], (b, k, s_len))
+    buf = (jnp.zeros((nl, b, n_buf, kh, hd), state.draft_k.dtype), jnp.zeros((nl, b, n_buf, kh, hd),
+                                                                             state.draft_v.dtype))
+    self_mask = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
+
+    def step_fn(carry, toks, h, depth, anc, slot0):
+        bk, bv = carry
+        positions = jnp.broadcast_to(lengths[:, None] + depth - 1, (b, k)).astype(jnp.int32)
+        valid = jnp.concatenate([prefix_valid, anc], axis=-1)  # bool[B, k, S + n_buf]
+
+        def attend(i, q, kk, vv):
+            kc = jnp.concatenate([prefix[i][0], bk[i]], axis=1)
+            vc = jnp.concatenate([prefix[i][1], bv[i]], axis=1)
+            return layers.attention(q, kk, vv, self_mask, k_cache=kc, v_cache=vc, cache_valid=valid,
+                                    sm_scale=q.shape[-1] ** -0.5)
+
+        h_out, ks, vs = draft_lib.forward(draft, target.embed_tokens(tparams, toks), h, positions, attend)
+        bk = jax.lax.dynamic_update_slice_in_dim(bk, ks.astype(bk.dtype), slot0, axis=2)
+        bv = jax.lax.dynamic_update_slice_in_dim(bv, vs.astype(bv.dtype), slot0, axis=2)
+        probs = jax.nn.softmax(draft_lib.logits(draft, h_out), axis=-1)
+        return (bk, bv), h_out.astype(h.dtype), probs
+
+    _, cands = tree_lib.grow(step_fn, buf, state.root_p, state.root_ids, state.root_h, num_steps=scfg.num_steps,
+                             topk=k, draft_ids=draft.ids)
+    return tree_lib.select(cands, state.last_token, lengths, num_steps=scfg.num_steps, topk=k,
+                           num_draft_tokens=scfg.num_draft_tokens)
+
+
+def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
+                 tree: tree_lib.Tree) -> target.ForwardOut:
+    """ONE target forward over the M tree tokens under the ancestor mask against the committed prefix: logits
+    f32[B, M, V] after every node, the draft's features (aux or hidden) and the nodes' K/V (not yet written)."""
+    return target.forward(tparams, tcfg, tree.tokens, tree.positions, cache=state.cache, mask=tree.mask,
+                          return_kv=True, cache_attention=scfg.cache_attention, **draft_lib.target_kwargs(draft))
+
+
+def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState, acc, out, active,
+                 sb) -> SpecState:
+    """Write the accepted path's target K/V at consecutive positions (rejected nodes are dropped), run the draft
+    over the a+1 new pairs (feature at path[j], token after it) to extend its cache and get the next root."""
+    s1 = scfg.num_steps + 1
+    cache = state.cache
+    j = jnp.arange(s1, dtype=jnp.int32)
+    valid = (j[None, :] <= acc.accept_len[:, None]) & active[:, None]  # bool[B, S+1]
+    positions = cache.lengths[:, None] + j[None, :]
+    idx = acc.path[None, :, :, None, None]
+    new_cache = kv_cache.write(cache, jnp.take_along_axis(out.k_new, idx, axis=2),
+                               jnp.take_along_axis(out.v_new, idx, axis=2), positions, valid)
+    raw = jnp.take_along_axis(draft_lib.raw_features(draft, out), acc.path[:, :, None], axis=1)  # [B, S+1, C]
+    feat = draft_lib.project(draft, raw)
+    emb = target.embed_tokens(tparams, acc.tokens)
+    dcache = draft_cache(state)
+    h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
+                                  draft_lib.cache_attend(dcache, layers.causal_mask(valid), scfg.cache_attention))
+    dcache = kv_cache.write(dcache, dk, dv, positions, valid)
+    h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
+    rp, rid = _root(draft, h_last, scfg.topk)
+    new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + jnp.where(active, acc.accept_len + 1, 0))
+    roots = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), rp, rid, sb),
+                        (state.last_token, state.root_h, state.root_p, state.root_ids, state.sampling))
+    return SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=roots[0], root_h=roots[1],
+                     root_p=roots[2], root_ids=roots[3], sampling=roots[4])
+
+
+def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
+              active):
+    """One speculative step for the rows with ``active`` (bool[B]).
+    Returns (state, tokens i32[B, S+1], counts i32[B]): row b emitted tokens[b, :counts[b]] (0 if inactive)."""
+    tree = draft_phase(tparams, draft, scfg, state)
+    out = verify_phase(tparams, tcfg, draft, scfg, state, tree)
+    acc, sb = verify_lib.accept(tree, out.logits, state.sampling, scfg.num_steps, scfg.sample_accept_fn)
+    state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
+    counts = jnp.where(active, acc.accept_len + 1, 0).astype(jnp.int32)
+    return state, acc.tokens, counts
+
+
+# ---- the device loop ----------------------------------------------------------------------------------------------
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LoopOut:
+    tokens: jax.Array  # i32[B, cap] generated tokens (the first one from prefill included)
+    num_tokens: jax.Array  # i32[B] completion tokens per row
+    verify_steps: jax.Array  # i32[B] speculative steps (target verify forwards) each row took part in
+    step_counts: jax.Array  # i32[B, cap] tokens emitted by each of the row's steps (first verify_steps entries)
+
+
+def generate_loop(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
+                  out: LoopOut, done, max_new, stop_ids):
+    """Speculative steps in a ``lax.while_loop`` until every row is done (stop token or ``max_new`` i32[B] tokens).
+    ``out`` holds the first token per row already; stop_ids: i32[n] (may be empty). Returns (state, LoopOut)."""
+    s1 = scfg.num_steps + 1
+    cap = out.tokens.shape[1]
+    j = jnp.arange(s1, dtype=jnp.int32)
+    rows = jnp.arange(done.shape[0])
+
+    def cond(c):
+        return jnp.any(~c[2])
+
+    def body(c):
+        state, o, done = c
+        active = ~done
+        state, toks, counts = spec_step(tparams, tcfg, draft, scfg, state, active)
+        is_stop = jnp.isin(toks, stop_ids) & (j[None] < counts[:, None])
+        stop_at = jnp.where(is_stop.any(-1), jnp.argmax(is_stop, -1) + 1, s1)
+        n = jnp.minimum(jnp.minimum(counts, stop_at), max_new - o.num_tokens)
+        n = jnp.where(active, jnp.maximum(n, 0), 0)
+        dst = jnp.where(j[None] < n[:, None], o.num_tokens[:, None] + j[None], cap)
+        tokens = o.tokens.at[rows[:, None], dst].set(toks, mode="drop")
+        step_counts = o.step_counts.at[rows, jnp.where(active, o.verify_steps, cap)].set(n, mode="drop")
+        num = o.num_tokens + n
+        hit_stop = is_stop.any(-1) & (stop_at <= n)
+        done = done | hit_stop | (num >= max_new)
+        o = LoopOut(tokens=tokens, num_tokens=num, verify_steps=o.verify_steps + active.astype(jnp.int32),
+                    step_counts=step_counts)
+        return state, o, done
+
+    state, out, _ = jax.lax.while_loop(cond, body, (state, out, done))
+    return state, out
+

@@ -1,0 +1,128 @@
+"""Acceptance of a verified draft tree: greedy and lossless sampling (SGLang's tree rule), vectorised over rows,
+with a ``lax.fori_loop`` over depth.
+
+Children of a node are tried in index order (= creation order = SGLang's first-child / next-sibling order).
+- Greedy: accept the child whose token equals the target argmax at the parent; the bonus token is the target argmax
+  at the last accepted node. Output = plain greedy decoding.
+- Sampling, with target distribution p at the current node (``sampling.target_probs``): accept child c with
+  probability p(c); on rejection set p(c) = 0 and renormalise; if every child is rejected, sample the bonus from
+  what is left of p and stop. Implemented as in SGLang with one uniform coin u per level: child k is accepted when
+  ``cum_{k-1} <= u < cum_k`` (cum = running sum of p over the children), which gives each child exactly p(c) and
+  leaves the residual for the rest; the output distribution is the target's whatever the draft proposed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from specjax import sampling as sampling_lib
+from specjax.spec.tree import Tree
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Accepted:
+    path: jax.Array  # i32[B, S+1] node index of the j-th accepted node (path[:, 0] = 0, the root); j > accept_len: 0
+    accept_len: jax.Array  # i32[B] accepted draft tokens (0..S)
+    tokens: jax.Array  # i32[B, S+1] emitted tokens: the accepted draft tokens, then the bonus; count = accept_len + 1
+    bonus: jax.Array  # i32[B] the token after the accepted path (the next tree root)
+
+
+def _first_sibling_occurrence(tree: Tree):
+    """bool[B, M]: False for a node whose token repeats an earlier sibling's (never tried twice)."""
+    m = tree.parent.shape[1]
+    idx = jnp.arange(m)
+    dup = ((tree.parent[:, None, :] == tree.parent[:, :, None]) & (tree.tokens[:, None, :] == tree.tokens[:, :, None])
+           & (idx[None, None, :] < idx[None, :, None]))  # [B, node, earlier]
+    return ~dup.any(-1)
+
+
+def _finish(tree: Tree, path, n, bonus, num_steps: int) -> Accepted:
+    j = jnp.arange(num_steps + 1)
+    nxt = jnp.take_along_axis(tree.tokens, jnp.roll(path, -1, axis=1), axis=1)  # token of path[j+1]
+    tokens = jnp.where(j[None] < n[:, None], nxt, bonus[:, None])
+    tokens = jnp.where(j[None] <= n[:, None], tokens, 0)
+    return Accepted(path=path, accept_len=n, tokens=tokens.astype(jnp.int32), bonus=bonus.astype(jnp.int32))
+
+
+def greedy_accept(tree: Tree, target_argmax, num_steps: int) -> Accepted:
+    """target_argmax: i32[B, M] the target's argmax token after each node."""
+    b = tree.tokens.shape[0]
+    rows = jnp.arange(b)
+    first = _first_sibling_occurrence(tree)
+
+    def body(d, st):
+        cur, done, path, n = st
+        want = target_argmax[rows, cur]  # i32[B]
+        hit = (tree.parent == cur[:, None]) & (tree.tokens == want[:, None]) & first  # [B, M]
+        found = hit.any(-1) & ~done
+        nxt = jnp.argmax(hit, -1).astype(jnp.int32)
+        cur = jnp.where(found, nxt, cur)
+        path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
+        return cur, done | ~found, path, n + found.astype(jnp.int32)
+
+    init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+    cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
+    return _finish(tree, path, n, target_argmax[rows, cur], num_steps)
+
+
+def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Accepted:
+    """probs: f32[B, M, V] target distribution after each node; coins: f32[B, S] uniforms in [0, 1);
+    residual_keys: u32[B, 2] keys for the final draw."""
+    b, m = tree.tokens.shape
+    rows = jnp.arange(b)
+    first = _first_sibling_occurrence(tree)
+
+    def body(d, st):
+        cur, done, path, n = st
+        p_cur = probs[rows, cur]  # f32[B, V]
+        p_tok = jnp.take_along_axis(p_cur, tree.tokens, axis=1)  # f32[B, M] p of each node's token
+        child = (tree.parent == cur[:, None]) & first
+        cum = jnp.cumsum(jnp.where(child, p_tok, 0.0), axis=1)  # children in index order
+        hit = child & (coins[:, d][:, None] < cum)
+        found = hit.any(-1) & ~done
+        nxt = jnp.argmax(hit, -1).astype(jnp.int32)
+        cur = jnp.where(found, nxt, cur)
+        path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
+        return cur, done | ~found, path, n + found.astype(jnp.int32)
+
+    init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+    cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
+    # The bonus: p at the last accepted node with all its children (all tried and rejected) removed.
+    p_cur = probs[rows, cur]
+    child = tree.parent == cur[:, None]
+    killed = jnp.zeros(p_cur.shape, bool).at[rows[:, None], tree.tokens].max(child)
+    resid = jnp.where(killed, 0.0, p_cur)
+    mass = resid.sum(-1, keepdims=True)
+    resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_cur)  # fp round-off guard
+    bonus = sampling_lib.sample_rows(resid, residual_keys)
+    return _finish(tree, path, n, bonus, num_steps)
+
+
+def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None):
+    """Acceptance for a batch mixing greedy and sampling rows. logits: f32[B, M, V] target logits after each node.
+    Returns (Accepted, SamplingBatch with advanced keys)."""
+    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    greedy = greedy_accept(tree, argmax, num_steps)
+    keys, sub = sampling_lib.split_keys(sb.key)
+    fn = sample_accept_fn or sample_accept
+
+    def sampled():
+        probs = sampling_lib.target_probs(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+
+        def row_draws(k):
+            kc, kr = jax.random.split(jax.random.wrap_key_data(k))
+            return jax.random.uniform(kc, (num_steps,), jnp.float32), jax.random.key_data(kr)
+
+        coins, rkeys = jax.vmap(row_draws)(sub)
+        s = fn(tree, probs, coins, rkeys, num_steps)
+        g = sb.greedy
+        return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
+
+    acc = jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
+    return acc, dataclasses.replace(sb, key=keys)
