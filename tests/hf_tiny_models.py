@@ -40,11 +40,12 @@ def hf_config(name: str, **overrides):
     return getattr(transformers, cls_name)(**base)
 
 
-def build(name: str, folder, seed: int = 0, dtype=torch.float32, **save_kw):
-    """Random HF causal LM of family ``name`` saved to ``folder``; returns the (fp32, eval, eager) torch model."""
+def build(name: str, folder, seed: int = 0, dtype=torch.float32, config: dict | None = None, **save_kw):
+    """Random HF causal LM of family ``name`` (config fields overridden by ``config``) saved to ``folder`` in
+    ``dtype``; returns the fp32 eval-mode torch model with eager attention."""
     import transformers
     torch.manual_seed(seed)
-    cfg = hf_config(name)
+    cfg = hf_config(name, **(config or {}))
     cfg._attn_implementation = "eager"
     model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.float32, attn_implementation="eager")
     model.eval()
