@@ -33,7 +33,7 @@ class Metrics:
         self.queue = Gauge("specjax:num_queue_reqs", "requests waiting for a slot or KV pages", **lab)
         self.kv_usage = Gauge("specjax:token_usage", "fraction of KV pages held by running requests", **lab)
         self.kv_cached = Gauge("specjax:cached_pages", "KV pages held by the radix cache", **lab)
-        self.throughput = Gauge("specjax:gen_throughput", "generated tokens/s over the last 10 s", **lab)
+        self.gen_throughput = Gauge("specjax:gen_throughput", "generated tokens/s over the last 10 s", **lab)
         self.accept = Gauge("specjax:spec_accept_length", "mean tokens per speculative verify step", **lab)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
         self.ttft = Histogram("specjax:time_to_first_token_seconds", "time to first token", buckets=buckets, **lab)
@@ -89,7 +89,7 @@ class Metrics:
         self._l(self.queue).set(snap["num_waiting_reqs"])
         self._l(self.kv_usage).set(snap["kv_usage"])
         self._l(self.kv_cached).set(snap["kv_pages_cached"])
-        self._l(self.throughput).set(snap["gen_throughput"])
+        self._l(self.gen_throughput).set(snap["gen_throughput"])
         if "avg_spec_accept_length" in snap:
             self._l(self.accept).set(snap["avg_spec_accept_length"])
 

@@ -64,8 +64,35 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-SERVER_FLAGS = ["--dtype", "float32", "--context-length", "256", "--max-total-tokens", "8192", "--page-size", "8",
-                "--chunked-prefill-size", "64", "--max-running-requests", "8", "--log-level", "warning"]
+# Small shapes: 2 prefill buckets (16, 32) and 4 batch buckets (1, 2, 4, 8) to compile.
+ENGINE_KW = dict(dtype="float32", context_length=256, max_total_tokens=8192, page_size=8, chunked_prefill_size=32,
+                 max_running_requests=8)
+SERVER_FLAGS = [x for k, v in ENGINE_KW.items() for x in (f"--{k.replace('_', '-')}", str(v))] + ["--log-level",
+                                                                                                 "warning"]
+# Compiled programs persist across the test processes and server subprocesses (CPU compiles are slow).
+JAX_CACHE = os.path.join(tempfile.gettempdir(), "specjax_test_jax_cache")
+
+
+def use_compilation_cache() -> None:
+    import jax
+    jax.config.update("jax_compilation_cache_dir", JAX_CACHE)
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+
+
+_ENGINES: dict = {}
+
+
+def offline_engine(model_dir: str):
+    """One in-process specjax.Engine per model for the whole test session (same options as the test servers)."""
+    if model_dir not in _ENGINES:
+        import atexit
+
+        import specjax
+        use_compilation_cache()
+        eng = specjax.Engine(model_path=model_dir, skip_server_warmup=True, **ENGINE_KW)
+        atexit.register(eng.shutdown)
+        _ENGINES[model_dir] = eng
+    return _ENGINES[model_dir]
 
 
 class Server:
@@ -77,7 +104,8 @@ class Server:
         self.log_path = tempfile.mktemp(prefix="specjax_server_", suffix=".log")
         cmd = [sys.executable, "-m", "specjax.serve", "--model-path", model_dir, "--port", str(self.port),
                *SERVER_FLAGS, *extra]
-        env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false")
+        env = dict(os.environ, JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", JAX_COMPILATION_CACHE_DIR=JAX_CACHE,
+                   JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0.5")
         self._log = open(self.log_path, "w")
         self.proc = subprocess.Popen(cmd, stdout=self._log, stderr=subprocess.STDOUT, env=env)
         deadline = time.time() + timeout
