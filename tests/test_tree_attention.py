@@ -1,0 +1,203 @@
+"""Tree-attention kernel (Pallas, interpret mode on CPU) against its jnp reference and layers.attention: random trees,
+lengths (0, exact page multiples, partial pages), shuffled page tables, GQA layouts, fp32 and bf16, with every unused
+cache slot set to NaN so that any out-of-bounds read shows; input validation; and target.forward end to end."""
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import decode, kv_cache, layers
+from specjax.config import ModelConfig
+from specjax.kernels.tree_attention import make_cache_attention, ref_tree_attention, tree_attention
+from specjax.models import target
+
+ref_attention = jax.jit(ref_tree_attention, static_argnames="sm_scale")
+
+
+def random_tree_mask(rng, t):
+    """bool[T, T] ancestor mask (self included) of a random tree in creation order (parent[i] < i)."""
+    mask = np.eye(t, dtype=bool)
+    for i in range(1, t):
+        mask[i] |= mask[rng.integers(0, i)]
+    return mask
+
+
+def make_case(seed, *, t, kv_heads, groups, head_dim, page_size, pages_per_seq, lengths, dtype=jnp.float32):
+    """Random inputs; every pool slot that no sequence may read (unreferenced pages, slots >= length) is NaN, and
+    page-table entries past a sequence's last page point outside the pool."""
+    rng = np.random.default_rng(seed)
+    b, n = len(lengths), kv_heads * groups
+    num_pages = b * pages_per_seq + 3
+    normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
+    q, k, v = normal(b, t, n, head_dim), normal(b, t, kv_heads, head_dim), normal(b, t, kv_heads, head_dim)
+    mask = np.stack([random_tree_mask(rng, t) for _ in range(b)])
+    k_pages = np.full((num_pages, page_size, kv_heads, head_dim), np.nan, np.float32)
+    v_pages = k_pages.copy()
+    page_table = rng.permutation(num_pages)[:b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
+    for i, length in enumerate(lengths):
+        for p in range(pages_per_seq):
+            live = min(max(length - p * page_size, 0), page_size)
+            if live == 0:
+                page_table[i, p] = rng.choice([-1, num_pages + 5])  # never dereferenced
+                continue
+            k_pages[page_table[i, p], :live] = normal(live, kv_heads, head_dim)
+            v_pages[page_table[i, p], :live] = normal(live, kv_heads, head_dim)
+    arrays = [jnp.asarray(x, dtype) for x in (q, k, v)]
+    arrays += [jnp.asarray(mask)] + [jnp.asarray(x, dtype) for x in (k_pages, v_pages)]
+    return arrays + [jnp.asarray(page_table), jnp.asarray(lengths, jnp.int32)]
+
+
+@functools.partial(jax.jit, static_argnames="sm_scale")
+def layers_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale):
+    """The XLA path of target.forward: layers.attention over the gathered pages."""
+    k_cache, v_cache = kv_cache.gather_layer(k_pages, v_pages, jnp.clip(page_table, 0, k_pages.shape[0] - 1))
+    cache_valid = jnp.arange(k_cache.shape[1])[None, None, :] < lengths[:, None, None]
+    cache_valid = jnp.broadcast_to(cache_valid, (q.shape[0], q.shape[1], k_cache.shape[1]))
+    return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
+                            sm_scale=sm_scale)
+
+
+CASES = {
+    # name: (T, K, G, H, page size, pages per seq, lengths, pages_per_block, dtype)
+    "decode-like T=1, N=K": (1, 2, 1, 64, 4, 5, [0, 8, 13], 2, jnp.float32),
+    "T=5, N=4K, H=128": (5, 2, 4, 128, 4, 4, [16, 0, 6], None, jnp.float32),
+    "T=16, one kv head": (16, 1, 4, 64, 8, 3, [8, 24, 17], 1, jnp.float32),
+    "T=5, odd K": (5, 3, 1, 64, 4, 3, [4, 9, 0], 2, jnp.float32),
+    "bf16, N=4K": (5, 2, 4, 64, 4, 4, [12, 0, 7], 2, jnp.bfloat16),
+    "bf16, odd K, T=37 (two mask words)": (37, 3, 2, 64, 4, 3, [5, 12, 0], 1, jnp.bfloat16),
+}
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_kernel_matches_reference_and_layers_attention(name):
+    t, kh, g, h, z, pps, lengths, pb, dtype = CASES[name]
+    args = make_case(list(CASES).index(name), t=t, kv_heads=kh, groups=g, head_dim=h, page_size=z,
+                     pages_per_seq=pps, lengths=lengths, dtype=dtype)
+    scale = h ** -0.5
+    got = tree_attention(*args, sm_scale=scale, interpret=True, pages_per_block=pb)
+    assert got.shape == args[0].shape and got.dtype == dtype
+    got = np.asarray(got, np.float32)
+    assert np.isfinite(got).all()
+    ref = np.asarray(ref_attention(*args, sm_scale=scale), np.float32)
+    xla = np.asarray(layers_attention(*args, sm_scale=scale), np.float32)
+    assert np.isfinite(ref).all() and np.isfinite(xla).all()
+    if dtype == jnp.float32:
+        np.testing.assert_allclose(got, ref, atol=1e-5, rtol=0)
+        np.testing.assert_allclose(got, xla, atol=1e-5, rtol=0)
+    else:  # bf16 inputs and output (1 ulp ~ 8e-3 near 1); also close to fp32 math on the same inputs
+        np.testing.assert_allclose(got, ref, atol=2e-2, rtol=0)
+        np.testing.assert_allclose(got, xla, atol=2e-2, rtol=0)
+        f32 = [a.astype(jnp.float32) if a.dtype == dtype else a for a in args]
+        np.testing.assert_allclose(got, np.asarray(ref_attention(*f32, sm_scale=scale)), atol=3e-2, rtol=0)
+
+
+def test_reference_and_layers_attention_agree_on_a_full_cache():
+    """Lengths at full capacity (every slot visible) through both oracles; the kernel is covered above."""
+    args = make_case(7, t=5, kv_heads=2, groups=2, head_dim=64, page_size=4, pages_per_seq=2, lengths=[8, 8])
+    np.testing.assert_allclose(np.asarray(ref_attention(*args, sm_scale=0.125)),
+                               np.asarray(layers_attention(*args, sm_scale=0.125)), atol=1e-5, rtol=0)
+
+
+def _validation_args():
+    b, t, n, kh, h, p, z, pps = 2, 3, 4, 2, 64, 6, 4, 2
+    f = lambda *s, dtype=jnp.float32: jnp.zeros(s, dtype)
+    return dict(q=f(b, t, n, h), k=f(b, t, kh, h), v=f(b, t, kh, h), mask=f(b, t, t, dtype=bool),
+                k_pages=f(p, z, kh, h), v_pages=f(p, z, kh, h), page_table=f(b, pps, dtype=jnp.int32),
+                lengths=f(b, dtype=jnp.int32))
+
+
+BAD_INPUTS = {
+    "q rank": (dict(q=jnp.zeros((2, 3, 64))), "q must be"),
+    "k length": (dict(k=jnp.zeros((2, 4, 2, 64))), "k must be"),
+    "v shape": (dict(v=jnp.zeros((2, 3, 1, 64))), "v must have"),
+    "GQA": (dict(q=jnp.zeros((2, 3, 3, 64))), "GQA"),
+    "dtypes": (dict(q=jnp.zeros((2, 3, 4, 64), jnp.bfloat16)), "share one floating dtype"),
+    "mask vs T": (dict(mask=jnp.zeros((2, 3, 4), bool)), r"mask must be \[B, T, T\]"),
+    "mask dtype": (dict(mask=jnp.zeros((2, 3, 3), jnp.float32)), "mask must be bool"),
+    "pool heads": (dict(k_pages=jnp.zeros((6, 4, 1, 64)), v_pages=jnp.zeros((6, 4, 1, 64))), "pages must be"),
+    "pool mismatch": (dict(v_pages=jnp.zeros((6, 4, 2, 64), jnp.bfloat16)), "must match k_pages"),
+    "table batch": (dict(page_table=jnp.zeros((3, 2), jnp.int32)), "page_table must be"),
+    "table dtype": (dict(page_table=jnp.zeros((2, 2), jnp.float32)), "int32"),
+    "lengths shape": (dict(lengths=jnp.zeros((2, 1), jnp.int32)), "lengths must be"),
+}
+
+
+@pytest.mark.parametrize("name", list(BAD_INPUTS))
+def test_validation_errors(name):
+    change, message = BAD_INPUTS[name]
+    args = dict(_validation_args(), **change)
+    with pytest.raises(ValueError, match=message):
+        tree_attention(**args, sm_scale=0.125, interpret=True)
+    with pytest.raises(ValueError, match=message):
+        ref_tree_attention(**args, sm_scale=0.125)
+
+
+def test_validation_of_knobs():
+    args = _validation_args()
+    with pytest.raises(ValueError, match="pages_per_block"):
+        tree_attention(**args, sm_scale=0.125, interpret=True, pages_per_block=0)
+    with pytest.raises(ValueError, match="sm_scale"):
+        tree_attention(**args, sm_scale=-1.0, interpret=True)
+
+
+def test_make_cache_attention_selection():
+    assert make_cache_attention("xla") is None
+    assert (make_cache_attention("auto") is None) == (jax.default_backend() != "tpu")
+    assert callable(make_cache_attention("pallas"))
+    with pytest.raises(ValueError, match="unknown attention impl"):
+        make_cache_attention("triton")
+
+
+@pytest.mark.parametrize("dtype, t, kv_heads", [(jnp.bfloat16, 16, 8), (jnp.float32, 5, 3)])
+def test_kernel_lowers_for_tpu(dtype, t, kv_heads):
+    """The Pallas -> Mosaic lowering runs on any host (jax.export for platform "tpu"); Mosaic's own compiler, which
+    only a TPU runtime has, is not exercised here."""
+    b, g, h, p, z, pps = 2, 4, 128, 64, 16, 16
+    s = jax.ShapeDtypeStruct
+    args = (s((b, t, kv_heads * g, h), dtype), s((b, t, kv_heads, h), dtype), s((b, t, kv_heads, h), dtype),
+            s((b, t, t), bool), s((p, z, kv_heads, h), dtype), s((p, z, kv_heads, h), dtype),
+            s((b, pps), jnp.int32), s((b,), jnp.int32))
+    fn = jax.jit(functools.partial(tree_attention, sm_scale=h ** -0.5))
+    exported = jax.export.export(fn, platforms=["tpu"])(*args)
+    assert "tpu_custom_call" in exported.mlir_module()
+
+
+TINY = ModelConfig(architecture="LlamaForCausalLM", family="llama", vocab_size=64, hidden_size=64,
+                   intermediate_size=96, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16, rms_norm_eps=1e-6,
+                   rope_theta=10000.0, max_position_embeddings=64, tie_word_embeddings=False, dtype="float32")
+
+
+def test_forward_with_pallas_cache_attention_matches_xla_path():
+    """Prefill through a shuffled, NaN-filled paged cache, then a tree-verify-like call with an ancestor mask:
+    logits and written K/V from the Pallas hook equal the XLA path's."""
+    cfg, rng = TINY, np.random.default_rng(0)
+    params = target.init_params(cfg, jax.random.PRNGKey(0), scale=0.2)
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 24, page_size=8,
+                                dtype=jnp.float32, num_pages=8)
+    cache = dataclasses.replace(cache, k=jnp.full_like(cache.k, jnp.nan), v=jnp.full_like(cache.v, jnp.nan),
+                                page_table=jnp.asarray(rng.permutation(8)[:6].reshape(2, 3), jnp.int32))
+    prompts = rng.integers(0, cfg.vocab_size, size=(2, 9)).astype(np.int32)
+    valid = np.arange(9)[None, :] < np.array([[7], [9]])
+    tree = np.stack([random_tree_mask(rng, 5) for _ in range(2)])
+    tree_tokens = jnp.asarray(rng.integers(0, cfg.vocab_size, size=(2, 5)), jnp.int32)
+
+    def run(cache_attention):
+        c, out = decode.prefill(params, cfg, cache, jnp.asarray(prompts), jnp.asarray(valid), all_logits=True,
+                                cache_attention=cache_attention)
+        positions = c.lengths[:, None] + jnp.asarray(tree.sum(-1) - 1, jnp.int32)  # prefix length + depth
+        verify = target.forward(params, cfg, tree_tokens, positions, cache=c, mask=jnp.asarray(tree),
+                                cache_attention=cache_attention)
+        return out.logits, verify.logits, c
+
+    run = jax.jit(run, static_argnums=0)
+    xla_prefill, xla_verify, xla_cache = run(None)
+    pallas_prefill, pallas_verify, pallas_cache = run(make_cache_attention("pallas"))
+    assert np.isfinite(np.asarray(pallas_verify)).all()
+    np.testing.assert_allclose(np.asarray(pallas_prefill)[valid], np.asarray(xla_prefill)[valid], atol=1e-5, rtol=0)
+    np.testing.assert_allclose(np.asarray(pallas_verify), np.asarray(xla_verify), atol=1e-5, rtol=0)
+    written = np.isfinite(np.asarray(xla_cache.k))
+    np.testing.assert_allclose(np.asarray(pallas_cache.k)[written], np.asarray(xla_cache.k)[written], atol=1e-5)
