@@ -66,7 +66,32 @@ def make_tokenizer(out_dir: str, template: str = CHATML, vocab_size: int = 320):
 
 
 def make_tiny_model(out_dir: str, vocab_size: int = 320, seed: int = 0) -> str:
-    """A tiny random Llama (HF format, fp32 safetensors) plus the tiny tokenizer, in ``out_dir``."""
+    """A tiny random Llama in HF format (config.json, fp32 model.safetensors) plus the tiny tokenizer, written
+    without torch (specjax's own random init and HF-name mapping) so that it is fast."""
+    import jax
+    import numpy as np
+    from specjax.config import ModelConfig
+    from specjax.models import target
+    from specjax.safetensors_io import save_file
+    from specjax.weights import params_to_hf
+
+    tok = make_tokenizer(out_dir)
+    eos = tok.convert_tokens_to_ids("<|im_end|>")
+    hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": max(vocab_size, len(tok)),
+          "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
+          "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
+          "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": eos, "torch_dtype": "float32"}
+    with open(os.path.join(out_dir, "config.json"), "w") as f:
+        json.dump(hf, f, indent=1)
+    cfg = ModelConfig.from_hf_dict(hf)
+    params = target.init_params(cfg, jax.random.PRNGKey(seed), scale=0.1)
+    save_file({k: np.asarray(v, np.float32) for k, v in params_to_hf(params, cfg).items()},
+              os.path.join(out_dir, "model.safetensors"))
+    return out_dir
+
+
+def make_tiny_model_transformers(out_dir: str, vocab_size: int = 320, seed: int = 0) -> str:
+    """The same shape of model built and saved by transformers (torch)."""
     import torch
     from transformers import LlamaConfig, LlamaForCausalLM
 

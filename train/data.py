@@ -266,8 +266,14 @@ class ChatEncoder:
 
 
 def load_tokenizer(path: str):
-    from transformers import AutoTokenizer
-    tok = AutoTokenizer.from_pretrained(path)
+    """The target's fast tokenizer. A folder with tokenizer.json loads through PreTrainedTokenizerFast directly
+    (AutoTokenizer would import torch, ~10 s, for nothing: we only need the tokenizer and its chat template)."""
+    if os.path.isfile(os.path.join(path, "tokenizer.json")):
+        from transformers import PreTrainedTokenizerFast
+        tok = PreTrainedTokenizerFast.from_pretrained(path)
+    else:
+        from transformers import AutoTokenizer
+        tok = AutoTokenizer.from_pretrained(path)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {path} is not a fast tokenizer; specjax needs offsets (tokenizer.json)")
     return tok
@@ -281,6 +287,10 @@ class TokenizedData:
     loss_mask: np.ndarray  # u8[N]
     offsets: np.ndarray  # i64[n+1]
     stats: dict[str, int]  # records, kept, truncated and one counter per skip reason
+    source: np.ndarray | None = None  # i64[n] index of each example in the full dataset (None: itself)
+
+    def source_index(self, i: int) -> int:
+        return int(self.source[i]) if self.source is not None else int(i)
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
@@ -297,11 +307,12 @@ class TokenizedData:
         parts = [self.example(int(i)) for i in idx]
         lens = np.asarray([len(p[0]) for p in parts], np.int64)
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
+        src = np.asarray([self.source_index(int(i)) for i in idx], np.int64)
         return TokenizedData(cat([p[0] for p in parts], np.int32), cat([p[1] for p in parts], np.uint8),
-                             np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(self.stats))
+                             np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(self.stats), src)
 
     def save(self, path: str) -> None:
-        tmp = path + ".tmp.npz"
+        tmp = f"{path}.{os.getpid()}.tmp.npz"
         np.savez(tmp, tokens=self.tokens, loss_mask=self.loss_mask, offsets=self.offsets,
                  stats=np.asarray(json.dumps(self.stats)))
         os.replace(tmp, path)
@@ -351,7 +362,8 @@ def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length
                          np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(stats))
 
 
-def _cache_key(cfg: DataConfig, tok) -> str:
+def fingerprint(cfg: DataConfig, tok) -> str:
+    """Identifies the tokenized dataset (sources, their sizes and times, settings, tokenizer)."""
     h = hashlib.sha256()
     srcs = []
     for p in cfg.paths:
@@ -376,7 +388,7 @@ def default_cache_dir() -> str:
 def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print) -> TokenizedData:
     """Tokenize every source (cached on disk by content of the config, sources and tokenizer)."""
     cache_dir = cfg.cache_dir or default_cache_dir()
-    path = os.path.join(cache_dir, f"tokenized-{_cache_key(cfg, tokenizer)}.npz")
+    path = os.path.join(cache_dir, f"tokenized-{fingerprint(cfg, tokenizer)}.npz")
     if os.path.exists(path):
         try:
             data = TokenizedData.load(path)
@@ -471,8 +483,9 @@ class BatchIterator:
     """
 
     def __init__(self, data: TokenizedData, *, batch_size: int, grad_accum: int, buckets, max_length: int,
-                 seed: int, sharding=None, pad_id: int = 0, shuffle: bool = True):
+                 seed: int, sharding=None, pad_id: int = 0, shuffle: bool = True, features=None):
         self.data, self.b, self.a = data, batch_size, grad_accum
+        self.features = features  # offline cache: .spec {name: (dim, dtype)}, .rows(source_index) -> {name: [len, dim]}
         self.sizes = bucket_sizes(buckets, max_length)
         self.seed, self.sharding, self.pad_id, self.shuffle = seed, sharding, pad_id, shuffle
         self.lengths = data.lengths
@@ -528,11 +541,22 @@ class BatchIterator:
                 ids[i, j, :len(tok)] = tok
                 lmask[i, j, :len(tok)] = m
                 amask[i, j, :len(tok)] = 1
+        extra = {}
+        if self.features is not None:
+            for name, (dim, dt) in self.features.spec.items():
+                extra[name] = np.zeros((a, len(mine), t, dim), dt)
+            for i in range(a):
+                for j, r in enumerate(mine):
+                    ex = grid[i, r]
+                    if ex >= 0:
+                        for name, rows in self.features.rows(self.data.source_index(int(ex))).items():
+                            extra[name][i, j, :len(rows)] = rows
         real = pb.rows[pb.rows >= 0]
         info = {"seq_len": t, "tokens": int(self.lengths[real].sum()),
                 "loss_tokens": int(sum(int(self.data.example(int(e))[1].sum()) for e in real))}
-        batch = {"input_ids": ids, "loss_mask": lmask, "attention_mask": amask}
+        batch = {"input_ids": ids, "loss_mask": lmask, "attention_mask": amask, **extra}
         if self.sharding is not None:
             import jax
-            batch = {k: jax.make_array_from_process_local_data(self.sharding, v, (a, b, t)) for k, v in batch.items()}
+            batch = {k: jax.make_array_from_process_local_data(self.sharding, v, (a, b, t) + v.shape[3:])
+                     for k, v in batch.items()}
         return batch, info

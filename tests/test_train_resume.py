@@ -1,0 +1,110 @@
+"""The training CLI on configs/tiny.yaml: killed mid-way (SIGKILL) or stopped (SIGTERM) and resumed, the loss
+trajectory equals an uninterrupted run's, step for step."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import train_fixtures as tf
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+STEPS = 20
+
+
+@pytest.fixture(scope="module")
+def assets(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tiny_run")
+    model = tf.make_tiny_model(str(root / "model"))
+    data = tf.write_jsonl(str(root / "data.jsonl"), tf.make_conversations(120, seed=5))
+    return root, model, data
+
+
+def _cmd(assets, run: str, *extra):
+    root, model, data = assets
+    return [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
+            "--data.paths", f"[{data}]", "--data.max_length", "128", "--data.buckets", "[128]",
+            "--training.ttt_length", "2", "--training.max_steps", str(STEPS), "--logging.eval_every", "0",
+            "--logging.progress", "false", "--logging.every", "1", "--checkpoint.every", "3",
+            "--checkpoint.dir", str(root / run), *extra]
+
+
+def _env(assets, devices=4):
+    root = assets[0]
+    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
+                SPECJAX_CACHE=str(root / "cache"), JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
+                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", TOKENIZERS_PARALLELISM="false")
+
+
+def _losses(path):
+    """step -> loss; a step logged twice (re-run after a kill) keeps its last value."""
+    out = {}
+    if not os.path.exists(path):
+        return out
+    with open(path) as f:
+        for line in f:
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError:
+                continue  # a line cut by the kill
+            if "loss" in rec:
+                out[rec["step"]] = rec["loss"]
+    return out
+
+
+def _run(cmd, env):
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    return r
+
+
+def _start_and_wait(cmd, env, metrics, until_step):
+    p = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    deadline = time.time() + 240
+    while time.time() < deadline and p.poll() is None:
+        if max(_losses(metrics), default=0) >= until_step:
+            return p
+        time.sleep(0.02)
+    out = p.communicate(timeout=60)[0] if p.poll() is not None else ""
+    p.kill()
+    pytest.fail(f"run did not reach step {until_step} (rc {p.returncode}): {out[-3000:]}")
+
+
+def test_kill_and_sigterm_resume_match_uninterrupted(assets):
+    root = assets[0]
+    env = _env(assets)
+    _run(_cmd(assets, "straight"), env)
+    want = _losses(root / "straight" / "metrics.jsonl")
+    assert sorted(want) == list(range(1, STEPS + 1))
+
+    # SIGKILL mid-way: no chance to save; resume from the last committed checkpoint
+    metrics = root / "killed" / "metrics.jsonl"
+    p = _start_and_wait(_cmd(assets, "killed"), env, metrics, until_step=8)
+    p.send_signal(signal.SIGKILL)
+    p.wait(timeout=30)
+    killed_at = max(_losses(metrics))
+    assert killed_at < STEPS, "the run finished before it could be killed"
+    # SIGTERM during the resumed run: it saves a checkpoint at the current step and exits cleanly
+    p = _start_and_wait(_cmd(assets, "killed"), env, metrics, until_step=killed_at + 3)
+    p.send_signal(signal.SIGTERM)
+    out = p.communicate(timeout=120)[0]
+    assert p.returncode == 0, out[-3000:]
+    assert "saving a checkpoint" in out
+    stopped_at = max(_losses(metrics))
+    from specjax.train.checkpoint import Checkpointer
+    assert Checkpointer(str(root / "killed")).latest_step() == stopped_at
+    r = _run(_cmd(assets, "killed"), env)
+    assert f"resumed from {root / 'killed'} step {stopped_at}" in r.stdout
+    got = _losses(metrics)
+    assert sorted(got) == list(range(1, STEPS + 1))
+    for s in range(1, STEPS + 1):
+        assert got[s] == pytest.approx(want[s], rel=1e-6, abs=1e-7), (s, got[s], want[s])
+
+    # the final checkpoint loads for export
+    from specjax.train.checkpoint import load_head_for_export
+    head_cfg, params, vm, target = load_head_for_export(str(root / "killed"))
+    assert head_cfg.draft_vocab_size == 64 and len(vm.d2t) == 64 and target == assets[1]

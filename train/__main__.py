@@ -1,0 +1,371 @@
+"""Train an EAGLE3 draft head against a frozen target.
+
+    python -m specjax.train --config configs/qwen2.5-7b.yaml [--section.key VALUE ...]
+
+Reads top to bottom: config -> distributed init -> mesh -> target (sharded) -> data -> vocab map -> train state
+(restored or fresh) -> jitted step -> loop (progress, metrics, eval, checkpoints) -> final checkpoint.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import signal
+import sys
+import time
+
+HELP_EPILOG = """\
+Every key of the run config can be overridden on the command line as --section.key VALUE, e.g.
+  --optimizer.lr 3e-4  --mesh.tp 2  --training.max_steps 100  --data.buckets [512,1024]  --checkpoint.dir runs/x
+
+Start here (CPU, a few minutes):
+  python -m specjax.convert fetch-smollm2            # real SmolLM2-135M-Instruct into ~/.cache/specjax
+  python -m specjax.train --config configs/smollm2-135m.yaml --training.max_steps 50
+
+What happens:
+  - the target (model.path: an HF folder with config.json, *.safetensors and a tokenizer with a chat template)
+    is loaded frozen, sharded over the (dp, tp) mesh;
+  - chats (data.paths / data.hf_datasets) are rendered with the target's chat template; only assistant tokens
+    are trained on; lengths are bucketed (data.buckets) so only a few shapes compile;
+  - the draft vocab map is computed from the data (or head.vocab_map / a fine-tuned head's own map);
+  - checkpoints go to checkpoint.dir every checkpoint.every steps; re-running the same command resumes exactly;
+    SIGTERM (preemption) saves a checkpoint and exits;
+  - metrics go to <checkpoint.dir>/metrics.jsonl (loss, acc_k over valid positions, tokens/s, MFU).
+Offline mode: --offline.dir DIR --offline.build true caches the target's features; then --offline.dir DIR trains
+from the cache without running the target.
+Multi-host (TPU pods): run the same command on every host (see tpu_scripts/README.md); jax.distributed is
+initialised from the environment, or from --multihost.coordinator HOST:PORT --multihost.num_processes N
+--multihost.process_id I.
+Export the trained head: python -m specjax.convert export-head CHECKPOINT_DIR OUT_DIR
+
+All keys and their defaults:
+"""
+
+
+def parse_args(argv):
+    from specjax.train.config import describe
+    p = argparse.ArgumentParser(prog="python -m specjax.train", description=__doc__.split("\n\n")[0],
+                                epilog=HELP_EPILOG + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", help="run config YAML (see configs/); keys not given keep their defaults")
+    return p.parse_known_args(argv)
+
+
+def init_distributed(mh) -> None:
+    """jax.distributed.initialize() when flags or the environment say there are several processes."""
+    import jax
+    env = os.environ
+    explicit = mh.coordinator is not None
+    auto = ("," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("SLURM_NTASKS", "1")) > 1
+            or "JAX_COORDINATOR_ADDRESS" in env or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
+    if not (explicit or auto):
+        return
+    if env.get("JAX_PLATFORMS", "") == "cpu":
+        jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    if explicit:
+        jax.distributed.initialize(coordinator_address=mh.coordinator, num_processes=mh.num_processes,
+                                   process_id=mh.process_id)
+    else:
+        jax.distributed.initialize()
+
+
+class Logger:
+    """Process 0 writes metrics: JSONL always, TensorBoard when asked and available, progress bar when a tty."""
+
+    def __init__(self, cfg, primary: bool):
+        self.primary = primary
+        self.path = cfg.logging.jsonl or os.path.join(cfg.checkpoint.dir, "metrics.jsonl")
+        self.tb = None
+        if primary:
+            os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
+            if cfg.logging.tensorboard:
+                try:
+                    from tensorboardX import SummaryWriter
+                except ImportError:
+                    try:
+                        from torch.utils.tensorboard import SummaryWriter
+                    except ImportError:
+                        SummaryWriter = None
+                if SummaryWriter is None:
+                    self.info("note: logging.tensorboard is set but neither tensorboardX nor torch's tensorboard is "
+                              "installed; JSONL only")
+                else:
+                    self.tb = SummaryWriter(cfg.logging.tensorboard)
+        self.bar = None
+
+    def info(self, msg: str) -> None:
+        if self.primary:
+            (self.bar.write if self.bar is not None else print)(msg)
+            sys.stdout.flush()
+
+    def metrics(self, step: int, values: dict) -> None:
+        if not self.primary:
+            return
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, **values}) + "\n")
+        if self.tb is not None:
+            for k, v in values.items():
+                if isinstance(v, (int, float)) and not isinstance(v, bool):
+                    self.tb.add_scalar(k, v, step)
+
+    def progress(self, total: int, initial: int, enabled: bool):
+        if self.primary and enabled:
+            from tqdm import tqdm
+            self.bar = tqdm(total=total, initial=initial, unit="step", dynamic_ncols=True, file=sys.stdout)
+        return self.bar
+
+    def close(self):
+        if self.bar is not None:
+            self.bar.close()
+        if self.tb is not None:
+            self.tb.close()
+
+
+# Dense bf16 peak FLOP/s per device, for MFU (None: unknown device, MFU not reported).
+PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
+              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
+
+
+def peak_flops(device) -> float | None:
+    kind = getattr(device, "device_kind", "")
+    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
+        if name.lower() in kind.lower():
+            return PEAK_FLOPS[name]
+    return None
+
+
+def main(argv=None) -> int:
+    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
+    from specjax.train.config import ConfigError, load_config
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+    # ---- distributed, mesh ---------------------------------------------------------------------------------------
+    init_distributed(cfg.multihost)
+    import jax
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax import weights
+    from specjax.config import ModelConfig
+    from specjax.models import target as target_lib
+    from specjax.models.eagle3 import Eagle3Config
+    from specjax.sharding import make_mesh
+    from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
+    from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
+
+    primary = jax.process_index() == 0
+    log = Logger(cfg, primary)
+    tp = cfg.mesh.tp
+    dp = cfg.mesh.dp if cfg.mesh.dp > 0 else jax.device_count() // tp
+    mesh = make_mesh(dp=dp, tp=tp)
+    if cfg.training.batch_size % dp:
+        log.info(f"error: training.batch_size={cfg.training.batch_size} must be divisible by mesh.dp={dp}")
+        return 2
+    log.info(f"mesh dp={dp} tp={tp} on {jax.device_count()} {jax.devices()[0].platform} devices, "
+             f"{jax.process_count()} process(es)")
+
+    # ---- target ------------------------------------------------------------------------------------------------
+    try:
+        model_dir = weights.resolve_model_path(cfg.model.path)
+        target_cfg = ModelConfig.from_pretrained(model_dir, dtype=cfg.model.dtype)
+    except Exception as e:  # noqa: BLE001 - the message says what to do
+        log.info(f"error: cannot use model.path={cfg.model.path!r}: {e}")
+        if "smollm2" in (cfg.model.path or "").lower():
+            log.info("fetch it with:  python -m specjax.convert fetch-smollm2")
+        return 2
+    offline_train = cfg.offline.dir is not None and not cfg.offline.build
+    if cfg.model.random_init:
+        target_params = weights.shard_params(target_lib.init_params(target_cfg, jax.random.PRNGKey(cfg.training.seed)),
+                                             target_cfg, mesh)
+        if offline_train:
+            target_params = step_lib.target_embeddings(target_params)
+    elif offline_train:
+        target_params = offline_lib.load_target_embeddings(model_dir, target_cfg, mesh)
+    else:
+        target_params = weights.load_target_params(model_dir, target_cfg, mesh)
+    log.info(f"target {target_cfg.architecture} ({target_cfg.num_params() / 1e6:.0f}M params, {target_cfg.dtype}) "
+             f"from {model_dir}")
+
+    # ---- data ----------------------------------------------------------------------------------------------------
+    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
+    full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
+    train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    batch_sharding = NamedSharding(mesh, P(None, "dp"))
+    head_cfg = Eagle3Config.from_target(target_cfg, draft_vocab_size=cfg.head.draft_vocab_size,
+                                        num_layers=cfg.head.num_layers, aux_layer_ids=cfg.head.aux_layer_ids,
+                                        dtype=cfg.head.dtype)
+
+    if cfg.offline.build:
+        offline_lib.build_cache(cfg.offline.dir, full, target_cfg, head_cfg, target_params, mesh,
+                                fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
+                                batch_size=cfg.training.batch_size, buckets=cfg.data.buckets,
+                                max_length=cfg.data.max_length, pad_id=pad_id, log=log.info)
+        return 0
+    features = eval_features = None
+    if offline_train:
+        features = offline_lib.FeatureCache(cfg.offline.dir, expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
+                                            expect_tokens=len(full.tokens))
+        eval_features = features
+    it_kw = dict(batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum, buckets=cfg.data.buckets,
+                 max_length=cfg.data.max_length, seed=cfg.training.seed, sharding=batch_sharding, pad_id=pad_id)
+    batches = data_lib.BatchIterator(train_data, features=features, **it_kw)
+    total_steps = cfg.training.max_steps or cfg.training.epochs * batches.steps_per_epoch
+    log.info(f"train: {len(train_data)} conversations, {batches.steps_per_epoch} steps/epoch "
+             f"({cfg.training.grad_accum} x {cfg.training.batch_size} sequences/step), {total_steps} steps; "
+             f"eval: {len(eval_data)} conversations")
+
+    # ---- checkpoints, vocab map, state ------------------------------------------------------------------------------
+    ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    resume_step = ckpt.latest_step() if cfg.checkpoint.resume else None
+    init_params = None
+    if resume_step is not None:
+        vocab_source = f"checkpoint step {resume_step}"
+        saved_head = ckpt_lib.head_config_from_dict(ckpt.restore(resume_step)[1]["meta"]["head_config"])
+        head_cfg = head_cfg.replace(draft_vocab_size=saved_head.draft_vocab_size)
+    elif cfg.head.init_from:
+        head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
+        head_cfg = head_cfg.replace(draft_vocab_size=head0.draft_vocab_size, num_layers=head0.num_layers,
+                                    aux_layer_ids=head0.aux_layer_ids)
+        vocab_source = f"head {cfg.head.init_from}"
+    elif cfg.head.vocab_map:
+        vocab_map = load_vocab_map(cfg.head.vocab_map)
+        vocab_source = cfg.head.vocab_map
+    else:
+        counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
+        vocab_map = build_vocab_map(counts, head_cfg.draft_vocab_size)
+        vocab_source = f"counted over {int(counts.sum())} training tokens"
+    optimizer = step_lib.make_optimizer(
+        lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
+        min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
+        b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
+    abstract_state = step_lib.abstract_train_state(head_cfg, optimizer, mesh)
+    rep = NamedSharding(mesh, P())
+    if resume_step is not None:
+        abstract_vocab = {"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), np.int32, sharding=rep),
+                          "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}
+        resume_step, out = ckpt.restore(resume_step, params=abstract_state.params, vocab=abstract_vocab,
+                                        train={"opt_state": abstract_state.opt_state, "step": abstract_state.step,
+                                               "rng": abstract_state.rng})
+        state = step_lib.TrainState(params=out["params"], opt_state=out["train"]["opt_state"],
+                                    step=out["train"]["step"], rng=out["train"]["rng"])
+        from specjax.models.eagle3 import VocabMap
+        vocab_map = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
+        batches.load_state_dict(out["meta"]["data_state"])
+        log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
+                 f"batch {batches.position})")
+    else:
+        state = step_lib.init_train_state(head_cfg, cfg.training.seed, optimizer, mesh, init_params=init_params)
+    vocab_map = jax.device_put(vocab_map, rep)
+    log.info(f"head: {head_cfg.num_layers} layer(s), hidden {head_cfg.hidden_size}, draft vocab "
+             f"{head_cfg.draft_vocab_size} ({vocab_source}), aux layers {list(head_cfg.aux_layer_ids)}")
+
+    # ---- jitted step, eval -------------------------------------------------------------------------------------------
+    make = step_lib.make_train_step_offline if offline_train else step_lib.make_train_step
+    train_step = make(target_cfg, head_cfg, optimizer, mesh, ttt_length=cfg.training.ttt_length,
+                      decay=cfg.training.decay, grad_accum=cfg.training.grad_accum)
+    eval_step = step_lib.make_eval_step(target_cfg, head_cfg, mesh, ttt_length=cfg.training.ttt_length,
+                                        decay=cfg.training.decay, offline=offline_train)
+    target_arg = target_params
+
+    def run_eval() -> dict:
+        if len(eval_data) == 0:
+            return {}
+        ev = data_lib.BatchIterator(eval_data, shuffle=False, features=eval_features, **it_kw)
+        n = min(cfg.logging.eval_batches, ev.steps_per_epoch)
+        sums: dict[str, float] = {}
+        for _ in range(n):
+            batch, _ = next(ev)
+            m = jax.device_get(eval_step(state.params, target_arg, vocab_map, batch))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {f"eval_{k}": v / n for k, v in sums.items()}
+
+    def meta() -> dict:
+        return {"run_config": cfg.to_dict(), "head_config": ckpt_lib.head_config_to_dict(head_cfg),
+                "target_model_path": os.path.abspath(model_dir) if os.path.isdir(model_dir) else model_dir,
+                "data_state": batches.state_dict(), "total_steps": total_steps, "vocab_source": vocab_source}
+
+    saved = {"step": resume_step}
+
+    def save(step: int, wait: bool = False) -> None:
+        if saved["step"] == step:
+            return
+        saved["step"] = step
+        ckpt.save(step, params=state.params, train={"opt_state": state.opt_state, "step": state.step,
+                                                    "rng": state.rng}, vocab=vocab_map, meta=meta(), wait=wait)
+
+    stop = {"signal": None}
+
+    def on_signal(signum, _frame):
+        stop["signal"] = signum
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+
+    def should_stop() -> bool:
+        flag = stop["signal"] is not None
+        if jax.process_count() > 1:  # every host must stop at the same step
+            from jax.experimental import multihost_utils
+            flag = bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag))).any())
+        return flag
+
+    # ---- the loop ----------------------------------------------------------------------------------------------------
+    step = int(jax.device_get(state.step))
+    peak = peak_flops(jax.devices()[0])
+    n_dev = jax.device_count()
+    bar = log.progress(total_steps, step, cfg.logging.progress)
+    window_tokens, window_start, window_flops = 0, time.perf_counter(), 0.0
+    while step < total_steps:
+        batch, info = next(batches)
+        state, metrics = train_step(state, target_arg, vocab_map, batch)
+        step += 1
+        window_tokens += info["tokens"]
+        window_flops += info["tokens"] * step_lib.estimate_flops_per_token(
+            target_cfg, head_cfg, info["seq_len"], cfg.training.ttt_length, include_target=not offline_train)
+        if step % cfg.logging.every == 0 or step == total_steps:
+            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+            dt = max(time.perf_counter() - window_start, 1e-9)
+            m.update(epoch=batches.epoch, seq_len=info["seq_len"], tokens_per_s=window_tokens / dt,
+                     time=time.time())
+            if peak is not None:
+                m["mfu"] = window_flops / dt / (peak * n_dev)
+            if not math.isfinite(m["loss"]):
+                log.info(f"warning: non-finite loss at step {step}")
+            log.metrics(step, m)
+            if bar is not None:
+                bar.set_postfix({"loss": f"{m['loss']:.3f}", "acc_0": f"{m.get('acc_0', float('nan')):.3f}",
+                                 "tok/s": f"{m['tokens_per_s']:.0f}",
+                                 **({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {})})
+            elif primary:
+                print(f"step {step}/{total_steps} loss {m['loss']:.4f} acc_0 {m.get('acc_0', float('nan')):.3f} "
+                      f"tok/s {m['tokens_per_s']:.0f}" + (f" mfu {m['mfu']:.1%}" if "mfu" in m else ""), flush=True)
+            window_tokens, window_start, window_flops = 0, time.perf_counter(), 0.0
+        if bar is not None:
+            bar.update(1)
+        if cfg.logging.eval_every and step % cfg.logging.eval_every == 0:
+            em = run_eval()
+            if em:
+                log.metrics(step, em)
+                log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0 {em.get('eval_acc_0', 0):.3f}")
+        if step % cfg.checkpoint.every == 0 and step < total_steps:
+            save(step)
+        ckpt.poll()
+        if should_stop():
+            log.info(f"signal {stop['signal']}: saving a checkpoint at step {step} and exiting")
+            break
+    save(step, wait=True)
+    ckpt.close()
+    log.close()
+    log.info(f"done at step {step}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
+             f"export-head {cfg.checkpoint.dir} OUT_DIR")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

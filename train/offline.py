@@ -1,0 +1,129 @@
+"""Offline mode: run the frozen target once over the dataset, cache what the head needs, train from the cache.
+
+Per token the cache holds the target's aux features (3*D) and its final hidden state after the final norm (D);
+the train step recomputes the logits with the target's lm_head (see ``make_train_step_offline`` in step.py for why
+not logits). Files in the cache folder:
+    aux.bin     [N, 3*D] target dtype, row n = token n of the tokenized dataset (its offsets give the examples)
+    hidden.bin  [N, D]
+    manifest.json  dims, dtype, N, the dataset fingerprint; written last ("complete": true)
+Features of a token depend only on its own sequence (causal attention, padding after it), so caching per example
+is exact. Size: 4*D*N values (Qwen2.5-7B: 28 KB per token in bf16), so plan the disk; every host of a multi-host
+run needs the folder (shared disk, or copy it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specjax.train import data as data_lib
+
+
+def _np_dtype(name: str):
+    return np.dtype(jnp.dtype(name))
+
+
+class FeatureCache:
+    """Read side: ``spec`` {name: (dim, dtype)} and ``rows(example) -> {"aux": [len, 3D], "target_hidden": [len, D]}``
+    (the key names the offline train step expects)."""
+
+    def __init__(self, folder: str, expect_fingerprint: str | None = None, expect_tokens: int | None = None):
+        path = os.path.join(folder, "manifest.json")
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"no complete offline cache in {folder}; build it first with --offline.build true")
+        with open(path) as f:
+            self.manifest = json.load(f)
+        m = self.manifest
+        if expect_fingerprint is not None and m["fingerprint"] != expect_fingerprint:
+            raise ValueError(f"offline cache {folder} was built from different data or tokenizer settings; rebuild it")
+        if expect_tokens is not None and m["tokens"] != expect_tokens:
+            raise ValueError(f"offline cache {folder} holds {m['tokens']} tokens, the dataset has {expect_tokens}")
+        dt = _np_dtype(m["dtype"])
+        self.offsets = np.asarray(m["offsets"], np.int64)
+        self.aux = np.memmap(os.path.join(folder, "aux.bin"), dt, "r", shape=(m["tokens"], m["aux_dim"]))
+        self.hidden = np.memmap(os.path.join(folder, "hidden.bin"), dt, "r", shape=(m["tokens"], m["hidden_dim"]))
+        self.spec = {"aux": (m["aux_dim"], dt), "target_hidden": (m["hidden_dim"], dt)}
+
+    def rows(self, example: int) -> dict[str, np.ndarray]:
+        a, b = self.offsets[example], self.offsets[example + 1]
+        return {"aux": self.aux[a:b], "target_hidden": self.hidden[a:b]}
+
+
+def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg, target_params, mesh, *,
+                fingerprint: str, batch_size: int, buckets, max_length: int, pad_id: int = 0, log=print) -> None:
+    """Run the target over every example of ``data`` (all of it: train and eval) and write the cache."""
+    from specjax.train.step import make_feature_fn
+    primary = jax.process_index() == 0
+    n_tok = len(data.tokens)
+    d = target_cfg.hidden_size
+    aux_dim = len(head_cfg.aux_layer_ids) * d
+    dt = _np_dtype(target_cfg.dtype)
+    if primary:
+        os.makedirs(folder, exist_ok=True)
+        if os.path.exists(os.path.join(folder, "manifest.json")):
+            os.remove(os.path.join(folder, "manifest.json"))
+        aux = np.memmap(os.path.join(folder, "aux.bin"), dt, "w+", shape=(max(n_tok, 1), aux_dim))
+        hid = np.memmap(os.path.join(folder, "hidden.bin"), dt, "w+", shape=(max(n_tok, 1), d))
+    features = make_feature_fn(target_cfg, head_cfg, mesh)
+    sharding = NamedSharding(mesh, P("dp"))
+    it = data_lib.BatchIterator(data, batch_size=batch_size, grad_accum=1, buckets=buckets, max_length=max_length,
+                                seed=0, shuffle=False, pad_id=pad_id)
+    plan = it.plan(0)
+    t0 = time.perf_counter()
+    for i, pb in enumerate(plan):
+        batch, _ = it.materialise(pb)  # host arrays [1, B, T]
+        mine = data_lib.local_batch_rows(sharding, (batch_size, pb.seq_len))
+        ids, am = (jax.make_array_from_process_local_data(sharding, batch[k][0][mine], (batch_size, pb.seq_len))
+                   for k in ("input_ids", "attention_mask"))
+        out = features(target_params, ids, am)
+        if jax.process_count() > 1:
+            from jax.experimental import multihost_utils
+            out = multihost_utils.process_allgather(out, tiled=True)
+        out = jax.device_get(out)
+        if primary:
+            for r, ex in enumerate(pb.rows):
+                if ex < 0:
+                    continue
+                a, b = data.offsets[ex], data.offsets[ex + 1]
+                aux[a:b] = np.asarray(out["aux"][r, :b - a]).astype(dt)
+                hid[a:b] = np.asarray(out["target_hidden"][r, :b - a]).astype(dt)
+        if (i + 1) % 50 == 0 or i + 1 == len(plan):
+            log(f"offline cache: {i + 1}/{len(plan)} batches ({time.perf_counter() - t0:.0f} s)")
+    if primary:
+        aux.flush()
+        hid.flush()
+        manifest = {"complete": True, "fingerprint": fingerprint, "tokens": n_tok, "aux_dim": aux_dim,
+                    "hidden_dim": d, "dtype": target_cfg.dtype, "aux_layer_ids": list(head_cfg.aux_layer_ids),
+                    "offsets": data.offsets.tolist()}
+        tmp = os.path.join(folder, "manifest.json.tmp")
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+        os.replace(tmp, os.path.join(folder, "manifest.json"))
+        gb = (aux_dim + d) * n_tok * dt.itemsize / 1e9
+        log(f"offline cache: {n_tok} tokens, {gb:.2f} GB in {folder}")
+
+
+def load_target_embeddings(model_dir: str, target_cfg, mesh):
+    """Only the embedding and lm_head of the target (what the offline step needs), sharded like the full load."""
+    from specjax import weights
+    from specjax.safetensors_io import CheckpointIndex
+    from specjax.train.step import TargetEmbeddings
+    ckpt = CheckpointIndex(model_dir)
+    prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
+    sh = weights.param_shardings(target_cfg, mesh)
+    dt = _np_dtype(target_cfg.dtype)
+    v, d = target_cfg.vocab_size, target_cfg.hidden_size
+
+    def place(key, shape, sharding, transpose=False):
+        read = (lambda idx: ckpt.tensor(key).T[idx]) if transpose else (lambda idx: ckpt.tensor(key)[idx])
+        return jax.make_array_from_callback(shape, sharding, lambda idx: np.asarray(read(idx), dt))
+
+    embed = place(f"{prefix}embed_tokens.weight", (v, d), sh.embed)
+    lm_head = None if target_cfg.tie_word_embeddings else place("lm_head.weight", (d, v), sh.lm_head, True)
+    return TargetEmbeddings(embed=embed, lm_head=lm_head)
