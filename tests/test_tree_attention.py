@@ -1,4 +1,4 @@
-"""Tree-attention kernel (Pallas, interpret mode on CPU) against its jnp reference and layers.attention: random trees,
+"""Tree-attention kernel (Pallas; interpret mode off TPU) against its jnp reference and layers.attention: random trees,
 lengths (0, exact page multiples, partial pages), shuffled page tables, GQA layouts, fp32 and bf16, with every unused
 cache slot set to NaN so that any out-of-bounds read shows; input validation; and target.forward end to end."""
 
@@ -16,6 +16,7 @@ from specjax.kernels.tree_attention import make_cache_attention, ref_tree_attent
 from specjax.models import target
 
 ref_attention = jax.jit(ref_tree_attention, static_argnames="sm_scale")
+INTERPRET = jax.default_backend() != "tpu"  # on a TPU the same tests run the compiled kernel
 
 
 def random_tree_mask(rng, t):
@@ -78,7 +79,7 @@ def test_kernel_matches_reference_and_layers_attention(name):
     args = make_case(list(CASES).index(name), t=t, kv_heads=kh, groups=g, head_dim=h, page_size=z,
                      pages_per_seq=pps, lengths=lengths, dtype=dtype)
     scale = h ** -0.5
-    got = tree_attention(*args, sm_scale=scale, interpret=True, pages_per_block=pb)
+    got = tree_attention(*args, sm_scale=scale, interpret=INTERPRET, pages_per_block=pb)
     assert got.shape == args[0].shape and got.dtype == dtype
     got = np.asarray(got, np.float32)
     assert np.isfinite(got).all()
@@ -115,7 +116,9 @@ BAD_INPUTS = {
     "k length": (dict(k=jnp.zeros((2, 4, 2, 64))), "k must be"),
     "v shape": (dict(v=jnp.zeros((2, 3, 1, 64))), "v must have"),
     "GQA": (dict(q=jnp.zeros((2, 3, 3, 64))), "GQA"),
-    "dtypes": (dict(q=jnp.zeros((2, 3, 4, 64), jnp.bfloat16)), "share one floating dtype"),
+    "dtypes": (dict(q=jnp.zeros((2, 3, 4, 64), jnp.bfloat16)), "share one dtype"),
+    "pool dtype": (dict(k_pages=jnp.zeros((6, 4, 2, 64), jnp.float16), v_pages=jnp.zeros((6, 4, 2, 64), jnp.float16)),
+                   "float32 or bfloat16"),
     "mask vs T": (dict(mask=jnp.zeros((2, 3, 4), bool)), r"mask must be \[B, T, T\]"),
     "mask dtype": (dict(mask=jnp.zeros((2, 3, 3), jnp.float32)), "mask must be bool"),
     "pool heads": (dict(k_pages=jnp.zeros((6, 4, 1, 64)), v_pages=jnp.zeros((6, 4, 1, 64))), "pages must be"),
@@ -131,7 +134,7 @@ def test_validation_errors(name):
     change, message = BAD_INPUTS[name]
     args = dict(_validation_args(), **change)
     with pytest.raises(ValueError, match=message):
-        tree_attention(**args, sm_scale=0.125, interpret=True)
+        tree_attention(**args, sm_scale=0.125, interpret=INTERPRET)
     with pytest.raises(ValueError, match=message):
         ref_tree_attention(**args, sm_scale=0.125)
 
@@ -139,9 +142,9 @@ def test_validation_errors(name):
 def test_validation_of_knobs():
     args = _validation_args()
     with pytest.raises(ValueError, match="pages_per_block"):
-        tree_attention(**args, sm_scale=0.125, interpret=True, pages_per_block=0)
+        tree_attention(**args, sm_scale=0.125, interpret=INTERPRET, pages_per_block=0)
     with pytest.raises(ValueError, match="sm_scale"):
-        tree_attention(**args, sm_scale=-1.0, interpret=True)
+        tree_attention(**args, sm_scale=-1.0, interpret=INTERPRET)
 
 
 def test_make_cache_attention_selection():

@@ -28,6 +28,7 @@ from specjax.kv_cache import gather_layer
 MASK_VALUE = -1e30  # finite (like layers.NEG_INF): a row that sees nothing yet stays finite, never NaN
 _LANES = 128  # running max / sum are stored lane-broadcast, one full vreg row per query row
 _TARGET_BLOCK_TOKENS = 256  # default pages_per_block aims at this many cached tokens per DMA block
+_DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))  # the 16-bit unpacking below is exact for bf16 only
 
 
 def _cdiv(a, b):
@@ -52,8 +53,8 @@ def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_
     kh = k.shape[2]
     if kh < 1 or n % kh:
         raise ValueError(f"GQA needs N % K == 0: {n} query heads, {kh} kv heads")
-    if not (q.dtype == k.dtype == v.dtype) or not jnp.issubdtype(q.dtype, jnp.floating):
-        raise ValueError(f"q, k, v must share one floating dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.dtype == k.dtype == v.dtype) or q.dtype not in _DTYPES:
+        raise ValueError(f"q, k, v must share one dtype, float32 or bfloat16; got {q.dtype}, {k.dtype}, {v.dtype}")
     if mask.shape != (b, t, t):
         raise ValueError(f"mask must be [B, T, T] = [{b}, {t}, {t}] (T = q.shape[1]), got {mask.shape}")
     if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
@@ -64,8 +65,8 @@ def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages {k_pages.shape} {k_pages.dtype}")
     if k_pages.shape[2:] != (kh, h):
         raise ValueError(f"pages must be [P, Z, K={kh}, H={h}], got {k_pages.shape}")
-    if not jnp.issubdtype(k_pages.dtype, jnp.floating):
-        raise ValueError(f"pages must be floating point, got {k_pages.dtype}")
+    if k_pages.dtype not in _DTYPES:
+        raise ValueError(f"cache pages must be float32 or bfloat16, got {k_pages.dtype}")
     if k_pages.shape[0] < 1 or k_pages.shape[1] < 1:
         raise ValueError(f"the pool needs at least one page of at least one slot, got {k_pages.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
@@ -140,8 +141,6 @@ def _head_keys(buf, h: int, num_kv: int, rows: int):
     itemsize = jnp.dtype(buf.dtype).itemsize
     if itemsize == 4:
         return [(buf[pl.ds(h, rows, stride=num_kv), :], 0, 1)]
-    if itemsize != 2:
-        raise NotImplementedError(f"cache pages of dtype {buf.dtype}")
     words = buf.bitcast(jnp.uint32)  # [rows * K / 2, H]
 
     def half(first_row: int, count: int, stride: int):
