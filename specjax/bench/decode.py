@@ -1,0 +1,320 @@
+"""Plain greedy decode throughput: specjax (one jitted on-device loop) vs HF transformers (torch), same weights.
+
+    python -m specjax.bench decode [--model PATH] [--batch-sizes 1 8] [--new-tokens 128] [--prompt-len 32]
+                                   [--dtype float32|bfloat16] [--repeats 3] [--no-hf] [--json OUT]
+    python -m specjax.bench decode --random-llama-8b [--layers N] [--new-tokens 128] [--copy-mib 1024]
+
+Both engines generate exactly ``--new-tokens`` tokens per row from the same equal-length prompts (HF with
+``min_new_tokens`` so that eos cannot stop it early; specjax with no stop tokens). Two numbers per engine:
+- generate tok/s: B * N / (median wall time of the whole generate call, prompt prefill included);
+- decode tok/s: B * (N - 1) / (t(N tokens) - t(1 token)), i.e. the per-token decode steps alone.
+The first specjax call of each shape compiles and is not timed; HF gets one untimed warm-up call too.
+
+``--random-llama-8b`` measures what a GPU/TPU can do on a Llama-3.1-8B-shaped model with random bf16 weights: batch-1
+decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
+copy bandwidth (read + write bytes of ``x + 1`` on a --copy-mib uint32 buffer) is measured in the same run.
+``--layers`` shrinks the model so the code path also runs on a CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import numpy as np
+
+LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (architecture fields)
+    "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
+    "num_hidden_layers": 32, "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128,
+    "hidden_act": "silu", "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "max_position_embeddings": 131072,
+    "rope_scaling": {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                     "original_max_position_embeddings": 8192},
+    "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
+    "torch_dtype": "bfloat16",
+}
+
+
+def _median_time(fn, repeats: int) -> float:
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def make_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0, low: int = 100) -> list[list[int]]:
+    """Equal-length prompts of ordinary (non-special) token ids; content does not change the cost of a decode step."""
+    rng = np.random.default_rng(seed)
+    return rng.integers(low, vocab_size, size=(batch, prompt_len)).tolist()
+
+
+def specjax_runner(params, cfg, prompts):
+    """run(n): generate exactly n tokens per prompt with specjax (the jitted on-device loop), blocking."""
+    import jax
+    from specjax.generate import generate
+
+    def run(n: int) -> None:
+        out = generate(params, cfg, prompts, max_new_tokens=n, stop_token_ids=())
+        assert all(len(o) == n for o in out)
+        jax.effects_barrier()
+
+    return run
+
+
+def hf_runner(model, prompts, pad_token_id: int):
+    """run(n): HF ``generate`` of exactly n greedy tokens per prompt (eos suppressed by min_new_tokens)."""
+    import torch
+
+    ids = torch.tensor(prompts, dtype=torch.long)
+    mask = torch.ones_like(ids)
+
+    def run(n: int) -> None:
+        with torch.inference_mode():
+            out = model.generate(ids, attention_mask=mask, max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                 pad_token_id=pad_token_id)
+        assert out.shape[1] == ids.shape[1] + n
+
+    return run
+
+
+def measure(runners: dict, batch: int, new_tokens: int, repeats: int) -> dict:
+    """Rates of each runner. Warm-up (compile) first; then the timed runs of all engines are interleaved, so that a
+    change of machine load (a shared CPU) hits every engine alike."""
+    for run in runners.values():
+        run(new_tokens), run(1)
+    times = {name: {"full": [], "first": []} for name in runners}
+    for _ in range(repeats):
+        for name, run in runners.items():
+            for key, n in (("full", new_tokens), ("first", 1)):
+                t0 = time.perf_counter()
+                run(n)
+                times[name][key].append(time.perf_counter() - t0)
+    return {name: _rates(batch, new_tokens, statistics.median(t["full"]), statistics.median(t["first"]))
+            for name, t in times.items()}
+
+
+def time_specjax(params, cfg, prompts, new_tokens: int, repeats: int) -> dict:
+    return measure({"specjax": specjax_runner(params, cfg, prompts)}, len(prompts), new_tokens, repeats)["specjax"]
+
+
+def _rates(batch: int, n: int, t_full: float, t_first: float) -> dict:
+    decode = batch * (n - 1) / (t_full - t_first) if n > 1 and t_full > t_first else float("nan")
+    return {"generate_s": t_full, "first_token_s": t_first, "generate_tok_s": batch * n / t_full,
+            "decode_tok_s": decode}
+
+
+def set_cpu_threads(n: int) -> None:
+    """Limit torch and XLA:CPU to ``n`` threads. XLA reads its flags when the backend starts, so this must run before
+    the first JAX computation (``main`` calls it first)."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    flags += f" --xla_cpu_multi_thread_eigen={'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}"
+    os.environ["XLA_FLAGS"] = flags.strip()
+    try:
+        import torch
+        torch.set_num_threads(n)
+    except ImportError:
+        pass
+
+
+def machine_description() -> str:
+    import jax
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    acc = "no accelerator" if dev.platform == "cpu" else f"{len(jax.devices())} x {kind}"
+    return (f"{os.cpu_count()}-core CPU ({platform.machine()}), {acc}, JAX {jax.__version__} "
+            f"{dev.platform.upper()}")
+
+
+def bench_model(args) -> dict:
+    from specjax.weights import load_model
+
+    model_path = args.model
+    if model_path is None:
+        from specjax.convert.fetch import default_smollm2_path
+        model_path = default_smollm2_path()
+        if not os.path.isfile(os.path.join(model_path, "config.json")):
+            raise SystemExit(f"error: no model at {model_path}; run `python -m specjax.convert fetch-smollm2` "
+                             f"or pass --model PATH")
+    print(f"machine: {machine_description()}", file=sys.stderr)
+    print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
+    cfg, params = load_model(model_path, dtype=args.dtype)
+    hf_model = None
+    if not args.no_hf:
+        import torch
+        from transformers import AutoModelForCausalLM
+        hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()
+    pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
+    rows = []
+    for b in args.batch_sizes:
+        prompts = make_prompts(cfg.vocab_size, b, args.prompt_len, seed=b)
+        runners = {"specjax": specjax_runner(params, cfg, prompts)}
+        if hf_model is not None:
+            runners["hf"] = hf_runner(hf_model, prompts, pad)
+        print(f"batch {b}: {' and '.join(runners)} ...", file=sys.stderr, flush=True)
+        t0 = time.perf_counter()
+        rows.append({"batch": b, **measure(runners, b, args.new_tokens, args.repeats),
+                     "load_avg_1min": os.getloadavg()[0]})
+        print(f"  {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
+    return {"mode": "model", "model": model_path, "dtype": args.dtype, "prompt_len": args.prompt_len,
+            "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
+            "machine": machine_description(), "rows": rows}
+
+
+def print_model_table(res: dict) -> None:
+    name = os.path.basename(os.path.normpath(res["model"]))
+    threads = "default threads" if res["threads"] is None else f"{res['threads']} thread(s) per engine"
+    loads = ", ".join(f"{r['load_avg_1min']:.1f}" for r in res["rows"])
+    print(f"\nPlain greedy decode: {name} ({res['dtype']}), prompt {res['prompt_len']} tokens, "
+          f"{res['new_tokens']} new tokens, median of {res['repeats']}, {threads}")
+    print(f"machine: {res['machine']}; 1-min load average after each batch size: {loads}\n")
+    has_hf = any("hf" in r for r in res["rows"])
+    head = ["batch", "specjax gen tok/s", "specjax decode tok/s"]
+    if has_hf:
+        head += ["HF gen tok/s", "HF decode tok/s", "gen ratio", "decode ratio"]
+    print("| " + " | ".join(head) + " |")
+    print("|" + "|".join("---:" for _ in head) + "|")
+    for r in res["rows"]:
+        s = r["specjax"]
+        cells = [str(r["batch"]), f"{s['generate_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}"]
+        if "hf" in r:
+            h = r["hf"]
+            cells += [f"{h['generate_tok_s']:.1f}", f"{h['decode_tok_s']:.1f}",
+                      f"{s['generate_tok_s'] / h['generate_tok_s']:.2f}x",
+                      f"{s['decode_tok_s'] / h['decode_tok_s']:.2f}x"]
+        print("| " + " | ".join(cells) + " |")
+
+
+# ---- Llama-3.1-8B-shaped random model ---------------------------------------------------------------------------
+
+def random_params(cfg, seed: int = 0, scale: float = 0.02):
+    """Random params generated directly in cfg.dtype on the default device (no float32 copy of an 8B model)."""
+    import jax
+    import jax.numpy as jnp
+    from specjax.models import target
+
+    shapes = target.param_shapes(cfg)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
+    out = []
+    for (path, sd), k in zip(leaves, keys):
+        if "norm" in jax.tree_util.keystr(path):
+            out.append(jnp.ones(sd.shape, sd.dtype))
+        else:
+            def fn(k, shape=sd.shape, dt=sd.dtype):
+                return jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt)  # bf16 throughout
+            out.append(jax.jit(fn)(k))
+    params = jax.tree_util.tree_unflatten(treedef, out)
+    jax.block_until_ready(params)
+    return params
+
+
+def copy_bandwidth(mib: int, repeats: int = 20) -> float:
+    """Bytes/s of ``x + 1`` over a ``mib`` MiB uint32 buffer on the default device (read + write bytes counted).
+
+    An integer add is free next to the memory traffic on every backend, so this is the device's streaming bandwidth:
+    the ceiling for a decode step that must read every weight once."""
+    import jax
+    import jax.numpy as jnp
+    n = mib * (1 << 20) // 4
+    x = jnp.zeros((n,), jnp.uint32)
+    f = jax.jit(lambda a: a + jnp.uint32(1))
+    jax.block_until_ready(f(x))
+    t = _median_time(lambda: jax.block_until_ready(f(x)), repeats)
+    return 2 * x.nbytes / t
+
+
+def bench_random_llama(args) -> dict:
+    import jax
+    from specjax.config import ModelConfig
+
+    hf = dict(LLAMA_31_8B)
+    if args.layers:
+        hf["num_hidden_layers"] = args.layers
+    cfg = ModelConfig.from_hf_dict(hf, dtype="bfloat16")
+    print(f"machine: {machine_description()}", file=sys.stderr)
+    print(f"random Llama-3.1-8B-shaped model: {cfg.num_layers} layers, {cfg.num_params() / 1e9:.2f}B params, bf16",
+          file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    params = random_params(cfg)
+    print(f"  initialised in {time.perf_counter() - t0:.1f}s; measuring copy bandwidth ...", file=sys.stderr,
+          flush=True)
+    bw = copy_bandwidth(args.copy_mib)
+    # Bytes a decode step must read: every weight except the embedding table (one row per token).
+    leaves = jax.tree_util.tree_leaves(params)
+    total_bytes = sum(x.nbytes for x in leaves)
+    weight_bytes = total_bytes - params.embed.nbytes
+    prompts = make_prompts(cfg.vocab_size, 1, args.prompt_len)
+    print("  decoding ...", file=sys.stderr, flush=True)
+    rates = time_specjax(params, cfg, prompts, args.new_tokens, args.repeats)
+    frac = weight_bytes * rates["decode_tok_s"] / bw
+    return {"mode": "random-llama-8b", "layers": cfg.num_layers, "params": cfg.num_params(),
+            "weight_bytes_per_token": weight_bytes, "copy_bandwidth_Bps": bw, "copy_mib": args.copy_mib,
+            "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
+            "machine": machine_description(), "specjax": rates, "bandwidth_fraction": frac,
+            "bandwidth_limit_tok_s": bw / weight_bytes}
+
+
+def print_random_llama(res: dict) -> None:
+    r = res["specjax"]
+    print(f"\nRandom Llama-3.1-8B-shaped model ({res['layers']} layers, {res['params'] / 1e9:.2f}B params, bf16), "
+          f"batch 1, prompt {res['prompt_len']}, {res['new_tokens']} new tokens, median of {res['repeats']}")
+    print(f"machine: {res['machine']}\n")
+    print("| decode tok/s | generate tok/s | weight GB/token | copy bandwidth GB/s | limit tok/s | fraction of limit |")
+    print("|---:|---:|---:|---:|---:|---:|")
+    print(f"| {r['decode_tok_s']:.2f} | {r['generate_tok_s']:.2f} | {res['weight_bytes_per_token'] / 1e9:.2f} | "
+          f"{res['copy_bandwidth_Bps'] / 1e9:.1f} | {res['bandwidth_limit_tok_s']:.2f} | "
+          f"{100 * res['bandwidth_fraction']:.1f}% |")
+
+
+def _parser() -> argparse.ArgumentParser:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench decode",
+                                 description="Plain greedy decode tokens/s: specjax vs HF transformers.")
+    ap.add_argument("--model", default=None, metavar="PATH",
+                    help="HF folder (default: the SmolLM2 cache of `python -m specjax.convert fetch-smollm2`)")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
+    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median reported)")
+    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
+    ap.add_argument("--random-llama-8b", action="store_true",
+                    help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the bandwidth limit")
+    ap.add_argument("--layers", type=int, default=None, help="with --random-llama-8b: override the 32 layers")
+    ap.add_argument("--copy-mib", type=int, default=None,
+                    help="buffer size of the copy-bandwidth measurement (default 1024 on accelerators, 256 on CPU)")
+    ap.add_argument("--threads", type=int, default=None,
+                    help="CPU threads for both engines (torch.set_num_threads and XLA's intra-op pool); default: "
+                         "each library's own choice. On a shared, oversubscribed CPU, 1 gives stable numbers")
+    ap.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
+    return ap
+
+
+def main(argv=None) -> int:
+    args = _parser().parse_args(argv)
+    if args.new_tokens < 2:
+        raise SystemExit("error: --new-tokens must be >= 2 (decode tok/s is measured against a 1-token run)")
+    if args.threads is not None:
+        set_cpu_threads(args.threads)
+    if args.random_llama_8b:
+        import jax
+        if args.copy_mib is None:
+            args.copy_mib = 256 if jax.devices()[0].platform == "cpu" else 1024
+        res = bench_random_llama(args)
+        print_random_llama(res)
+    else:
+        res = bench_model(args)
+        print_model_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
