@@ -1,0 +1,148 @@
+"""OpenAI-compatible endpoints through the real ``openai`` client: chat and completions, streaming and not, n > 1,
+stop strings (also across token boundaries), usage counts."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+from test_server_helpers import Server, tiny_model_dir
+
+NAME = "tiny-llama"
+IGNORE_EOS = {"ignore_eos": True}
+MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to Paris."}]
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    s = Server(model_dir, "--served-model-name", NAME)
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(model_dir):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir)
+
+
+def test_models(client):
+    assert [m.id for m in client.models.list().data] == [NAME]
+
+
+def test_chat(client, tokenizer):
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
+                                       extra_body=IGNORE_EOS)
+    assert r.object == "chat.completion" and len(r.choices) == 1
+    c = r.choices[0]
+    assert c.message.role == "assistant" and isinstance(c.message.content, str)
+    assert c.finish_reason == "length"
+    text = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    prompt_ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert r.usage.prompt_tokens == len(prompt_ids)
+    assert r.usage.completion_tokens == 8 and r.usage.total_tokens == len(prompt_ids) + 8
+    # max_completion_tokens is the newer name of the same limit
+    r2 = client.chat.completions.create(model=NAME, messages=MESSAGES, max_completion_tokens=8, temperature=0,
+                                        extra_body=IGNORE_EOS)
+    assert r2.choices[0].message.content == c.message.content
+
+
+def test_chat_stream_with_usage(client):
+    kw = dict(model=NAME, messages=MESSAGES, max_tokens=10, temperature=0, extra_body=IGNORE_EOS)
+    full = client.chat.completions.create(**kw)
+    chunks = list(client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw))
+    assert chunks[0].choices[0].delta.role == "assistant"
+    text = "".join(ch.choices[0].delta.content or "" for ch in chunks if ch.choices)
+    assert text == full.choices[0].message.content
+    finals = [ch.choices[0].finish_reason for ch in chunks if ch.choices and ch.choices[0].finish_reason]
+    assert finals == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 10
+    assert chunks[-1].usage.prompt_tokens == full.usage.prompt_tokens
+    assert all(ch.usage is None for ch in chunks[:-1])
+
+
+def test_completions_and_stream(client):
+    kw = dict(model=NAME, prompt="The quick brown fox", max_tokens=12, temperature=0, extra_body=IGNORE_EOS)
+    r = client.completions.create(**kw)
+    assert r.object == "text_completion" and r.choices[0].finish_reason == "length"
+    assert r.usage.completion_tokens == 12
+    chunks = list(client.completions.create(stream=True, **kw))
+    assert "".join(c.choices[0].text for c in chunks) == r.choices[0].text
+    assert chunks[-1].choices[0].finish_reason == "length"
+    echo = client.completions.create(echo=True, **kw)
+    assert echo.choices[0].text == "The quick brown fox" + r.choices[0].text
+    # default max_tokens is 16; token-id prompts work too
+    d = client.completions.create(model=NAME, prompt=[5, 6, 7, 8], temperature=0, extra_body=IGNORE_EOS)
+    assert d.usage.completion_tokens == 16 and d.usage.prompt_tokens == 4
+    batch = client.completions.create(model=NAME, prompt=["Hello", "The quick brown fox"], max_tokens=12,
+                                      temperature=0, extra_body=IGNORE_EOS)
+    assert [c.index for c in batch.choices] == [0, 1] and batch.choices[1].text == r.choices[0].text
+
+
+def test_n_greater_than_one(client):
+    r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0, seed=11,
+                                       extra_body=IGNORE_EOS)
+    assert sorted(c.index for c in r.choices) == [0, 1, 2]
+    assert r.usage.completion_tokens == 18
+    assert len({c.message.content for c in r.choices}) > 1
+    again = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=6, n=3, temperature=1.0,
+                                           seed=11, extra_body=IGNORE_EOS)
+    assert [c.message.content for c in again.choices] == [c.message.content for c in r.choices]
+    chunks = list(client.completions.create(model=NAME, prompt="Hello", max_tokens=5, n=2, temperature=1.0, seed=5,
+                                            stream=True, extra_body=IGNORE_EOS))
+    assert {c.choices[0].index for c in chunks if c.choices} == {0, 1}
+
+
+def _boundary_stop(tokenizer, ids):
+    """A 3-character window of the decoded output that crosses a token boundary (and occurs there first)."""
+    full = tokenizer.decode(ids)
+    prefixes = (tokenizer.decode(ids[:k]) for k in range(1, len(ids)))
+    cuts = {len(p) for p in prefixes if full.startswith(p) and not p.endswith("\ufffd")}
+    for i in range(1, len(full) - 3):
+        window = full[i:i + 3]
+        if "\ufffd" in window or full.find(window) != i:
+            continue
+        if any(i < c < i + 3 for c in cuts):
+            return i, window
+    return None, None
+
+
+def test_stop_strings(client, server, tokenizer):
+    import httpx
+    kw = dict(model=NAME, max_tokens=40, temperature=0, extra_body=IGNORE_EOS)
+    for prompt in ("The capital of France is Paris. The capital of Italy is", "Hello world, hello there!",
+                   "def add(a, b):", "Pack my box"):
+        native = httpx.post(server.url + "/generate", json={"text": prompt, "sampling_params": {
+            "max_new_tokens": 40, "temperature": 0, "ignore_eos": True}}, timeout=60).json()
+        text = native["text"]
+        i, stop = _boundary_stop(tokenizer, native["output_ids"])
+        if stop is not None and text.find(stop) == i:
+            kw["prompt"] = prompt
+            break
+    else:
+        pytest.skip("the random model produced no clean text window to stop on")
+    assert client.completions.create(**kw).choices[0].text == text
+    r = client.completions.create(stop=[stop, "zzzz-never"], **kw)
+    assert r.choices[0].finish_reason == "stop" and r.choices[0].text == text[:i]
+    streamed = list(client.completions.create(stop=stop, stream=True, **kw))
+    assert "".join(c.choices[0].text for c in streamed) == text[:i]  # held-back text never leaks past the stop
+    chat = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0,
+                                          extra_body=IGNORE_EOS)
+    content = chat.choices[0].message.content
+    visible = [k for k in range(1, len(content) - 2) if "\ufffd" not in content[:k + 2]]
+    if visible:
+        k = visible[len(visible) // 2]
+        s = content[k:k + 2]
+        r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0, stop=s,
+                                           extra_body=IGNORE_EOS)
+        assert r.choices[0].message.content == content[:content.find(s)] and r.choices[0].finish_reason == "stop"

@@ -1,0 +1,196 @@
+"""Fast unit tests of the server's host-side pieces (no model, no HTTP): ServerArgs / CLI validation, stop strings
+across token boundaries with streaming hold-back, incremental detokenization of split UTF-8, the page pool and the
+radix cache (sharing, ref counts, LRU eviction)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
+from specjax.serve.pages import PagePool, RadixCache
+from specjax.serve.request import Request, RequestError, SamplingParams
+from test_server_helpers import tiny_model_dir
+
+
+# ---- arguments -----------------------------------------------------------------------------------------------------
+def test_cli_defaults_and_aliases():
+    a = parse_args(["--model", "m"])
+    assert (a.model_path, a.host, a.port, a.speculative_algorithm) == ("m", "127.0.0.1", 30000, None)
+    a = parse_args(["--model-path", "m", "--speculative-algorithm", "eagle3", "--speculative-draft-model", "d"])
+    assert a.speculative_algorithm == "EAGLE3" and a.speculative_draft_model_path == "d"
+    assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (5, 4, 8)
+    chain = parse_args(["--model-path", "m", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                        "d", "--speculative-num-steps", "3", "--speculative-eagle-topk", "1"])
+    assert chain.speculative_num_draft_tokens == 4  # steps + 1 by default for a chain
+
+
+def test_cli_every_spec_flag_parses():
+    flags = ["--model-path", "m", "--tokenizer-path", "t", "--host", "0.0.0.0", "--port", "1234", "--dtype",
+             "bfloat16", "--tp-size", "1", "--dp-size", "1", "--mem-fraction-static", "0.5",
+             "--max-running-requests", "4", "--max-total-tokens", "1024", "--context-length", "512",
+             "--chunked-prefill-size", "128", "--page-size", "16", "--schedule-policy", "lpm",
+             "--disable-radix-cache", "--random-seed", "3", "--served-model-name", "x", "--api-key", "k",
+             "--log-level", "debug", "--enable-metrics", "--skip-server-warmup", "--trust-remote-code",
+             "--chat-template", "chatml", "--attention-impl", "xla", "--speculative-algorithm", "EAGLE",
+             "--speculative-draft-model-path", "d", "--speculative-num-steps", "4", "--speculative-eagle-topk", "2",
+             "--speculative-num-draft-tokens", "6", "--speculative-token-map", "map.pt",
+             "--speculative-accept-threshold-single", "1.0", "--speculative-accept-threshold-acc", "1.0",
+             "--cuda-graph-max-bs", "8", "--enable-torch-compile", "--torch-compile-max-bs", "4",
+             "--attention-backend", "fa3"]
+    a = parse_args(flags)
+    assert a.schedule_policy == "lpm" and a.disable_radix_cache and a.api_key == "k"
+    assert len(a.notices()) == 4 and all("no effect" in n for n in a.notices())
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--speculative-algorithm", "EAGLE3"], "needs --speculative-draft-model-path"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-eagle-topk", "1",
+      "--speculative-num-draft-tokens", "8"], "must be num_steps + 1 = 6"),
+    (["--speculative-draft-model-path", "d"], "--speculative-algorithm is not"),
+    (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
+    (["--port", "0"], "--port"),
+    (["--chunked-prefill-size", "0"], "-1 to disable"),
+])
+def test_cli_validation(argv, message):
+    with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
+        parse_args(["--model-path", "m", *argv])
+
+
+def test_cli_help_and_error_exit():
+    out = subprocess.run([sys.executable, "-m", "specjax.serve", "--help"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0
+    for flag in ("--model-path", "--speculative-algorithm", "--speculative-eagle-topk", "--mem-fraction-static",
+                 "--chunked-prefill-size", "--api-key", "examples:"):
+        assert flag in out.stdout
+    bad = subprocess.run([sys.executable, "-m", "specjax.serve", "--model-path", "m", "--speculative-algorithm",
+                          "EAGLE3"], capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2 and "--speculative-draft-model-path" in bad.stderr
+
+
+def test_engine_kwargs_share_the_cli_names():
+    cli = {a.dest for a in build_parser()._actions if a.dest != "help"}
+    assert cli == {f for f in ServerArgs.__dataclass_fields__}
+    a = ServerArgs.from_kwargs(model="m", speculative_draft_model="d", speculative_algorithm="EAGLE3")
+    assert a.model_path == "m" and a.speculative_draft_model_path == "d"
+    with pytest.raises(ArgsError, match="unknown engine argument"):
+        ServerArgs.from_kwargs(model_path="m", not_a_flag=1)
+
+
+def test_import_specjax_is_light():
+    code = "import sys, specjax; assert 'jax' not in sys.modules and 'fastapi' not in sys.modules; print(specjax.Engine)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert "Engine" in out.stdout
+
+
+# ---- requests: stops and detokenization ----------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer():
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(tiny_model_dir())
+
+
+def run_request(tokenizer, text, **sp):
+    """Feed the tokens of ``text`` one at a time; returns (request, streamed text)."""
+    req = Request(rid="r", prompt_ids=tokenizer("Hi")["input_ids"], params=SamplingParams(**sp), sink=print)
+    req.init_detok()
+    streamed = ""
+    for tok in tokenizer(text, add_special_tokens=False)["input_ids"]:
+        req.append_tokens([tok], tokenizer, frozenset(), 10 ** 6)
+        if req.finished:
+            req.flush_text(tokenizer)
+        streamed += req.stream_delta()[0]
+        if req.finished:
+            break
+    return req, streamed
+
+
+def test_stop_string_across_tokens(tokenizer):
+    text = "The capital of France is Paris. The capital of Italy is Rome."
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    assert len(ids) < len(text)  # multi-character tokens, so the stop below spans tokens
+    req, streamed = run_request(tokenizer, text, stop=["Italy is"], max_new_tokens=100)
+    assert req.finish_reason == {"type": "stop", "matched": "Italy is"}
+    assert req.text == streamed == "The capital of France is Paris. The capital of "
+    req, streamed = run_request(tokenizer, text, stop=["s Par", "never"], max_new_tokens=100)
+    assert streamed == "The capital of France i"
+
+
+def test_streaming_holds_back_a_possible_stop(tokenizer):
+    req = Request(rid="r", prompt_ids=[5], params=SamplingParams(stop=["Paris!"]), sink=print)
+    req.init_detok()
+    pieces = []
+    for tok in tokenizer("go to Paris.", add_special_tokens=False)["input_ids"]:
+        req.append_tokens([tok], tokenizer, frozenset(), 10 ** 6)
+        pieces.append(req.stream_delta()[0])
+        if "".join(pieces).endswith("Par"):
+            assert False, "a prefix of the stop string was streamed before it was ruled out"
+    req.finish_reason = {"type": "length", "length": 1}
+    req.flush_text(tokenizer)
+    assert "".join(pieces) + req.stream_delta()[0] == "go to Paris."
+
+
+def test_split_utf8_is_never_streamed_half(tokenizer):
+    text = "Caf\u00e9 \u65e5\u672c\u8a9e \U0001F600!"
+    req, streamed = run_request(tokenizer, text, max_new_tokens=100)
+    assert streamed == text and "\ufffd" not in streamed
+
+
+def test_length_and_stop_tokens(tokenizer):
+    req, _ = run_request(tokenizer, "one two three four five six", max_new_tokens=3)
+    assert req.finish_reason == {"type": "length", "length": 3} and len(req.output_ids) == 3
+    req = Request(rid="r", prompt_ids=[5], params=SamplingParams(), sink=print)
+    req.init_detok()
+    req.append_tokens([7, 8, 0, 9], tokenizer, frozenset({0}), 10 ** 6)
+    assert req.output_ids == [7, 8, 0] and req.finish_reason == {"type": "stop", "matched": 0}
+    req = Request(rid="r", prompt_ids=[5], params=SamplingParams(ignore_eos=True, stop_token_ids=[9]), sink=print)
+    req.init_detok()
+    req.append_tokens([7, 0, 9, 4], tokenizer, frozenset({0}), 10 ** 6)
+    assert req.output_ids == [7, 0, 9] and req.finish_reason["matched"] == 9
+
+
+@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
+                                 {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1}])
+def test_sampling_params_validation(bad):
+    with pytest.raises(RequestError):
+        SamplingParams.from_dict(bad)
+
+
+# ---- pages and radix cache -----------------------------------------------------------------------------------------
+def test_radix_cache_share_refcount_evict():
+    pool = PagePool(9)  # 8 usable pages + scratch
+    rc = RadixCache(pool, page_size=2)
+    a_tokens = [1, 2, 3, 4, 5, 6, 7]
+    a_pages = pool.alloc(4)
+    a_nodes = rc.insert(a_tokens[:6], a_pages, [])
+    assert [n.page for n in a_nodes] == a_pages[:3] and all(n.ref == 1 for n in a_nodes)
+    # B shares the first two pages of A
+    m = rc.match([1, 2, 3, 4, 9, 9, 9], max_pages=3)
+    assert [n.page for n in m] == a_pages[:2]
+    rc.lock(m)
+    b_pages = [n.page for n in m] + pool.alloc(2)
+    b_nodes = m + rc.insert([1, 2, 3, 4, 9, 9], b_pages, m)
+    assert len(b_nodes) == 3 and b_nodes[2].page == b_pages[2]
+    assert rc.evict(8) == 0  # everything is referenced
+    rc.unlock(a_nodes)
+    pool.release([a_pages[3]])  # A's private page
+    assert rc.evict(8) == 1 and pool.num_free == 8 - 4 - 2 + 1 + 1  # only A's unshared leaf goes
+    rc.unlock(b_nodes)
+    assert rc.evictable_pages() == 3
+    assert rc.evict(1) == 1  # LRU leaf first
+    assert rc.evict(8) == 2 and rc.cached_pages() == 0
+    pool.release(b_pages[3:])
+    assert pool.num_free == 8
+
+
+def test_radix_cache_disabled_and_match_limit():
+    pool = PagePool(5)
+    rc = RadixCache(pool, page_size=2, enabled=False)
+    assert rc.insert([1, 2, 3, 4], [1, 2], []) == [] and rc.match([1, 2, 3, 4], 2) == []
+    rc = RadixCache(pool, page_size=2)
+    rc.insert([1, 2, 3, 4], [1, 2], [])
+    assert len(rc.match([1, 2, 3, 4, 5], max_pages=1)) == 1
+    assert len(rc.match([1, 2, 3], max_pages=5)) == 1  # only full pages of the query count
