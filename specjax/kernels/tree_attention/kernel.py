@@ -115,7 +115,7 @@ def pack_tree_mask(mask, padded_t: int):  # bool[B, T, T] -> i32[B, Tp, ceil(Tp 
     """Bit j % 32 of word j // 32 in row i says query i sees tree key j; padded rows and columns are 0."""
     b, t, _ = mask.shape
     words = _cdiv(padded_t, 32)
-    bits = jnp.zeros((b, padded_t, words * 32), jnp.uint32).at[:, :t, :t].set(mask.astype(jnp.uint32))
+    bits = jnp.zeros((b, padded_t, words * 32), jnp.uint32).at[:, :t, :t].set((mask != 0).astype(jnp.uint32))
     bits = bits.reshape(b, padded_t, words, 32) << jnp.arange(32, dtype=jnp.uint32)
     return lax.bitcast_convert_type(bits.sum(-1, dtype=jnp.uint32), jnp.int32)
 
@@ -290,9 +290,9 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     """Attention of the T tree tokens over (paged committed prefix) + (tree tokens under mask). Returns [B, T, N, H].
 
     Same math as ``ref_tree_attention`` (and ``layers.attention`` over ``gather_layer``). ``interpret=True`` runs the
-    kernel in Pallas' TPU interpreter (any backend). ``pages_per_block`` pages are fetched per DMA block (default:
-    about 256 tokens). Entries of ``lengths`` are clamped to the table's capacity and page indices to the pool, so a
-    bad table gives wrong numbers, never an out-of-bounds DMA.
+    kernel in Pallas' interpreter (any backend; the CPU tests). ``pages_per_block`` pages are fetched per DMA block
+    (default: about 256 tokens). Entries of ``lengths`` are clamped to the table's capacity and page indices to the
+    pool, so a bad table gives wrong numbers, never an out-of-bounds DMA.
     """
     validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                     pages_per_block=pages_per_block)
