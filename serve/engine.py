@@ -50,8 +50,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = {}
-        self._last_walk = 0.0
-        self._idle_kv_pages = 0
+        self._evictable = 0
+        self._dirty = True  # page ownership changed since the last snapshot
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "prompt_tokens": 0, "generated_tokens": 0,
                        "cached_tokens": 0, "spec_verify_ct": 0, "spec_tokens": 0}
         self._update_snapshot(force=True)
@@ -206,6 +206,7 @@ class Scheduler:
             req.nodes = list(nodes)
             req.pages = [n.page for n in nodes] + fresh
             req.cached_tokens = req.prefilled = len(nodes) * self.page_size
+            self._dirty = True
             req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
             self.slots[req.slot] = req
             self.totals["cached_tokens"] += req.cached_tokens
@@ -290,6 +291,7 @@ class Scheduler:
         if self.spec:
             tokens = tokens[:-1]  # the last position's draft KV depends on the token after it
         full = len(tokens) // self.page_size
+        self._dirty = True
         if full > len(req.nodes):
             req.nodes += self.radix.insert(tokens[:full * self.page_size], req.pages, req.nodes)
 
@@ -301,6 +303,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001
             log.exception("final detokenization of %s failed", req.rid)
         text, ids = req.stream_delta()
+        self._dirty = True
         if req.slot is not None:
             if cache_ok:
                 self._cache_prefix(req)
@@ -353,11 +356,10 @@ class Scheduler:
 
     # ---- stats ---------------------------------------------------------------------------------------------------
     def _update_snapshot(self, force: bool = False) -> None:
-        now = time.monotonic()
-        if not force and now - self._last_walk < 0.25:
-            return
-        self._last_walk = now
-        evictable = self.radix.evictable_pages()
+        if self._dirty or force:  # the trie walk only when pages changed hands
+            self._evictable = self.radix.evictable_pages()
+            self._dirty = False
+        evictable = self._evictable
         cap = self.pool.capacity
         held = cap - self.pool.num_free - evictable
         running = [r for r in self.slots if r is not None]
