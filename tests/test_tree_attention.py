@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decode, kv_cache, layers
+from specjax import decode, kv_cache
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention, ref_tree_attention, tree_attention
 from specjax.models import target
@@ -54,12 +54,10 @@ def make_case(seed, *, t, kv_heads, groups, head_dim, page_size, pages_per_seq, 
 
 @functools.partial(jax.jit, static_argnames="sm_scale")
 def layers_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale):
-    """The XLA path of target.forward: layers.attention over the gathered pages."""
-    k_cache, v_cache = kv_cache.gather_layer(k_pages, v_pages, jnp.clip(page_table, 0, k_pages.shape[0] - 1))
-    cache_valid = jnp.arange(k_cache.shape[1])[None, None, :] < lengths[:, None, None]
-    cache_valid = jnp.broadcast_to(cache_valid, (q.shape[0], q.shape[1], k_cache.shape[1]))
-    return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
-                            sm_scale=sm_scale)
+    """target.forward's XLA path: layers.attention over the gathered pages."""
+    s = page_table.shape[1] * k_pages.shape[1]
+    cache_valid = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (*mask.shape[:2], s))
+    return target.xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale)
 
 
 CASES = {
