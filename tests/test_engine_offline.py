@@ -1,0 +1,101 @@
+"""The offline ``specjax.Engine`` (SGLang's keyword names): outputs equal specjax.generate's (the independent plain
+decoder) token for token, through paging, chunked prefill, prefix reuse and continuous batching; streaming; n > 1;
+requests that cannot fit are refused clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_server_helpers import offline_engine, tiny_model_dir, use_compilation_cache
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return offline_engine(tiny_model_dir())
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """specjax.generate: the on-device while_loop decoder with a contiguous cache (no scheduler, no radix cache)."""
+    from specjax.generate import generate
+    from specjax.weights import load_model
+    use_compilation_cache()
+    cfg, params = load_model(tiny_model_dir(), dtype="float32")
+
+    def run(prompts, n, **kw):
+        return generate(params, cfg, prompts, max_new_tokens=n, stop_token_ids=(), page_size=8, **kw)
+    return run
+
+
+def test_greedy_equals_plain_decoder(engine, oracle):
+    rng = np.random.default_rng(0)
+    # lengths around page (8) and chunk (32) boundaries, and one longer than several chunks
+    prompts = [rng.integers(3, 300, size=n).tolist() for n in (1, 7, 8, 9, 31, 33, 100, 200)]
+    want = oracle(prompts, 12)
+    got = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                              "ignore_eos": True})
+    assert [g["output_ids"] for g in got] == want
+    # the same prompts again hit the radix cache: same tokens, reported cached tokens
+    again = engine.generate(input_ids=prompts, sampling_params={"max_new_tokens": 12, "temperature": 0,
+                                                                "ignore_eos": True})
+    assert [g["output_ids"] for g in again] == want
+    assert [g["meta_info"]["cached_tokens"] for g in again] == [(len(p) - 1) // 8 * 8 for p in prompts]
+
+
+def test_seeded_sampling_equals_plain_decoder(engine, oracle):
+    prompts = [[5, 6, 7, 8, 9], [10, 11, 12]]
+    want = oracle(prompts, 10, temperature=0.8, top_k=40, top_p=0.9, seed=[3, 4])
+    got = engine.generate(input_ids=prompts, sampling_params=[
+        {"max_new_tokens": 10, "temperature": 0.8, "top_k": 40, "top_p": 0.9, "seed": s, "ignore_eos": True}
+        for s in (3, 4)])
+    assert [g["output_ids"] for g in got] == want
+
+
+def test_text_api_stream_and_n(engine):
+    sp = {"max_new_tokens": 9, "temperature": 0, "ignore_eos": True}
+    out = engine.generate("The capital of France is", sp)
+    assert set(out) == {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 9
+    assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    chunks = list(engine.generate("The capital of France is", sp, stream=True))
+    assert "".join(c["text"] for c in chunks) == out["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"]
+    assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 9}
+    many = engine.generate(["Hello", "World"], {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "seed": 1})
+    assert len(many) == 4 and all(m["meta_info"]["completion_tokens"] <= 5 for m in many)
+
+
+def test_stopping_a_stream_early_frees_the_request(engine):
+    it = engine.generate("Hello", {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}, stream=True)
+    next(it)
+    it.close()
+    import time
+    deadline = time.time() + 10
+    while engine.get_server_info()["internal_states"][0]["num_running_reqs"] and time.time() < deadline:
+        time.sleep(0.05)
+    state = engine.get_server_info()["internal_states"][0]
+    assert state["num_running_reqs"] == 0 and state["kv_pages_used"] == 0
+
+
+def test_refusals(engine):
+    from specjax.serve.request import RequestError
+    with pytest.raises(RequestError, match="context length"):
+        engine.generate(input_ids=list(range(3, 300)), sampling_params={"max_new_tokens": 4})
+    with pytest.raises(RequestError, match="temperature"):
+        engine.generate("x", {"temperature": -1})
+    # max_new_tokens beyond the context is clamped to what fits
+    out = engine.generate(input_ids=list(range(3, 250)), sampling_params={"max_new_tokens": 100, "temperature": 0,
+                                                                          "ignore_eos": True})
+    assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 256 - 247}
+
+
+def test_small_pool_refuses_what_cannot_fit():
+    import specjax
+    from specjax.serve.request import RequestError
+    eng = specjax.Engine(model_path=tiny_model_dir(), dtype="float32", context_length=256, max_total_tokens=64,
+                         page_size=8, skip_server_warmup=True)
+    try:
+        with pytest.raises(RequestError, match="KV pool holds 8"):
+            eng.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 64})
+    finally:
+        eng.shutdown()
