@@ -97,9 +97,10 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
     d = _as_draft(draft, algorithm, target_params)
-    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl),
-                               sample_accept_fn)
     b = len(prompts)
+    may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
+    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl),
+                               may_sample, sample_accept_fn)
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
@@ -128,8 +129,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
         nxt = full[:, lo + 1:hi + 1]
         valid = np.arange(lo, hi)[None, :] < lengths[:, None]
         last = (lengths > lo) & (lengths <= hi)
-        state, f = _prefill_jit(target_params, target_cfg, d, scfg, state, jnp.asarray(toks), jnp.asarray(nxt),
-                                jnp.asarray(valid), jnp.asarray(last))
+        state, f = _prefill_jit(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(toks),
+                                jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray(last))
         first = np.where(last, np.asarray(f), first)
 
     stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
@@ -265,8 +266,8 @@ class SpecRunner:
             nxt[0, :m] = nxt_all[pos:pos + m]
             valid = np.arange(t)[None, :] < m
             is_last = pos + m >= len(rest)
-            state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg, state,
-                                     jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
+            state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg.for_prefill(),
+                                     state, jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
                                      jnp.asarray([is_last]), jnp.asarray([int(cached)], jnp.int32))
             if is_last:
                 first = int(f)

@@ -38,6 +38,7 @@ class SpecConfig:
     topk: int  # branching
     num_draft_tokens: int  # M, tree size incl. the root
     cache_attention: Callable | None = None  # target.forward's cache_attention hook (None: XLA)
+    sampling: bool = True  # False: every row is greedy (the sampling acceptance is not even compiled)
     sample_accept_fn: Callable | None = None  # tests only: replaces verify.sample_accept
 
     def __post_init__(self):
@@ -46,6 +47,10 @@ class SpecConfig:
     @property
     def tokens_per_step(self) -> int:
         return self.num_steps + 1
+
+    def for_prefill(self) -> "SpecConfig":
+        """The part of the config that prefill depends on (so one prefill compile serves every tree shape)."""
+        return SpecConfig(1, self.topk, 2, self.cache_attention, self.sampling)
 
 
 @functools.lru_cache(maxsize=None)
@@ -60,7 +65,7 @@ def resolve_attention(impl: str = "auto"):
         from specjax.kernels.tree_attention import make_cache_attention
     except ImportError as e:
         if impl == "pallas":
-            raise ValueError(f"attention_impl='pallas' but specjax.kernels.tree_attention is unavailable: {e}") from None
+            raise ValueError(f"attention_impl='pallas' needs specjax.kernels.tree_attention: {e}") from None
         return None
     return make_cache_attention(impl)
 
@@ -236,7 +241,8 @@ def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scf
     Returns (state, tokens i32[B, S+1], counts i32[B]): row b emitted tokens[b, :counts[b]] (0 if inactive)."""
     tree = draft_phase(tparams, draft, scfg, state)
     out = verify_phase(tparams, tcfg, draft, scfg, state, tree)
-    acc, sb = verify_lib.accept(tree, out.logits, state.sampling, scfg.num_steps, scfg.sample_accept_fn)
+    acc, sb = verify_lib.accept(tree, out.logits, state.sampling, scfg.num_steps, scfg.sample_accept_fn,
+                                may_sample=scfg.sampling)
     state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
     counts = jnp.where(active, acc.accept_len + 1, 0).astype(jnp.int32)
     return state, acc.tokens, counts

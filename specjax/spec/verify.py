@@ -104,9 +104,11 @@ def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Ac
     return _finish(tree, path, n, bonus, num_steps)
 
 
-def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None):
+def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None,
+           may_sample: bool = True):
     """Acceptance for a batch mixing greedy and sampling rows. logits: f32[B, M, V] target logits after each node.
-    Returns (Accepted, SamplingBatch with advanced keys)."""
+    ``may_sample=False`` (static) promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced
+    keys)."""
     argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
     greedy = greedy_accept(tree, argmax, num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
@@ -124,5 +126,7 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
         g = sb.greedy
         return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
 
+    if not may_sample:
+        return greedy, dataclasses.replace(sb, key=keys)
     acc = jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
     return acc, dataclasses.replace(sb, key=keys)
