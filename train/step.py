@@ -25,6 +25,7 @@ Precision: master weights (``TrainState.params``) are fp32; the head computes in
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Callable
 
 import jax
@@ -102,6 +103,11 @@ def make_optimizer(lr: float = 8e-4, total_steps: int = 1000, warmup_ratio: floa
     if multi_steps and grad_accum > 1:
         opt = optax.MultiSteps(opt, every_k_schedule=grad_accum).gradient_transformation()
     return opt
+
+
+def _global_norm(tree):
+    tree_ns = getattr(optax, "tree", None)
+    return tree_ns.norm(tree) if tree_ns is not None and hasattr(tree_ns, "norm") else optax.global_norm(tree)
 
 
 def current_lr(opt_state):
@@ -192,11 +198,14 @@ def _init_state(head_cfg, optimizer, key, init_params):
 def init_train_state(head_cfg: Eagle3Config, key, optimizer, mesh: Mesh | None = None,
                      init_params: Eagle3Params | None = None, *, head_sharding: str = "tp") -> TrainState:
     """Fresh state (random head, or ``init_params`` to fine-tune a head) placed on ``mesh``. key: seed or PRNG key."""
-    key = _raw_key(key)
+    return _jitted_init(head_cfg, optimizer, mesh, head_sharding)(_raw_key(key), init_params)
+
+
+@functools.lru_cache(maxsize=32)
+def _jitted_init(head_cfg, optimizer, mesh, head_sharding):
     sh = train_state_shardings(head_cfg, optimizer, mesh, head_sharding)
     init = lambda k, p: _init_state(head_cfg, optimizer, k, p)
-    fn = jax.jit(init) if sh is None else jax.jit(init, out_shardings=sh)
-    return fn(key, init_params)
+    return jax.jit(init) if sh is None else jax.jit(init, out_shardings=sh)
 
 
 # ---- the step ------------------------------------------------------------------------------------------------------
@@ -294,7 +303,7 @@ def _build(features_factory, target_sh_fn, target_cfg, head_cfg, optimizer, mesh
                 batch, _ = _check_batch(batch, grad_accum, mesh)
                 grads, stats = _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, state.params,
                                                 target_arg, vocab_map, batch)
-                grad_norm = optax.global_norm(grads)
+                grad_norm = _global_norm(grads)
                 updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
                 params = optax.apply_updates(state.params, updates)
                 rng, _ = jax.random.split(state.rng)
