@@ -34,10 +34,11 @@ from specjax.models import target
 class LoopState:
     """State of the on-device decode loop."""
     cache: kv_cache.KVCache  # paged KV cache; holds every token fed to the model so far
-    out: jax.Array  # i32[B, M]  generated tokens per row (M = max_new_tokens); slots past ``count`` are unused
+    out: jax.Array  # i32[B, M]  generated tokens per row (M >= every row's budget); slots past ``count`` unused
     last: jax.Array  # i32[B]  the latest generated token of each row (the next decode input)
     count: jax.Array  # i32[B]  generated tokens per row so far
-    done: jax.Array  # bool[B]  row finished (stop token emitted or M tokens generated)
+    limit: jax.Array  # i32[B]  token budget of each row (max_new_tokens)
+    done: jax.Array  # bool[B]  row finished (stop token emitted or budget spent)
     sampling: sampling.SamplingBatch  # per-row sampling parameters and PRNG keys
 
 
@@ -48,26 +49,27 @@ def _record(state: LoopState, tok, active, stop_ids) -> LoopState:
     out = state.out.at[jnp.arange(b), col].set(tok, mode="drop")  # i32[B, M]
     count = state.count + active.astype(jnp.int32)
     is_stop = (tok[:, None] == stop_ids[None, :]).any(-1)  # bool[B]
-    done = state.done | (active & is_stop) | (count >= m)
+    done = state.done | (active & is_stop) | (count >= state.limit)
     last = jnp.where(active, tok, state.last)
     return dataclasses.replace(state, out=out, count=count, done=done, last=last)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "max_new_tokens", "cache_attention"), donate_argnames=("cache",))
-def _prefill(params, cfg: ModelConfig, cache, tokens, valid, sb, stop_ids, *, max_new_tokens: int,
+@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "cache_attention"), donate_argnames=("cache",))
+def _prefill(params, cfg: ModelConfig, cache, tokens, valid, limit, sb, stop_ids, *, capacity: int,
              cache_attention=None) -> LoopState:
-    """Prefill the right-padded prompts (tokens i32[B, T], valid bool[B, T]) and sample each row's first token."""
+    """Prefill the right-padded prompts (tokens i32[B, T], valid bool[B, T]) and sample each row's first token
+    (recorded for rows with a budget, ``limit`` i32[B] > 0)."""
     cache, out = decode.prefill(params, cfg, cache, tokens, valid, cache_attention=cache_attention)
     tok, sb = sampling.sample_next(out.logits, sb)  # i32[B]
     b = tokens.shape[0]
-    state = LoopState(cache=cache, out=jnp.zeros((b, max_new_tokens), jnp.int32), last=tok,
-                      count=jnp.zeros((b,), jnp.int32), done=jnp.zeros((b,), bool), sampling=sb)
-    return _record(state, tok, jnp.ones((b,), bool), stop_ids)
+    state = LoopState(cache=cache, out=jnp.zeros((b, capacity), jnp.int32), last=tok,
+                      count=jnp.zeros((b,), jnp.int32), limit=limit, done=limit <= 0, sampling=sb)
+    return _record(state, tok, limit > 0, stop_ids)
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("state",))
 def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_attention=None) -> LoopState:
-    """Decode until every row is done, entirely on device."""
+    """Decode until every row is done, entirely on device. Finished rows neither write the cache nor advance."""
     def cond(s: LoopState):
         return ~s.done.all()
 
@@ -84,19 +86,22 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
-def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens: int,
+def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
              page_size: int = 16, cache_attention=None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
 
-    Sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0 is greedy. A row stops
-    after emitting any of ``stop_token_ids`` (default: the config's eos ids; pass ``()`` to never stop early).
-    Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns them).
-    Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
+    ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0
+    is greedy. A row stops after emitting any of ``stop_token_ids`` (default: the config's eos ids; pass ``()`` to
+    never stop early). Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns
+    them). Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
+    Shapes are bucketed (prompt length to ``page_size``, budget to 16) so that similar calls share one compile.
     """
     if not prompts:
         return []
-    if max_new_tokens < 0:
+    b = len(prompts)
+    limit = np.broadcast_to(np.asarray(max_new_tokens), (b,)).astype(np.int64)
+    if (limit < 0).any():
         raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
     for i, p in enumerate(prompts):
         if len(p) == 0:
@@ -104,14 +109,12 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
         bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
-    if max_new_tokens == 0:
-        return [[] for _ in prompts]
-    b = len(prompts)
     for t, k, p, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
         sampling.validate(float(t), int(k), float(p), float(m))
+    if not limit.any():
+        return [[] for _ in prompts]
 
-    lengths = [len(p) for p in prompts]
-    t_pad = _round_up(max(lengths), page_size)  # fewer distinct shapes -> fewer recompiles
+    t_pad = _round_up(max(len(p) for p in prompts), page_size)
     tokens = np.zeros((b, t_pad), np.int32)
     valid = np.zeros((b, t_pad), bool)
     for i, p in enumerate(prompts):
@@ -121,12 +124,12 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     # Padded with -1 (never a token) to a multiple of 8 so that different stop sets share one compile.
     stop_ids = jnp.asarray(list(stop) + [-1] * (_round_up(len(stop) + 1, 8) - len(stop)), jnp.int32)
 
-    max_len = _round_up(max(lengths) + max_new_tokens, page_size)
-    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, max_len, page_size=page_size,
-                                dtype=jnp.dtype(cfg.dtype))
+    capacity = _round_up(int(limit.max()), 16)
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, t_pad + capacity,
+                                page_size=page_size, dtype=jnp.dtype(cfg.dtype))
     sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    state = _prefill(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(valid), sb, stop_ids,
-                     max_new_tokens=max_new_tokens, cache_attention=cache_attention)
+    state = _prefill(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb,
+                     stop_ids, capacity=capacity, cache_attention=cache_attention)
     state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
     out, count = np.asarray(state.out), np.asarray(state.count)
     return [out[i, :count[i]].tolist() for i in range(b)]
