@@ -1,0 +1,178 @@
+"""EAGLE3 head export / import (specjax/convert/head.py) against ../shared/specs/eagle.md section 1."""
+
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax.config import ModelConfig
+from specjax.convert import head as H
+from specjax.models import eagle3
+from specjax.safetensors_io import SafetensorsFile, save_file
+
+V, D, VD = 128, 64, 48
+
+
+def _target_hf(**kw):
+    hf = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=V, hidden_size=D,
+              intermediate_size=96, num_hidden_layers=8, num_attention_heads=4, num_key_value_heads=2,
+              rms_norm_eps=1e-5, rope_theta=500000.0, max_position_embeddings=256, tie_word_embeddings=False,
+              bos_token_id=1, eos_token_id=2, torch_dtype="bfloat16", hidden_act="silu")
+    hf.update(kw)
+    return hf
+
+
+def _target(**kw) -> ModelConfig:
+    return ModelConfig.from_hf_dict(_target_hf(**kw))
+
+
+def _head(tcfg, seed=0, **kw):
+    hcfg = eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=VD, dtype="bfloat16", **kw)
+    params = eagle3.init_params(hcfg, jax.random.PRNGKey(seed), scale=0.5)
+    # norms away from 1 so that a swapped norm shows
+    params.norm = params.norm * 1.5
+    used = np.sort(np.random.default_rng(seed).choice(V, VD, replace=False))
+    return hcfg, params, eagle3.VocabMap.from_used_ids(used, V)
+
+
+def _same(a, b):
+    for (path, x), y in zip(jax.tree_util.tree_flatten_with_path(a)[0], jax.tree.leaves(b)):
+        assert x.dtype == y.dtype, jax.tree_util.keystr(path)
+        np.testing.assert_array_equal(np.asarray(x).view(np.uint8), np.asarray(y).view(np.uint8),
+                                      err_msg=jax.tree_util.keystr(path))
+
+
+SPEC_KEYS = {  # key -> shape, for H = Ht = 64, 4 heads x 16, 2 kv heads, I = 96
+    "fc.weight": (D, 3 * D), "midlayer.input_layernorm.weight": (D,), "midlayer.hidden_norm.weight": (D,),
+    "midlayer.self_attn.q_proj.weight": (64, 2 * D), "midlayer.self_attn.k_proj.weight": (32, 2 * D),
+    "midlayer.self_attn.v_proj.weight": (32, 2 * D), "midlayer.self_attn.o_proj.weight": (D, 64),
+    "midlayer.post_attention_layernorm.weight": (D,), "midlayer.mlp.gate_proj.weight": (96, D),
+    "midlayer.mlp.up_proj.weight": (96, D), "midlayer.mlp.down_proj.weight": (D, 96), "norm.weight": (D,),
+    "lm_head.weight": (VD, D), "d2t": (VD,), "t2d": (V,),
+}
+
+
+def test_export_matches_spec(tmp_path):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg)
+    assert hcfg.aux_layer_ids == (1, 3, 4)  # {1, L//2-1, L-4} for L = 8
+    H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
+    assert sorted(os.listdir(tmp_path)) == ["config.json", "model.safetensors"]
+    sf = SafetensorsFile(str(tmp_path / "model.safetensors"))
+    assert {k: sf.shape(k) for k in sf.keys()} == SPEC_KEYS
+    assert sf.header["d2t"]["dtype"] == "I64" and sf.header["t2d"]["dtype"] == "BOOL"
+    assert {sf.header[k]["dtype"] for k in SPEC_KEYS if k not in ("d2t", "t2d")} == {"BF16"}
+    d2t, t2d = sf.tensor("d2t"), sf.tensor("t2d")
+    used = np.nonzero(np.asarray(vmap.t2d))[0]
+    np.testing.assert_array_equal(np.arange(VD) + d2t, used)  # offsets: target = i + d2t[i]
+    assert t2d.sum() == VD and t2d[used].all()
+    # [out, in]: q_proj applied to concat(emb, hidden) is x @ W.T
+    wq = np.asarray(params.layers[0].wq.astype(jnp.float32)).reshape(2 * D, -1)
+    np.testing.assert_array_equal(sf.tensor("midlayer.self_attn.q_proj.weight").astype(np.float32), wq.T)
+    np.testing.assert_array_equal(sf.tensor("fc.weight").astype(np.float32), np.asarray(params.fc, np.float32).T)
+
+    hf = json.loads((tmp_path / "config.json").read_text())
+    assert hf == {
+        "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": D,
+        "intermediate_size": 96, "num_attention_heads": 4, "num_key_value_heads": 2, "num_hidden_layers": 1,
+        "rms_norm_eps": 1e-5, "rope_theta": 500000.0, "rope_scaling": None, "max_position_embeddings": 256,
+        "vocab_size": V, "draft_vocab_size": VD, "tie_word_embeddings": False, "torch_dtype": "bfloat16",
+        "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu"}
+    # the real safetensors library (and torch) read it with the spec's dtypes
+    from safetensors.torch import load_file
+    import torch
+    t = load_file(str(tmp_path / "model.safetensors"))
+    assert t["d2t"].dtype == torch.int64 and t["t2d"].dtype == torch.bool and t["fc.weight"].dtype == torch.bfloat16
+    assert "embed_tokens.weight" not in t
+
+
+def test_round_trip_is_exact(tmp_path):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg, seed=1)
+    H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
+    cfg2, params2, vmap2 = H.load_head(str(tmp_path), tcfg)
+    assert cfg2 == hcfg
+    _same(params2, params)
+    _same(vmap2, vmap)
+
+
+def test_non_default_aux_layers_and_extra_layers(tmp_path):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg, seed=2, aux_layer_ids=(2, 4, 6), num_layers=2)
+    hf = H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
+    assert hf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "use_aux_hidden_state": True}
+    assert hf["num_hidden_layers"] == 2
+    keys = set(SafetensorsFile(str(tmp_path / "model.safetensors")).keys())
+    assert "layers.1.self_attn.q_proj.weight" in keys and "layers.1.hidden_norm.weight" not in keys
+    assert SafetensorsFile(str(tmp_path / "model.safetensors")).shape("layers.1.self_attn.q_proj.weight") == (64, D)
+    cfg2, params2, vmap2 = H.load_head(str(tmp_path), tcfg)
+    assert cfg2 == hcfg and cfg2.aux_layer_ids == (2, 4, 6)
+    _same(params2, params)
+
+
+def test_import_prefix_embed_tokens_and_layers0(tmp_path):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg, seed=3)
+    H.export_head(params, hcfg, vmap, str(tmp_path / "a"), tcfg, dtype="float32")
+    tensors = {k: np.array(v) for k, v in ((k, SafetensorsFile(str(tmp_path / "a/model.safetensors")).tensor(k))
+                                          for k in SafetensorsFile(str(tmp_path / "a/model.safetensors")).keys())}
+    src = tmp_path / "b"
+    src.mkdir()
+    (src / "config.json").write_text((tmp_path / "a/config.json").read_text())
+    renamed = {("model." + k.replace("midlayer.", "layers.0.")): v for k, v in tensors.items()}
+    renamed["model.embed_tokens.weight"] = np.ones((V, D), np.float32)
+    save_file(renamed, str(src / "model.safetensors"))
+    cfg2, params2, vmap2 = H.load_head(str(src), tcfg)
+    assert cfg2.dtype == "float32"
+    _same(params2, jax.tree.map(lambda x: x.astype(jnp.float32), params))
+    _same(vmap2, vmap)
+    # an embedding of another shape means another target
+    renamed["model.embed_tokens.weight"] = np.ones((V, D + 1), np.float32)
+    save_file(renamed, str(src / "model.safetensors"))
+    with pytest.raises(H.HeadFormatError, match="embed_tokens"):
+        H.load_head(str(src), tcfg)
+    # unknown tensors are refused, not silently dropped
+    renamed["model.embed_tokens.weight"] = np.ones((V, D), np.float32)
+    renamed["model.layers.1.mlp.up_proj.weight"] = np.ones((96, D), np.float32)
+    save_file(renamed, str(src / "model.safetensors"))
+    with pytest.raises(H.HeadFormatError, match="does not use"):
+        H.load_head(str(src), tcfg)
+
+
+def test_refuses_mismatched_target(tmp_path):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg, seed=4)
+    H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
+    with pytest.raises(H.HeadFormatError, match="vocab"):
+        H.load_head(str(tmp_path), _target(vocab_size=256))
+    with pytest.raises(H.HeadFormatError, match="hidden size"):
+        H.load_head(str(tmp_path), _target(hidden_size=96))
+    with pytest.raises(H.HeadFormatError, match="vocab"):
+        H.export_head(params, hcfg, vmap, str(tmp_path / "x"), _target(vocab_size=256))
+    bad = eagle3.VocabMap(d2t=vmap.d2t, t2d=jnp.roll(vmap.t2d, 1))
+    with pytest.raises(H.HeadFormatError, match="disagree"):
+        H.export_head(params, hcfg, bad, str(tmp_path / "y"), tcfg)
+
+
+def test_cli_import_then_export(tmp_path):
+    """import-head -> a training checkpoint (head.init_from) -> export-head gives back the same HF head."""
+    tcfg_dir = tmp_path / "target"
+    tcfg_dir.mkdir()
+    (tcfg_dir / "config.json").write_text(json.dumps(_target_hf()))
+    tcfg = ModelConfig.from_pretrained(str(tcfg_dir))
+    hcfg, params, vmap = _head(tcfg, seed=5)
+    H.export_head(params, hcfg, vmap, str(tmp_path / "hf"), tcfg)
+    from specjax.convert.__main__ import main
+    assert main(["import-head", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--target", str(tcfg_dir)]) == 0
+    assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
+    cfg2, params2, vmap2 = H.load_head(str(tmp_path / "out"), tcfg)
+    assert cfg2 == hcfg
+    _same(params2, params)
+    _same(vmap2, vmap)
+    assert (tmp_path / "out/config.json").read_text() == (tmp_path / "hf/config.json").read_text()
+    # a bad target is refused with a message, not a traceback
+    (tcfg_dir / "config.json").write_text(json.dumps(_target_hf(vocab_size=256)))
+    assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
