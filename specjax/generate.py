@@ -201,7 +201,7 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
 
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
-        prog="python -m specjax.generate",
+        prog="python -m specjax.generate", formatter_class=argparse.RawDescriptionHelpFormatter,
         description="Plain generation with a target model (no speculation): the reference output that speculative "
                     "decoding must reproduce.",
         epilog="example: python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt 'What is JAX?'")
