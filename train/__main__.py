@@ -57,7 +57,7 @@ def init_distributed(mh) -> None:
     import jax
     env = os.environ
     explicit = mh.coordinator is not None
-    auto = ("," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("SLURM_NTASKS", "1")) > 1
+    auto = mh.auto or ("," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("SLURM_NTASKS", "1")) > 1
             or "JAX_COORDINATOR_ADDRESS" in env or int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1)
     if not (explicit or auto):
         return
@@ -75,7 +75,9 @@ class Logger:
 
     def __init__(self, cfg, primary: bool):
         self.primary = primary
-        self.path = cfg.logging.jsonl or os.path.join(cfg.checkpoint.dir, "metrics.jsonl")
+        ck = cfg.checkpoint.dir
+        local = os.path.join("logs", os.path.basename(ck.rstrip("/")), "metrics.jsonl")  # for gs://... dirs
+        self.path = cfg.logging.jsonl or (local if "://" in ck else os.path.join(ck, "metrics.jsonl"))
         self.tb = None
         if primary:
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
@@ -176,7 +178,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - the message says what to do
         log.info(f"error: cannot use model.path={cfg.model.path!r}: {e}")
         if "smollm2" in (cfg.model.path or "").lower():
-            log.info("fetch it with:  python -m specjax.convert fetch-smollm2")
+            log.info("fetch it with:  python -m specjax.convert fetch-smollm2   (into $SPECJAX_CACHE or "
+                     "~/.cache/specjax; point --model.path at the folder it prints)")
         return 2
     offline_train = cfg.offline.dir is not None and not cfg.offline.build
     if cfg.model.random_init:

@@ -116,7 +116,10 @@ class OfflineConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MultihostConfig:
-    """Explicit jax.distributed.initialize arguments; empty = auto-detect (TPU pods, SLURM) or single host."""
+    """jax.distributed.initialize arguments. Left empty, it is called when the environment shows several processes
+    (TPU_WORKER_HOSTNAMES, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS), or always with ``auto: true`` (what
+    tpu_scripts/train.sh passes on TPU pods)."""
+    auto: bool = False
     coordinator: str | None = None  # host:port of process 0
     num_processes: int | None = None
     process_id: int | None = None
@@ -310,9 +313,25 @@ def load_config(path: str | None = None, overrides: Sequence[str] | Sequence[tup
     pairs = parse_overrides(overrides) if overrides and isinstance(overrides[0], str) else list(overrides)
     for key, value in pairs:
         _set_dotted(d, key, value)
-    cfg = from_dict(d)
+    cfg = expand_paths(from_dict(d))
     validate(cfg)
     return cfg
+
+
+def _expand(p):
+    return os.path.expanduser(os.path.expandvars(p)) if isinstance(p, str) and "://" not in p else p
+
+
+def expand_paths(cfg: RunConfig) -> RunConfig:
+    """``~`` and ``$VARS`` in every path-valued key (remote URLs such as gs://... are left alone)."""
+    r = dataclasses.replace
+    return cfg.replace(
+        model=r(cfg.model, path=_expand(cfg.model.path), tokenizer=_expand(cfg.model.tokenizer)),
+        head=r(cfg.head, init_from=_expand(cfg.head.init_from), vocab_map=_expand(cfg.head.vocab_map)),
+        data=r(cfg.data, paths=tuple(_expand(p) for p in cfg.data.paths), cache_dir=_expand(cfg.data.cache_dir)),
+        checkpoint=r(cfg.checkpoint, dir=_expand(cfg.checkpoint.dir)),
+        logging=r(cfg.logging, jsonl=_expand(cfg.logging.jsonl), tensorboard=_expand(cfg.logging.tensorboard)),
+        offline=r(cfg.offline, dir=_expand(cfg.offline.dir)))
 
 
 def validate(cfg: RunConfig) -> None:

@@ -1,0 +1,30 @@
+#!/usr/bin/env bash
+# Serve the target with its trained EAGLE3 head on worker 0 (one host: its 4 v4 chips, TP=4), OpenAI-compatible
+# HTTP on port ${SERVE_PORT}.
+#   ./serve.sh TARGET HEAD [extra python -m specjax.serve flags]
+#   ./serve.sh Qwen/Qwen2.5-7B-Instruct ~/heads/qwen2.5-7b-eagle3
+# HEAD is an HF-format head folder: export one from a training checkpoint on worker 0 first with
+#   python -m specjax.convert export-head CHECKPOINT_DIR ~/heads/NAME
+set -euo pipefail
+cd "$(dirname "$0")"
+source ./env.sh
+
+if [[ $# -lt 2 ]]; then
+  echo "usage: $0 TARGET_MODEL_PATH HEAD_PATH [extra serve flags]" >&2
+  exit 2
+fi
+TARGET="$1"; HEAD="$2"; shift 2
+TP="${TP:-4}"
+NUM_STEPS="${NUM_STEPS:-5}"; TOPK="${TOPK:-4}"; DRAFT_TOKENS="${DRAFT_TOKENS:-8}"
+ARGS="$(quote_args "$@")"
+
+tpu_ssh 0 "set -euo pipefail
+  . ~/specjax-venv/bin/activate; cd ~/${REMOTE_DIR}
+  nohup python -m specjax.serve --model-path $(remote_path "${TARGET}") \
+    --speculative-algorithm EAGLE3 --speculative-draft-model-path $(remote_path "${HEAD}") \
+    --speculative-num-steps ${NUM_STEPS} --speculative-eagle-topk ${TOPK} \
+    --speculative-num-draft-tokens ${DRAFT_TOKENS} --tp ${TP} --host 0.0.0.0 --port ${SERVE_PORT} ${ARGS} \
+    > ~/${SERVE_LOG} 2>&1 &
+  echo \$! > ~/specjax-serve.pid
+  echo \"\$(hostname): server pid \$(cat ~/specjax-serve.pid), log ~/${SERVE_LOG}\""
+echo "watch: ./logs.sh serve    test: see README.md (curl through an ssh tunnel)    stop: ./stop.sh serve"
