@@ -164,8 +164,9 @@ def make_mesh_for(args: ServerArgs):
     return make_mesh(dp=args.dp_size, tp=args.tp_size, devices=devs[:n])
 
 
-def build(args: ServerArgs) -> Backend:
-    """Load everything and start the scheduler thread (no warmup)."""
+def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
+    """Load everything and start the scheduler thread (no warmup). ``model`` = (cfg, params) and ``draft`` =
+    (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
     from transformers import AutoTokenizer
 
     from specjax.weights import load_model, resolve_model_path
@@ -180,7 +181,10 @@ def build(args: ServerArgs) -> Backend:
     tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
     tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)
-    cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
+    if model is not None:
+        cfg, params = model
+    else:
+        cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
     context_length = args.context_length or cfg.max_position_embeddings
     spec = args.speculative_algorithm is not None
     w = args.speculative_num_steps + 1 if spec else 1
@@ -188,11 +192,11 @@ def build(args: ServerArgs) -> Backend:
     pages_per_seq = -(-(context_length + w) // z)
     max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
     kv_layers = cfg.num_layers
-    draft = None
-    if spec:
+    if spec and draft is None:
         from specjax.spec.decoder import load_draft
         draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
                            token_map=args.speculative_token_map)
+    if spec:
         kv_layers += getattr(draft[0], "num_layers", 1)
     kv_shard = args.tp_size if cfg.num_kv_heads % args.tp_size == 0 else 1
     page_bytes = 2 * kv_layers * z * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize // kv_shard

@@ -32,25 +32,12 @@ MIN_PAGE_BUCKET_TOKENS = 256
 
 
 def resolve_cache_attention(impl: str):
-    """``--attention-impl`` -> the ``cache_attention`` callable for ``target.forward`` (None = XLA reference)."""
+    """``--attention-impl`` -> the ``cache_attention`` hook of ``target.forward`` (None = the XLA reference path):
+    auto = the Pallas tree-attention kernel on TPU, XLA elsewhere."""
     if impl == "xla" or (impl == "auto" and jax.default_backend() != "tpu"):
         return None
-    try:
-        from specjax.kernels import tree_attention as ta  # the Pallas TPU kernel package
-    except ImportError as e:
-        if impl == "auto":
-            log.warning("Pallas tree-attention kernel not importable (%s); using the XLA attention path", e)
-            return None
-        raise RuntimeError(f"--attention-impl pallas: the kernel package specjax.kernels.tree_attention is not "
-                           f"importable ({e})") from None
-    for name in ("cache_attention", "paged_tree_attention", "tree_attention"):
-        fn = getattr(ta, name, None)
-        if callable(fn):
-            return fn
-    if impl == "auto":
-        log.warning("specjax.kernels.tree_attention exports no cache-attention entry point; using XLA attention")
-        return None
-    raise RuntimeError("--attention-impl pallas: specjax.kernels.tree_attention exports no cache-attention function")
+    from specjax.kernels.tree_attention import make_cache_attention
+    return make_cache_attention(impl)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:

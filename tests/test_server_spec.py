@@ -1,0 +1,157 @@
+"""The server with EAGLE3 / EAGLE speculative decoding (SpecRunner behind the same scheduler and HTTP front): greedy
+output equals the plain server's token for token (prompts across page and chunk boundaries, prefix reuse, concurrent
+requests, stops inside a multi-token step), and meta_info carries spec_verify_ct and spec_accept_length.
+
+The target is a "bigram" model whose next token is usually a fixed permutation of the current one, with heads built
+in closed form to predict it (tests/spec_models.py), so several tokens are accepted per step; a random EAGLE3 head
+covers the low-acceptance case. Servers run in-process (uvicorn in a thread) with the heads passed in memory."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+
+import httpx
+import numpy as np
+import pytest
+
+from spec_models import bigram_models, tiny_config
+from test_server_helpers import ENGINE_KW, free_port, tiny_model_dir, use_compilation_cache
+
+GREEDY = {"temperature": 0.0, "ignore_eos": True}
+SPEC = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+
+
+class InProcessServer:
+    def __init__(self, model, draft=None, algorithm=None):
+        import uvicorn
+
+        from specjax.serve.api import create_app
+        from specjax.serve.args import ServerArgs
+        from specjax.serve.launch import build
+        use_compilation_cache()
+        kw = dict(ENGINE_KW, max_running_requests=4)
+        if algorithm:
+            kw.update(SPEC, speculative_algorithm=algorithm, speculative_draft_model_path="(in memory)")
+        args = ServerArgs(model_path=tiny_model_dir(), skip_server_warmup=True, log_level="warning", **kw).validate()
+        self.backend = build(args, model=model, draft=draft)
+        port = free_port()
+        self.url = f"http://127.0.0.1:{port}"
+        self.server = uvicorn.Server(uvicorn.Config(create_app(self.backend), host="127.0.0.1", port=port,
+                                                    log_level="warning"))
+        self.thread = threading.Thread(target=self.server.run, daemon=True)
+        self.thread.start()
+        deadline = time.time() + 30
+        while not self.server.started and time.time() < deadline:
+            time.sleep(0.05)
+
+    def generate(self, **body):
+        r = httpx.post(self.url + "/generate", json=body, timeout=300)
+        assert r.status_code == 200, r.text
+        return r.json()
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join(10)
+        self.backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def models():
+    import jax
+    from specjax.models import eagle3
+    cfg = tiny_config()  # vocab 64 (the tiny tokenizer decodes these ids; prompts are sent as input_ids)
+    tp, perm, e3, e1 = bigram_models(cfg, seed=0)
+    rcfg = eagle3.Eagle3Config.from_target(cfg, draft_vocab_size=48)
+    rnd = eagle3.init_params(rcfg, jax.random.PRNGKey(5), scale=0.3)
+    used = np.sort(np.random.default_rng(5).choice(cfg.vocab_size, 48, replace=False))
+    return cfg, tp, perm, e3, e1, (rcfg, rnd, eagle3.VocabMap.from_used_ids(used, cfg.vocab_size))
+
+
+@pytest.fixture(scope="module")
+def plain(models):
+    cfg, tp = models[0], models[1]
+    s = InProcessServer((cfg, tp))
+    yield s
+    s.stop()
+
+
+@pytest.fixture(scope="module")
+def eagle3_server(models):
+    cfg, tp, _, e3, _, _ = models
+    s = InProcessServer((cfg, tp), draft=e3, algorithm="EAGLE3")
+    yield s
+    s.stop()
+
+
+def prompts(perm, n=6, seed=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for length in (1, 7, 9, 33, 70, 5)[:n]:
+        p = [int(rng.integers(3, 64))]
+        for _ in range(length - 1):  # mostly on the target's bigram path, with a few jumps
+            p.append(int(perm[p[-1]]) if rng.random() < 0.8 else int(rng.integers(3, 64)))
+        out.append(p)
+    return out
+
+
+def test_eagle3_greedy_equals_plain(plain, eagle3_server, models):
+    perm = models[2]
+    for p in prompts(perm):
+        want = plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=24))
+        got = eagle3_server.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=24))
+        assert got["output_ids"] == want["output_ids"], p
+        meta = got["meta_info"]
+        assert meta["completion_tokens"] == 24
+        assert meta["spec_verify_ct"] >= 1
+        assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
+        assert "spec_verify_ct" not in want["meta_info"]
+    state = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
+    assert state["avg_spec_accept_length"] > 1.3  # the closed-form head really is accepted
+
+
+def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models):
+    perm = models[2]
+    ps = prompts(perm, seed=1)
+    want = [plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=n))["output_ids"]
+            for p, n in zip(ps, (30, 5, 17, 40, 11, 23))]
+
+    async def run():
+        async with httpx.AsyncClient(timeout=300) as c:
+            rs = await asyncio.gather(*(c.post(eagle3_server.url + "/generate", json={
+                "input_ids": p, "sampling_params": dict(GREEDY, max_new_tokens=len(w))}) for p, w in zip(ps, want)))
+        return [r.json() for r in rs]
+
+    for _ in range(2):  # the second round reuses the cached prefixes
+        got = asyncio.run(run())
+        assert [g["output_ids"] for g in got] == want
+    assert any(g["meta_info"]["cached_tokens"] > 0 for g in got)
+    # a stop token that arrives in the middle of a multi-token step ends the output right there
+    base = want[3]
+    stop = base[9]
+    k = base.index(stop)
+    out = eagle3_server.generate(input_ids=ps[3], sampling_params=dict(GREEDY, max_new_tokens=40,
+                                                                       stop_token_ids=[stop]))
+    assert out["output_ids"] == base[:k + 1] and out["meta_info"]["finish_reason"]["matched"] == stop
+    # streaming delivers every token exactly once
+    with httpx.stream("POST", eagle3_server.url + "/generate", json={
+            "input_ids": ps[0], "stream": True, "sampling_params": dict(GREEDY, max_new_tokens=30)}) as r:
+        import json
+        events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    assert events[-1]["output_ids"] == want[0]
+    idle = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
+    assert idle["kv_pages_used"] == 0 and idle["num_running_reqs"] == 0
+
+
+def test_random_eagle3_head_is_lossless(plain, models):
+    cfg, tp, perm, _, _, rnd = models
+    s = InProcessServer((cfg, tp), draft=rnd, algorithm="EAGLE3")
+    try:
+        for p in prompts(perm, n=3, seed=2):
+            want = plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=16))
+            got = s.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=16))
+            assert got["output_ids"] == want["output_ids"]
+            assert got["meta_info"]["spec_accept_length"] >= 1.0
+    finally:
+        s.stop()
