@@ -146,3 +146,14 @@ def test_stop_strings(client, server, tokenizer):
         r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=20, temperature=0, stop=s,
                                            extra_body=IGNORE_EOS)
         assert r.choices[0].message.content == content[:content.find(s)] and r.choices[0].finish_reason == "stop"
+
+
+def test_bench_serve_against_this_server(server, capsys):
+    from specjax.bench.serve import main
+    assert main(["--url", server.url, "--concurrency", "1", "3", "--num-prompts", "4", "--max-tokens", "6",
+                 "--prompts", "builtin", "--ignore-eos", "--warmup-requests", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "out tok/s" in out and "TTFT p50" in out and "TPOT p50" in out and "ITL p50" in out
+    rows = [line for line in out.splitlines() if line.startswith("|") and "conc" not in line and "---" not in line]
+    assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
+    assert all(r.split("|")[2].strip() == "4" for r in rows)  # every request completed

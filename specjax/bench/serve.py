@@ -1,0 +1,307 @@
+"""Load generator for a running specjax (or SGLang) server: request throughput, output tokens/s, TTFT, time per output
+token and inter-chunk latency percentiles per concurrency level.
+
+    python -m specjax.bench serve --url http://127.0.0.1:30000 --concurrency 1 4 16 --num-prompts 32 --max-tokens 128
+    python -m specjax.bench serve --launch plain,eagle3 --model-path MODEL --draft HEAD [--server-args "..."]
+
+Requests go to /v1/chat/completions with streaming (each prompt is one user turn), so any OpenAI-compatible server
+works. TTFT = time to the first chunk with text; TPOT = (last chunk - first chunk) / (completion tokens - 1) per
+request; ITL = gaps between text chunks (a speculative step may deliver several tokens in one chunk). With
+``--launch`` each configuration gets its own server in turn, and the tables are printed side by side.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import numpy as np
+
+BUILTIN_PROMPTS = [
+    "Explain how speculative decoding speeds up text generation.",
+    "Write a short poem about the sea.",
+    "What are the three primary colors? Answer in one sentence.",
+    "Give me a recipe for pancakes.",
+    "Summarize the plot of Romeo and Juliet in three sentences.",
+    "Write a Python function that checks whether a number is prime.",
+    "What is the capital of France, and what is it famous for?",
+    "List five tips for staying productive while working from home.",
+]
+
+
+def load_prompts(spec: str, n: int) -> list[str]:
+    """``mtbench`` (first turns of MT-bench, fetched by ``python -m specjax.convert fetch-mtbench``), ``builtin``,
+    or a file: JSONL with a "prompt"/"text"/"turns" field per line, or plain text with one prompt per line."""
+    if spec == "builtin":
+        rows = BUILTIN_PROMPTS
+    else:
+        path = spec
+        if spec == "mtbench":
+            from specjax.convert.fetch import default_mtbench_path
+            path = default_mtbench_path()
+            if not os.path.exists(path):
+                print(f"MT-bench questions not found at {path}; fetch them with "
+                      f"`python -m specjax.convert fetch-mtbench` (using the built-in prompts now)", file=sys.stderr)
+                return (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
+        with open(path) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        rows = []
+        for line in lines:
+            if line.startswith("{"):
+                d = json.loads(line)
+                rows.append(d["turns"][0] if "turns" in d else d.get("prompt") or d.get("text"))
+            else:
+                rows.append(line)
+    return (rows * (n // len(rows) + 1))[:n]
+
+
+async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
+                      ignore_eos: bool, headers: dict) -> dict:
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    if ignore_eos:
+        body["ignore_eos"] = True
+    t0 = time.perf_counter()
+    times, usage, err = [], None, None
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body, headers=headers) as r:
+            if r.status_code != 200:
+                return {"error": f"HTTP {r.status_code}: {(await r.aread()).decode()[:200]}"}
+            async for line in r.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                ev = json.loads(line[6:])
+                if ev.get("usage"):
+                    usage = ev["usage"]
+                for c in ev.get("choices", []):
+                    if c.get("delta", {}).get("content"):
+                        times.append(time.perf_counter())
+    except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
+        err = f"{type(e).__name__}: {e}"
+    if err or not times:
+        return {"error": err or "no tokens"}
+    n = usage["completion_tokens"] if usage else len(times)
+    return {"ttft": times[0] - t0, "e2e": times[-1] - t0, "tokens": n,
+            "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None, "itl": list(np.diff(times))}
+
+
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, headers: dict) -> dict:
+    import httpx
+    queue: asyncio.Queue = asyncio.Queue()
+    for p in prompts:
+        queue.put_nowait(p)
+    results = []
+
+    async def worker(client):
+        while not queue.empty():
+            p = queue.get_nowait()
+            results.append(await one_request(client, url, model, p, args.max_tokens, args.temperature,
+                                             args.ignore_eos, headers))
+
+    before = server_state(url, headers)
+    t0 = time.perf_counter()
+    async with httpx.AsyncClient(timeout=httpx.Timeout(args.request_timeout)) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    dur = time.perf_counter() - t0
+    after = server_state(url, headers)
+    ok = [r for r in results if "error" not in r]
+    pct = lambda xs, q: float(np.percentile(xs, q)) * 1000 if len(xs) else float("nan")  # noqa: E731
+    ttft = [r["ttft"] for r in ok]
+    tpot = [r["tpot"] for r in ok if r["tpot"] is not None]
+    itl = [x for r in ok for x in r["itl"]]
+    out = {"concurrency": concurrency, "requests": len(ok), "failed": len(results) - len(ok), "duration_s": dur,
+           "req_per_s": len(ok) / dur, "out_tok_per_s": sum(r["tokens"] for r in ok) / dur,
+           "mean_out_tokens": float(np.mean([r["tokens"] for r in ok])) if ok else 0.0}
+    for name, xs in (("ttft", ttft), ("tpot", tpot), ("itl", itl)):
+        for q in (50, 90, 99):
+            out[f"{name}_p{q}_ms"] = pct(xs, q)
+    if before and after and "spec_verify_ct" in after and after.get("spec_verify_ct", 0) > before.get(
+            "spec_verify_ct", 0):
+        out["accept_len"] = (after["spec_tokens"] - before["spec_tokens"]) / (
+            after["spec_verify_ct"] - before["spec_verify_ct"])
+    errors = sorted({r["error"] for r in results if "error" in r})
+    if errors:
+        print(f"  {len(results) - len(ok)} failed requests, e.g. {errors[0]}", file=sys.stderr)
+    return out
+
+
+def server_state(url: str, headers: dict) -> dict | None:
+    import httpx
+    try:
+        info = httpx.get(url + "/get_server_info", headers=headers, timeout=10).json()
+        return (info.get("internal_states") or [None])[0]
+    except Exception:  # noqa: BLE001 - other servers may not have it
+        return None
+
+
+def served_model(url: str, headers: dict) -> str:
+    import httpx
+    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+
+
+def sweep(url: str, args) -> list[dict]:
+    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+    model = served_model(url, headers)
+    prompts = load_prompts(args.prompts, args.num_prompts)
+    if args.warmup_requests:
+        asyncio.run(run_level(url, model, prompts[:args.warmup_requests], min(args.warmup_requests, 4), args,
+                              headers))
+    rows = []
+    for c in args.concurrency:
+        rows.append(asyncio.run(run_level(url, model, prompts, c, args, headers)))
+        r = rows[-1]
+        print(f"  concurrency {c}: {r['out_tok_per_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms",
+              file=sys.stderr)
+    return rows
+
+
+COLUMNS = [("concurrency", "conc", "{:d}"), ("requests", "reqs", "{:d}"), ("req_per_s", "req/s", "{:.2f}"),
+           ("out_tok_per_s", "out tok/s", "{:.1f}"), ("ttft_p50_ms", "TTFT p50", "{:.0f}"),
+           ("ttft_p90_ms", "p90", "{:.0f}"), ("ttft_p99_ms", "p99", "{:.0f}"), ("tpot_p50_ms", "TPOT p50", "{:.1f}"),
+           ("tpot_p90_ms", "p90", "{:.1f}"), ("tpot_p99_ms", "p99", "{:.1f}"), ("itl_p50_ms", "ITL p50", "{:.1f}"),
+           ("itl_p90_ms", "p90", "{:.1f}"), ("itl_p99_ms", "p99", "{:.1f}"), ("accept_len", "accept", "{:.2f}")]
+
+
+def print_table(rows: list[dict], title: str = "") -> None:
+    cols = [c for c in COLUMNS if any(c[0] in r for r in rows)]
+    head = [c[1] for c in cols]
+    body = [[(c[2].format(r[c[0]]) if c[0] in r else "-") for c in cols] for r in rows]
+    widths = [max(len(h), *(len(b[i]) for b in body)) for i, h in enumerate(head)]
+    if title:
+        print(f"\n{title}  (latencies in ms)")
+    print("| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for b in body:
+        print("| " + " | ".join(x.rjust(w) for x, w in zip(b, widths)) + " |")
+
+
+def print_side_by_side(results: dict[str, list[dict]]) -> None:
+    names = list(results)
+    base = names[0]
+    print(f"\nside by side (output tokens/s, TPOT p50 ms, accept length; speedup vs {base})")
+    head = ["conc"] + [f"{n} tok/s" for n in names] + [f"{n} TPOT" for n in names] + [
+        f"{n} accept" for n in names[1:]] + [f"{n}/{base}" for n in names[1:]]
+    rows = []
+    for i, c in enumerate(results[base]):
+        row = [str(c["concurrency"])]
+        row += [f"{results[n][i]['out_tok_per_s']:.1f}" if i < len(results[n]) else "-" for n in names]
+        row += [f"{results[n][i]['tpot_p50_ms']:.1f}" if i < len(results[n]) else "-" for n in names]
+        row += [f"{results[n][i].get('accept_len', float('nan')):.2f}" if i < len(results[n]) else "-"
+                for n in names[1:]]
+        row += [f"{results[n][i]['out_tok_per_s'] / c['out_tok_per_s']:.2f}x" if i < len(results[n]) and c[
+            'out_tok_per_s'] else "-" for n in names[1:]]
+        rows.append(row)
+    widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
+    print("| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |")
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for r in rows:
+        print("| " + " | ".join(x.rjust(w) for x, w in zip(r, widths)) + " |")
+
+
+# ---- --launch: one server per configuration ------------------------------------------------------------------------
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch_flags(name: str, args) -> list[str]:
+    flags = ["--model-path", args.model_path] + shlex.split(args.server_args or "")
+    if name == "plain":
+        return flags
+    algo = {"eagle3": "EAGLE3", "eagle": "EAGLE"}.get(name.lower())
+    if algo is None:
+        raise SystemExit(f"--launch: unknown configuration {name!r} (plain, eagle3, eagle)")
+    if not args.draft:
+        raise SystemExit(f"--launch {name} needs --draft HEAD_FOLDER")
+    return flags + ["--speculative-algorithm", algo, "--speculative-draft-model-path", args.draft] + shlex.split(
+        args.spec_args or "")
+
+
+def launch_and_sweep(name: str, args) -> list[dict]:
+    import httpx
+    port = _free_port()
+    cmd = [sys.executable, "-m", "specjax.serve", *launch_flags(name, args), "--port", str(port), "--log-level",
+           "warning"]
+    if args.api_key:
+        cmd += ["--api-key", args.api_key]
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"specjax_bench_{name}_", suffix=".log", delete=False)
+    print(f"[{name}] starting: {shlex.join(cmd)}  (log: {log.name})", file=sys.stderr)
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}"
+    t0 = time.time()
+    try:
+        while True:
+            if proc.poll() is not None:
+                log.seek(0)
+                raise SystemExit(f"[{name}] server exited ({proc.returncode}):\n{log.read()[-3000:]}")
+            try:
+                if httpx.get(url + "/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.time() - t0 > args.launch_timeout:
+                raise SystemExit(f"[{name}] server not up after {args.launch_timeout}s (log: {log.name})")
+            time.sleep(1)
+        print(f"[{name}] up in {time.time() - t0:.0f}s", file=sys.stderr)
+        return sweep(url, args)
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench serve", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    ap.add_argument("--url", default="http://127.0.0.1:30000", help="server to load (ignored with --launch)")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients per level")
+    ap.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
+    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request")
+    ap.add_argument("--prompts", default="mtbench", help="mtbench | builtin | FILE (JSONL or one prompt per line)")
+    ap.add_argument("--temperature", type=float, default=0.0)
+    ap.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
+    ap.add_argument("--api-key", default=None)
+    ap.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before the sweep")
+    ap.add_argument("--request-timeout", type=float, default=600.0)
+    ap.add_argument("--json", default=None, help="also write the results here")
+    g = ap.add_argument_group("launch mode: start a server per configuration and compare")
+    g.add_argument("--launch", default=None, help="comma-separated configurations: plain, eagle3, eagle")
+    g.add_argument("--model-path", default=None)
+    g.add_argument("--draft", default=None, help="draft head folder for eagle3 / eagle")
+    g.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--context-length 2048\"")
+    g.add_argument("--spec-args", default="", help="extra flags for speculative servers, e.g. "
+                                                   "\"--speculative-num-steps 3 --speculative-eagle-topk 1 "
+                                                   "--speculative-num-draft-tokens 4\"")
+    g.add_argument("--launch-timeout", type=float, default=1800.0)
+    args = ap.parse_args(argv)
+    if args.launch:
+        if not args.model_path:
+            ap.error("--launch needs --model-path")
+        results = {}
+        for name in [n.strip() for n in args.launch.split(",") if n.strip()]:
+            results[name] = launch_and_sweep(name, args)
+            print_table(results[name], title=name)
+        if len(results) > 1:
+            print_side_by_side(results)
+    else:
+        results = {"server": sweep(args.url.rstrip("/"), args)}
+        print_table(results["server"], title=args.url)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(results, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
