@@ -22,7 +22,8 @@ Every key of the run config can be overridden on the command line as --section.k
 
 Start here (CPU, a few minutes):
   python -m specjax.convert fetch-smollm2            # real SmolLM2-135M-Instruct into ~/.cache/specjax
-  python -m specjax.train --config configs/smollm2-135m.yaml --training.max_steps 50
+  python -m specjax.convert fetch-sharegpt           # real ShareGPT chats (JSONL) into the same cache
+  python -m specjax.train --config configs/smollm2-135m.yaml --data.max_examples 500 --training.max_steps 20
 
 What happens:
   - the target (model.path: an HF folder with config.json, *.safetensors and a tokenizer with a chat template)

@@ -34,11 +34,11 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
     """The EAGLE3 draft head being trained."""
-    draft_vocab_size: int = 32000
-    num_layers: int = 1
+    draft_vocab_size: int = 32000  # Vd: the most frequent target ids of the data (capped at the target vocab)
+    num_layers: int = 1  # decoder layers of the head (EAGLE3: 1)
     init_from: str | None = None  # specjax checkpoint dir: fine-tune that head (keeps its vocab map)
     vocab_map: str | None = None  # .npz / .safetensors from `python -m specjax.train.vocab`; default: computed
-    dtype: str = "float32"  # dtype of the trained params (fp32 master weights)
+    dtype: str = "float32"  # compute dtype of the head (master weights and Adam moments are fp32 regardless)
     aux_layer_ids: tuple[int, ...] | None = None  # default: EAGLE3's {1, L/2-1, L-4}
 
 
@@ -48,10 +48,10 @@ class DataConfig:
     paths: tuple[str, ...] = ()  # local .json / .jsonl / .parquet files or `datasets.save_to_disk` folders;
     #                              the name "sharegpt" means the cleaned ShareGPT fetched into the cache
     hf_datasets: tuple[str, ...] = ()  # hub datasets (`datasets.load_dataset(name, split=...)`)
-    split: str = "train"
+    split: str = "train"  # split of the hub datasets
     format: str = "auto"  # auto | sharegpt (conversations/from/value) | messages (OpenAI role/content)
-    max_length: int = 2048
-    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)
+    max_length: int = 2048  # tokens per conversation (after rendering)
+    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # padded lengths (one compile each)
     overlong: str = "truncate"  # truncate | drop: what to do with conversations longer than max_length
     eval_fraction: float = 0.01  # held-out share of the conversations (deterministic from training.seed)
     eval_max: int = 512  # at most this many held-out conversations
@@ -62,48 +62,53 @@ class DataConfig:
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
+    """Batches, length of the run, the TTT rollout."""
     batch_size: int = 4  # GLOBAL micro-batch (sequences), split over mesh.dp
     grad_accum: int = 1  # micro-batches per optimizer step
-    epochs: int = 1
+    epochs: int = 1  # passes over the training split
     max_steps: int | None = None  # stop after this many optimizer steps (default: epochs over the data)
-    seed: int = 0
-    ttt_length: int = 7
-    decay: float = 0.8
+    seed: int = 0  # data order, eval split, head init
+    ttt_length: int = 7  # rollout steps of the training-time test
+    decay: float = 0.8  # weight of rollout step k is decay**k
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
-    lr: float = 8e-4
-    warmup_ratio: float = 0.03
+    """AdamW after global-norm clipping; linear warmup then cosine."""
+    lr: float = 8e-4  # peak learning rate
+    warmup_ratio: float = 0.03  # share of the steps spent warming up linearly from 0
     min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.0
+    weight_decay: float = 0.0  # decoupled, on matrices only
     b1: float = 0.9
     b2: float = 0.95
-    clip_norm: float = 0.5
+    clip_norm: float = 0.5  # global gradient-norm clip (0: off)
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
+    """Device mesh: data parallel x tensor parallel (dp * tp = all devices of all hosts)."""
     dp: int = -1  # -1: all devices not used by tp
-    tp: int = 1
+    tp: int = 1  # tensor-parallel devices (the target and head are split over them)
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
-    dir: str = "checkpoints/run"
+    """Orbax checkpoints (params, optimizer, step, rng, data position, configs, vocab map)."""
+    dir: str = "checkpoints/run"  # local folder or gs://... (multi-host: must be shared by all hosts)
     every: int = 500  # optimizer steps between saves (and one at the end, and on SIGTERM)
-    keep: int = 3
-    async_save: bool = True
+    keep: int = 3  # keep the newest K checkpoints
+    async_save: bool = True  # write in the background while training continues
     resume: bool = True  # continue from the latest good checkpoint in dir, if any
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
+    """Metrics (JSONL on process 0, optional TensorBoard), progress bar, periodic eval."""
     every: int = 10  # steps between metric lines
     jsonl: str | None = None  # default: <checkpoint.dir>/metrics.jsonl
     tensorboard: str | None = None  # log dir; needs tensorboardX or tensorflow
     eval_every: int = 500  # steps between evals on the held-out split (0: never)
-    eval_batches: int = 8
+    eval_batches: int = 8  # batches of the held-out split per eval
     progress: bool = True  # tqdm progress bar (process 0)
 
 
@@ -119,10 +124,10 @@ class MultihostConfig:
     """jax.distributed.initialize arguments. Left empty, it is called when the environment shows several processes
     (TPU_WORKER_HOSTNAMES, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS), or always with ``auto: true`` (what
     tpu_scripts/train.sh passes on TPU pods)."""
-    auto: bool = False
+    auto: bool = False  # always call jax.distributed.initialize() (TPU pods)
     coordinator: str | None = None  # host:port of process 0
-    num_processes: int | None = None
-    process_id: int | None = None
+    num_processes: int | None = None  # with coordinator
+    process_id: int | None = None  # with coordinator: this process's index
 
 
 @dataclasses.dataclass(frozen=True)
@@ -364,14 +369,38 @@ def dump_yaml(cfg: RunConfig) -> str:
     return yaml.safe_dump(to_dict(cfg), sort_keys=False)
 
 
+def _field_comments(cls) -> dict[str, str]:
+    """The trailing ``# comment`` of each field in the class source (the documentation of a key)."""
+    import inspect
+    import re
+    out: dict[str, str] = {}
+    try:
+        src = inspect.getsource(cls).splitlines()
+    except (OSError, TypeError):
+        return out
+    last = None
+    for line in src:
+        m = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
+        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
+            last = m.group(1)
+            out[last] = (m.group(2) or "").strip()
+        elif last and re.match(r"\s+#\s*(.*)$", line) and out.get(last):
+            out[last] += " " + line.strip().lstrip("#").strip()
+    return out
+
+
 def describe() -> str:
-    """Every key with its default, for --help."""
+    """Every key with its default and its comment, for --help."""
     lines = []
     for sec in dataclasses.fields(RunConfig):
-        lines.append(f"  {sec.name}:")
-        for f in dataclasses.fields(typing.get_type_hints(RunConfig)[sec.name]):
+        cls = typing.get_type_hints(RunConfig)[sec.name]
+        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
+        lines.append(f"  {sec.name}:" + (f"  {doc}" if doc else ""))
+        comments = _field_comments(cls)
+        for f in dataclasses.fields(cls):
             default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
             if isinstance(default, tuple):
                 default = list(default)
-            lines.append(f"    --{sec.name}.{f.name} (default {default!r})")
+            c = comments.get(f.name, "")
+            lines.append(f"    --{sec.name}.{f.name} = {default!r}" + (f"   {c}" if c else ""))
     return "\n".join(lines)

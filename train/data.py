@@ -463,14 +463,15 @@ def steps_per_epoch(lengths: np.ndarray, sizes: tuple[int, ...], rows_per_batch:
     return int(sum(-(-c // rows_per_batch) for c in counts))
 
 
-def local_batch_rows(sharding, global_shape: tuple[int, int, int]) -> np.ndarray:
-    """Indices along B (axis 1) that this process's devices hold, in the order local data must list them."""
+def local_batch_rows(sharding, global_shape: tuple[int, ...], axis: int = 1) -> np.ndarray:
+    """Indices along the batch ``axis`` that this process's devices hold, in the order local data lists them."""
+    n = global_shape[axis]
     if sharding is None:
-        return np.arange(global_shape[1])
+        return np.arange(n)
     rows: set[int] = set()
-    for idx in sharding.addressable_devices_indices_map(global_shape).values():
-        sl = idx[1] if len(idx) > 1 else slice(None)
-        rows.update(range(*sl.indices(global_shape[1])))
+    for idx in sharding.addressable_devices_indices_map(tuple(global_shape)).values():
+        sl = idx[axis] if len(idx) > axis else slice(None)
+        rows.update(range(*sl.indices(n)))
     return np.asarray(sorted(rows), np.int64)
 
 

@@ -78,7 +78,7 @@ def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg,
     t0 = time.perf_counter()
     for i, pb in enumerate(plan):
         batch, _ = it.materialise(pb)  # host arrays [1, B, T]
-        mine = data_lib.local_batch_rows(sharding, (batch_size, pb.seq_len))
+        mine = data_lib.local_batch_rows(sharding, (batch_size, pb.seq_len), axis=0)
         ids, am = (jax.make_array_from_process_local_data(sharding, batch[k][0][mine], (batch_size, pb.seq_len))
                    for k in ("input_ids", "attention_mask"))
         out = features(target_params, ids, am)
