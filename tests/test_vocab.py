@@ -78,3 +78,35 @@ def test_cli(tmp_path):
     td = D.tokenize_records(D.iter_records(DataConfig(paths=(data,))), enc, max_length=256)
     want = V.select_draft_ids(V.count_tokens(td.tokens, td.loss_mask, len(tok)), 40)
     np.testing.assert_array_equal(np.nonzero(np.asarray(vm.t2d))[0], want)
+
+
+def test_finetune_keeps_head_map(tmp_path):
+    """--head.init_from: the new run trains the old head's params under the old head's vocab map, whatever the
+    data would count."""
+    import jax
+    from specjax.config import ModelConfig
+    from specjax.models import eagle3
+    from specjax.train.checkpoint import Checkpointer, head_config_to_dict, load_head_for_export
+    model = tf.make_tiny_model(str(tmp_path / "model"))
+    data = tf.write_jsonl(str(tmp_path / "d.jsonl"), tf.make_conversations(20))
+    tcfg = ModelConfig.from_pretrained(model)
+    head = eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=48, dtype="float32")
+    used = np.arange(tcfg.vocab_size - 48, tcfg.vocab_size)  # ids the data never uses
+    vm = V.VocabMap.from_used_ids(used, tcfg.vocab_size)
+    ck = Checkpointer(str(tmp_path / "old"))
+    ck.save(7, params=eagle3.init_params(head, jax.random.PRNGKey(3)), train={"step": np.int32(7)}, vocab=vm,
+            meta={"head_config": head_config_to_dict(head), "target_model_path": model})
+    ck.close()
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               SPECJAX_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
+                        "--data.paths", f"[{data}]", "--data.buckets", "[256]", "--training.max_steps", "1",
+                        "--training.ttt_length", "1", "--logging.eval_every", "0", "--logging.progress", "false",
+                        "--head.init_from", str(tmp_path / "old"), "--checkpoint.dir", str(tmp_path / "new")],
+                       capture_output=True, text=True, env=env, timeout=240,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "draft vocab 48 (head" in r.stdout
+    cfg, params, vm2, _ = load_head_for_export(str(tmp_path / "new"))
+    assert cfg.draft_vocab_size == 48
+    np.testing.assert_array_equal(np.nonzero(np.asarray(vm2.t2d))[0], used)

@@ -264,6 +264,9 @@ def main(argv=None) -> int:
         log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
                  f"batch {batches.position})")
     else:
+        if init_params is not None:  # host copies -> replicated global arrays (any number of processes)
+            init_params = jax.tree.map(lambda x: jax.make_array_from_callback(
+                x.shape, rep, lambda idx, x=np.asarray(jax.device_get(x)): x[idx]), init_params)
         state = step_lib.init_train_state(head_cfg, cfg.training.seed, optimizer, mesh, init_params=init_params)
     vocab_map = jax.device_put(vocab_map, rep)
     log.info(f"head: {head_cfg.num_layers} layer(s), hidden {head_cfg.hidden_size}, draft vocab "

@@ -246,8 +246,14 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
         raise CheckpointError(f"checkpoint folder {root} does not exist")
     ck = Checkpointer.__new__(Checkpointer)  # read-only: no quarantine, no mkdir
     ck.root, ck.primary, ck._pending = epath.Path(root), False, []
-    ck.mgr = ocp.CheckpointManager(ck.root, options=ocp.CheckpointManagerOptions(read_only=True, create=False),
-                                   item_names=("params", "train", "vocab", "meta"))
+    absl_log = logging.getLogger("absl")
+    level = absl_log.level
+    absl_log.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
+    try:
+        ck.mgr = ocp.CheckpointManager(ck.root, options=ocp.CheckpointManagerOptions(
+            read_only=True, create=False, save_interval_steps=0), item_names=("params", "train", "vocab", "meta"))
+    finally:
+        absl_log.setLevel(level)
     try:
         steps = [step] if step is not None else ck.valid_steps()[::-1]
         if not steps:
