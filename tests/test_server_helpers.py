@@ -126,6 +126,8 @@ class Server:
             return f.read()[-5000:]
 
     def stop(self) -> None:
+        if self._log.closed:
+            return
         if self.proc.poll() is None:
             self.proc.terminate()
             try:
@@ -133,6 +135,19 @@ class Server:
             except subprocess.TimeoutExpired:
                 self.proc.kill()
         self._log.close()
+
+
+_SHARED: dict = {}
+SHARED_NAME = "tiny-llama"
+
+
+def shared_server() -> Server:
+    """One plain server (served as SHARED_NAME, metrics on) shared by the test modules of this process."""
+    if "plain" not in _SHARED:
+        import atexit
+        _SHARED["plain"] = Server(tiny_model_dir(), "--served-model-name", SHARED_NAME, "--enable-metrics")
+        atexit.register(_SHARED["plain"].stop)
+    return _SHARED["plain"]
 
 
 def sse_events(lines) -> list:

@@ -10,7 +10,7 @@ import random
 import httpx
 import pytest
 
-from test_server_helpers import Server, offline_engine, sse_events, tiny_model_dir
+from test_server_helpers import SHARED_NAME, offline_engine, shared_server, sse_events, tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 
@@ -22,9 +22,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--enable-metrics")
-    yield s
-    s.stop()
+    return shared_server()  # shared with test_server_openai.py (one startup)
 
 
 def gen(server, **body):
@@ -178,7 +176,7 @@ def test_info_endpoints(server, model_dir):
     assert si["page_size"] == 8 and si["context_length"] == 256 and "version" in si and "api_key" not in si
     assert {"num_running_reqs", "kv_usage", "gen_throughput"} <= set(si["internal_states"][0])
     models = httpx.get(server.url + "/v1/models").json()
-    assert models["data"][0]["id"] == model_dir
+    assert models["data"][0]["id"] == SHARED_NAME and models["data"][0]["root"] == model_dir
     m = httpx.get(server.url + "/metrics")
     assert m.status_code == 200
     for name in ("specjax:num_requests_total", "specjax:generation_tokens_total", "specjax:num_queue_reqs",

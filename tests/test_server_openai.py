@@ -6,9 +6,9 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_server_helpers import Server, tiny_model_dir
+from test_server_helpers import SHARED_NAME, shared_server, tiny_model_dir
 
-NAME = "tiny-llama"
+NAME = SHARED_NAME
 IGNORE_EOS = {"ignore_eos": True}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to Paris."}]
 
@@ -20,9 +20,7 @@ def model_dir():
 
 @pytest.fixture(scope="module")
 def server(model_dir):
-    s = Server(model_dir, "--served-model-name", NAME)
-    yield s
-    s.stop()
+    return shared_server()  # shared with test_server_native.py (one startup)
 
 
 @pytest.fixture(scope="module")

@@ -144,14 +144,33 @@ def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models)
     assert idle["kv_pages_used"] == 0 and idle["num_running_reqs"] == 0
 
 
-def test_random_eagle3_head_is_lossless(plain, models):
-    cfg, tp, perm, _, _, rnd = models
-    s = InProcessServer((cfg, tp), draft=rnd, algorithm="EAGLE3")
+def test_cli_server_with_a_random_eagle3_head_folder(tmp_path):
+    """The whole command-line path: an EAGLE3 head exported to disk (LlamaForCausalLMEagle3 format), loaded by
+    ``python -m specjax.serve --speculative-algorithm EAGLE3 --speculative-draft-model-path``; a random head is
+    rarely accepted, and the output must still equal the plain server's."""
+    import jax
+    from specjax.config import ModelConfig
+    from specjax.convert.head import export_head
+    from specjax.models import eagle3
+    from test_server_helpers import Server, shared_server
+    model_dir = tiny_model_dir()
+    cfg = ModelConfig.from_pretrained(model_dir, dtype="float32")
+    hcfg = eagle3.Eagle3Config.from_target(cfg, draft_vocab_size=200, dtype="float32")
+    head = eagle3.init_params(hcfg, jax.random.PRNGKey(3), scale=0.3)
+    used = np.sort(np.random.default_rng(3).choice(cfg.vocab_size, 200, replace=False))
+    export_head(head, hcfg, eagle3.VocabMap.from_used_ids(used, cfg.vocab_size), str(tmp_path / "head"), cfg)
+    plain = shared_server()
+    spec = Server(model_dir, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                  str(tmp_path / "head"), "--speculative-num-steps", "3", "--speculative-eagle-topk", "2",
+                  "--speculative-num-draft-tokens", "4", "--skip-server-warmup")
     try:
-        for p in prompts(perm, n=3, seed=2):
-            want = plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=16))
-            got = s.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=16))
-            assert got["output_ids"] == want["output_ids"]
-            assert got["meta_info"]["spec_accept_length"] >= 1.0
+        for text in ("The capital of France is", "def add(a, b):"):
+            body = {"text": text, "sampling_params": dict(GREEDY, max_new_tokens=16)}
+            want = httpx.post(plain.url + "/generate", json=body, timeout=120).json()
+            got = httpx.post(spec.url + "/generate", json=body, timeout=300).json()
+            assert got["output_ids"] == want["output_ids"] and got["text"] == want["text"]
+            assert got["meta_info"]["spec_verify_ct"] >= 1 and got["meta_info"]["spec_accept_length"] >= 1.0
+        info = httpx.get(spec.url + "/get_server_info").json()
+        assert info["speculative_algorithm"] == "EAGLE3" and info["speculative_num_draft_tokens"] == 4
     finally:
-        s.stop()
+        spec.stop()
