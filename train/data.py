@@ -245,24 +245,40 @@ class ChatEncoder:
                 prev_end = end
         return full, spans
 
-    def encode(self, msgs) -> tuple[np.ndarray, np.ndarray]:
-        """(i32[T] token ids, u8[T] loss mask: 1 on assistant tokens)."""
+    def spans_or_bad(self, msgs) -> tuple[str, list[tuple[int, int]]]:
         try:
-            full, spans = self.char_spans(msgs)
+            return self.char_spans(msgs)
         except BadRecord:
             raise
         except Exception as e:  # noqa: BLE001 - a template may raise on odd conversations
             raise BadRecord("template_error", f"{type(e).__name__}: {str(e)[:80]}") from None
-        try:
-            enc = self.tok(full, add_special_tokens=False, return_offsets_mapping=True)
-        except Exception as e:  # noqa: BLE001
-            raise BadRecord("undecodable", f"tokenizer: {str(e)[:80]}") from None
-        ids = np.asarray(enc["input_ids"], np.int32)
-        starts = np.asarray([s for s, _ in enc["offset_mapping"]], np.int64)
+
+    @staticmethod
+    def _mask(enc_ids, offsets, spans) -> tuple[np.ndarray, np.ndarray]:
+        ids = np.asarray(enc_ids, np.int32)
+        starts = np.asarray([s for s, _ in offsets], np.int64)
         mask = np.zeros(len(ids), np.uint8)
         for s, e in spans:
             mask[(starts >= s) & (starts < e)] = 1
         return ids, mask
+
+    def encode(self, msgs) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[T] token ids, u8[T] loss mask: 1 on assistant tokens)."""
+        out = self.encode_rendered([self.spans_or_bad(msgs)])[0]
+        if isinstance(out, BadRecord):
+            raise out
+        return out
+
+    def encode_rendered(self, items: list[tuple[str, list[tuple[int, int]]]]) -> list:
+        """Tokenize many rendered conversations at once (the Rust tokenizer runs them in parallel); each result is
+        (ids, mask) or a BadRecord."""
+        try:
+            enc = self.tok([full for full, _ in items], add_special_tokens=False, return_offsets_mapping=True)
+            return [self._mask(i, o, sp) for i, o, (_, sp) in zip(enc["input_ids"], enc["offset_mapping"], items)]
+        except Exception:  # noqa: BLE001 - find the bad one(s) one at a time
+            if len(items) == 1:
+                return [BadRecord("undecodable", "tokenizer failed")]
+            return [r for it in items for r in self.encode_rendered([it])]
 
 
 def load_tokenizer(path: str):
@@ -334,29 +350,47 @@ def summary(stats: dict[str, int]) -> str:
 
 
 def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length: int, overlong: str = "truncate",
-                     fmt: str = "auto", max_examples: int | None = None) -> TokenizedData:
+                     fmt: str = "auto", max_examples: int | None = None, chunk: int = 256) -> TokenizedData:
+    """Render, tokenize and mask every record (in order); bad records are counted in ``stats`` and skipped."""
     stats: collections.Counter = collections.Counter(records=0, kept=0)
     toks, masks, lens = [], [], []
+    pending: list[tuple[str, list[tuple[int, int]]]] = []
+
+    def flush():
+        for out in encoder.encode_rendered(pending):
+            try:
+                if isinstance(out, BadRecord):
+                    raise out
+                ids, mask = out
+                if len(ids) > max_length:
+                    if overlong == "drop":
+                        raise BadRecord("too_long")
+                    ids, mask = ids[:max_length], mask[:max_length]
+                    stats["truncated"] += 1
+                if not mask.any():
+                    raise BadRecord("no_assistant_tokens")
+            except BadRecord as e:
+                stats[e.reason] += 1
+                continue
+            toks.append(ids)
+            masks.append(mask)
+            lens.append(len(ids))
+            stats["kept"] += 1
+        pending.clear()
+
     for rec in records:
         if max_examples is not None and stats["records"] >= max_examples:
             break
         stats["records"] += 1
         try:
-            ids, mask = encoder.encode(to_messages(rec, fmt))
-            if len(ids) > max_length:
-                if overlong == "drop":
-                    raise BadRecord("too_long")
-                ids, mask = ids[:max_length], mask[:max_length]
-                stats["truncated"] += 1
-            if not mask.any():
-                raise BadRecord("no_assistant_tokens")
+            pending.append(encoder.spans_or_bad(to_messages(rec, fmt)))
         except BadRecord as e:
             stats[e.reason] += 1
             continue
-        toks.append(ids)
-        masks.append(mask)
-        lens.append(len(ids))
-        stats["kept"] += 1
+        if len(pending) >= chunk:
+            flush()
+    if pending:
+        flush()
     cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
     return TokenizedData(cat(toks, np.int32), cat(masks, np.uint8),
                          np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(stats))
