@@ -1,0 +1,196 @@
+"""EAGLE3 train-step benchmark: tokens/s, step time and MFU, with random target weights of a given shape.
+
+    python -m specjax.bench train --model-config smollm2-135m --batch 4 --seq-len 256 --steps 5
+    python -m specjax.bench train --model-config configs/models/qwen2.5-7b.json --batch 16 --seq-len 1024 --tp 4
+    python -m specjax.bench train --config configs/smollm2-135m.yaml --steps 10
+
+``--model-config`` takes an HF config.json (or its folder) or a preset name (``smollm2-135m``); ``--config`` takes a
+training YAML and uses its model, batch, grad-accum, TTT, head and mesh settings (flags override them). Nothing is
+read from disk but the config: the target's weights are random (same shapes, same FLOPs), the batch is random
+tokens with full attention and loss masks.
+
+FLOPs per token come from ``specjax.train.step.estimate_flops_per_token`` (frozen target forward + head
+forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
+per device from the table below by device kind, or ``--peak-tflops``. CPUs have no meaningful peak: MFU there is
+against a nominal 1 TFLOP/s per device and only useful to compare runs on the same machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+
+# Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins).
+PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
+               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
+CPU_NOMINAL_TFLOPS = 1.0
+
+PRESETS = {
+    # HuggingFaceTB/SmolLM2-135M-Instruct config.json (the fields that shape the model)
+    "smollm2-135m": dict(architectures=["LlamaForCausalLM"], model_type="llama", hidden_size=576,
+                         intermediate_size=1536, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+                         head_dim=64, vocab_size=49152, rope_theta=100000.0, rms_norm_eps=1e-5,
+                         tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
+                         hidden_act="silu", torch_dtype="bfloat16"),
+}
+
+
+def peak_tflops(device_kind: str, platform: str) -> tuple[float, str]:
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name.lower() in device_kind.lower():
+            return PEAK_TFLOPS[name], f"{name} dense bf16"
+    if platform == "cpu":
+        return CPU_NOMINAL_TFLOPS, "nominal CPU figure (not a real peak)"
+    return float("nan"), f"unknown device {device_kind!r}: pass --peak-tflops"
+
+
+def _args(argv):
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench train", description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--config", help="training YAML (model, batch, grad_accum, TTT, head, mesh)")
+    src.add_argument("--model-config", help=f"HF config.json / folder, or a preset: {', '.join(PRESETS)}")
+    ap.add_argument("--batch", type=int, help="global micro-batch (sequences); default 4 or the YAML's")
+    ap.add_argument("--seq-len", type=int, help="tokens per sequence; default 512 or the YAML's data.max_length")
+    ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=2, help="untimed steps, the first one compiles")
+    ap.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1 or the YAML's)")
+    ap.add_argument("--ttt-length", type=int, help="TTT rollout length (default 7 or the YAML's)")
+    ap.add_argument("--draft-vocab", type=int, help="draft vocab size (default 32000 or the YAML's)")
+    ap.add_argument("--head-layers", type=int, help="head layers (default 1 or the YAML's)")
+    ap.add_argument("--dtype", help="target dtype (default: bfloat16 on accelerators, float32 on CPU)")
+    ap.add_argument("--head-dtype", help="head compute dtype (default: same as --dtype); master weights are fp32")
+    ap.add_argument("--dp", type=int, help="data-parallel size (default: all devices / tp)")
+    ap.add_argument("--tp", type=int, help="tensor-parallel size (default 1 or the YAML's)")
+    ap.add_argument("--head-sharding", default="tp", choices=("tp", "replicated"))
+    ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (overrides the table)")
+    ap.add_argument("--json", help="append the result as one JSON line to this file")
+    return ap.parse_args(argv)
+
+
+def _resolve(a):
+    """(HF config dict, settings) from --config / --model-config and the flags."""
+    s = dict(batch=4, seq_len=512, grad_accum=1, ttt_length=7, draft_vocab=32000, head_layers=1, tp=1, dp=None,
+             dtype=None)
+    if a.config:
+        from specjax.train.config import load_config
+        cfg = load_config(a.config)
+        path = os.path.expanduser(cfg.model.path)
+        cfg_json = path if path.endswith(".json") else os.path.join(path, "config.json")
+        if not os.path.exists(cfg_json):
+            raise SystemExit(f"error: {a.config}: model.path {cfg.model.path} has no config.json here; fetch the model "
+                             f"or pass --model-config with its config.json (or a preset: {', '.join(PRESETS)})")
+        with open(cfg_json) as f:
+            hf = json.load(f)
+        s.update(batch=cfg.training.batch_size, seq_len=cfg.data.max_length, grad_accum=cfg.training.grad_accum,
+                 ttt_length=cfg.training.ttt_length, draft_vocab=cfg.head.draft_vocab_size,
+                 head_layers=cfg.head.num_layers, tp=cfg.mesh.tp, dp=cfg.mesh.dp if cfg.mesh.dp > 0 else None,
+                 dtype=cfg.model.dtype)
+        name = os.path.basename(a.config)
+    elif a.model_config in PRESETS:
+        hf, name = dict(PRESETS[a.model_config]), a.model_config
+    else:
+        p = a.model_config if a.model_config.endswith(".json") else os.path.join(a.model_config, "config.json")
+        with open(p) as f:
+            hf = json.load(f)
+        name = os.path.basename(os.path.dirname(os.path.abspath(p))) if not a.model_config.endswith(".json") \
+            else os.path.basename(p)[:-5]
+    for k_arg, k in (("batch", "batch"), ("seq_len", "seq_len"), ("grad_accum", "grad_accum"),
+                     ("ttt_length", "ttt_length"), ("draft_vocab", "draft_vocab"), ("head_layers", "head_layers"),
+                     ("tp", "tp"), ("dp", "dp"), ("dtype", "dtype")):
+        if getattr(a, k_arg) is not None:
+            s[k] = getattr(a, k_arg)
+    return hf, s, name
+
+
+def main(argv=None) -> int:
+    a = _args(list(sys.argv[1:] if argv is None else argv))
+    hf, s, name = _resolve(a)
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax import weights
+    from specjax.config import ModelConfig
+    from specjax.models import eagle3, target
+    from specjax.sharding import make_mesh
+    from specjax.train import step as S
+
+    dev = jax.devices()[0]
+    dtype = s["dtype"] or ("float32" if dev.platform == "cpu" else "bfloat16")
+    tcfg = ModelConfig.from_hf_dict(hf, dtype=dtype)
+    hcfg = eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=s["draft_vocab"], num_layers=s["head_layers"],
+                                           dtype=a.head_dtype or dtype)
+    tp = s["tp"]
+    dp = s["dp"] or jax.device_count() // tp
+    mesh = make_mesh(dp=dp, tp=tp, devices=jax.devices()[:dp * tp]) if dp * tp > 1 else None
+    b, t, acc, ttt = s["batch"], s["seq_len"], s["grad_accum"], s["ttt_length"]
+    if b % dp:
+        raise SystemExit(f"error: --batch {b} must be divisible by dp={dp}")
+
+    key = jax.random.PRNGKey(0)
+    init = lambda k: target.init_params(tcfg, k)
+    tparams = (jax.jit(init)(key) if mesh is None
+               else jax.jit(init, out_shardings=weights.param_shardings(tcfg, mesh))(key))
+    used = np.arange(hcfg.draft_vocab_size) * (tcfg.vocab_size // hcfg.draft_vocab_size)
+    vmap = eagle3.VocabMap.from_used_ids(used, tcfg.vocab_size)
+    opt = S.make_optimizer(lr=1e-4, total_steps=1000, warmup_ratio=0.0)
+    state = S.init_train_state(hcfg, 0, opt, mesh, head_sharding=a.head_sharding)
+    step = S.make_train_step(tcfg, hcfg, opt, mesh, ttt_length=ttt, grad_accum=acc, head_sharding=a.head_sharding)
+    rng = np.random.default_rng(0)
+    batch = {"input_ids": rng.integers(0, tcfg.vocab_size, (acc, b, t), dtype=np.int32),
+             "loss_mask": np.ones((acc, b, t), np.int32), "attention_mask": np.ones((acc, b, t), np.int32)}
+    if mesh is not None:
+        rep = NamedSharding(mesh, P())
+        batch = jax.device_put(batch, NamedSharding(mesh, P(None, "dp")))
+        vmap = jax.device_put(vmap, rep)
+    else:
+        batch = jax.device_put(batch)
+
+    t0 = time.perf_counter()
+    for i in range(max(a.warmup, 1)):
+        state, m = step(state, tparams, vmap, batch)
+        jax.block_until_ready(m)
+        if i == 0:
+            compile_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(a.steps):
+        state, m = step(state, tparams, vmap, batch)
+    jax.block_until_ready((state, m))
+    step_s = (time.perf_counter() - t1) / max(a.steps, 1)
+
+    n_dev = dp * tp
+    tokens = acc * b * t
+    tok_s = tokens / step_s
+    fpt = S.estimate_flops_per_token(tcfg, hcfg, t, ttt)
+    head_share = S.estimate_flops_per_token(tcfg, hcfg, t, ttt, include_target=False) / fpt
+    peak, peak_src = (a.peak_tflops, "--peak-tflops") if a.peak_tflops else peak_tflops(dev.device_kind, dev.platform)
+    achieved = fpt * tok_s / 1e12
+    mfu = achieved / (peak * n_dev)
+    res = dict(model=name, target_params_m=round(tcfg.num_params() / 1e6, 1), device=dev.device_kind,
+               platform=dev.platform, devices=n_dev, dp=dp, tp=tp, batch=b, seq_len=t, grad_accum=acc, ttt_length=ttt,
+               draft_vocab=hcfg.draft_vocab_size, dtype=dtype, head_dtype=hcfg.dtype, compile_s=round(compile_s, 1),
+               step_ms=round(step_s * 1e3, 1), tokens_per_s=round(tok_s, 1),
+               gflop_per_token=round(fpt / 1e9, 3), head_flop_share=round(head_share, 3),
+               achieved_tflops=round(achieved, 4), peak_tflops_per_device=peak, peak_source=peak_src,
+               mfu=round(mfu, 4), loss=round(float(m["loss"]), 4))
+    print(f"EAGLE3 train step: {name} ({res['target_params_m']}M-param target, random weights), {n_dev} x "
+          f"{dev.device_kind} (dp={dp}, tp={tp}), B={b} x T={t} x A={acc}, TTT {ttt}, draft vocab "
+          f"{hcfg.draft_vocab_size}, target {dtype} / head {hcfg.dtype}; compile {compile_s:.1f} s")
+    print("| tokens/step | step time (ms) | tokens/s | GFLOP/token (head share) | achieved TFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {tokens} | {step_s * 1e3:.1f} | {tok_s:,.0f} | {fpt / 1e9:.2f} ({head_share:.0%}) | {achieved:.3f} | "
+          f"{mfu:.1%} |")
+    print(f"MFU against {peak:g} TFLOP/s per device ({peak_src}).")
+    if a.json:
+        with open(a.json, "a") as f:
+            f.write(json.dumps(res) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
