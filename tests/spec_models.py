@@ -32,22 +32,35 @@ def tiny_config(vocab: int = 64, hidden: int = 64, layers: int = 2, dtype: str =
     return ModelConfig.from_hf_dict(hf, dtype=dtype)
 
 
+def np_init(shapes, seed: int, scale: float):
+    """Random params from a ``param_shapes`` tree with numpy (eager jax.random would compile once per shape)."""
+    rng = np.random.default_rng(seed)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
+    out = [jnp.ones(sd.shape, sd.dtype) if "norm" in jax.tree_util.keystr(path)
+           else jnp.asarray(rng.normal(size=sd.shape) * scale, sd.dtype) for path, sd in leaves]
+    return jax.tree_util.tree_unflatten(treedef, out)
+
+
 def random_models(cfg: ModelConfig, seed: int = 0, target_scale: float = 0.3, draft_vocab: int | None = None):
-    """Random target, EAGLE3 head (draft vocab ``draft_vocab`` with a random d2t map) and EAGLE head."""
-    k = jax.random.split(jax.random.PRNGKey(seed), 4)
-    tp = target.init_params(cfg, k[0], scale=target_scale)
+    """Random target, EAGLE3 head and EAGLE head; with ``draft_vocab`` < V both heads see a random subset (EAGLE3 d2t
+    map, EAGLE FR-Spec hot ids)."""
+    tp = np_init(target.param_shapes(cfg), seed, target_scale)
     e3cfg = eagle3.Eagle3Config.from_target(cfg, draft_vocab_size=draft_vocab or cfg.vocab_size)
-    e3 = eagle3.init_params(e3cfg, k[1], scale=0.3)
+    e3 = np_init(eagle3.param_shapes(e3cfg), seed + 1, 0.3)
     rng = np.random.default_rng(seed)
     used = np.sort(rng.choice(cfg.vocab_size, e3cfg.draft_vocab_size, replace=False))
     vmap = eagle3.VocabMap.from_used_ids(used, cfg.vocab_size)
     ecfg = eagle.EagleConfig.from_target(cfg)
-    e1 = eagle.init_params(ecfg, k[2], scale=0.3)
-    return tp, (e3cfg, e3, vmap), (ecfg, e1, None)
+    e1 = np_init(eagle.param_shapes(ecfg), seed + 2, 0.3)
+    hot = used.astype(np.int32) if e3cfg.draft_vocab_size < cfg.vocab_size else None
+    return tp, (e3cfg, e3, vmap), (ecfg, e1, hot)
 
 
-def bigram_models(cfg: ModelConfig, seed: int = 0, beta: float = 0.6, noise: float = 0.25, layer_scale: float = 0.08):
-    """(target params, perm, (EAGLE3 cfg, params, vocab), (EAGLE cfg, params, None)); needs V == D."""
+def bigram_models(cfg: ModelConfig, seed: int = 0, beta: float = 0.5, noise: float = 0.3, layer_scale: float = 0.13,
+                  draft_vocab: int | None = None):
+    """(target params, perm, (EAGLE3 cfg, params, VocabMap), (EAGLE cfg, params, hot ids)); needs V == D.
+    ``draft_vocab`` < V restricts both heads to a random subset of the vocab (EAGLE3 d2t map / EAGLE FR-Spec hot
+    ids), which costs acceptance where the target's next token falls outside it."""
     v, d, f = cfg.vocab_size, cfg.hidden_size, cfg.intermediate_size
     assert v == d and f >= v, "the closed-form heads need vocab == hidden and intermediate >= vocab"
     rng = np.random.default_rng(seed)
@@ -55,13 +68,16 @@ def bigram_models(cfg: ModelConfig, seed: int = 0, beta: float = 0.6, noise: flo
     emb = np.sqrt(d) * q  # [V, D] rows with rms 1, mutually orthogonal
     perm = rng.permutation(v)
     pinv = np.argsort(perm)
-    tp = target.init_params(cfg, jax.random.PRNGKey(seed), scale=layer_scale)
+    tp = np_init(target.param_shapes(cfg), seed, layer_scale)
     lm = beta * emb[pinv].T / np.sqrt(d) + noise * rng.normal(size=(d, v)) / np.sqrt(d)  # [D, V]
     tp = dataclasses.replace(tp, embed=jnp.asarray(emb, jnp.float32), lm_head=jnp.asarray(lm, jnp.float32))
 
+    vd = draft_vocab or v
+    used = np.sort(rng.choice(v, vd, replace=False)) if vd < v else np.arange(v)
+
     # EAGLE3 head.
-    e3cfg = eagle3.Eagle3Config.from_target(cfg)
-    e3 = eagle3.init_params(e3cfg, jax.random.PRNGKey(seed + 1), scale=0.02)
+    e3cfg = eagle3.Eagle3Config.from_target(cfg, draft_vocab_size=vd)
+    e3 = np_init(eagle3.param_shapes(e3cfg), seed + 1, 0.02)
     fc = np.zeros((3 * d, d))
     fc[:d] = np.eye(d)
     c = 4.0
@@ -75,12 +91,13 @@ def bigram_models(cfg: ModelConfig, seed: int = 0, beta: float = 0.6, noise: flo
     mid = dataclasses.replace(e3.layers[0], w_gate=jnp.asarray(w_gate, jnp.float32),
                               w_up=jnp.asarray(w_up, jnp.float32), w_down=jnp.asarray(w_down, jnp.float32))
     e3 = dataclasses.replace(e3, fc=jnp.asarray(fc, jnp.float32), layers=[mid],
-                             lm_head=jnp.asarray(2.0 * emb[pinv].T / np.sqrt(d), jnp.float32))
+                             lm_head=jnp.asarray(2.0 * emb[pinv[used]].T / np.sqrt(d), jnp.float32))
 
     # EAGLE head.
     ecfg = eagle.EagleConfig.from_target(cfg)
-    e1 = eagle.init_params(ecfg, jax.random.PRNGKey(seed + 2), scale=0.02)
+    e1 = np_init(eagle.param_shapes(ecfg), seed + 2, 0.02)
     fc1 = np.zeros((2 * d, d))
     fc1[:d] = np.eye(d)
     e1 = dataclasses.replace(e1, fc=jnp.asarray(fc1, jnp.float32), fc_bias=jnp.zeros((d,), jnp.float32))
-    return tp, perm, (e3cfg, e3, None), (ecfg, e1, None)
+    hot = None if vd == v else used.astype(np.int32)
+    return tp, perm, (e3cfg, e3, eagle3.VocabMap.from_used_ids(used, v)), (ecfg, e1, hot)

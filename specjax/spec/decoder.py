@@ -26,9 +26,20 @@ from specjax.spec import draft as draft_lib
 from specjax.spec import step as step_lib
 from specjax.spec.draft import Draft
 
-_prefill_jit = jax.jit(step_lib.prefill, static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
-_loop_jit = jax.jit(step_lib.generate_loop, static_argnames=("tcfg", "scfg"), donate_argnames=("state", "out"))
-_step_jit = jax.jit(step_lib.spec_step, static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
+_JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
+        "step": (step_lib.spec_step, ("state",))}
+
+
+@functools.lru_cache(maxsize=None)
+def _jitted(name: str, compiler_options: tuple = ()):
+    """The jitted phase ``name`` (static: tcfg, scfg; state donated), optionally with XLA compiler options."""
+    fn, donate = _JIT[name]
+    return jax.jit(fn, static_argnames=("tcfg", "scfg"), donate_argnames=donate,
+                   compiler_options=dict(compiler_options) or None)
+
+
+def _options(compiler_options: dict | None) -> tuple:
+    return tuple(sorted((compiler_options or {}).items()))
 
 PREFILL_CHUNK = 512
 
@@ -85,7 +96,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                          algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
                          max_new_tokens: int = 128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
                          stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
-                         attention_impl: str = "auto", sample_accept_fn=None):
+                         attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
     draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
@@ -93,6 +104,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     Returns (outputs list[list[int]], stats) with stats = {verify_steps: per row, accept_lengths: per row the tokens
     emitted by each verify step, completion_tokens: per row, tau: total completion tokens / total verify steps}.
     ``completion_tokens`` counts the first token (from prefill) too, as SGLang's spec_accept_length does.
+    ``compiler_options``: XLA options for the jitted calls (tests use {"xla_backend_optimization_level": 0} to
+    compile faster on CPU). ``sample_accept_fn``: tests only, replaces the sampling acceptance rule.
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
@@ -123,14 +136,15 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     for i, p in enumerate(prompts):
         full[i, :len(p)] = p
     first = np.zeros((b,), np.int32)
+    prefill_fn = _jitted("prefill", _options(compiler_options))
     for c in range(n_chunks):
         lo, hi = c * chunk, (c + 1) * chunk
         toks = full[:, lo:hi]
         nxt = full[:, lo + 1:hi + 1]
         valid = np.arange(lo, hi)[None, :] < lengths[:, None]
         last = (lengths > lo) & (lengths <= hi)
-        state, f = _prefill_jit(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(toks),
-                                jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray(last))
+        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(toks),
+                              jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray(last))
         first = np.where(last, np.asarray(f), first)
 
     stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
@@ -141,7 +155,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                            step_counts=jnp.zeros((b, cap), jnp.int32))
     done = jnp.asarray(np.isin(first, np.asarray(stop)) | (max_new_tokens <= 1))
     max_new = jnp.full((b,), max_new_tokens, jnp.int32)
-    state, out = _loop_jit(target_params, target_cfg, d, scfg, state, out, done, max_new, stop_ids)
+    state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out, done,
+                                                             max_new, stop_ids)
     toks, num, steps, counts = (np.asarray(a) for a in (out.tokens, out.num_tokens, out.verify_steps,
                                                         out.step_counts))
     outputs = [toks[i, :num[i]].tolist() for i in range(b)]
@@ -275,7 +290,7 @@ class SpecRunner:
         return state, first
 
     def step(self, state, active: np.ndarray):
-        state, toks, counts = _step_jit(self.target_params, self.target_cfg, self.draft, self.scfg, state,
+        state, toks, counts = _jitted("step")(self.target_params, self.target_cfg, self.draft, self.scfg, state,
                                         jnp.asarray(active, bool))
         return state, np.asarray(toks), np.asarray(counts)
 

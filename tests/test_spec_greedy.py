@@ -1,0 +1,92 @@
+"""THE oracle: speculative greedy decoding == plain greedy decoding (specjax.generate), token for token.
+
+Two model sets of identical shapes (so they share compiles): random target + random heads (acceptance is rare but
+not zero), and the closed-form "bigram" target + heads of tests/spec_models.py, built so the draft usually agrees with
+the target (acceptance is non-trivial: tau > 1 is asserted). Both heads use a 48-of-64-token draft vocab (EAGLE3 d2t
+map, EAGLE FR-Spec hot ids), so the vocab mapping is on the tested path.
+"""
+
+import numpy as np
+import pytest
+
+from specjax.generate import generate
+from specjax.spec.decoder import speculative_generate
+from spec_models import bigram_models, random_models, tiny_config
+
+CONFIGS = [(3, 4, 16), (5, 8, 64), (5, 8, 32), (1, 1, 2), (3, 1, 4)]
+MAX_NEW = 24
+FAST_COMPILE = {"xla_backend_optimization_level": 0}  # halves XLA:CPU compile time; tiny models run fast anyway
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = tiny_config()
+    rtp, r_e3, r_e1 = random_models(cfg, seed=0, draft_vocab=48)
+    btp, perm, b_e3, b_e1 = bigram_models(cfg, seed=0, draft_vocab=48)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 17, 3, 30)]
+    return dict(cfg=cfg, random=(rtp, {"EAGLE3": r_e3, "EAGLE": r_e1}), bigram=(btp, {"EAGLE3": b_e3, "EAGLE": b_e1}),
+                prompts=prompts, plain={})
+
+
+def plain(models, which, prompts, stop=()):
+    key = (which, tuple(map(tuple, prompts)), stop)
+    if key not in models["plain"]:
+        tp = models[which][0]
+        models["plain"][key] = generate(tp, models["cfg"], prompts, max_new_tokens=MAX_NEW, stop_token_ids=stop)
+    return models["plain"][key]
+
+
+def spec(models, which, alg, conf, prompts, stop=()):
+    tp, heads = models[which]
+    s, k, m = conf
+    return speculative_generate(tp, models["cfg"], heads[alg], prompts, algorithm=alg, num_steps=s, topk=k,
+                                num_draft_tokens=m, max_new_tokens=MAX_NEW, stop_token_ids=stop,
+                                compiler_options=FAST_COMPILE)
+
+
+def check_stats(out, stats, conf):
+    assert stats["completion_tokens"] == [len(o) for o in out]
+    for steps, acc, n in zip(stats["verify_steps"], stats["accept_lengths"], stats["completion_tokens"]):
+        assert len(acc) == steps
+        assert sum(acc) + 1 == n  # the first token comes from prefill, every other one from a verify step
+        assert all(1 <= a <= conf[0] + 1 for a in acc)
+    assert stats["tau"] == pytest.approx(sum(stats["completion_tokens"]) / sum(stats["verify_steps"]))
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("conf", CONFIGS, ids=lambda c: "%d-%d-%d" % c)
+def test_random_models_batch4(models, alg, conf):
+    ref = plain(models, "random", models["prompts"])
+    out, stats = spec(models, "random", alg, conf, models["prompts"])
+    assert out == ref
+    check_stats(out, stats, conf)
+
+
+@pytest.mark.parametrize("alg,conf", [("EAGLE3", (3, 4, 16)), ("EAGLE", (3, 1, 4))])
+def test_random_models_batch1(models, alg, conf):
+    prompts = [models["prompts"][1]]
+    out, stats = spec(models, "random", alg, conf, prompts)
+    assert out == plain(models, "random", prompts)
+    check_stats(out, stats, conf)
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+@pytest.mark.parametrize("conf", [(3, 1, 4), (5, 8, 32)], ids=lambda c: "%d-%d-%d" % c)
+def test_agreeing_heads_accept_and_stay_exact(models, alg, conf):
+    ref = plain(models, "bigram", models["prompts"])
+    out, stats = spec(models, "bigram", alg, conf, models["prompts"])
+    assert out == ref
+    check_stats(out, stats, conf)
+    assert stats["tau"] > 1.3, stats
+    assert max(max(a) for a in stats["accept_lengths"]) >= 3  # some step accepted 2+ draft tokens
+
+
+def test_rows_stop_on_their_own_stop_token(models):
+    ref_free = plain(models, "bigram", models["prompts"])
+    stop = (ref_free[0][9],)  # row 0 stops at its 10th token at the latest; other rows whenever they emit it
+    ref = plain(models, "bigram", models["prompts"], stop)
+    assert len({len(r) for r in ref}) > 1  # rows really finish at different times
+    out, stats = spec(models, "bigram", "EAGLE3", (3, 1, 4), models["prompts"], stop)
+    assert out == ref
+    check_stats(out, stats, (3, 1, 4))
