@@ -134,7 +134,10 @@ def lm_head_weight(params: TargetParams):
 
 def compute_logits(params: TargetParams, hidden):
     """f32 logits of final-normed hidden states [..., D] -> [..., V]."""
-    return jnp.einsum("...d,dv->...v", hidden, lm_head_weight(params), preferred_element_type=jnp.float32)
+    if params.lm_head is None:
+        # Contract against embed [V, D] as stored: ``embed.T`` made XLA:CPU copy the whole table on every step.
+        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,
