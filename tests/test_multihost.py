@@ -31,6 +31,11 @@ def _losses(path):
     return out
 
 
+def _evals(path):
+    with open(path) as f:
+        return {r["step"]: r for r in map(json.loads, f) if "eval_loss" in r}
+
+
 def test_two_processes_match_one(tmp_path):
     model = tf.make_tiny_model(str(tmp_path / "model"))
     data = tf.write_jsonl(str(tmp_path / "data.jsonl"), tf.make_conversations(80, seed=9))
@@ -38,7 +43,8 @@ def test_two_processes_match_one(tmp_path):
     def cmd(run, *extra):
         return [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                 "--data.paths", f"[{data}]", "--data.max_length", "128", "--data.buckets", "[128]",
-                "--training.ttt_length", "2", "--training.max_steps", str(STEPS), "--logging.eval_every", "0",
+                "--training.ttt_length", "2", "--training.max_steps", str(STEPS), "--logging.eval_every", str(STEPS),
+                "--logging.eval_batches", "1",
                 "--logging.progress", "false", "--logging.every", "1", "--checkpoint.every", "100",
                 "--mesh.dp", "4", "--mesh.tp", "4", "--checkpoint.dir", str(tmp_path / run), *extra]
 
@@ -73,5 +79,8 @@ def test_two_processes_match_one(tmp_path):
     for s in a:
         for key in ("loss", "acc_0", "ploss_1", "grad_norm"):
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key, a[s][key], b[s][key])
+    ea, eb = _evals(tmp_path / "one" / "metrics.jsonl"), _evals(tmp_path / "two" / "metrics.jsonl")
+    assert list(ea) == list(eb) == [STEPS]
+    assert eb[STEPS]["eval_loss"] == pytest.approx(ea[STEPS]["eval_loss"], rel=1e-5)
     from specjax.train.checkpoint import Checkpointer
     assert Checkpointer(str(tmp_path / "two")).latest_step() == STEPS

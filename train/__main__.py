@@ -315,9 +315,13 @@ def main(argv=None) -> int:
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
 
-    def should_stop() -> bool:
+    def should_stop(step: int) -> bool:
         flag = stop["signal"] is not None
-        if jax.process_count() > 1:  # every host must stop at the same step
+        if jax.process_count() > 1:
+            # every host must stop at the same step: agree on the flag, but only at logging steps (which sync
+            # with the devices anyway) so that the host keeps running ahead of the devices in between
+            if step % cfg.logging.every and step < total_steps:
+                return False
             from jax.experimental import multihost_utils
             flag = bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag))).any())
         return flag
@@ -363,7 +367,7 @@ def main(argv=None) -> int:
         if step % cfg.checkpoint.every == 0 and step < total_steps:
             save(step)
         ckpt.poll()
-        if should_stop():
+        if should_stop(step):
             log.info(f"signal {stop['signal']}: saving a checkpoint at step {step} and exiting")
             break
     save(step, wait=True)
