@@ -231,11 +231,15 @@ def main(argv=None) -> int:
     if resume_step is not None:
         vocab_source = f"checkpoint step {resume_step}"
         saved_head = ckpt_lib.head_config_from_dict(ckpt.restore(resume_step)[1]["meta"]["head_config"])
-        head_cfg = head_cfg.replace(draft_vocab_size=saved_head.draft_vocab_size)
+        head_cfg = saved_head.replace(dtype=head_cfg.dtype)  # the run's head, as saved
     elif cfg.head.init_from:
         head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
-        head_cfg = head_cfg.replace(draft_vocab_size=head0.draft_vocab_size, num_layers=head0.num_layers,
-                                    aux_layer_ids=head0.aux_layer_ids)
+        if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
+            log.info(f"error: head.init_from={cfg.head.init_from} was trained for a target with vocab "
+                     f"{head0.vocab_size} and hidden {head0.target_hidden_size}, not this one "
+                     f"({target_cfg.vocab_size}, {target_cfg.hidden_size})")
+            return 2
+        head_cfg = head0.replace(dtype=head_cfg.dtype)  # the head keeps its own shape, aux layers and vocab map
         vocab_source = f"head {cfg.head.init_from}"
     elif cfg.head.vocab_map:
         vocab_map = load_vocab_map(cfg.head.vocab_map)
