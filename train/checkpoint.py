@@ -94,7 +94,8 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
         _sync("specjax_ckpt_mkdir")
         self.quarantine_invalid()
-        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True)
+        opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
+                                            cleanup_tmp_directories=True)  # half-written saves of a killed run
         self.mgr = ocp.CheckpointManager(self.root, options=opts, item_names=("params", "train", "vocab", "meta"))
 
     # ---- validity ---------------------------------------------------------------------------------------------
