@@ -99,3 +99,19 @@ def test_small_pool_refuses_what_cannot_fit():
             eng.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 64})
     finally:
         eng.shutdown()
+
+
+def test_tp_dp_mesh_gives_the_same_tokens(engine):
+    """--tp-size 2 --dp-size 2 on four of the test's fake CPU devices: weights and KV heads split over tp, the
+    running batch over dp; greedy tokens equal the single-device engine's."""
+    import specjax
+    from test_server_helpers import ENGINE_KW
+    prompts = ["Hello world", "The capital of France is Paris. The capital of Italy is"]
+    sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+    want = [o["output_ids"] for o in engine.generate(prompts, sp)]
+    eng = specjax.Engine(model_path=tiny_model_dir(), skip_server_warmup=True, tp_size=2, dp_size=2, **ENGINE_KW)
+    try:
+        assert [o["output_ids"] for o in eng.generate(prompts, sp)] == want
+        assert eng.backend.scheduler.runner.mesh.shape == {"dp": 2, "tp": 2}
+    finally:
+        eng.shutdown()

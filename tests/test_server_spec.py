@@ -111,6 +111,20 @@ def test_eagle3_greedy_equals_plain(plain, eagle3_server, models):
     assert state["avg_spec_accept_length"] > 1.3  # the closed-form head really is accepted
 
 
+def test_eagle_head_greedy_equals_plain(plain, models):
+    """EAGLE (EAGLE-1/2, last-hidden-state head) behind the same scheduler."""
+    cfg, tp, perm, _, e1, _ = models
+    s = InProcessServer((cfg, tp), draft=e1, algorithm="EAGLE")
+    try:
+        for p in prompts(perm, n=4, seed=3):
+            want = plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=20))
+            got = s.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=20))
+            assert got["output_ids"] == want["output_ids"], p
+        assert httpx.get(s.url + "/get_server_info").json()["internal_states"][0]["avg_spec_accept_length"] > 1.3
+    finally:
+        s.stop()
+
+
 def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models):
     perm = models[2]
     ps = prompts(perm, seed=1)
