@@ -1,0 +1,198 @@
+"""The scheduler against a fake runner (numpy only, no model): it checks that every prefill sees its reused prefix
+pages holding exactly the right tokens, that requests wait for pages and evict cached prefixes under pressure, that
+the pool drains back to empty, and that failures (a bad prefill, a failing step, a broken tokenizer or consumer)
+fail only what they must while the scheduler keeps serving."""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+import numpy as np
+import pytest
+
+from specjax.serve.engine import Scheduler
+from specjax.serve.request import RequestError, SamplingParams
+
+V = 50
+BAD_TOKEN = 49  # the fake tokenizer fails on it; random prompts stay below 30
+
+
+class FakeTokenizer:
+    def decode(self, ids, skip_special_tokens=True):
+        if BAD_TOKEN in ids:
+            raise RuntimeError(f"cannot decode token {BAD_TOKEN}")
+        return "".join(chr(97 + i % 26) for i in ids)
+
+
+class FakeRunner:
+    """Next token = (previous + 1) % V; W tokens per step. Keeps what each pool position holds and checks that
+    prefill's reused prefix is really there."""
+
+    def __init__(self, max_batch=4, pages_per_seq=8, page_size=4, num_pages=12, tokens_per_step=1):
+        self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
+            num_pages
+        self.tokens_per_step = tokens_per_step
+        self.fail_prefill_on: int | None = None
+        self.fail_steps = 0
+        self.prefix_checks = 0
+
+    def init_state(self):
+        return {"pool": np.full((self.num_pages, self.page_size), -1), "rows": {}, "len": {}, "last": {}}
+
+    def _write(self, state, slot, pos, tok):
+        row = state["rows"][slot]
+        state["pool"][row[pos // self.page_size], pos % self.page_size] = tok
+
+    def prefill(self, state, slot, tokens, page_row, sampling, cached=0):
+        tokens = list(tokens)
+        if self.fail_prefill_on is not None and self.fail_prefill_on in tokens:
+            raise ValueError("bad prompt")
+        state["rows"][slot] = list(page_row)
+        for p in range(cached):  # the reused prefix must already hold these tokens
+            assert state["pool"][page_row[p // self.page_size], p % self.page_size] == tokens[p], (p, tokens)
+        self.prefix_checks += cached > 0
+        for p in range(cached, len(tokens)):
+            self._write(state, slot, p, tokens[p])
+        state["len"][slot] = len(tokens)
+        state["last"][slot] = (tokens[-1] + 1) % V
+        return state, state["last"][slot]
+
+    def step(self, state, active):
+        if self.fail_steps:
+            self.fail_steps -= 1
+            raise RuntimeError("device fault")
+        w = self.tokens_per_step
+        toks = np.zeros((self.max_batch, w), np.int32)
+        counts = np.zeros((self.max_batch,), np.int32)
+        for b in np.nonzero(active)[0]:
+            t = state["last"][b]
+            for j in range(w):
+                self._write(state, b, state["len"][b], t)  # the fed-back token goes into the cache
+                state["len"][b] += 1
+                toks[b, j] = t = (t + 1) % V
+            state["last"][b] = t
+            counts[b] = w
+        return state, toks, counts
+
+    def release(self, state, slot):
+        state["rows"].pop(slot, None)
+        return state
+
+
+def expected(prompt, n):
+    out, t = [], prompt[-1]
+    for _ in range(n):
+        t = (t + 1) % V
+        out.append(t)
+    return out
+
+
+def make(runner=None, **kw):
+    s = Scheduler(runner or FakeRunner(), FakeTokenizer(), context_length=28, vocab_size=V, **kw)
+    s.start()
+    return s
+
+
+def run(sched, prompt, n, **sp):
+    q: queue.Queue = queue.Queue()
+    sched.submit(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, **sp), q.put)
+    ids = []
+    while True:
+        ev = q.get(timeout=30)
+        ids += ev["token_ids"]
+        if ev["finished"]:
+            return ids, ev["meta_info"]
+
+
+def wait_idle(sched):
+    import time
+    for _ in range(200):
+        st = sched.stats()
+        if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
+            return st
+        time.sleep(0.02)
+    return sched.stats()
+
+
+@pytest.mark.parametrize("w", [1, 3])
+def test_many_requests_through_a_small_pool(w):
+    runner = FakeRunner(tokens_per_step=w)
+    sched = make(runner, chunked_prefill_size=5)
+    rng = np.random.default_rng(w)
+    shared = [int(x) for x in rng.integers(0, 30, 9)]
+    jobs = []
+    for i in range(24):
+        prompt = (shared if i % 2 else []) + [int(x) for x in rng.integers(0, 30, rng.integers(1, 8))]
+        jobs.append((prompt, int(rng.integers(1, 12))))
+    results = [None] * len(jobs)
+
+    def client(i):
+        results[i] = run(sched, *jobs[i], ignore_eos=True)
+
+    threads = [threading.Thread(target=client, args=(i,)) for i in range(len(jobs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    for (prompt, n), (ids, meta) in zip(jobs, results):
+        assert ids == expected(prompt, n) and meta["finish_reason"] == {"type": "length", "length": n}
+    assert runner.prefix_checks > 0  # prefixes were reused (and verified)
+    st = wait_idle(sched)
+    assert st["kv_pages_used"] == 0 and st["kv_pages_free"] + st["kv_pages_cached"] == st["kv_pages_total"]
+    assert sched.flush_cache() and sched.stats()["kv_pages_free"] == st["kv_pages_total"]
+    sched.shutdown()
+
+
+def test_refusal_and_clamping():
+    sched = make()
+    with pytest.raises(RequestError, match="context length"):
+        sched.submit(list(range(28)), SamplingParams(), print)
+    with pytest.raises(RequestError, match="outside the vocabulary"):
+        sched.submit([1, V], SamplingParams(), print)
+    ids, meta = run(sched, [1, 2, 3], 100, ignore_eos=True)  # clamped to the 28-token context
+    assert len(ids) == 25 and meta["finish_reason"]["type"] == "length"
+    sched.shutdown()
+
+
+def test_failures_stay_contained():
+    runner = FakeRunner()
+    sched = make(runner)
+    runner.fail_prefill_on = 42
+    ids, meta = run(sched, [1, 42, 3], 5)
+    assert meta["finish_reason"]["type"] == "abort" and "bad prompt" in meta["finish_reason"]["message"]
+    assert run(sched, [1, 2, 3], 5, ignore_eos=True)[0] == expected([1, 2, 3], 5)
+    # a token the tokenizer cannot decode fails that request only
+    ids, meta = run(sched, [46, 47], 6, ignore_eos=True)
+    assert meta["finish_reason"]["type"] == "abort" and "token 49" in meta["finish_reason"]["message"]
+    assert run(sched, [20, 21], 4, ignore_eos=True)[0] == expected([20, 21], 4)
+    # a consumer that raises does not hurt the scheduler
+    sched.submit([5, 6], SamplingParams(max_new_tokens=3), lambda ev: 1 / 0)
+    assert run(sched, [30, 31], 4, ignore_eos=True)[0] == expected([30, 31], 4)
+    # a failing step fails the running batch, resets, and the scheduler goes on
+    runner.fail_steps = 1
+    ids, meta = run(sched, [1, 2], 5, ignore_eos=True)
+    assert meta["finish_reason"]["type"] == "abort" and "device fault" in meta["finish_reason"]["message"]
+    assert run(sched, [1, 2], 5, ignore_eos=True)[0] == expected([1, 2], 5)
+    assert sched.alive and wait_idle(sched)["kv_pages_used"] == 0
+    sched.shutdown()
+
+
+def test_stop_token_inside_a_multi_token_step_and_abort_while_waiting():
+    runner = FakeRunner(tokens_per_step=4, max_batch=1)
+    sched = make(runner)
+    ids, meta = run(sched, [1, 2], 20, stop_token_ids=[6])
+    assert ids == [3, 4, 5, 6] and meta["finish_reason"] == {"type": "stop", "matched": 6}
+    # with one slot, a second request waits; aborting it finishes it without ever running
+    q1: queue.Queue = queue.Queue()
+    q2: queue.Queue = queue.Queue()
+    sched.submit([1], SamplingParams(max_new_tokens=24, ignore_eos=True), q1.put, rid="long")
+    sched.submit([2], SamplingParams(max_new_tokens=4, ignore_eos=True), q2.put, rid="waiting")
+    sched.abort("waiting")
+    ev = q2.get(timeout=10)
+    assert ev["finished"] and ev["meta_info"]["finish_reason"]["type"] == "abort"
+    assert ev["meta_info"]["completion_tokens"] == 0
+    while not (ev := q1.get(timeout=10))["finished"]:
+        pass
+    assert ev["meta_info"]["completion_tokens"] == 24
+    sched.shutdown()
