@@ -246,8 +246,9 @@ def create_app(backend) -> FastAPI:
     async def abort_request(request: Request):
         body = await parse_body(request, P.AbortRequest)
         if body.abort_all:
-            rids = backend.scheduler.call(lambda: [r.rid for r in backend.scheduler.waiting] + [
-                r.rid for r in backend.scheduler.slots if r is not None])
+            sched = backend.scheduler
+            rids = await asyncio.get_running_loop().run_in_executor(None, lambda: sched.call(lambda: [
+                r.rid for r in sched.waiting] + [r.rid for r in sched.slots if r is not None]))
             for rid in rids:
                 backend.scheduler.abort(rid)
         elif body.rid:

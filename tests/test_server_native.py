@@ -165,6 +165,8 @@ def test_abort_request(server):
                     assert httpx.post(server.url + "/abort_request", json={"rid": "abort-me"}).status_code == 200
     assert events[-1]["meta_info"]["finish_reason"]["type"] == "abort"
     assert len(events[-1]["output_ids"]) < 200
+    assert httpx.post(server.url + "/abort_request", json={"abort_all": True}).status_code == 200
+    assert httpx.post(server.url + "/abort_request", json={}).status_code == 400
 
 
 def test_info_endpoints(server, model_dir):
