@@ -35,7 +35,10 @@ def tiny_model_dir(seed: int = 0) -> str:
     import transformers
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+    import atexit
+    import shutil
     folder = tempfile.mkdtemp(prefix="specjax_tiny_llama_")
+    atexit.register(shutil.rmtree, folder, True)  # registered first, so it runs after the servers stop
     tok = Tokenizer(models.BPE())
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
