@@ -86,17 +86,29 @@ def _sync(name: str) -> None:
 class Checkpointer:
     """Save / validate / restore training checkpoints under ``directory``."""
 
-    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True):
+    def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
         self.root = epath.Path(directory)
-        self.primary = jax.process_index() == 0
+        self.read_only = read_only
+        self.primary = jax.process_index() == 0 and not read_only
         self._pending: list[int] = []
+        items = ("params", "train", "vocab", "meta")
+        if read_only:  # export / inspection: change nothing on disk
+            absl_log = logging.getLogger("absl")
+            level = absl_log.level
+            absl_log.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
+            try:
+                self.mgr = ocp.CheckpointManager(self.root, options=ocp.CheckpointManagerOptions(
+                    read_only=True, create=False, save_interval_steps=0), item_names=items)
+            finally:
+                absl_log.setLevel(level)
+            return
         if self.primary:
             self.root.mkdir(parents=True, exist_ok=True)
         _sync("specjax_ckpt_mkdir")
         self.quarantine_invalid()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                             cleanup_tmp_directories=True)  # half-written saves of a killed run
-        self.mgr = ocp.CheckpointManager(self.root, options=opts, item_names=("params", "train", "vocab", "meta"))
+        self.mgr = ocp.CheckpointManager(self.root, options=opts, item_names=items)
 
     # ---- validity ---------------------------------------------------------------------------------------------
     def valid_steps(self) -> list[int]:
@@ -182,6 +194,8 @@ class Checkpointer:
                 print(f"checkpoint: step {s} failed to restore ({type(e).__name__}); trying an older one", flush=True)
                 if step is not None:
                     break
+                if self.read_only:
+                    continue  # try the older one, change nothing on disk
                 if self.primary:
                     (self.root / str(s) / COMMIT_FILE).unlink(missing_ok=True)
                 _sync("specjax_ckpt_unmark")
@@ -193,22 +207,7 @@ class Checkpointer:
         self.mgr.close()
 
 
-# ---- the train state -------------------------------------------------------------------------------------------
-def _is_typed_key(x) -> bool:
-    return hasattr(x, "dtype") and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
-
-
-def rng_to_data(rng):
-    return jax.random.key_data(rng) if _is_typed_key(rng) else rng
-
-
-def abstract_rng_data(abstract_rng):
-    """ShapeDtypeStruct of the raw key data of an abstract (possibly typed) key."""
-    if _is_typed_key(abstract_rng):
-        return jax.eval_shape(jax.random.key_data, abstract_rng)
-    return abstract_rng
-
-
+# ---- head config, export ---------------------------------------------------------------------------------------
 def head_config_to_dict(cfg: Eagle3Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["rope_scaling"] = [list(kv) for kv in cfg.rope_scaling] if cfg.rope_scaling is not None else None
@@ -241,20 +240,11 @@ def _resolve_dir(ckpt_dir: str) -> tuple[str, int | None]:
 
 def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Params, VocabMap, str]:
     """(head_cfg, head_params, vocab_map, target_model_path) of the newest valid checkpoint under ``ckpt_dir``
-    (a training checkpoint folder or one step folder in it), on the first local device."""
+    (a training checkpoint folder or one step folder in it), on the first local device; params in fp32."""
     root, step = _resolve_dir(ckpt_dir)
     if not epath.Path(root).exists():
         raise CheckpointError(f"checkpoint folder {root} does not exist")
-    ck = Checkpointer.__new__(Checkpointer)  # read-only: no quarantine, no mkdir
-    ck.root, ck.primary, ck._pending = epath.Path(root), False, []
-    absl_log = logging.getLogger("absl")
-    level = absl_log.level
-    absl_log.setLevel(logging.ERROR)  # orbax warns that a read-only manager is read-only
-    try:
-        ck.mgr = ocp.CheckpointManager(ck.root, options=ocp.CheckpointManagerOptions(
-            read_only=True, create=False, save_interval_steps=0), item_names=("params", "train", "vocab", "meta"))
-    finally:
-        absl_log.setLevel(level)
+    ck = Checkpointer(root, read_only=True)
     try:
         steps = [step] if step is not None else ck.valid_steps()[::-1]
         if not steps:
@@ -263,7 +253,9 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
             raise CheckpointError(f"checkpoint {ckpt_dir} is not valid: {reason}")
         _, meta = ck.restore(steps[0], params=None)
         head_cfg = head_config_from_dict(meta["meta"]["head_config"])
-        abstract_params = _single_device(eagle3.param_shapes(head_cfg))
+        # fp32, as the train state keeps its master weights
+        abstract_params = _single_device(jax.tree.map(lambda sd: jax.ShapeDtypeStruct(sd.shape, jnp.float32),
+                                                      eagle3.param_shapes(head_cfg)))
         v = head_cfg.vocab_size
         abstract_vocab = _single_device({"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), jnp.int32),
                                          "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)})
@@ -275,4 +267,4 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
 
 
 __all__ = ["Checkpointer", "CheckpointError", "load_head_for_export", "validate_step_dir", "head_config_to_dict",
-           "head_config_from_dict", "rng_to_data", "abstract_rng_data"]
+           "head_config_from_dict"]

@@ -47,21 +47,9 @@ class BadRecord(Exception):
 # ---- reading records -----------------------------------------------------------------------------------------------
 def _read_json_array(path: str) -> Iterator[Any]:
     """Items of a top-level JSON array, one at a time; a file cut off mid-way yields its complete items."""
+    from specjax.convert.fetch import parse_truncated_json_array
     with open(path, encoding="utf-8", errors="surrogatepass") as f:
-        text = f.read()
-    dec = json.JSONDecoder()
-    i = text.index("[") + 1
-    n = len(text)
-    while True:
-        while i < n and text[i] in " \t\r\n,":
-            i += 1
-        if i >= n or text[i] == "]":
-            return
-        try:
-            item, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # truncated tail
-        yield item
+        yield from parse_truncated_json_array(f.read())
 
 
 def _read_jsonl(path: str) -> Iterator[Any]:
@@ -415,8 +403,8 @@ def fingerprint(cfg: DataConfig, tok) -> str:
 
 
 def default_cache_dir() -> str:
-    base = os.environ.get("SPECJAX_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "specjax")
-    return os.path.join(base, "data")
+    from specjax.convert.fetch import default_cache_dir as cache_root
+    return os.path.join(cache_root(), "data")
 
 
 def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print) -> TokenizedData:
