@@ -22,7 +22,8 @@ SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHAT_TEMPLATE = ("{% for m in messages %}{{'<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n'}}"
                  "{% endfor %}{% if add_generation_prompt %}{{'<|im_start|>assistant\n'}}{% endif %}")
 CORPUS = ["The quick brown fox jumps over the lazy dog.", "Hello world! 12345 apples cost 3.14 dollars.",
-          "the theory of the thing: then, there, these, those", "naïve café déjà vu", "def f(x):\n    return x + 1\n"]
+          "the theory of the thing: then, there, these, those", "naïve café déjà vu",
+          "def f(x):\n    return x + 1\n"]
 # GGUF storage type per tensor (after "blk.N."); token_embd F32, output Q8_0, norms F32.
 LAYER_TYPES = {"attn_q": QT.F16, "attn_k": QT.F32, "attn_v": QT.BF16, "attn_output": QT.F16,
                "ffn_gate": QT.F16, "ffn_up": QT.F32, "ffn_down": QT.F16}

