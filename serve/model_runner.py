@@ -57,6 +57,18 @@ def pick(buckets: list[int], need: int) -> int:
     raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
 
 
+def sample(logits, sb: sampling.SamplingBatch, active=None):
+    """``sampling.sample_next``, but when every (active) row is greedy only the argmax runs: the full path sorts the
+    vocabulary twice per row, which dominates a small model's decode step on CPU. Keys advance identically."""
+    greedy = sb.greedy if active is None else sb.greedy | ~active
+
+    def argmax(_):
+        keys, _ = sampling.split_keys(sb.key)
+        return jnp.argmax(logits, -1).astype(jnp.int32), dataclasses.replace(sb, key=keys)
+
+    return jax.lax.cond(jnp.all(greedy), argmax, lambda _: sampling.sample_next(logits, sb), None)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PlainState:
@@ -117,7 +129,7 @@ class PlainRunner:
         key = jax.random.key_data(jax.random.PRNGKey(seed))[None]  # u32[1, 2]: the request's own stream
         sb = sampling.SamplingBatch(temperature=temperature[None], top_k=top_k[None], top_p=top_p[None],
                                     min_p=min_p[None], key=key)
-        tok, sb = sampling.sample_next(out.logits, sb)  # i32[1]
+        tok, sb = sample(out.logits, sb)  # i32[1]
         cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=state.cache.page_table.at[slot].set(page_row),
                                  lengths=state.cache.lengths.at[slot].set(cached + n))
         samp = jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, sb)
@@ -130,7 +142,7 @@ class PlainRunner:
         view, logits = decode.decode(params, self.cfg, view, state.last[:nb], act,
                                      cache_attention=self.cache_attention)
         sb = jax.tree.map(lambda a: a[:nb], state.sampling)
-        tok, sb = sampling.sample_next(logits, sb)  # i32[nb]
+        tok, sb = sample(logits, sb, act)  # i32[nb]
         tok = jnp.where(act, tok, 0)
         samp = jax.tree.map(lambda a, r: a.at[:nb].set(r), state.sampling, sb)
         cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=c.page_table, lengths=c.lengths.at[:nb].set(
