@@ -243,6 +243,11 @@ def main(argv=None) -> int:
         vocab_source = f"head {cfg.head.init_from}"
     elif cfg.head.vocab_map:
         vocab_map = load_vocab_map(cfg.head.vocab_map)
+        if len(vocab_map.t2d) != target_cfg.vocab_size:
+            log.info(f"error: head.vocab_map={cfg.head.vocab_map} maps a vocab of {len(vocab_map.t2d)} ids, the target "
+                     f"has {target_cfg.vocab_size}")
+            return 2
+        head_cfg = head_cfg.replace(draft_vocab_size=len(vocab_map.d2t))
         vocab_source = cfg.head.vocab_map
     else:
         counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
     if resume_step is not None:
         abstract_vocab = {"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), np.int32, sharding=rep),
                           "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}
-        resume_step, out = ckpt.restore(resume_step, params=abstract_state.params, vocab=abstract_vocab,
+        resume_step, out = ckpt.restore(params=abstract_state.params, vocab=abstract_vocab,  # newest that loads
                                         train={"opt_state": abstract_state.opt_state, "step": abstract_state.step,
                                                "rng": abstract_state.rng})
         state = step_lib.TrainState(params=out["params"], opt_state=out["train"]["opt_state"],
