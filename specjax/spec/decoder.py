@@ -125,7 +125,10 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
     lengths = np.asarray([len(p) for p in prompts])
-    max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // page_size) * page_size
+    # Bucketed (multiples of 64 tokens) so that prompts of similar lengths share one compiled loop.
+    bucket = max(64, page_size)
+    max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // bucket) * bucket
+    max_len = -(-max_len // page_size) * page_size
     state = step_lib.init_state(target_cfg, d, scfg, b, max_len, page_size=page_size)
     state = dataclasses.replace(state, sampling=sampling_lib.SamplingBatch.make(
         b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))

@@ -1,0 +1,307 @@
+"""Plain vs speculative decoding on the same prompts, in one process.
+
+    python -m specjax.bench spec --model PATH (--draft PATH | --random-draft) [--algorithm EAGLE3|EAGLE]
+        [--num-steps 3 --topk 1 --num-draft-tokens 4] [--prompts mtbench|FILE] [--num-prompts 8]
+        [--max-new-tokens 64] [--speculative-token-map FILE] [--attention-impl auto|xla|pallas] [--json OUT]
+    python -m specjax.bench spec --verify-sweep 1,8,16,32,64 [--model PATH | --random-llama-8b [--layers N]]
+        [--context 512] [--batch 1]
+
+Main mode (batch 1, prompts one after another, as SGLang's batch-1 MT-bench figures): every prompt is generated
+once untimed (compiles every shape) and once timed, by ``specjax.generate.generate`` (plain, one jitted while_loop)
+and by ``speculative_generate`` (one jitted while_loop of draft-verify-commit steps). Prints tokens/s of both (all
+generated tokens / wall time incl. prefill), the speedup, tau (= completion tokens / verify steps, SGLang's
+spec_accept_length) and per-phase step times: draft (tree growth + selection), verify (one target forward over the
+M tree tokens), accept, commit (KV write + draft extend), each jitted separately and timed on the same state, next to
+the fused step and a plain decode step. Prompts: MT-bench first turns, rendered with the chat template.
+
+``--verify-sweep`` times the target forward over M tree tokens (ancestor mask, logits for all M, aux features) at
+a ``--context``-token prefix against a plain decode step: what verifying a wider tree costs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+
+def _median(fn, repeats: int) -> float:
+    import jax
+    jax.block_until_ready(fn())  # compile / warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(fn())
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[list[int]], str]:
+    """Token ids of the first ``n`` prompts and a note on where they came from."""
+    import numpy as np
+    if spec == "mtbench":
+        path, note = None, ""
+        try:
+            from specjax.convert.fetch import fetch_mtbench
+            path = fetch_mtbench()
+            note = f"MT-bench first turns ({path})"
+        except Exception as e:  # noqa: BLE001 - fall back to the shared copy when the fetch is impossible offline
+            shared = os.path.join(os.path.dirname(__file__), "..", "..", "..", "shared", "data",
+                                  "mt_bench_question.jsonl")
+            if os.path.exists(shared):
+                path = os.path.abspath(shared)
+                note = f"MT-bench first turns ({path}; fetch_mtbench failed: {type(e).__name__})"
+        if path is None:
+            raise SystemExit("MT-bench questions unavailable: run `python -m specjax.convert fetch-mtbench`")
+        with open(path) as f:
+            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
+        chat = True
+    elif os.path.exists(spec):
+        with open(spec) as f:
+            lines = [line.strip() for line in f if line.strip()]
+        texts = [json.loads(x)["turns"][0] if x.startswith("{") else x for x in lines][:n]
+        note, chat = f"{spec} (first {len(texts)})", False
+    elif spec == "random":
+        rng = np.random.default_rng(0)
+        return rng.integers(100, vocab_size, size=(n, 64)).tolist(), "random 64-token prompts"
+    else:
+        raise SystemExit(f"--prompts: expected 'mtbench', 'random' or a file, got {spec!r}")
+    if tokenizer is None:
+        raise SystemExit("text prompts need a tokenizer in the model folder; use --prompts random")
+    from specjax.generate import encode_prompts
+    chat = chat and bool(getattr(tokenizer, "chat_template", None))
+    return encode_prompts(tokenizer, texts, chat), note + (" (chat template)" if chat else "")
+
+
+def random_draft(algorithm: str, tcfg, seed: int = 1):
+    import jax
+    from specjax.models import eagle, eagle3
+    if algorithm == "EAGLE3":
+        cfg = eagle3.Eagle3Config.from_target(tcfg)
+        return cfg, eagle3.init_params(cfg, jax.random.PRNGKey(seed)), None
+    cfg = eagle.EagleConfig.from_target(tcfg)
+    return cfg, eagle.init_params(cfg, jax.random.PRNGKey(seed)), None
+
+
+def load_target(args):
+    from specjax.config import ModelConfig
+    if args.random_llama_8b:
+        from specjax.bench.decode import LLAMA_31_8B, random_params
+        hf = dict(LLAMA_31_8B)
+        if args.layers:
+            hf["num_hidden_layers"] = args.layers
+        cfg = ModelConfig.from_hf_dict(hf, dtype=args.dtype or "bfloat16")
+        return cfg, random_params(cfg), None, f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
+    from specjax.weights import load_model, resolve_model_path
+    path = args.model
+    if path is None:
+        from specjax.convert.fetch import default_smollm2_path
+        path = default_smollm2_path()
+        if not os.path.isdir(path):
+            raise SystemExit(f"no --model and no SmolLM2 at {path}: `python -m specjax.convert fetch-smollm2`")
+    folder = resolve_model_path(path)
+    cfg, params = load_model(folder, dtype=args.dtype)
+    tok = None
+    try:
+        from specjax.generate import load_tokenizer
+        tok = load_tokenizer(folder)
+    except Exception:  # noqa: BLE001 - a model folder without a tokenizer still benchmarks with random prompts
+        pass
+    return cfg, params, tok, f"{folder} ({cfg.num_layers} layers, {cfg.dtype})"
+
+
+def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
+    """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill."""
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    from specjax import decode
+    from specjax.spec import step as step_lib
+    from specjax.spec import verify as verify_lib
+
+    n = len(prompt)
+    page = 16
+    state = step_lib.init_state(tcfg, draft, scfg, 1, -(-(n + 2 * scfg.num_steps + 8) // page) * page, page_size=page)
+    t = -(-n // page) * page
+    toks = np.zeros((1, t), np.int32)
+    toks[0, :n] = prompt
+    nxt = np.zeros_like(toks)
+    nxt[0, :n - 1] = prompt[1:]
+    valid = np.arange(t)[None] < n
+    state, _ = jax.jit(step_lib.prefill, static_argnames=("tcfg", "scfg"))(
+        tparams, tcfg, draft, scfg.for_prefill(), state, jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
+        jnp.ones((1,), bool))
+    active = jnp.ones((1,), bool)
+    st = dict(static_argnames=("tcfg", "scfg"))
+    # Params travel as arguments (not closed over) so that XLA does not constant-fold the weights.
+    f_draft = jax.jit(step_lib.draft_phase, static_argnames=("scfg",))
+    f_verify = jax.jit(step_lib.verify_phase, **st)
+    f_accept = jax.jit(verify_lib.accept, static_argnames=("num_steps", "may_sample"))
+    f_commit = jax.jit(step_lib.commit_phase, static_argnames=("scfg",))
+    f_step = jax.jit(step_lib.spec_step, **st)
+    f_plain = jax.jit(decode.decode, static_argnames=("cfg",))
+    tree = f_draft(tparams, draft, scfg, state)
+    out = f_verify(tparams, tcfg, draft, scfg, state, tree)
+    acc, sb = f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps, may_sample=False)
+    return dict(draft=_median(lambda: f_draft(tparams, draft, scfg, state), repeats),
+                verify=_median(lambda: f_verify(tparams, tcfg, draft, scfg, state, tree), repeats),
+                accept=_median(lambda: f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps,
+                                                may_sample=False), repeats),
+                commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
+                fused_step=_median(lambda: f_step(tparams, tcfg, draft, scfg, state, active), repeats),
+                plain_decode_step=_median(lambda: f_plain(tparams, tcfg, state.cache, state.last_token, active),
+                                          repeats))
+
+
+def bench_spec(args) -> dict:
+    import numpy as np
+    from specjax.generate import generate
+    from specjax.spec import decoder, step as step_lib
+
+    tcfg, tparams, tokenizer, model_note = load_target(args)
+    alg = args.algorithm.upper()
+    if args.random_draft or not args.draft:
+        if not args.random_draft:
+            raise SystemExit("pass --draft PATH or --random-draft")
+        dcfg, dparams, vocab = random_draft(alg, tcfg)
+        draft_note = f"random {alg} head"
+    else:
+        dcfg, dparams, vocab = decoder.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
+        draft_note = f"{args.draft} ({alg})"
+    draft = decoder.make_draft(alg, dcfg, dparams, tparams, vocab)
+    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
+    stop = tuple(tcfg.eos_token_ids)
+    conf = dict(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
+
+    def run_plain(p):
+        return generate(tparams, tcfg, [p], **kw)[0]
+
+    def run_spec(p):
+        return decoder.speculative_generate(tparams, tcfg, draft, [p], algorithm=alg,
+                                            attention_impl=args.attention_impl, **conf, **kw)
+
+    print(f"warming up (compiling every prompt shape) on {len(prompts)} prompts ...", file=sys.stderr, flush=True)
+    for p in prompts:
+        run_plain(p)
+        run_spec(p)
+    t0 = time.perf_counter()
+    plain_out = [run_plain(p) for p in prompts]
+    t_plain = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    spec_res = [run_spec(p) for p in prompts]
+    t_spec = time.perf_counter() - t0
+    spec_out = [r[0][0] for r in spec_res]
+    n_plain = sum(len(o) for o in plain_out)
+    n_spec = sum(len(o) for o in spec_out)
+    steps = sum(r[1]["verify_steps"][0] for r in spec_res)
+    same = sum(a == b for a, b in zip(plain_out, spec_out))
+    scfg = step_lib.SpecConfig(args.num_steps, args.topk, args.num_draft_tokens,
+                               step_lib.resolve_attention(args.attention_impl), sampling=False)
+    phases = phase_times(tparams, tcfg, draft, scfg, prompts[0], args.phase_repeats)
+    return dict(model=model_note, draft=draft_note, prompts=prompt_note, algorithm=alg, **conf,
+                max_new_tokens=args.max_new_tokens, plain_tokens=n_plain, spec_tokens=n_spec,
+                plain_tok_s=n_plain / t_plain, spec_tok_s=n_spec / t_spec,
+                speedup=(n_spec / t_spec) / (n_plain / t_plain), tau=n_spec / max(steps, 1), verify_steps=steps,
+                identical_outputs=f"{same}/{len(prompts)}", phases_ms={k: v * 1e3 for k, v in phases.items()})
+
+
+def print_spec_table(r: dict) -> None:
+    print(f"model: {r['model']}\ndraft: {r['draft']}\nprompts: {r['prompts']}, max_new_tokens {r['max_new_tokens']}, "
+          f"batch 1, greedy")
+    print(f"tree: num_steps={r['num_steps']} topk={r['topk']} num_draft_tokens={r['num_draft_tokens']}\n")
+    print("| decoding | tokens | tok/s | speedup | tau |")
+    print("|---|---|---|---|---|")
+    print(f"| plain | {r['plain_tokens']} | {r['plain_tok_s']:.1f} | 1.00 | 1.00 |")
+    print(f"| {r['algorithm']} | {r['spec_tokens']} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | {r['tau']:.2f} |")
+    print(f"\noutputs identical to plain greedy: {r['identical_outputs']}\n")
+    print("| phase (one step, batch 1) | ms |")
+    print("|---|---|")
+    for k, v in r["phases_ms"].items():
+        print(f"| {k} | {v:.2f} |")
+
+
+def bench_verify_sweep(args) -> dict:
+    import jax
+    import jax.numpy as jnp
+    from specjax import decode, kv_cache, layers
+    from specjax.config import default_aux_layer_ids
+    from specjax.models import target
+
+    tcfg, tparams, _, model_note = load_target(args)
+    ms = [int(x) for x in args.verify_sweep.split(",")]
+    b, ctx, page = args.batch, args.context, 16
+    max_len = -(-(ctx + max(ms) + 1) // page) * page
+    cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, b, max_len, page_size=page,
+                                dtype=jnp.dtype(tcfg.dtype))
+    cache = kv_cache.KVCache(k=cache.k, v=cache.v, page_table=cache.page_table,
+                             lengths=jnp.full((b,), ctx, jnp.int32))
+    from specjax.spec.step import resolve_attention
+    hook = resolve_attention(args.attention_impl)
+    active = jnp.ones((b,), bool)
+    f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"))
+    t_plain = _median(lambda: f_plain(tparams, tcfg, cache, jnp.zeros((b,), jnp.int32), active, cache_attention=hook),
+                      args.phase_repeats)
+    aux = default_aux_layer_ids(tcfg.num_layers)
+    f = jax.jit(target.forward, static_argnames=("cfg", "aux_layers", "return_kv", "cache_attention"))
+    rows = []
+    for m in ms:
+        toks = jnp.zeros((b, m), jnp.int32)
+        pos = ctx + jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+        mask = layers.causal_mask(jnp.ones((b, m), bool))
+        t = _median(lambda: f(tparams, tcfg, toks, pos, cache=cache, mask=mask, aux_layers=aux, return_kv=True,
+                              cache_attention=hook), args.phase_repeats)
+        rows.append(dict(m=m, ms=t * 1e3, vs_decode=t / t_plain))
+    return dict(model=model_note, context=ctx, batch=b, plain_decode_ms=t_plain * 1e3, rows=rows)
+
+
+def print_sweep_table(r: dict) -> None:
+    print(f"model: {r['model']}\nprefix {r['context']} tokens, batch {r['batch']}; plain decode step "
+          f"{r['plain_decode_ms']:.2f} ms\n")
+    print("| tree tokens M | verify forward ms | x plain decode step |")
+    print("|---|---|---|")
+    for row in r["rows"]:
+        print(f"| {row['m']} | {row['ms']:.2f} | {row['vs_decode']:.2f} |")
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench spec", description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", help="HF model folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
+    ap.add_argument("--draft", help="draft head folder (HF format)")
+    ap.add_argument("--random-draft", action="store_true", help="a random head shaped like one target layer")
+    ap.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE", "eagle3", "eagle"])
+    ap.add_argument("--speculative-token-map", help="FR-Spec hot-token list for EAGLE heads")
+    ap.add_argument("--num-steps", type=int, default=3)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int, default=4)
+    ap.add_argument("--prompts", default="mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
+    ap.add_argument("--num-prompts", type=int, default=8)
+    ap.add_argument("--max-new-tokens", type=int, default=64)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument("--phase-repeats", type=int, default=5)
+    ap.add_argument("--verify-sweep", help="comma-separated tree sizes M: time the verify forward vs a decode step")
+    ap.add_argument("--context", type=int, default=512, help="prefix length for --verify-sweep")
+    ap.add_argument("--batch", type=int, default=1, help="batch for --verify-sweep")
+    ap.add_argument("--random-llama-8b", action="store_true", help="random Llama-3.1-8B-shaped bf16 target")
+    ap.add_argument("--layers", type=int, help="with --random-llama-8b: number of layers (CPU smoke runs)")
+    ap.add_argument("--json", help="also write the results as JSON here")
+    args = ap.parse_args(argv)
+    if args.verify_sweep:
+        res = bench_verify_sweep(args)
+        print_sweep_table(res)
+    else:
+        res = bench_spec(args)
+        print_spec_table(res)
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(res, f, indent=2)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
