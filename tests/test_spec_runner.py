@@ -1,6 +1,7 @@
 """SpecRunner (the server's slot runner): requests join free slots between steps, pages come from a shuffled free
 list (not contiguous), prompts longer than the prefill chunk are chunked, a prefix is reused from another slot's
-pages (``cached``), and every request's greedy output equals plain greedy decoding."""
+pages (``cached``), and every request's greedy output equals plain greedy decoding. Also: the Pallas tree-attention
+hook in the speculative step."""
 
 import numpy as np
 import pytest
@@ -69,3 +70,19 @@ def test_slots_join_between_steps_and_match_plain(setup):
     for n, r in zip("abc", ref):
         assert out[n][:MAX_NEW] == r, n
     assert sum(len(out[n]) - 1 for n in "abc") > 1.3 * sum(steps.values())  # several tokens per step
+
+
+def test_pallas_tree_attention_hook_is_exact(setup):
+    """attention_impl='pallas' routes the verify forward (tree mask) and the draft extends through the tree-attention
+    kernel (interpreted on CPU); output still equals plain greedy."""
+    from specjax.spec.decoder import speculative_generate
+    cfg, tp, runner = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]
+    ref = generate(tp, cfg, prompts, max_new_tokens=12, stop_token_ids=())
+    out, stats = speculative_generate(tp, cfg, e3, prompts, algorithm="EAGLE3", num_steps=3, topk=2,
+                                      num_draft_tokens=5, max_new_tokens=12, stop_token_ids=(),
+                                      attention_impl="pallas",
+                                      compiler_options={"xla_backend_optimization_level": 0})
+    assert out == ref
+    assert stats["tau"] > 1.0

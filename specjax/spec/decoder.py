@@ -112,8 +112,9 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     d = _as_draft(draft, algorithm, target_params)
     b = len(prompts)
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
-    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl),
+    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.attention_for(target_cfg, attention_impl),
                                may_sample, sample_accept_fn)
+    step_lib.check_compatible(target_cfg, d, scfg)
     for i, p in enumerate(prompts):
         if len(p) == 0:
             raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
@@ -235,10 +236,9 @@ class SpecRunner:
         self.algorithm = algorithm.upper()
         self.draft = draft_lib.make_draft(self.algorithm, draft_cfg, draft_params, target_params,
                                           vocab_map_or_token_map)
-        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.resolve_attention(attention_impl))
-        vd = draft_cfg.draft_vocab_size if self.algorithm == "EAGLE3" else int(self.draft.ids.shape[0])
-        if topk > vd:
-            raise ValueError(f"eagle_topk={topk} exceeds the draft vocab size {vd}")
+        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
+                                        step_lib.attention_for(target_cfg, attention_impl))
+        step_lib.check_compatible(target_cfg, self.draft, self.scfg)
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages
         self.tokens_per_step = num_steps + 1

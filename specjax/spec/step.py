@@ -70,6 +70,27 @@ def resolve_attention(impl: str = "auto"):
     return make_cache_attention(impl)
 
 
+def check_compatible(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig) -> None:
+    """Raise ValueError when the head, the target and the tree shape do not fit together."""
+    vd = int(draft.ids.shape[0])
+    if scfg.topk > vd:
+        raise ValueError(f"eagle_topk={scfg.topk} exceeds the draft vocab size {vd}")
+    if draft.cfg.hidden_size != tcfg.hidden_size and draft.algorithm == "EAGLE":
+        raise ValueError(f"EAGLE head hidden_size {draft.cfg.hidden_size} != target {tcfg.hidden_size}")
+    if draft.algorithm == "EAGLE3" and max(draft.cfg.aux_layer_ids) >= tcfg.num_layers:
+        raise ValueError(f"EAGLE3 head reads target layers {draft.cfg.aux_layer_ids}; the target has only "
+                         f"{tcfg.num_layers}")
+    if scfg.cache_attention is not None and tcfg.sliding_window is not None:
+        raise ValueError("sliding-window targets use the XLA attention path (attention_impl='xla')")
+
+
+def attention_for(tcfg: ModelConfig, impl: str):
+    """``resolve_attention`` for a target: 'auto' falls back to XLA for sliding-window models."""
+    if impl == "auto" and tcfg.sliding_window is not None:
+        return None
+    return resolve_attention(impl)
+
+
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SpecState:
