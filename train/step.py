@@ -248,7 +248,7 @@ def _check_batch(batch, grad_accum: int | None, mesh):
     if grad_accum is not None and a != grad_accum:
         raise ValueError(f"batch has {a} micro-batches on its leading axis, the step was built for grad_accum="
                          f"{grad_accum}")
-    return batch, a
+    return batch
 
 
 def _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, params, target_arg, vocab_map, batch,
@@ -302,7 +302,7 @@ def _build(features_factory, target_sh_fn, target_cfg, head_cfg, optimizer, mesh
     if kind == "train":
         def step(state: TrainState, target_arg, vocab_map: VocabMap, batch):
             with use_mesh(mesh, rules):
-                batch, _ = _check_batch(batch, grad_accum, mesh)
+                batch = _check_batch(batch, grad_accum, mesh)
                 grads, stats = _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, state.params,
                                                 target_arg, vocab_map, batch)
                 grad_norm = _global_norm(grads)
@@ -321,7 +321,7 @@ def _build(features_factory, target_sh_fn, target_cfg, head_cfg, optimizer, mesh
 
     def run(params, target_arg, vocab_map, batch, with_grad):
         with use_mesh(mesh, rules):
-            batch, _ = _check_batch(batch, None, mesh)
+            batch = _check_batch(batch, None, mesh)
             grads, stats = _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, params, target_arg,
                                             vocab_map, batch, with_grad=with_grad)
             metrics = ttt.finalize_metrics(stats, decay)
