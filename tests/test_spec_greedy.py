@@ -37,11 +37,11 @@ def plain(models, which, prompts, stop=()):
     return models["plain"][key]
 
 
-def spec(models, which, alg, conf, prompts, stop=()):
+def spec(models, which, alg, conf, prompts, stop=(), max_new=MAX_NEW):
     tp, heads = models[which]
     s, k, m = conf
     return speculative_generate(tp, models["cfg"], heads[alg], prompts, algorithm=alg, num_steps=s, topk=k,
-                                num_draft_tokens=m, max_new_tokens=MAX_NEW, stop_token_ids=stop,
+                                num_draft_tokens=m, max_new_tokens=max_new, stop_token_ids=stop,
                                 compiler_options=FAST_COMPILE)
 
 
@@ -82,7 +82,7 @@ def test_agreeing_heads_accept_and_stay_exact(models, alg, conf):
     assert max(max(a) for a in stats["accept_lengths"]) >= 3  # some step accepted 2+ draft tokens
 
 
-def test_rows_stop_on_their_own_stop_token(models):
+def test_rows_stop_on_their_own_stop_token_and_budget(models):
     ref_free = plain(models, "bigram", models["prompts"])
     stop = (ref_free[0][9],)  # row 0 stops at its 10th token at the latest; other rows whenever they emit it
     ref = plain(models, "bigram", models["prompts"], stop)
@@ -90,3 +90,9 @@ def test_rows_stop_on_their_own_stop_token(models):
     out, stats = spec(models, "bigram", "EAGLE3", (3, 1, 4), models["prompts"], stop)
     assert out == ref
     check_stats(out, stats, (3, 1, 4))
+    # Per-row token budgets (greedy output is prefix-closed, so plain output truncated is the reference).
+    budget = [MAX_NEW, 7, 1, 13]
+    out, stats = spec(models, "bigram", "EAGLE", (5, 8, 32), models["prompts"], max_new=budget)
+    assert out == [r[:n] for r, n in zip(ref_free, budget)]
+    assert stats["verify_steps"][2] == 0
+    check_stats(out, stats, (5, 8, 32))

@@ -94,13 +94,14 @@ def _shifted(tokens: np.ndarray) -> np.ndarray:
 
 def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
                          algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
-                         max_new_tokens: int = 128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
+                         max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
                          stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
                          attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
     draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
-    Sampling parameters and ``seed`` are scalars or one value per prompt (temperature 0 = greedy).
+    ``max_new_tokens``, the sampling parameters and ``seed`` are scalars or one value per prompt (temperature 0 =
+    greedy); each row stops on its own at a stop token or its own token budget.
     Returns (outputs list[list[int]], stats) with stats = {verify_steps: per row, accept_lengths: per row the tokens
     emitted by each verify step, completion_tokens: per row, tau: total completion tokens / total verify steps}.
     ``completion_tokens`` counts the first token (from prefill) too, as SGLang's spec_accept_length does.
@@ -122,9 +123,13 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
             raise ValueError(f"prompt {i} has token ids outside [0, {target_cfg.vocab_size})")
     for t, k, pp, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
         sampling_lib.validate(float(t), int(k), float(pp), float(m))
-    if max_new_tokens <= 0:
+    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,)).astype(np.int32)
+    if (budget < 0).any():
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    if budget.max() == 0:
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
+    max_new_tokens = int(budget.max())
     lengths = np.asarray([len(p) for p in prompts])
     # Bucketed (multiples of 64 tokens) so that prompts of similar lengths share one compiled loop.
     bucket = max(64, page_size)
@@ -155,10 +160,10 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
     cap = max_new_tokens
     out = step_lib.LoopOut(tokens=jnp.zeros((b, cap), jnp.int32).at[:, 0].set(jnp.asarray(first)),
-                           num_tokens=jnp.ones((b,), jnp.int32), verify_steps=jnp.zeros((b,), jnp.int32),
+                           num_tokens=jnp.asarray(np.minimum(budget, 1)), verify_steps=jnp.zeros((b,), jnp.int32),
                            step_counts=jnp.zeros((b, cap), jnp.int32))
-    done = jnp.asarray(np.isin(first, np.asarray(stop)) | (max_new_tokens <= 1))
-    max_new = jnp.full((b,), max_new_tokens, jnp.int32)
+    done = jnp.asarray(np.isin(first, np.asarray(stop)) | (budget <= 1))
+    max_new = jnp.asarray(budget)
     state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out, done,
                                                              max_new, stop_ids)
     toks, num, steps, counts = (np.asarray(a) for a in (out.tokens, out.num_tokens, out.verify_steps,
