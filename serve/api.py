@@ -269,6 +269,9 @@ def create_app(backend) -> FastAPI:
         body = await parse_body(request, P.GenerateRequest)
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of 'text' or 'input_ids'", param="text")
+        if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
+            raise APIError(400, "return_logprob is not supported by specjax", param="return_logprob",
+                           code="unsupported_parameter")
         if body.text is not None:
             batch = isinstance(body.text, list)
             texts = body.text if batch else [body.text]

@@ -79,6 +79,7 @@ BAD = [
     ("/generate", {"text": "x", "sampling_params": {"frequency_penalty": 0.5}}, 400, "frequency_penalty"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "lots"}}, 400, None),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 3}, 400, "logprobs"),
+    ("/generate", {"text": "x", "return_logprob": True}, 400, "return_logprob"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [""]}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
 ]
