@@ -165,12 +165,23 @@ class ServerArgs:
         return cls(**clean)
 
 
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the examples' line breaks; shows a default only when there is one worth showing."""
+
+    def _get_help_string(self, action):
+        h = action.help or ""
+        shown = not (action.default is None or action.default is False or action.default == argparse.SUPPRESS)
+        if action.option_strings and "default" not in h and shown:
+            h += f" (default: {action.default})"
+        return h
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="python -m specjax.serve",
         description="Serve a model over HTTP (SGLang-compatible native /generate and OpenAI /v1 endpoints), "
                     "optionally with EAGLE3 / EAGLE speculative decoding.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
         epilog="examples:\n"
                "  python -m specjax.serve --model-path ~/models/SmolLM2-135M-Instruct --port 30000\n"
                "  python -m specjax.serve --model-path meta-llama/Llama-3.1-8B-Instruct --tp-size 8 \\\n"
@@ -193,10 +204,11 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--context-length", type=int, default=None,
                    help="max tokens per sequence (prompt + output); default: the model's max_position_embeddings")
     g = p.add_argument_group("http")
-    g.add_argument("--host", default=d.host)
-    g.add_argument("--port", type=int, default=d.port)
+    g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
+    g.add_argument("--port", type=int, default=d.port, help="HTTP port")
     g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"])
+    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"],
+                   help="server and access log verbosity")
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     g.add_argument("--skip-server-warmup", action="store_true", help="start without compiling the common shapes")
     g = p.add_argument_group("parallelism")
@@ -240,6 +252,10 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--torch-compile-max-bs", type=int, default=None, help=argparse.SUPPRESS)
     g.add_argument("--attention-backend", default=None, help=argparse.SUPPRESS)
     g.description = "--cuda-graph-max-bs, --enable-torch-compile, --torch-compile-max-bs, --attention-backend"
+    for a in p._actions:  # short metavars keep --help readable
+        if a.option_strings and a.nargs is None and a.choices is None and not isinstance(a.const, bool):
+            a.metavar = "N" if a.type is int else "F" if a.type is float else (
+                "PATH" if a.dest.endswith("path") or a.dest in ("chat_template", "speculative_token_map") else None)
     return p
 
 
