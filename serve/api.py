@@ -27,6 +27,7 @@ from . import protocol as P
 from .request import RequestError, SamplingParams
 
 log = logging.getLogger("specjax.serve")
+DISCONNECT_POLL_S = 0.2  # how often a non-streaming handler checks that its client is still there
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------
@@ -113,14 +114,19 @@ class Fanout:
     async def events(self, request: Request | None = None):
         """Yields (index, event) until every request finished. A disconnected client (polled when ``request`` is
         given; streaming responses are cancelled by the server instead) aborts the rest."""
+        last_check = time.monotonic()
         try:
             while len(self.done) < len(self.reqs):
                 try:
-                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=1.0)
+                    i, ev = await asyncio.wait_for(self.queue.get(), timeout=DISCONNECT_POLL_S)
                 except asyncio.TimeoutError:
-                    if request is not None and await request.is_disconnected():
+                    i, ev = None, None
+                if request is not None and time.monotonic() - last_check >= DISCONNECT_POLL_S:
+                    last_check = time.monotonic()
+                    if await request.is_disconnected():
                         log.info("client disconnected; aborting %d request(s)", len(self.reqs) - len(self.done))
                         return
+                if ev is None:
                     continue
                 self.text[i] += ev["text"]
                 self.ids[i] += ev["token_ids"]
@@ -136,6 +142,24 @@ class Fanout:
             pass
         if len(self.done) < len(self.reqs):
             raise APIError(499, "client closed the request")
+
+
+class APIKeyMiddleware:
+    """``Authorization: Bearer KEY`` on every path but /health. A plain ASGI middleware (not BaseHTTPMiddleware,
+    which hides the client's disconnect from the handlers)."""
+
+    def __init__(self, app, key: str):
+        self.app, self.expected = app, f"Bearer {key}".encode()
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"] != "/health":
+            got = dict(scope.get("headers") or []).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                resp = error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
+                                      code="invalid_api_key")
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 def sse(obj: Any) -> str:
@@ -181,16 +205,7 @@ def create_app(backend) -> FastAPI:
         return error_response(500, f"internal error: {type(e).__name__}: {e}", type_="internal_server_error")
 
     if args.api_key:
-        expected = f"Bearer {args.api_key}"
-
-        @app.middleware("http")
-        async def _auth(request: Request, call_next):
-            if request.url.path != "/health":
-                got = request.headers.get("authorization", "")
-                if not hmac.compare_digest(got.encode(), expected.encode()):
-                    return error_response(401, "missing or invalid API key: send 'Authorization: Bearer <key>'",
-                                          code="invalid_api_key")
-            return await call_next(request)
+        app.add_middleware(APIKeyMiddleware, key=args.api_key)
 
     def check_model(name: str | None) -> None:
         if name and name not in (served, args.model_path, "default"):

@@ -152,3 +152,26 @@ def test_disconnect_mid_stream_frees_pages(server):
     assert info["aborted"] == aborted + 2  # both were cut short by the disconnect, not finished
     still_serves(server)
 
+
+def test_disconnect_while_waiting_for_a_non_streaming_response(server):
+    import json
+    import socket
+    aborted = httpx.get(server.url + "/get_server_info", headers=AUTH).json()["internal_states"][0]["aborted"]
+    # 16 requests of 240 tokens on 8 slots: two waves, far longer than the disconnect takes to be noticed
+    body = json.dumps({"text": ["Hello"] * 16, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}})
+    raw = (f"POST /generate HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer {KEY}\r\n"
+           f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n{body}").encode()
+    with socket.create_connection(("127.0.0.1", server.port)) as sock:
+        sock.sendall(raw)
+        deadline = time.time() + 10
+        while kv_state(server)[1] == 0 and time.time() < deadline:
+            time.sleep(0.02)
+        assert kv_state(server)[1] > 0
+    deadline = time.time() + 20
+    while kv_state(server) != (0, 0) and time.time() < deadline:
+        time.sleep(0.1)
+    assert kv_state(server) == (0, 0)
+    info = httpx.get(server.url + "/get_server_info", headers=AUTH).json()["internal_states"][0]
+    assert info["aborted"] >= aborted + 8
+    still_serves(server)
+
