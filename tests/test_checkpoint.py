@@ -120,3 +120,14 @@ def test_export_load_and_empty(tmp_path):
     np.testing.assert_array_equal(vm2.t2d, vm.t2d)
     cfg, params, _, _ = load_head_for_export(str(tmp_path / "ck" / "5"))  # a step folder works too
     _equal(params, p)
+
+
+def test_relative_directory_is_resolved(tmp_path, monkeypatch):
+    # Run configs name checkpoint dirs relative to the working directory (checkpoints/<run>); orbax needs absolute.
+    monkeypatch.chdir(tmp_path)
+    ck = Checkpointer("checkpoints/run", keep=2, async_save=False)
+    params, train, vm = _save(ck, 1)
+    ck.wait()
+    assert ck.valid_steps() == [1]
+    ck.close()
+    assert (tmp_path / "checkpoints" / "run" / "1").is_dir()

@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import logging
+import os
 import time
 from typing import Any
 
@@ -87,6 +88,9 @@ class Checkpointer:
     """Save / validate / restore training checkpoints under ``directory``."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
+        # orbax (tensorstore/OCDBT) needs absolute local paths; gs:// and other URLs pass through unchanged.
+        if "://" not in str(directory):
+            directory = os.path.abspath(os.path.expanduser(str(directory)))
         self.root = epath.Path(directory)
         self.read_only = read_only
         self.primary = jax.process_index() == 0 and not read_only

@@ -21,7 +21,12 @@ def main(argv=None) -> int:
             print(f"  {k:15s} {v}")
         return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
     mod = importlib.import_module(COMMANDS[argv[0]][0])
-    return mod.main(argv[0], argv[1:]) or 0
+    try:
+        return mod.main(argv[0], argv[1:]) or 0
+    except (ValueError, OSError, RuntimeError) as e:
+        # Bad input (missing or corrupt files, mismatched shapes, no valid checkpoint): a clear message, no traceback.
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
