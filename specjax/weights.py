@@ -31,6 +31,7 @@ class WeightsError(ValueError):
 def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "tokenizer*", "*.model",
                                                   "*.txt", "*.jinja")) -> str:
     """A local folder is returned as is; anything else is treated as a hub id and downloaded (cached)."""
+    path = os.path.expanduser(path)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
