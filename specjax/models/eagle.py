@@ -23,6 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import layers
+from specjax.models import random_params
 from specjax.models import eagle3
 
 
@@ -98,15 +99,7 @@ def param_shapes(cfg: EagleConfig) -> EagleParams:
 
 def init_params(cfg: EagleConfig, key: jax.Array, scale: float = 0.02) -> EagleParams:
     """Random params (tests, benchmarks); norms start at 1."""
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(param_shapes(cfg))
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, sd), kk in zip(leaves, keys):
-        if "norm" in jax.tree_util.keystr(path):
-            out.append(jnp.ones(sd.shape, sd.dtype))
-        else:
-            out.append((jax.random.normal(kk, sd.shape, jnp.float32) * scale).astype(sd.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return random_params(param_shapes(cfg), key, scale)
 
 
 def embed_input(params: EagleParams, emb, feature):

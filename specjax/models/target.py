@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import layers
+from specjax.models import random_params
 from specjax.config import ModelConfig, default_aux_layer_ids
 from specjax.kv_cache import KVCache, gather_layer
 from specjax.sharding import constrain
@@ -91,17 +92,7 @@ def param_logical_axes(cfg: ModelConfig) -> TargetParams:
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> TargetParams:
     """Random params (benchmarks and tests); norms start at 1."""
-    shapes = param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    keys = jax.random.split(key, len(leaves))
-    out = []
-    for (path, sd), kk in zip(leaves, keys):
-        name = jax.tree_util.keystr(path)
-        if "norm" in name:
-            out.append(jnp.ones(sd.shape, sd.dtype))
-        else:
-            out.append((jax.random.normal(kk, sd.shape, jnp.float32) * scale).astype(sd.dtype))
-    return jax.tree_util.tree_unflatten(treedef, out)
+    return random_params(param_shapes(cfg), key, scale)
 
 
 @jax.tree_util.register_dataclass
