@@ -23,10 +23,12 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import decode, kv_cache, sampling
 from specjax.config import ModelConfig
 from specjax.models import target
+from specjax.sharding import use_mesh
 
 
 @jax.tree_util.register_dataclass
@@ -82,13 +84,24 @@ def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_
     return jax.lax.while_loop(cond, body, state)
 
 
+def _place_on_mesh(cfg: ModelConfig, mesh, cache: kv_cache.KVCache, inputs):
+    """KV pages sharded over kv heads on tp (as the attention weights are); everything else replicated."""
+    tp = mesh.shape["tp"]
+    kv = NamedSharding(mesh, P(None, None, None, "tp" if cfg.num_kv_heads % tp == 0 else None, None))
+    rep = NamedSharding(mesh, P())
+    cache = dataclasses.replace(cache, k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
+                                page_table=jax.device_put(cache.page_table, rep),
+                                lengths=jax.device_put(cache.lengths, rep))
+    return cache, jax.device_put(inputs, rep)
+
+
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
-             page_size: int = 16, cache_attention=None) -> list[list[int]]:
+             page_size: int = 16, cache_attention=None, mesh=None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
 
     ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0
@@ -96,6 +109,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     never stop early). Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns
     them). Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
     Shapes are bucketed (prompt length to ``page_size``, budget to 16) so that similar calls share one compile.
+    With ``mesh`` (a (dp, tp) mesh the params are sharded on, e.g. by ``weights.load_target_params``), the KV cache
+    is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
     """
     if not prompts:
         return []
@@ -128,9 +143,12 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, t_pad + capacity,
                                 page_size=page_size, dtype=jnp.dtype(cfg.dtype))
     sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    state = _prefill(params, cfg, cache, jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb,
-                     stop_ids, capacity=capacity, cache_attention=cache_attention)
-    state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
+    inputs = (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb, stop_ids)
+    if mesh is not None:
+        cache, inputs = _place_on_mesh(cfg, mesh, cache, inputs)
+    with use_mesh(mesh):
+        state = _prefill(params, cfg, cache, *inputs, capacity=capacity, cache_attention=cache_attention)
+        state = _decode_loop(params, cfg, state, inputs[-1], cache_attention=cache_attention)
     out, count = np.asarray(state.out), np.asarray(state.count)
     return [out[i, :count[i]].tolist() for i in range(b)]
 

@@ -89,3 +89,14 @@ def test_indivisible_heads_raise():
 def test_indivisible_vocab_raises():
     with pytest.raises(ShardingError, match=r"dimension vocab=250 does not divide by mesh axis tp=4"):
         param_shardings(_cfg(num_attention_heads=4, num_key_value_heads=4, vocab_size=250), make_mesh(4, 4))
+
+
+def test_generate_on_mesh_matches_single_device(model):
+    from specjax.generate import generate
+    folder, cfg, params, tokens = model
+    prompts = [list(map(int, tokens[i, : 3 + i])) for i in range(4)]
+    want = generate(params, cfg, prompts, max_new_tokens=6, stop_token_ids=())
+    mesh = make_mesh(4, 4)
+    got = generate(load_target_params(folder, cfg, mesh), cfg, prompts, max_new_tokens=6, stop_token_ids=(),
+                   mesh=mesh)
+    assert got == want
