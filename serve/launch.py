@@ -213,7 +213,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                             num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
                             num_draft_tokens=args.speculative_num_draft_tokens, max_batch=max_running,
                             pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
-                            attention_impl=args.attention_impl)
+                            attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh)
     else:
         from .model_runner import PlainRunner
         runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,

@@ -86,3 +86,24 @@ def test_pallas_tree_attention_hook_is_exact(setup):
                                       compiler_options={"xla_backend_optimization_level": 0})
     assert out == ref
     assert stats["tau"] > 1.0
+
+
+def test_runner_on_a_tp_dp_mesh_matches_one_device(setup):
+    """--tp-size 2 --dp-size 2 with EAGLE3: target sharded over tp, KV pools over kv heads, same greedy tokens."""
+    from specjax.sharding import make_mesh
+    from specjax.weights import shard_params
+    cfg, tp, _ = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    mesh = make_mesh(2, 2, devices=__import__("jax").devices()[:4])
+    runner = SpecRunner(cfg, shard_params(tp, cfg, mesh), "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5,
+                        max_batch=2, pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla",
+                        prefill_chunk=16, mesh=mesh)
+    prompt = np.random.default_rng(1).integers(0, 64, 11).tolist()
+    state = runner.init_state()
+    assert state.cache.k.sharding.mesh.shape == {"dp": 2, "tp": 2}
+    state, first = runner.prefill(state, 1, np.asarray(prompt), np.arange(PPS), {"temperature": 0.0})
+    out = [first]
+    while len(out) < MAX_NEW:
+        state, toks, counts = runner.step(state, np.array([False, True]))
+        out += toks[1, :counts[1]].tolist()
+    assert out[:MAX_NEW] == generate(tp, cfg, [prompt], max_new_tokens=MAX_NEW, stop_token_ids=())[0]

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sampling as sampling_lib
 from specjax.config import ModelConfig
@@ -25,6 +26,7 @@ from specjax.models import eagle, target
 from specjax.spec import draft as draft_lib
 from specjax.spec import step as step_lib
 from specjax.spec.draft import Draft
+from specjax.sharding import use_mesh
 
 _JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
         "step": (step_lib.spec_step, ("state",))}
@@ -235,7 +237,7 @@ class SpecRunner:
     def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,
                  draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
                  max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
-                 prefill_chunk: int = PREFILL_CHUNK):
+                 prefill_chunk: int = PREFILL_CHUNK, mesh=None):
         self.target_cfg = target_cfg
         self.target_params = target_params
         self.algorithm = algorithm.upper()
@@ -249,11 +251,34 @@ class SpecRunner:
         self.tokens_per_step = num_steps + 1
         self.prefill_chunk = prefill_chunk
         self._seed_counter = 0
+        # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
+        # replicated, the KV pools are split over kv heads on tp like the attention weights.
+        self.mesh = mesh
+        if mesh is not None:
+            self.draft = jax.tree.map(self._on_mesh, self.draft)
+
+    def _on_mesh(self, x, spec=P()):
+        if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh:
+            return x
+        return jax.device_put(x, NamedSharding(self.mesh, spec))
+
+    def _kv_spec(self, num_kv_heads: int):
+        return P(None, None, None, "tp" if num_kv_heads % self.mesh.shape["tp"] == 0 else None, None)
 
     def init_state(self) -> step_lib.SpecState:
-        return step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
-                                   self.pages_per_seq * self.page_size, page_size=self.page_size,
-                                   num_pages=self.num_pages)
+        state = step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
+                                    self.pages_per_seq * self.page_size, page_size=self.page_size,
+                                    num_pages=self.num_pages)
+        if self.mesh is None:
+            return state
+        state = jax.tree.map(self._on_mesh, state)  # replicated, then the KV pools re-placed below
+        kv_t = self._kv_spec(state.cache.k.shape[3])
+        kv_d = self._kv_spec(state.draft_k.shape[3])
+        cache = dataclasses.replace(state.cache, k=jax.device_put(state.cache.k, NamedSharding(self.mesh, kv_t)),
+                                    v=jax.device_put(state.cache.v, NamedSharding(self.mesh, kv_t)))
+        return dataclasses.replace(state, cache=cache,
+                                   draft_k=jax.device_put(state.draft_k, NamedSharding(self.mesh, kv_d)),
+                                   draft_v=jax.device_put(state.draft_v, NamedSharding(self.mesh, kv_d)))
 
     def prefill(self, state, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
                 cached: int = 0) -> tuple[Any, int]:
@@ -289,17 +314,20 @@ class SpecRunner:
             nxt[0, :m] = nxt_all[pos:pos + m]
             valid = np.arange(t)[None, :] < m
             is_last = pos + m >= len(rest)
-            state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg.for_prefill(),
-                                     state, jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
-                                     jnp.asarray([is_last]), jnp.asarray([int(cached)], jnp.int32))
+            with use_mesh(self.mesh):
+                state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg.for_prefill(),
+                                         state, jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt),
+                                         jnp.asarray(valid), jnp.asarray([is_last]), jnp.asarray([int(cached)],
+                                                                                                   jnp.int32))
             if is_last:
                 first = int(f)
             pos += m
         return state, first
 
     def step(self, state, active: np.ndarray):
-        state, toks, counts = _jitted("step")(self.target_params, self.target_cfg, self.draft, self.scfg, state,
-                                        jnp.asarray(active, bool))
+        with use_mesh(self.mesh):
+            state, toks, counts = _jitted("step")(self.target_params, self.target_cfg, self.draft, self.scfg, state,
+                                                jnp.asarray(active, bool))
         return state, np.asarray(toks), np.asarray(counts)
 
     def release(self, state, slot: int):
