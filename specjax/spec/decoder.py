@@ -229,6 +229,32 @@ def _release_slot(state, slot):
                                                                 lengths=state.cache.lengths.at[slot].set(0)))
 
 
+@functools.partial(jax.jit, static_argnames=("tcfg", "scfg", "nb", "npages"), donate_argnames=("state",))
+def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: int):
+    """``spec_step`` on the first ``nb`` slots, reading the first ``npages`` page-table columns: the running batch is
+    packed at the front (the scheduler hands out the lowest free slot), so a step costs what is running, not what
+    could run. Returns (state, tokens i32[nb, S+1], counts i32[nb])."""
+    c = state.cache
+    view = step_lib.SpecState(
+        cache=KVCache(k=c.k, v=c.v, page_table=c.page_table[:nb, :npages], lengths=c.lengths[:nb]),
+        draft_k=state.draft_k, draft_v=state.draft_v, sampling=jax.tree.map(lambda a: a[:nb], state.sampling),
+        **{f: getattr(state, f)[:nb] for f in _ROW_FIELDS})
+    view, toks, counts = step_lib.spec_step(tparams, tcfg, draft, scfg, view, active[:nb])
+    cache = KVCache(k=view.cache.k, v=view.cache.v, page_table=c.page_table,
+                    lengths=c.lengths.at[:nb].set(view.cache.lengths))
+    return step_lib.SpecState(
+        cache=cache, draft_k=view.draft_k, draft_v=view.draft_v,
+        sampling=jax.tree.map(lambda a, r: a.at[:nb].set(r), state.sampling, view.sampling),
+        **{f: getattr(state, f).at[:nb].set(getattr(view, f)) for f in _ROW_FIELDS}), toks, counts
+
+
+def _pow2_at_least(n: int, cap: int) -> int:
+    t = 1
+    while t < n:
+        t *= 2
+    return min(t, cap)
+
+
 class SpecRunner:
     """EAGLE3 / EAGLE speculative decoding behind ``specjax.runner.Runner`` (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
@@ -251,6 +277,7 @@ class SpecRunner:
         self.tokens_per_step = num_steps + 1
         self.prefill_chunk = prefill_chunk
         self._seed_counter = 0
+        self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
         # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
         # replicated, the KV pools are split over kv heads on tp like the attention weights.
         self.mesh = mesh
@@ -322,15 +349,29 @@ class SpecRunner:
             if is_last:
                 first = int(f)
             pos += m
+        self._lengths[slot] = n
         return state, first
 
     def step(self, state, active: np.ndarray):
+        active = np.asarray(active, bool)
+        b, w = self.max_batch, self.tokens_per_step
+        idx = np.nonzero(active)[0]
+        if len(idx) == 0:
+            return state, np.zeros((b, w), np.int32), np.zeros((b,), np.int32)
+        nb = _pow2_at_least(int(idx[-1]) + 1, b)
+        longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
+        npages = _pow2_at_least(-(-longest // self.page_size), self.pages_per_seq)
         with use_mesh(self.mesh):
-            state, toks, counts = _jitted("step")(self.target_params, self.target_cfg, self.draft, self.scfg, state,
-                                                jnp.asarray(active, bool))
-        return state, np.asarray(toks), np.asarray(counts)
+            state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, self.scfg, state,
+                                             jnp.asarray(active), nb=nb, npages=npages)
+        tokens = np.zeros((b, w), np.int32)
+        num = np.zeros((b,), np.int32)
+        tokens[:nb], num[:nb] = np.asarray(toks), np.asarray(counts)
+        self._lengths += num
+        return state, tokens, num
 
     def release(self, state, slot: int):
+        self._lengths[slot] = 0
         return _release_slot(state, jnp.int32(slot))
 
 
