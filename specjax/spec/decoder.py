@@ -61,10 +61,7 @@ def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: st
     algorithm = algorithm.upper()
     dtype = dtype or target_cfg.dtype
     if algorithm == "EAGLE3":
-        try:
-            from specjax.convert.head import load_head
-        except ImportError as e:
-            raise NotImplementedError(f"loading EAGLE3 heads needs specjax.convert.head.load_head ({e})") from None
+        from specjax.convert.head import load_head
         loaded = load_head(path, target_cfg=target_cfg, dtype=dtype)
         cfg, params, vocab = loaded[0], loaded[1], loaded[2] if len(loaded) > 2 else None
         if token_map is not None:
