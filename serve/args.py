@@ -117,18 +117,12 @@ class ServerArgs:
         if not self.speculative_draft_model_path:
             raise ArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH "
                             "(the draft head's folder)")
-        steps, topk, m = self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens
-        if steps < 1:
-            raise ArgsError(f"--speculative-num-steps must be >= 1 (got {steps})")
-        if topk < 1:
-            raise ArgsError(f"--speculative-eagle-topk must be >= 1 (got {topk})")
-        if topk == 1 and m != steps + 1:
-            raise ArgsError(f"with --speculative-eagle-topk 1 (a chain) --speculative-num-draft-tokens must be "
-                            f"num_steps + 1 = {steps + 1} (got {m})")
-        most = 1 + topk + (steps - 1) * topk * topk  # root + every candidate the draft tree can hold
-        if not 2 <= m <= most:
-            raise ArgsError(f"--speculative-num-draft-tokens {m} must be in [2, {most}] for steps={steps}, "
-                            f"topk={topk} (the root plus at most topk + (steps-1)*topk^2 candidates)")
+        from specjax.spec.tree import validate as validate_tree
+        try:
+            validate_tree(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
+        except ValueError as e:
+            raise ArgsError(f"--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens: "
+                            f"{e}") from None
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from functools import partial
 
 import jax
 import jax.numpy as jnp
@@ -23,21 +22,13 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from specjax import decode, kv_cache, sampling
 from specjax.config import ModelConfig
+from specjax.kernels.tree_attention import make_cache_attention
 from specjax.sharding import use_mesh
 
 log = logging.getLogger("specjax.serve")
 
 MIN_PREFILL_BUCKET = 16
 MIN_PAGE_BUCKET_TOKENS = 256
-
-
-def resolve_cache_attention(impl: str):
-    """``--attention-impl`` -> the ``cache_attention`` hook of ``target.forward`` (None = the XLA reference path):
-    auto = the Pallas tree-attention kernel on TPU, XLA elsewhere."""
-    if impl == "xla" or (impl == "auto" and jax.default_backend() != "tpu"):
-        return None
-    from specjax.kernels.tree_attention import make_cache_attention
-    return make_cache_attention(impl)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -88,7 +79,7 @@ class PlainRunner:
         self.cfg, self.params, self.mesh = cfg, params, mesh
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages
-        self.cache_attention = resolve_cache_attention(attention_impl)
+        self.cache_attention = make_cache_attention(attention_impl, cfg.sliding_window)
         max_tokens = pages_per_seq * page_size
         self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, min(max(max_prefill_tokens, 1), max_tokens))
         self.batch_buckets = pow2_buckets(1, max_batch)

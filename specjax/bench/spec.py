@@ -157,8 +157,8 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 
 
 def bench_spec(args) -> dict:
-    import numpy as np
     from specjax.generate import generate
+    from specjax.kernels.tree_attention import make_cache_attention
     from specjax.spec import decoder, step as step_lib
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
@@ -200,7 +200,7 @@ def bench_spec(args) -> dict:
     steps = sum(r[1]["verify_steps"][0] for r in spec_res)
     same = sum(a == b for a, b in zip(plain_out, spec_out))
     scfg = step_lib.SpecConfig(args.num_steps, args.topk, args.num_draft_tokens,
-                               step_lib.resolve_attention(args.attention_impl), sampling=False)
+                               make_cache_attention(args.attention_impl), sampling=False)
     phases = phase_times(tparams, tcfg, draft, scfg, prompts[0], args.phase_repeats)
     return dict(model=model_note, draft=draft_note, prompts=prompt_note, algorithm=alg, **conf,
                 max_new_tokens=args.max_new_tokens, plain_tokens=n_plain, spec_tokens=n_spec,
@@ -228,6 +228,7 @@ def bench_verify_sweep(args) -> dict:
     import jax
     import jax.numpy as jnp
     from specjax import decode, kv_cache, layers
+    from specjax.kernels.tree_attention import make_cache_attention
     from specjax.config import default_aux_layer_ids
     from specjax.models import target
 
@@ -239,8 +240,7 @@ def bench_verify_sweep(args) -> dict:
                                 dtype=jnp.dtype(tcfg.dtype))
     cache = kv_cache.KVCache(k=cache.k, v=cache.v, page_table=cache.page_table,
                              lengths=jnp.full((b,), ctx, jnp.int32))
-    from specjax.spec.step import resolve_attention
-    hook = resolve_attention(args.attention_impl)
+    hook = make_cache_attention(args.attention_impl)
     active = jnp.ones((b,), bool)
     f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"))
     t_plain = _median(lambda: f_plain(tparams, tcfg, cache, jnp.zeros((b,), jnp.int32), active, cache_attention=hook),

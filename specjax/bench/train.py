@@ -110,7 +110,6 @@ def main(argv=None) -> int:
     hf, s, name = _resolve(a)
 
     import jax
-    import jax.numpy as jnp
     import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 

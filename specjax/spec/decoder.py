@@ -26,6 +26,7 @@ from specjax.models import eagle, target
 from specjax.spec import draft as draft_lib
 from specjax.spec import step as step_lib
 from specjax.spec.draft import Draft
+from specjax.kernels.tree_attention import make_cache_attention
 from specjax.sharding import use_mesh
 
 _JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
@@ -112,7 +113,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     d = _as_draft(draft, algorithm, target_params)
     b = len(prompts)
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
-    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, step_lib.attention_for(target_cfg, attention_impl),
+    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, make_cache_attention(attention_impl, target_cfg.sliding_window),
                                may_sample, sample_accept_fn)
     step_lib.check_compatible(target_cfg, d, scfg)
     for i, p in enumerate(prompts):
@@ -267,7 +268,7 @@ class SpecRunner:
         self.draft = draft_lib.make_draft(self.algorithm, draft_cfg, draft_params, target_params,
                                           vocab_map_or_token_map)
         self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
-                                        step_lib.attention_for(target_cfg, attention_impl))
+                                        make_cache_attention(attention_impl, target_cfg.sliding_window))
         step_lib.check_compatible(target_cfg, self.draft, self.scfg)
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages

@@ -14,7 +14,6 @@ the a+1 new pairs (extending its cache and producing the next root) and leaves n
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Callable
 
 import jax
@@ -53,23 +52,6 @@ class SpecConfig:
         return SpecConfig(1, self.topk, 2, self.cache_attention, self.sampling)
 
 
-@functools.lru_cache(maxsize=None)
-def resolve_attention(impl: str = "auto"):
-    """The cache_attention hook for ``impl`` in {'auto', 'xla', 'pallas'} (kernel imported lazily; None = XLA).
-    Cached so that the same impl gives the same (hashable) hook and jitted steps are not recompiled."""
-    if impl not in ("auto", "xla", "pallas"):
-        raise ValueError(f"attention_impl must be 'auto', 'xla' or 'pallas', got {impl!r}")
-    if impl == "xla":
-        return None
-    try:
-        from specjax.kernels.tree_attention import make_cache_attention
-    except ImportError as e:
-        if impl == "pallas":
-            raise ValueError(f"attention_impl='pallas' needs specjax.kernels.tree_attention: {e}") from None
-        return None
-    return make_cache_attention(impl)
-
-
 def check_compatible(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig) -> None:
     """Raise ValueError when the head, the target and the tree shape do not fit together."""
     vd = int(draft.ids.shape[0])
@@ -82,13 +64,6 @@ def check_compatible(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig) -> None:
                          f"{tcfg.num_layers}")
     if scfg.cache_attention is not None and tcfg.sliding_window is not None:
         raise ValueError("sliding-window targets use the XLA attention path (attention_impl='xla')")
-
-
-def attention_for(tcfg: ModelConfig, impl: str):
-    """``resolve_attention`` for a target: 'auto' falls back to XLA for sliding-window models."""
-    if impl == "auto" and tcfg.sliding_window is not None:
-        return None
-    return resolve_attention(impl)
 
 
 @jax.tree_util.register_dataclass

@@ -48,51 +48,54 @@ def _finish(tree: Tree, path, n, bonus, num_steps: int) -> Accepted:
     return Accepted(path=path, accept_len=n, tokens=tokens.astype(jnp.int32), bonus=bonus.astype(jnp.int32))
 
 
+def _walk(hit, b: int, num_steps: int):
+    """Walk down from the root for up to ``num_steps`` levels. ``hit(d, cur) -> bool[B, M]`` marks the child of node
+    ``cur`` accepted at depth d (the first marked node wins; none = stop). Returns (last accepted node i32[B],
+    path i32[B, S+1] of node indices with the root at 0, accepted draft tokens i32[B])."""
+    def body(d, st):
+        cur, done, path, n = st
+        h = hit(d, cur)
+        found = h.any(-1) & ~done
+        nxt = jnp.argmax(h, -1).astype(jnp.int32)
+        cur = jnp.where(found, nxt, cur)
+        path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
+        return cur, done | ~found, path, n + found.astype(jnp.int32)
+
+    init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
+            jnp.zeros((b,), jnp.int32))
+    cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
+    return cur, path, n
+
+
 def greedy_accept(tree: Tree, target_argmax, num_steps: int) -> Accepted:
     """target_argmax: i32[B, M] the target's argmax token after each node."""
     b = tree.tokens.shape[0]
     rows = jnp.arange(b)
     first = _first_sibling_occurrence(tree)
 
-    def body(d, st):
-        cur, done, path, n = st
+    def hit(d, cur):
         want = target_argmax[rows, cur]  # i32[B]
-        hit = (tree.parent == cur[:, None]) & (tree.tokens == want[:, None]) & first  # [B, M]
-        found = hit.any(-1) & ~done
-        nxt = jnp.argmax(hit, -1).astype(jnp.int32)
-        cur = jnp.where(found, nxt, cur)
-        path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
-        return cur, done | ~found, path, n + found.astype(jnp.int32)
+        return (tree.parent == cur[:, None]) & (tree.tokens == want[:, None]) & first  # [B, M]
 
-    init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
-            jnp.zeros((b,), jnp.int32))
-    cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
+    cur, path, n = _walk(hit, b, num_steps)
     return _finish(tree, path, n, target_argmax[rows, cur], num_steps)
 
 
 def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Accepted:
     """probs: f32[B, M, V] target distribution after each node; coins: f32[B, S] uniforms in [0, 1);
     residual_keys: u32[B, 2] keys for the final draw."""
-    b, m = tree.tokens.shape
+    b = tree.tokens.shape[0]
     rows = jnp.arange(b)
     first = _first_sibling_occurrence(tree)
 
-    def body(d, st):
-        cur, done, path, n = st
+    def hit(d, cur):
         p_cur = probs[rows, cur]  # f32[B, V]
         p_tok = jnp.take_along_axis(p_cur, tree.tokens, axis=1)  # f32[B, M] p of each node's token
         child = (tree.parent == cur[:, None]) & first
         cum = jnp.cumsum(jnp.where(child, p_tok, 0.0), axis=1)  # children in index order
-        hit = child & (coins[:, d][:, None] < cum)
-        found = hit.any(-1) & ~done
-        nxt = jnp.argmax(hit, -1).astype(jnp.int32)
-        cur = jnp.where(found, nxt, cur)
-        path = path.at[:, d + 1].set(jnp.where(found, nxt, 0))
-        return cur, done | ~found, path, n + found.astype(jnp.int32)
+        return child & (coins[:, d][:, None] < cum)
 
-    init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
-            jnp.zeros((b,), jnp.int32))
-    cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
+    cur, path, n = _walk(hit, b, num_steps)
     # The bonus: p at the last accepted node with all its children (all tried and rejected) removed.
     p_cur = probs[rows, cur]
     child = tree.parent == cur[:, None]
