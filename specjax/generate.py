@@ -99,6 +99,12 @@ def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
 
 
+def _prompt_bucket(n: int, page_size: int) -> int:
+    """Padded prompt length: the next power of two (>= 64) in whole pages, so that calls with prompts of
+    similar lengths share one compile of the prefill and of the decode loop."""
+    return _round_up(max(64, 1 << (max(n, 1) - 1).bit_length()), page_size)
+
+
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
              page_size: int = 16, cache_attention=None, mesh=None) -> list[list[int]]:
@@ -108,7 +114,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     is greedy. A row stops after emitting any of ``stop_token_ids`` (default: the config's eos ids; pass ``()`` to
     never stop early). Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns
     them). Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
-    Shapes are bucketed (prompt length to ``page_size``, budget to 16) so that similar calls share one compile.
+    Shapes are bucketed (prompt length to a power of two, budget to 16) so that similar calls share one compile.
     With ``mesh`` (a (dp, tp) mesh the params are sharded on, e.g. by ``weights.load_target_params``), the KV cache
     is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
     """
@@ -129,7 +135,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     if not limit.any():
         return [[] for _ in prompts]
 
-    t_pad = _round_up(max(len(p) for p in prompts), page_size)
+    t_pad = _prompt_bucket(max(len(p) for p in prompts), page_size)
     tokens = np.zeros((b, t_pad), np.int32)
     valid = np.zeros((b, t_pad), bool)
     for i, p in enumerate(prompts):
@@ -168,6 +174,14 @@ def _generation_eos_ids(folder: str) -> tuple[int, ...]:
     if eos is None:
         return ()
     return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def stop_token_ids(folder: str, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """The ids that end a turn: the eos ids of config.json, generation_config.json and the tokenizer."""
+    stop = list(cfg.eos_token_ids) + list(_generation_eos_ids(folder))
+    if tokenizer.eos_token_id is not None:
+        stop.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(stop))
 
 
 def load_tokenizer(folder: str):
@@ -209,10 +223,7 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
     ids = encode_prompts(tokenizer, prompts, chat)
     if sampling_kw.get("stop_token_ids") is None:
-        stop = list(cfg.eos_token_ids) + list(_generation_eos_ids(folder))
-        if tokenizer.eos_token_id is not None:
-            stop.append(int(tokenizer.eos_token_id))
-        sampling_kw["stop_token_ids"] = tuple(dict.fromkeys(stop))
+        sampling_kw["stop_token_ids"] = stop_token_ids(folder, cfg, tokenizer)
     outs = generate(params, cfg, ids, max_new_tokens=max_new_tokens, **sampling_kw)
     return [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
 
