@@ -69,7 +69,8 @@ def reference(params, cfg, embed, aux, ids, loss_mask, attn_mask, logits, t2d, t
     am = np.asarray(attn_mask)
     h = aux @ p.fc  # [B, T, H]
     cache = [([], []) for _ in p.layers]  # per layer: keys / values of every step so far, [B, T, K, Hd] each
-    out = {"ploss": [], "acc": [], "acc_all": [], "pm": []}
+    out = {"ploss": [], "acc": [], "acc_all": [], "pm": [], "chain": []}
+    run = _pad_shift(np.asarray(loss_mask, np.float64) * am, 1)  # positions valid at step 0, all steps correct so far
     for k in range(ttt_length):
         s = k + 1
         ids_k = _pad_shift(np.asarray(ids), s)
@@ -112,11 +113,15 @@ def reference(params, cfg, embed, aux, ids, loss_mask, attn_mask, logits, t2d, t
         pm = lm * t2d[top]
         tp = _softmax(z[..., t2d])
         out["ploss"].append(-(pm * (tp * _log_softmax(draft)).sum(-1)).mean())
-        correct = (lm * (used[draft.argmax(-1)] == top)).sum()
+        hit = lm * (used[draft.argmax(-1)] == top)
+        correct = hit.sum()
+        run = run * hit
+        out["chain"].append(run.sum())
         out["acc"].append(correct / max(lm.sum(), 1))
         out["acc_all"].append(correct / (b * t))
         out["pm"].append(pm)
     out["loss"] = sum(decay ** k * l for k, l in enumerate(out["ploss"]))
+    out["accept_len"] = 1 + sum(out["chain"]) / max(_pad_shift(np.asarray(loss_mask, np.float64) * am, 1).sum(), 1)
     return out
 
 
@@ -156,8 +161,18 @@ def test_ttt_forward_matches_reference(ttt_length, num_layers):
         # the masks really bite: some loss-masked positions have a target argmax outside the draft vocab
         assert ref["pm"][k].sum() > 0
     assert float(m["valid_tokens"]) == float(_pad_shift(lm.astype(float) * am, 1).sum())
+    np.testing.assert_allclose(float(m["accept_len"]), ref["accept_len"], atol=1e-6)
     # later steps see less valid data: the shifted masks are nested
     assert [float(m[f"acc_{k}_allpos"]) <= float(m[f"acc_{k}"]) for k in range(ttt_length)] == [True] * ttt_length
+
+
+def test_accept_len_counts_leading_correct_steps():
+    """accept_len = 1 + mean over step-0-valid positions of the number of LEADING correct steps: a position whose
+    step 0 is wrong adds nothing even when later steps are right."""
+    stats = {"ce_sum": jnp.zeros(3), "valid": jnp.asarray([4.0, 4.0, 4.0]), "positions": jnp.asarray(8.0),
+             "correct": jnp.asarray([3.0, 2.0, 2.0]), "chain": jnp.asarray([3.0, 2.0, 1.0])}
+    m = ttt.finalize_metrics(stats, 0.8)
+    np.testing.assert_allclose(float(m["accept_len"]), 1 + 6 / 4)
 
 
 def test_padding_and_tail_do_not_leak():

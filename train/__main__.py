@@ -156,6 +156,7 @@ def main(argv=None) -> int:
     from specjax import weights
     from specjax.config import ModelConfig
     from specjax.models import target as target_lib
+    from specjax.models import eagle3
     from specjax.models.eagle3 import Eagle3Config
     from specjax.sharding import make_mesh
     from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
@@ -276,6 +277,11 @@ def main(argv=None) -> int:
         if init_params is not None:  # host copies -> replicated global arrays (any number of processes)
             init_params = jax.tree.map(lambda x: jax.make_array_from_callback(
                 x.shape, rep, lambda idx, x=np.asarray(jax.device_get(x)): x[idx]), init_params)
+        if init_params is None and cfg.head.init_lm_head == "target":
+            init_params = eagle3.init_params_from_target(
+                head_cfg.replace(dtype="float32"), jax.random.PRNGKey(cfg.training.seed), target_params.embed,
+                target_params.lm_head, getattr(target_params, "final_norm", None), vocab_map)
+            vocab_source += "; lm_head and norm from the target"
         state = step_lib.init_train_state(head_cfg, cfg.training.seed, optimizer, mesh, init_params=init_params)
     vocab_map = jax.device_put(vocab_map, rep)
     log.info(f"head: {head_cfg.num_layers} layer(s), hidden {head_cfg.hidden_size}, draft vocab "
@@ -372,7 +378,10 @@ def main(argv=None) -> int:
             em = run_eval()
             if em:
                 log.metrics(step, em)
-                log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0 {em.get('eval_acc_0', 0):.3f}")
+                accs = " ".join(f"{em[f'eval_acc_{k}']:.3f}" for k in range(cfg.training.ttt_length)
+                                if f"eval_acc_{k}" in em)
+                log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0..{cfg.training.ttt_length - 1} "
+                         f"{accs} predicted chain accept length {em.get('eval_accept_len', float('nan')):.2f}")
         if step % cfg.checkpoint.every == 0 and step < total_steps:
             save(step)
         ckpt.poll()

@@ -37,6 +37,7 @@ class HeadConfig:
     draft_vocab_size: int = 32000  # Vd: the most frequent target ids of the data (capped at the target vocab)
     num_layers: int = 1  # decoder layers of the head (EAGLE3: 1)
     init_from: str | None = None  # specjax checkpoint dir: fine-tune that head (keeps its vocab map)
+    init_lm_head: str = "random"  # random | target: a fresh head's lm_head/norm start as the target's (draft rows)
     vocab_map: str | None = None  # .npz / .safetensors from `python -m specjax.train.vocab`; default: computed
     dtype: str = "float32"  # compute dtype of the head (master weights and Adam moments are fp32 regardless)
     aux_layer_ids: tuple[int, ...] | None = None  # default: EAGLE3's {1, L/2-1, L-4}
@@ -363,6 +364,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
     if cfg.head.draft_vocab_size < 1:
         raise ConfigError("head.draft_vocab_size must be >= 1")
+    if cfg.head.init_lm_head not in ("random", "target"):
+        raise ConfigError(f"head.init_lm_head must be random or target, not {cfg.head.init_lm_head!r}")
 
 
 def dump_yaml(cfg: RunConfig) -> str:

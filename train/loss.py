@@ -20,6 +20,11 @@ over ALL positions of the micro-batch, padding included. Micro-batches of equal 
 to the loss of their concatenation (gradient accumulation is exact), at the price of a loss scale that shrinks
 with the padding fraction. Total loss = sum_k decay**k * loss_k.
 
+Chain accept length: ``chain[k]`` counts the step-0-valid positions whose steps 0..k are all correct. Given correct
+steps 0..k-1, step k's inputs (the true tokens) are exactly what a chain draft would feed it when the verified text is
+the target's greedy output (as in regenerated data), so ``1 + sum_k chain[k] / valid[0]`` is the expected number of
+tokens per verify step of a greedy chain draft of ``ttt_length`` steps (``accept_len``; the first k terms for k steps).
+
 Accuracy: ``acc_k`` = correct / positions with ``loss_mask`` set (valid positions, including those whose target
 argmax lies outside the draft vocab, which the draft cannot get right), where correct means
 ``argmax(draft) + d2t[argmax(draft)] == argmax(target)``. ``acc_k_allpos`` divides the same count by all B*T
@@ -39,7 +44,8 @@ from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
 from specjax.sharding import constrain
 
 # Accumulable statistics of a rollout (sums over a micro-batch), each f32[ttt_length] except ``positions`` (f32[]).
-STAT_KEYS = ("ce_sum", "correct", "valid", "positions")
+# ``chain[k]``: step-0-valid positions whose steps 0..k are ALL correct (what a chain draft gets accepted for).
+STAT_KEYS = ("ce_sum", "correct", "valid", "chain", "positions")
 
 
 def shift_left(x, n: int, fill=0):
@@ -121,7 +127,8 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
     nl = len(head_params.layers)
     step0_kv: list[tuple[Any, Any]] = []  # per layer: step 0's (k, v) [B, T, K, Hd]
     diag_kv: list[list[tuple[Any, Any]]] = [[] for _ in range(nl)]  # per layer: steps 1..k
-    losses, stats = [], {k: [] for k in STAT_KEYS[:3]}
+    losses, stats = [], {k: [] for k in STAT_KEYS[:4]}
+    run = shift_left(loss_mask, 1)  # f32[B, T]: step-0-valid positions still correct at every step so far
     for k in range(ttt_length):
         s = k + 1
         emb = shift_left(emb_all, s)  # [B, T, H]
@@ -152,10 +159,13 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
         ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # f32[B, T]
         ce_sum = jnp.sum(position_mask * ce)
         pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[B, T] draft ids
-        correct = jnp.sum(lm * ((pred + d2t[pred]) == top).astype(jnp.float32))
+        hit = lm * ((pred + d2t[pred]) == top).astype(jnp.float32)  # f32[B, T]
+        correct = jnp.sum(hit)
+        run = run * hit
         losses.append(ce_sum / (b * t))
         stats["ce_sum"].append(ce_sum)
         stats["correct"].append(correct)
+        stats["chain"].append(jnp.sum(run))
         stats["valid"].append(jnp.sum(lm))
     loss = sum((decay ** k) * l for k, l in enumerate(losses))
     out = {k: jnp.stack(v) for k, v in stats.items()}
@@ -164,13 +174,16 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
 
 
 def finalize_metrics(stats, decay: float) -> dict[str, jax.Array]:
-    """Metrics from (summed) rollout stats: loss, ploss_k, acc_k (valid positions), acc_k_allpos, valid_tokens."""
+    """Metrics from (summed) rollout stats: loss, ploss_k, acc_k (valid positions), acc_k_allpos, valid_tokens and
+    ``accept_len``: the chain accept length (tokens per verify step) that a chain draft of ``ttt_length`` steps
+    would get from this head on these positions under greedy verification, 1 + sum_k chain[k] / valid[0]."""
     n = stats["positions"]
     ploss = stats["ce_sum"] / n
     acc = stats["correct"] / jnp.maximum(stats["valid"], 1.0)
     acc_all = stats["correct"] / n
     out = {"loss": sum((decay ** k) * ploss[k] for k in range(ploss.shape[0])),
-           "valid_tokens": stats["valid"][0]}
+           "valid_tokens": stats["valid"][0],
+           "accept_len": 1.0 + jnp.sum(stats["chain"]) / jnp.maximum(stats["valid"][0], 1.0)}
     for k in range(ploss.shape[0]):
         out[f"ploss_{k}"] = ploss[k]
         out[f"acc_{k}"] = acc[k]

@@ -133,6 +133,23 @@ def init_params(cfg: Eagle3Config, key: jax.Array, scale: float = 0.02) -> Eagle
     return random_params(param_shapes(cfg), key, scale)
 
 
+def init_params_from_target(cfg: Eagle3Config, key: jax.Array, embed, lm_head, final_norm,
+                            vocab_map: VocabMap) -> Eagle3Params:
+    """Random head params whose output layer starts as the target's: ``lm_head`` = the target's output projection
+    restricted to the draft vocab ([H, Vd]; ``embed`` [V, H] rows when ``lm_head`` is None, i.e. tied) and
+    ``norm`` = the target's final norm (ones when None). A head whose hidden state matches the target's last
+    hidden state then predicts what the target does, so training starts from a useful output layer."""
+    if cfg.hidden_size != cfg.target_hidden_size:
+        raise ValueError(f"init from the target's lm_head needs head hidden {cfg.hidden_size} == target hidden "
+                         f"{cfg.target_hidden_size}")
+    params = init_params(cfg, key)
+    used = jnp.arange(cfg.draft_vocab_size) + jnp.asarray(vocab_map.d2t)  # i32[Vd] target ids
+    head = jnp.take(embed, used, axis=0).T if lm_head is None else jnp.take(lm_head, used, axis=1)  # [H, Vd]
+    norm = params.norm if final_norm is None else jnp.asarray(final_norm)
+    dt = jnp.dtype(cfg.dtype)
+    return dataclasses.replace(params, lm_head=head.astype(dt), norm=norm.astype(dt))
+
+
 def project_aux(params: Eagle3Params, aux):
     """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H]."""
     return jnp.einsum("btc,ch->bth", aux.astype(params.fc.dtype), params.fc)

@@ -1,0 +1,86 @@
+"""``python -m specjax.train.regenerate`` on the real SmolLM2: each regenerated answer is exactly the target's plain
+greedy answer to the same chat (the oracle is ``specjax.generate`` one prompt at a time, not batched), multi-turn
+answers see the regenerated history, bad records are counted, and a rerun resumes (also after a torn last line).
+
+Needs the converted model in the cache (``python -m specjax.convert fetch-smollm2``); skips otherwise.
+"""
+
+import json
+import os
+
+import pytest
+
+from specjax.convert.fetch import default_smollm2_path
+from specjax.train import regenerate as regen
+
+NEW = 12
+CONVS = [
+    {"id": "a", "conversations": [{"from": "human", "value": "What is the capital of France?"},
+                                  {"from": "gpt", "value": "Paris, of course."},
+                                  {"from": "human", "value": "And of Italy?"},
+                                  {"from": "gpt", "value": "Rome."}]},
+    {"id": "b", "conversations": [{"from": "gpt", "value": "no human turn"}]},  # unusable
+    {"id": "c", "messages": [{"role": "system", "content": "You are terse."},
+                             {"role": "user", "content": "Name a colour."},
+                             {"role": "assistant", "content": "Blue."}]},
+    "not a record",
+]
+
+
+@pytest.fixture(scope="module")
+def model_path():
+    path = default_smollm2_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
+    return path
+
+
+def _plain_answer(path, messages):
+    from specjax.generate import generate, load_tokenizer, stop_token_ids
+    from specjax.weights import load_model
+    cfg, params = load_model(path)
+    tok = load_tokenizer(path)
+    text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    out = generate(params, cfg, [ids], max_new_tokens=NEW, stop_token_ids=stop_token_ids(path, cfg, tok))[0]
+    return tok.decode(out, skip_special_tokens=True).strip()
+
+
+def _read(path):
+    with open(path) as f:
+        return [json.loads(line) for line in f]
+
+
+def test_regenerate_matches_plain_greedy_and_resumes(model_path, tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps(c) for c in CONVS) + "\n{broken json\n")
+    out = tmp_path / "out.jsonl"
+    cfg = regen.RegenConfig(model=model_path, data=[str(src)], out=str(out), max_new_tokens=NEW, batch_size=2,
+                            chunk=2, max_turns=2)
+    stats = regen.regenerate(cfg, log=lambda m: None)
+    assert stats["written"] == 2
+    assert stats["empty"] == 1 and stats["bad_format"] == 1 and stats["undecodable"] == 1
+    recs = {r["id"]: r for r in _read(out)}
+    a, c = recs["a"]["messages"], recs["c"]["messages"]
+    assert [m["role"] for m in a] == ["user", "assistant", "user", "assistant"]
+    assert a[0]["content"] == "What is the capital of France?" and a[2]["content"] == "And of Italy?"
+    # the oracle: plain greedy on the regenerated history, one conversation at a time
+    assert a[1]["content"] == _plain_answer(model_path, a[:1])
+    assert a[3]["content"] == _plain_answer(model_path, a[:3])
+    assert a[1]["content"] != "Paris, of course."
+    assert [m["role"] for m in c] == ["system", "user", "assistant"]
+    assert c[2]["content"] == _plain_answer(model_path, c[:2])
+
+    # resume: a torn last line is dropped and rewritten; finished records are skipped, not duplicated
+    lines = out.read_text().splitlines(keepends=True)
+    out.write_text(lines[0] + lines[1][: len(lines[1]) // 2])
+    stats = regen.regenerate(cfg, log=lambda m: None)
+    assert stats["already_done"] == 1 and stats["written"] == 1
+    again = _read(out)
+    assert sorted(r["id"] for r in again) == ["a", "c"]
+    assert {r["id"]: r for r in again} == recs
+
+
+def test_regenerate_cli_rejects_bad_values(capsys):
+    assert regen.main(["--model", "x", "--out", "y", "--batch-size", "0"]) == 2
+    assert "--batch-size must be >= 1" in capsys.readouterr().err
