@@ -1,4 +1,6 @@
-"""``python -m specjax.serve --model-path PATH [...]``: load, warm up, serve over HTTP. ``--help`` lists every flag."""
+"""``python -m specjax.serve --model-path PATH [...]``: load, warm up, serve over HTTP. ``--help`` lists every flag.
+With no model and no speculative flags it serves the default pair: SmolLM2-135M-Instruct (fetched on first use)
+with the EAGLE3 head shipped in the package, at the head's tuned tree shape."""
 
 from __future__ import annotations
 
@@ -37,6 +39,13 @@ def main(argv=None) -> int:
     app = create_app(backend)
     log.info("serving %s on http://%s:%d (startup %.1fs)", args.model_name, args.host, args.port,
              time.perf_counter() - t_start)
+    if args.speculative_algorithm:
+        log.info("speculative decoding: %s, head %s, tree (steps %d, topk %d, draft tokens %d)",
+                 args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
+                 args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    log.info("try:  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d "
+             "'{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
+             "France?\"}]}'", args.host, args.port, args.model_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                     timeout_keep_alive=30)

@@ -8,6 +8,10 @@ import argparse
 import dataclasses
 import logging
 
+from specjax.convert.fetch import default_smollm2_path
+from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
+from specjax.spec.tune import TuneError, load_tune, shape_for
+
 log = logging.getLogger("specjax.serve")
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -69,6 +73,7 @@ class ServerArgs:
     def __post_init__(self):
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
+            self._tree_from_tune_file()
             # SGLang's defaults apply only when speculative decoding is on.
             if self.speculative_num_steps is None:
                 self.speculative_num_steps = 5
@@ -78,9 +83,37 @@ class ServerArgs:
                 self.speculative_num_draft_tokens = (self.speculative_num_steps + 1
                                                      if self.speculative_eagle_topk == 1 else 8)
 
+    def _tree_from_tune_file(self) -> None:
+        """No tree flag given: take the batch-1 shape that ``bench tune`` measured for this head, if it did."""
+        if any(v is not None for v in (self.speculative_num_steps, self.speculative_eagle_topk,
+                                       self.speculative_num_draft_tokens)):
+            return
+        try:
+            table = load_tune(self.speculative_draft_model_path)
+        except TuneError as e:
+            log.warning("%s; using the default tree", e)
+            return
+        shape = shape_for(table, 1) if table else None
+        if shape is not None:
+            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
+
+    def use_default_pair(self) -> bool:
+        """No model and no speculative flags: serve the default pair (SmolLM2-135M-Instruct with the EAGLE3 head
+        shipped in the package, at its tuned tree shape). Returns whether it did."""
+        if self.model_path or self.speculative_algorithm or self.speculative_draft_model_path \
+                or not default_head_available():
+            return False
+        self.model_path = default_smollm2_path()
+        self.speculative_algorithm = DEFAULT_ALGORITHM
+        self.speculative_draft_model_path = DEFAULT_HEAD
+        self.__post_init__()
+        return True
+
     def validate(self) -> "ServerArgs":
-        if not self.model_path:
-            raise ArgsError("--model-path is required: a local folder with config.json and *.safetensors, or a hub id")
+        if not self.model_path and not self.use_default_pair():
+            raise ArgsError("--model-path is required: a local folder with config.json and *.safetensors, or a hub id"
+                            " (with no model and no speculative flags, the default pair is served: SmolLM2-135M-"
+                            "Instruct + the packaged EAGLE3 head)")
         if self.dtype not in ("auto", "bfloat16", "float16", "float32"):
             raise ArgsError(f"--dtype must be one of auto, bfloat16, float16, float32 (got {self.dtype!r})")
         if not 1 <= self.port <= 65535:

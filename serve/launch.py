@@ -21,6 +21,8 @@ import time
 import jax
 import numpy as np
 
+from specjax.convert.fetch import default_smollm2_path, fetch_smollm2
+
 from .args import ServerArgs
 from .engine import Scheduler
 from .metrics import Metrics
@@ -177,6 +179,10 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     if args.speculative_algorithm and (args.speculative_accept_threshold_single != 1.0
                                        or args.speculative_accept_threshold_acc != 1.0):
         log.warning("relaxed acceptance thresholds are not implemented; verification stays lossless (1.0)")
+    if args.model_path == default_smollm2_path() and not os.path.isdir(args.model_path):
+        log.info("first use of the default model: fetching and converting SmolLM2-135M-Instruct into %s",
+                 args.model_path)
+        fetch_smollm2(args.model_path)
     folder = resolve_model_path(args.model_path)
     tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
     tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)

@@ -26,9 +26,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import decode, kv_cache, sampling
-from specjax.config import ModelConfig
+from specjax.config import ConfigError, ModelConfig
+from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.models import target
+from specjax.safetensors_io import SafetensorsError
 from specjax.sharding import use_mesh
+from specjax.spec.decoder import load_draft, make_draft, speculative_generate
+from specjax.spec.tree import validate as validate_tree
+from specjax.spec.tune import TuneError, load_tune, shape_for
+from specjax.weights import WeightsError, load_model, resolve_model_path
 
 
 @jax.tree_util.register_dataclass
@@ -231,11 +237,17 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
 def _parser() -> argparse.ArgumentParser:
     ap = argparse.ArgumentParser(
         prog="python -m specjax.generate", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Plain generation with a target model (no speculation): the reference output that speculative "
-                    "decoding must reproduce.",
-        epilog="example: python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt 'What is JAX?'")
-    ap.add_argument("--model", required=True, metavar="PATH",
-                    help="folder with config.json, *.safetensors and the tokenizer (or a hub id when online)")
+        description="Generate with a target model, with speculative decoding (EAGLE3 / EAGLE) or plain. With no "
+                    "--model: SmolLM2-135M-Instruct (fetched on first use) with the EAGLE3 head shipped in the "
+                    "package, at its tuned tree shape, timed beside plain decoding of the same prompt.",
+        epilog="examples:\n"
+               "  python -m specjax.generate --chat --prompt 'Explain what a binary search does.'\n"
+               "  python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt 'What is JAX?'\n"
+               "  python -m specjax.generate --model M --speculative-algorithm EAGLE3 "
+               "--speculative-draft-model-path HEAD --chat --prompt 'Hi'")
+    ap.add_argument("--model", metavar="PATH",
+                    help="folder with config.json, *.safetensors and the tokenizer (or a hub id when online); "
+                         "default: SmolLM2-135M-Instruct with the packaged EAGLE3 head")
     ap.add_argument("--prompt", action="append", metavar="TEXT",
                     help="a prompt; repeat for a batch (default: one example prompt)")
     ap.add_argument("--chat", action="store_true",
@@ -248,28 +260,106 @@ def _parser() -> argparse.ArgumentParser:
     ap.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
     ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
                     help="parameter/compute dtype; auto = the checkpoint's torch_dtype (default)")
+    ap.add_argument("--speculative-algorithm", type=str.upper, choices=("EAGLE3", "EAGLE", "NONE"),
+                    help="speculative decoding with a draft head (default: EAGLE3 for the default model, none "
+                         "otherwise; NONE forces plain decoding)")
+    ap.add_argument("--speculative-draft-model-path", metavar="PATH", help="the draft head's folder (HF format)")
+    ap.add_argument("--speculative-num-steps", type=int, metavar="N", help="draft depth (default: the head's tuned)")
+    ap.add_argument("--speculative-eagle-topk", type=int, metavar="N", help="branching per draft step")
+    ap.add_argument("--speculative-num-draft-tokens", type=int, metavar="N", help="tree tokens verified per step")
+    ap.add_argument("--no-compare", action="store_true",
+                    help="with speculative decoding, skip the timed plain run beside it")
     return ap
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from specjax.config import ConfigError
-    from specjax.safetensors_io import SafetensorsError
-    from specjax.weights import WeightsError
-    prompts = args.prompt or ["The capital of France is"]
-    try:
-        sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)
-        texts = generate_text(args.model, prompts, args.chat, max_new_tokens=args.max_new_tokens,
-                              dtype=None if args.dtype == "auto" else args.dtype, temperature=args.temperature,
-                              top_k=args.top_k, top_p=args.top_p, min_p=args.min_p, seed=args.seed)
-    except (WeightsError, ConfigError, SafetensorsError, ValueError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, int] | None]:
+    """(model folder, algorithm or None, head folder, tree shape) from the flags and the defaults."""
+    model, algo, head = args.model, args.speculative_algorithm, args.speculative_draft_model_path
+    if model is None:
+        from specjax.convert.fetch import default_smollm2_path, fetch_smollm2
+        model = default_smollm2_path()
+        if not os.path.isdir(model):
+            print(f"first use: fetching and converting SmolLM2-135M-Instruct into {model}", file=sys.stderr)
+            fetch_smollm2(model)
+        if algo is None and head is None and default_head_available():
+            algo, head = DEFAULT_ALGORITHM, DEFAULT_HEAD
+    if algo == "NONE":
+        return model, None, None, None
+    if algo is None and head is not None:
+        raise ValueError("--speculative-draft-model-path needs --speculative-algorithm EAGLE3 (or EAGLE)")
+    if algo is not None and head is None:
+        raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH")
+    if algo is None:
+        return model, None, None, None
+    flags = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
+    table = load_tune(head)
+    tuned = shape_for(table, len(args.prompt or [1])) if table and all(f is None for f in flags) else None
+    shape = tuned or tuple(f if f is not None else d for f, d in zip(flags, (5, 1, 6)))
+    validate_tree(*shape)
+    return model, algo, head, shape
+
+
+def _timed(fn):
+    """fn() once to compile, then once timed: (result, seconds)."""
+    import time
+    fn()
+    t0 = time.perf_counter()
+    out = fn()
+    return out, time.perf_counter() - t0
+
+
+def speculative_demo(args, prompts: list[str]) -> int:
+    """EAGLE3/EAGLE generation of ``prompts``, timed beside plain decoding of the same prompts; prints both."""
+    model, algo, head, shape = _resolve_pair(args)
+    folder = resolve_model_path(model)
+    cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype)
+    tok = load_tokenizer(folder)
+    ids = encode_prompts(tok, prompts, args.chat)
+    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+              top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop_token_ids(folder, cfg, tok))
+    if algo is None:
+        outs = generate(params, cfg, ids, **kw)
+        _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
+        return 0
+    dcfg, dparams, vocab = load_draft(head, algo, cfg)
+    draft = make_draft(algo, dcfg, dparams, params, vocab)
+    print(f"{algo} head {head}, tree (steps {shape[0]}, topk {shape[1]}, draft tokens {shape[2]}); compiling ...",
+          file=sys.stderr, flush=True)
+    (outs, stats), t_spec = _timed(lambda: speculative_generate(
+        params, cfg, draft, ids, algorithm=algo, num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2], **kw))
+    _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
+    n = sum(len(o) for o in outs)
+    print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, accept length {stats['tau']:.2f} "
+          f"tokens per verify step")
+    if args.no_compare:
+        return 0
+    plain, t_plain = _timed(lambda: generate(params, cfg, ids, **kw))
+    m = sum(len(o) for o in plain)
+    same = "identical" if plain == outs else ("differs (sampling)" if args.temperature > 0 else "DIFFERS")
+    print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {(n / t_spec) / (m / t_plain):.2f}x;"
+          f" output {same} to plain decoding")
+    return 0
+
+
+def _print_texts(prompts, texts) -> None:
     for i, (p, t) in enumerate(zip(prompts, texts)):
         if len(prompts) > 1:
             print(f"--- [{i}] {p}")
         print(t)
-    return 0
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    from specjax.convert.fetch import FetchError
+    prompts = args.prompt or ["The capital of France is"]
+    try:
+        sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)
+        if args.max_new_tokens < 1:
+            raise ValueError("--max-new-tokens must be >= 1")
+        return speculative_demo(args, prompts)
+    except (WeightsError, ConfigError, SafetensorsError, FetchError, TuneError, ValueError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -1,0 +1,156 @@
+"""Search the speculative tree shape per batch size on a prompt set; write the table next to the head.
+
+    python -m specjax.bench tune --draft HEAD_DIR [--model PATH] [--batch-sizes 1 4 16]
+        [--shapes 3,1,4 5,1,6 7,1,8 5,4,8 5,8,32 6,10,60] [--prompts mtbench] [--num-prompts 16]
+        [--max-new-tokens 128] [--temperature 0] [--out HEAD_DIR/speculative_tune.json] [--no-write]
+
+For every batch size B, the prompts are decoded in groups of B rows, once by plain decoding (``specjax.generate``)
+and once per shape (num_steps, eagle_topk, num_draft_tokens) by ``speculative_generate``; each configuration is run
+once untimed (compiles) then timed. The fastest configuration per B wins; plain wins where no shape beats it (the
+server then switches speculation off at that batch size). Printed per row: tokens/s, speedup over plain, tau
+(completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for token.
+
+The file (``speculative_tune.json``, format 1) holds ``{"format": 1, "algorithm", "target", "machine",
+"batch_sizes": {"1": {"num_steps", "eagle_topk", "num_draft_tokens"} | null, ...}, "rows": [...]}`` where null means
+plain decoding is faster at that batch size. ``specjax.serve`` and ``specjax.Engine`` read it from the draft folder
+when the tree flags are not given (``specjax.spec.tune.load_tune``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import time
+
+from specjax.bench.spec import load_prompts, load_target
+from specjax.spec import tune as tune_lib
+
+DEFAULT_SHAPES = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")
+
+
+def _parse_shape(text: str) -> tuple[int, int, int]:
+    try:
+        steps, topk, draft = (int(x) for x in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"a shape is STEPS,TOPK,DRAFT_TOKENS (e.g. 7,1,8), got {text!r}") from None
+    from specjax.spec.tree import validate
+    try:
+        validate(steps, topk, draft)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return steps, topk, draft
+
+
+def _time_groups(run, groups) -> tuple[float, list[list[int]], int]:
+    """Seconds to run every group (after one untimed run of the first, which compiles), outputs, verify steps."""
+    run(groups[0])
+    t0 = time.perf_counter()
+    outs, steps = [], 0
+    for g in groups:
+        o, s = run(g)
+        outs.extend(o)
+        steps += s
+    return time.perf_counter() - t0, outs, steps
+
+
+def tune(args) -> dict:
+    from specjax.generate import generate
+    from specjax.spec import decoder
+
+    tcfg, tparams, tokenizer, model_note = load_target(args)
+    dcfg, dparams, vocab = decoder.load_draft(args.draft, args.algorithm, tcfg, token_map=args.speculative_token_map)
+    draft = decoder.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
+    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
+    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(tcfg.eos_token_ids),
+              temperature=args.temperature, seed=args.seed)
+    rows, best = [], {}
+    for b in args.batch_sizes:
+        groups = [prompts[i:i + b] for i in range(0, len(prompts) - b + 1, b)]
+        if not groups:
+            raise SystemExit(f"--num-prompts {len(prompts)} is smaller than batch size {b}")
+        t, plain_out, _ = _time_groups(lambda g: (generate(tparams, tcfg, g, **kw), 0), groups)
+        n = sum(len(o) for o in plain_out)
+        plain = dict(batch_size=b, shape=None, tok_s=n / t, speedup=1.0, tau=1.0, identical=None)
+        rows.append(plain)
+        print(f"  B={b:<3d} plain      {plain['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
+        best[b] = plain
+        for shape in args.shapes:
+            def run(g, shape=shape):
+                out, info = decoder.speculative_generate(
+                    tparams, tcfg, draft, g, algorithm=args.algorithm, num_steps=shape[0], topk=shape[1],
+                    num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw)
+                return out, int(sum(info["verify_steps"]))
+            t, outs, steps = _time_groups(run, groups)
+            n = sum(len(o) for o in outs)
+            same = sum(a == p for a, p in zip(outs, plain_out)) if args.temperature == 0 else None
+            row = dict(batch_size=b, shape=list(shape), tok_s=n / t, speedup=(n / t) / plain["tok_s"],
+                       tau=n / max(steps, 1), identical=same)
+            rows.append(row)
+            print(f"  B={b:<3d} {shape!s:10s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  tau {row['tau']:.2f}",
+                  file=sys.stderr, flush=True)
+            if row["tok_s"] > best[b]["tok_s"]:
+                best[b] = row
+    return dict(format=tune_lib.FORMAT, algorithm=args.algorithm, target=model_note, draft=args.draft,
+                prompts=prompt_note, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
+                temperature=args.temperature, machine=f"{platform.machine()} {os.cpu_count()} cores",
+                load_average=os.getloadavg()[0],
+                batch_sizes={str(b): (dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), r["shape"]))
+                                      if r["shape"] else None) for b, r in best.items()},
+                rows=rows)
+
+
+def print_table(r: dict) -> None:
+    print(f"target: {r['target']}\ndraft: {r['draft']} ({r['algorithm']})\nprompts: {r['prompts']}, "
+          f"{r['num_prompts']} prompts, max {r['max_new_tokens']} new tokens, temperature {r['temperature']}; "
+          f"{r['machine']}, load average {r['load_average']:.2f}")
+    print(f"{'batch':>5s}  {'steps,topk,draft':>16s}  {'tok/s':>8s}  {'speedup':>7s}  {'tau':>5s}  {'== plain':>8s}")
+    for row in r["rows"]:
+        shape = "plain" if row["shape"] is None else ",".join(map(str, row["shape"]))
+        same = "" if row["identical"] is None else f"{row['identical']}/{r['num_prompts'] // row['batch_size'] * row['batch_size']}"
+        print(f"{row['batch_size']:5d}  {shape:>16s}  {row['tok_s']:8.1f}  {row['speedup']:7.2f}  {row['tau']:5.2f}  "
+              f"{same:>8s}")
+    print("chosen: " + ", ".join(f"B={b}: {'plain' if s is None else ','.join(map(str, s.values()))}"
+                                 for b, s in r["batch_sizes"].items()))
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench tune", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--draft", required=True, help="draft head folder (HF format)")
+    ap.add_argument("--model", help="target folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
+    ap.add_argument("--algorithm", default="EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"])
+    ap.add_argument("--speculative-token-map", help="FR-Spec hot-token list for EAGLE heads")
+    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
+    ap.add_argument("--shapes", type=_parse_shape, nargs="+", default=[_parse_shape(s) for s in DEFAULT_SHAPES],
+                    metavar="STEPS,TOPK,DRAFT")
+    ap.add_argument("--prompts", default="mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
+    ap.add_argument("--num-prompts", type=int, default=16)
+    ap.add_argument("--max-new-tokens", type=int, default=128)
+    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
+    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
+    ap.add_argument("--out", help="where to write the table (default: DRAFT/speculative_tune.json)")
+    ap.add_argument("--no-write", action="store_true", help="print only")
+    ap.add_argument("--json", help="also write the full results here")
+    args = ap.parse_args(argv)
+    args.random_llama_8b = False
+    if any(b < 1 for b in args.batch_sizes) or args.num_prompts < 1 or args.max_new_tokens < 1:
+        ap.error("--batch-sizes, --num-prompts and --max-new-tokens must be >= 1")
+    r = tune(args)
+    print_table(r)
+    if not args.no_write:
+        out = args.out or os.path.join(args.draft, tune_lib.FILENAME)
+        tune_lib.save_tune(out, r)
+        print(f"wrote {out}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(r, f, indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,93 @@
+"""The tuned tree shape per batch size: ``python -m specjax.bench tune`` measures and writes
+``speculative_tune.json`` next to a head; the server's arguments and ``python -m specjax.generate`` read it when no
+tree flag is given; explicit flags win; a damaged file is a clear error."""
+
+import json
+import os
+
+import pytest
+
+from specjax.spec import tune as tune_lib
+
+from hf_tiny_models import build
+from spec_models import random_models
+
+
+def test_shape_for_picks_the_largest_tuned_size_not_above():
+    table = {1: (7, 1, 8), 4: (5, 1, 6), 16: None}
+    assert tune_lib.shape_for(table, 1) == (7, 1, 8)
+    assert tune_lib.shape_for(table, 3) == (7, 1, 8)
+    assert tune_lib.shape_for(table, 4) == (5, 1, 6)
+    assert tune_lib.shape_for(table, 64) is None
+    assert tune_lib.shape_for({2: (3, 1, 4)}, 1) == (3, 1, 4)
+
+
+def test_load_tune_roundtrip_and_errors(tmp_path):
+    assert tune_lib.load_tune(str(tmp_path)) is None  # no file: nothing tuned
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME),
+                       {"format": 1, "batch_sizes": {"1": {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8},
+                                                     "8": None}})
+    assert tune_lib.load_tune(str(tmp_path)) == {1: (7, 1, 8), 8: None}
+    (tmp_path / tune_lib.FILENAME).write_text('{"format": 1, "batch_sizes": {"1": {"num_steps": 7}}}')
+    with pytest.raises(tune_lib.TuneError, match="not a valid speculative_tune.json"):
+        tune_lib.load_tune(str(tmp_path))
+    (tmp_path / tune_lib.FILENAME).write_text('{"format": 2, "batch_sizes": {}}')
+    with pytest.raises(tune_lib.TuneError, match="format 2"):
+        tune_lib.load_tune(str(tmp_path))
+
+
+def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
+    from specjax.serve.args import ServerArgs
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME),
+                       {"format": 1, "batch_sizes": {"1": {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8}}})
+    a = ServerArgs(model_path="m", speculative_algorithm="eagle3", speculative_draft_model_path=str(tmp_path))
+    assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == (7, 1, 8)
+    b = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+                   speculative_num_steps=3)
+    assert (b.speculative_num_steps, b.speculative_eagle_topk, b.speculative_num_draft_tokens) == (3, 4, 8)
+    c = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "x"))
+    assert (c.speculative_num_steps, c.speculative_eagle_topk) == (5, 4)  # SGLang's defaults without a tune file
+
+
+@pytest.fixture(scope="module")
+def tiny_pair(tmp_path_factory):
+    """A saved tiny HF target and a random EAGLE3 head exported for it."""
+    from specjax.convert.head import export_head
+    from specjax.weights import load_model
+    root = tmp_path_factory.mktemp("pair")
+    build("llama", root / "target")
+    cfg, _ = load_model(str(root / "target"))
+    _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3)
+    export_head(hparams, hcfg, vmap, str(root / "head"), cfg)
+    return str(root / "target"), str(root / "head")
+
+
+def test_bench_tune_writes_a_table_the_server_reads(tiny_pair, capsys):
+    from specjax.bench import tune as bench_tune
+    from specjax.serve.args import ServerArgs
+    model, head = tiny_pair
+    assert bench_tune.main(["--model", model, "--draft", head, "--prompts", "random", "--num-prompts", "2",
+                            "--batch-sizes", "1", "2", "--shapes", "2,2,4", "--max-new-tokens", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "steps,topk,draft" in out and "chosen: B=1" in out
+    raw = json.loads(open(os.path.join(head, tune_lib.FILENAME)).read())
+    assert raw["format"] == 1 and set(raw["batch_sizes"]) == {"1", "2"}
+    rows = raw["rows"]
+    assert [(r["batch_size"], r["shape"]) for r in rows] == [(1, None), (1, [2, 2, 4]), (2, None), (2, [2, 2, 4])]
+    # greedy: every speculative output equals plain greedy (the same prompts, token for token)
+    assert all(r["identical"] == 2 for r in rows if r["shape"] is not None)
+    for b, shape in raw["batch_sizes"].items():  # the chosen entry is the fastest row of its batch size
+        fastest = max((r for r in rows if r["batch_size"] == int(b)), key=lambda r: r["tok_s"])
+        assert shape == (None if fastest["shape"] is None else dict(zip(tune_lib.SHAPE_KEYS, fastest["shape"])))
+    a = ServerArgs(model_path=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
+    want = tune_lib.shape_for(tune_lib.load_tune(head), 1)
+    if want is not None:
+        assert (a.speculative_num_steps, a.speculative_eagle_topk, a.speculative_num_draft_tokens) == want
+
+
+def test_bench_tune_rejects_a_bad_shape(tiny_pair, capsys):
+    from specjax.bench import tune as bench_tune
+    model, head = tiny_pair
+    with pytest.raises(SystemExit):
+        bench_tune.main(["--model", model, "--draft", head, "--shapes", "3,1"])
+    assert "STEPS,TOPK,DRAFT_TOKENS" in capsys.readouterr().err
