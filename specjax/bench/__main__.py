@@ -8,6 +8,7 @@ KINDS = {
     "train": "EAGLE3 train step: tokens/s, step time, MFU for a config",
     "spec": "plain vs speculative decoding on the same prompts: tokens/s, speedup, tau, per-phase times",
     "serve": "load generator against a running server: throughput, TTFT, inter-token latency",
+    "heldout": "a run's held-out split: the trainer's predicted accept length vs tau measured by serving it",
     "tune": "search the speculative tree shape per batch size; write speculative_tune.json next to the head",
 }
 

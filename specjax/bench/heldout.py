@@ -1,0 +1,116 @@
+"""Does the trainer's eval predict serving? The held-out split of a run, scored both ways with one exported head.
+
+    python -m specjax.bench heldout --config smollm2-135m.yaml --draft HEAD_DIR [--num-steps 7 --topk 1
+        --num-draft-tokens 8] [--max-prompts 32] [--max-new-tokens 256] [--dotted.overrides ...]
+
+1. Predicted: the run's held-out conversations (rebuilt exactly as the trainer splits them: same data, same
+   ``data.eval_fraction`` / ``eval_max`` / ``training.seed``) go through the trainer's eval step with the head; the
+   TTT rollout's ``accept_len`` (1 + expected leading correct draft steps per position, token-weighted over every
+   held-out batch) is the chain accept length it predicts for a chain of ``ttt_length`` steps.
+2. Measured: each held-out conversation's first user turn is served with speculative decoding at
+   (num_steps, topk, num_draft_tokens), greedy; tau = completion tokens / verify steps (SGLang's accept length).
+Both are printed with their ratio. With regenerated data (the target's own greedy answers) the two see the same
+tokens, so they should agree; the differences that remain are listed in docs/benchmarks.md.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+import jax
+import numpy as np
+
+from specjax.convert.head import load_head
+from specjax.generate import stop_token_ids
+from specjax.sharding import make_mesh
+from specjax.spec.decoder import make_draft, speculative_generate
+from specjax.train import data as data_lib, step as step_lib
+from specjax.train.config import ConfigError, load_config
+from specjax.weights import load_model, resolve_model_path
+
+
+def heldout_split(cfg, tokenizer):
+    full = data_lib.load_dataset(cfg.data, tokenizer, log=lambda m: None)
+    _, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    return eval_data
+
+
+def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad_id: int) -> float:
+    """Token-weighted TTT ``accept_len`` of the head over every held-out batch."""
+    mesh = make_mesh(dp=1, tp=1, devices=jax.devices()[:1])
+    sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "dp"))
+    ev = data_lib.BatchIterator(eval_data, shuffle=False, batch_size=cfg.training.batch_size, grad_accum=1,
+                                buckets=cfg.data.buckets, max_length=cfg.data.max_length, seed=cfg.training.seed,
+                                sharding=sharding, pad_id=pad_id)
+    step = step_lib.make_eval_step(tcfg, hcfg.replace(dtype="float32"), mesh, ttt_length=cfg.training.ttt_length,
+                                   decay=cfg.training.decay)
+    params = jax.tree.map(lambda x: x.astype(np.float32), hparams)
+    extra = valid = 0.0
+    for _ in range(ev.steps_per_epoch):
+        batch, _ = next(ev)
+        m = jax.device_get(step(params, tparams, vmap, batch))
+        extra += (float(m["accept_len"]) - 1.0) * float(m["valid_tokens"])
+        valid += float(m["valid_tokens"])
+    return 1.0 + extra / max(valid, 1.0)
+
+
+def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:
+    """Each held-out conversation's tokens up to its first loss-masked (assistant) token: the rendered (system +)
+    first user turn and the assistant header, i.e. the generation prompt, exactly as the trainer tokenized it."""
+    prompts = []
+    for i in range(min(len(eval_data), limit)):
+        toks, mask = eval_data.example(i)
+        prompts.append(toks[: int(np.argmax(mask > 0))].tolist())
+    return prompts
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specjax.bench heldout", description=__doc__.split("\n\n")[0],
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config", required=True, help="the run config the head was trained with (name or path)")
+    ap.add_argument("--draft", required=True, help="the exported head (HF EAGLE3 folder)")
+    ap.add_argument("--num-steps", type=int, default=7)
+    ap.add_argument("--topk", type=int, default=1)
+    ap.add_argument("--num-draft-tokens", type=int, default=8)
+    ap.add_argument("--max-prompts", type=int, default=32, help="held-out conversations served (default 32)")
+    ap.add_argument("--max-new-tokens", type=int, default=256)
+    args, overrides = ap.parse_known_args(argv)
+    try:
+        cfg = load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    folder = resolve_model_path(cfg.model.path)
+    tcfg, tparams = load_model(folder, dtype=cfg.model.dtype)
+    tok = data_lib.load_tokenizer(cfg.model.tokenizer or folder)
+    eval_data = heldout_split(cfg, tok)
+    if len(eval_data) == 0:
+        print("error: the run has no held-out split (data.eval_fraction is 0)", file=sys.stderr)
+        return 2
+    hcfg, hparams, vmap = load_head(args.draft, tcfg, dtype="float32")
+    pad = tok.pad_token_id if tok.pad_token_id is not None else 0
+    predicted = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
+    prompts = first_turn_prompts(eval_data, args.max_prompts)
+    draft = make_draft("EAGLE3", hcfg.replace(dtype=tcfg.dtype), jax.tree.map(
+        lambda x: x.astype(tcfg.dtype), hparams), tparams, vmap)
+    done = steps = 0
+    for p in prompts:
+        _, st = speculative_generate(tparams, tcfg, draft, [p], num_steps=args.num_steps, topk=args.topk,
+                                     num_draft_tokens=args.num_draft_tokens, max_new_tokens=args.max_new_tokens,
+                                     stop_token_ids=stop_token_ids(folder, tcfg, tok))
+        done += sum(st["completion_tokens"])
+        steps += sum(st["verify_steps"])
+    measured = done / max(steps, 1)
+    chain = args.topk == 1 and args.num_steps == cfg.training.ttt_length
+    print(f"held-out conversations: {len(eval_data)} (predicted over all; {len(prompts)} served, first turns, "
+          f"max {args.max_new_tokens} new tokens)")
+    print(f"{'predicted (trainer eval, chain of ' + str(cfg.training.ttt_length) + ')':44s} {predicted:6.3f}")
+    print(f"{f'measured tau at ({args.num_steps},{args.topk},{args.num_draft_tokens})':44s} {measured:6.3f}")
+    print(f"{'measured / predicted':44s} {measured / predicted:6.3f}" + ("" if chain else
+          "   (not the same shape as the prediction: a chain of ttt_length steps)"))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
