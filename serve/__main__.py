@@ -21,7 +21,7 @@ def main(argv=None) -> int:
         return 2
     import uvicorn
 
-    from .api import create_app
+    from .api import create_app, http_protocol
     from .launch import build, setup_logging
 
     setup_logging(args.log_level)
@@ -48,7 +48,7 @@ def main(argv=None) -> int:
              "France?\"}]}'", args.host, args.port, args.model_name)
     try:
         uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    timeout_keep_alive=30)
+                    http=http_protocol(args.http_header_timeout), timeout_keep_alive=args.http_idle_timeout)
     finally:
         backend.shutdown()
     return 0

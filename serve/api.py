@@ -44,19 +44,51 @@ class APIError(Exception):
         self.status, self.message, self.param, self.code, self.type_ = status, message, param, code, type_
 
 
+_TYPE_TAGS = ("str", "int", "float", "bool", "none", "list", "dict", "literal", "function", "union", "tagged")
+
+
+def _field_path(loc) -> list[str]:
+    """pydantic's error location without list indices and union-member tags: the field names only."""
+    return [str(x) for x in loc if isinstance(x, str) and x != "body" and not x[:1].isupper()
+            and x.split("[")[0].lower() not in _TYPE_TAGS]
+
+
 def _validation_message(e: pydantic.ValidationError | RequestValidationError) -> tuple[str, str | None]:
     errs = e.errors()
     if not errs:
         return "invalid request", None
-    first = errs[0]
-    loc = ".".join(str(x) for x in first.get("loc", ()) if x != "body")
-    msg = "; ".join(f"{'.'.join(str(x) for x in er.get('loc', ()) if x != 'body') or 'body'}: {er.get('msg')}"
-                    for er in errs[:4])
-    return msg, loc or None
+    names = _field_path(errs[0].get("loc", ()))
+    msg = "; ".join(f"{'.'.join(_field_path(er.get('loc', ()))) or 'body'}: {er.get('msg')}" for er in errs[:4])
+    return msg, names[-1] if names else None
 
 
-async def parse_body(request: Request, model: type[pydantic.BaseModel]):
-    raw = await request.body()
+async def read_body(request: Request, limit: int, idle_timeout: float) -> bytes:
+    """The raw body, refused with 413 as soon as it is known to exceed ``limit`` bytes (from Content-Length before
+    a byte is read, else while it streams in) and with 408 when the client stalls ``idle_timeout`` s mid-body."""
+    declared = request.headers.get("content-length")
+    if declared is not None and declared.isdigit() and int(declared) > limit:
+        raise APIError(413, f"the request body has {int(declared)} bytes; this server accepts at most {limit} "
+                            f"(--max-request-bytes)", code="request_too_large")
+    chunks, size = [], 0
+    stream = request.stream().__aiter__()
+    while True:
+        try:
+            chunk = await asyncio.wait_for(stream.__anext__(), timeout=idle_timeout)
+        except StopAsyncIteration:
+            break
+        except asyncio.TimeoutError:
+            raise APIError(408, f"the client sent no body bytes for {idle_timeout:g} s", code="request_timeout") \
+                from None
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"the request body exceeds {limit} bytes (--max-request-bytes)",
+                           code="request_too_large")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+async def parse_body(request: Request, model: type[P._Body], limit: int, idle_timeout: float):
+    raw = await read_body(request, limit, idle_timeout)
     try:
         text = raw.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -67,13 +99,25 @@ async def parse_body(request: Request, model: type[pydantic.BaseModel]):
     except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON in the request body: {e.msg} (line {e.lineno} column {e.colno})",
                        code="invalid_json") from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
     try:
-        return model.model_validate(data)
+        body = model.model_validate(data)
     except pydantic.ValidationError as e:
         msg, param = _validation_message(e)
         raise APIError(400, msg, param=param) from None
+    except RecursionError:
+        raise APIError(400, "the request body nests JSON too deeply", code="invalid_json") from None
+    body.check()
+    return body
+
+
+async def off_loop(fn, *args):
+    """Run blocking work (tokenization, detokenization, chat templates) in a worker thread so that the event loop
+    keeps answering other clients (/health included) meanwhile."""
+    return await asyncio.get_running_loop().run_in_executor(None, fn, *args)
 
 
 # ---- merged event streams of several requests ---------------------------------------------------------------------
@@ -162,6 +206,43 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+def http_protocol(header_timeout: float):
+    """uvicorn's h11 protocol, plus a deadline for each request's line and headers: a connection that has not
+    completed them ``header_timeout`` s after it opened (or after its previous response) is closed, so clients
+    that trickle headers (slowloris) cannot hold connections forever. uvicorn's own keep-alive timer restarts on
+    every byte received, so it cannot do this."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeaderDeadlineProtocol(H11Protocol):
+        _header_timer: asyncio.TimerHandle | None = None
+
+        def connection_made(self, transport) -> None:
+            super().connection_made(transport)
+            self._arm_header_deadline()
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm_header_deadline()
+
+        def connection_lost(self, exc) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm_header_deadline(self) -> None:
+            if self._header_timer is not None:
+                self._header_timer.cancel()
+            self._header_timer = self.loop.call_later(header_timeout, self._header_deadline)
+
+        def _header_deadline(self) -> None:
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                log.info("closing a connection that sent no complete request headers in %gs", header_timeout)
+                self.transport.close()
+
+    return HeaderDeadlineProtocol
+
+
 def sse(obj: Any) -> str:
     if isinstance(obj, pydantic.BaseModel):
         obj = obj.model_dump(exclude_none=False)
@@ -206,6 +287,9 @@ def create_app(backend) -> FastAPI:
 
     if args.api_key:
         app.add_middleware(APIKeyMiddleware, key=args.api_key)
+
+    async def parse(request: Request, model):
+        return await parse_body(request, model, args.max_request_bytes, args.http_idle_timeout)
 
     def check_model(name: str | None) -> None:
         if name and name not in (served, args.model_path, "default"):
@@ -259,7 +343,7 @@ def create_app(backend) -> FastAPI:
 
     @app.post("/abort_request")
     async def abort_request(request: Request):
-        body = await parse_body(request, P.AbortRequest)
+        body = await parse(request, P.AbortRequest)
         if body.abort_all:
             sched = backend.scheduler
             rids = await asyncio.get_running_loop().run_in_executor(None, lambda: sched.call(lambda: [
@@ -281,7 +365,7 @@ def create_app(backend) -> FastAPI:
     # ---- native /generate ----------------------------------------------------------------------------------------
     @app.post("/generate")
     async def generate(request: Request):
-        body = await parse_body(request, P.GenerateRequest)
+        body = await parse(request, P.GenerateRequest)
         if (body.text is None) == (body.input_ids is None):
             raise APIError(400, "give exactly one of 'text' or 'input_ids'", param="text")
         if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
@@ -290,7 +374,7 @@ def create_app(backend) -> FastAPI:
         if body.text is not None:
             batch = isinstance(body.text, list)
             texts = body.text if batch else [body.text]
-            prompts = [backend.encode(t) for t in texts]
+            prompts = await off_loop(lambda: [backend.encode(t) for t in texts])
         else:
             batch = bool(body.input_ids) and isinstance(body.input_ids[0], list)
             prompts = body.input_ids if batch else [body.input_ids]
@@ -303,6 +387,9 @@ def create_app(backend) -> FastAPI:
         else:
             sps = [sps or P.GenerateSamplingParams()] * len(prompts)
         params = [P.to_sampling(s) for s in sps]
+        for ids, s in zip(prompts, sps):
+            if "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None:
+                backend.check_output_budget(len(ids), s.max_new_tokens, "max_new_tokens")
         rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
         fan = Fanout(backend)
         for k, (ids, sp) in enumerate(zip(prompts, params)):
@@ -332,9 +419,8 @@ def create_app(backend) -> FastAPI:
     # ---- OpenAI /v1/completions ----------------------------------------------------------------------------------
     @app.post("/v1/completions")
     async def completions(request: Request):
-        body = await parse_body(request, P.CompletionRequest)
+        body = await parse(request, P.CompletionRequest)
         check_model(body.model)
-        body.check()
         sp = body.sampling(body.max_tokens)
         p = body.prompt
         if isinstance(p, str):
@@ -345,8 +431,12 @@ def create_app(backend) -> FastAPI:
             prompts = list(p)
         if not prompts:
             raise APIError(400, "prompt is empty", param="prompt")
-        ids_list = [backend.encode(x) if isinstance(x, str) else list(x) for x in prompts]
-        echo_text = [(x if isinstance(x, str) else backend.tokenizer.decode(x)) if body.echo else "" for x in prompts]
+        ids_list = await off_loop(lambda: [backend.encode(x) if isinstance(x, str) else list(x) for x in prompts])
+        if body.max_tokens is not None:
+            for ids in ids_list:
+                backend.check_output_budget(len(ids), body.max_tokens, "max_tokens")
+        echo_text = await off_loop(lambda: [(x if isinstance(x, str) else backend.tokenizer.decode(x))
+                                            if body.echo else "" for x in prompts])
         fan = Fanout(backend)
         for ids in ids_list:
             for j in range(sp.n):
@@ -390,12 +480,14 @@ def create_app(backend) -> FastAPI:
     # ---- OpenAI /v1/chat/completions -----------------------------------------------------------------------------
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
-        body = await parse_body(request, P.ChatCompletionRequest)
+        body = await parse(request, P.ChatCompletionRequest)
         check_model(body.model)
-        body.check()
         sp = body.sampling(body.token_limit)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = backend.encode(backend.render_chat(messages), add_special_tokens=False)
+        messages = [m.template_dict() for m in body.messages]
+        ids = await off_loop(lambda: backend.encode(backend.render_chat(messages, body.chat_template_kwargs),
+                                                    add_special_tokens=False))
+        if body.token_limit is not None:
+            backend.check_output_budget(len(ids), body.token_limit, body.token_limit_param)
         fan = Fanout(backend)
         for j in range(sp.n):
             fan.add(ids, sp, seed=_seed(sp, j))

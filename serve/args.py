@@ -42,6 +42,9 @@ class ServerArgs:
     log_level: str = "info"
     enable_metrics: bool = False
     skip_server_warmup: bool = False
+    max_request_bytes: int = 8 << 20  # larger bodies get 413 before they are read
+    http_header_timeout: float = 10.0  # s to send a request's line and headers, else the connection is closed
+    http_idle_timeout: float = 30.0  # s of silence allowed between requests (keep-alive) and inside a body
     # Parallelism.
     tp_size: int = 1
     dp_size: int = 1
@@ -118,6 +121,11 @@ class ServerArgs:
             raise ArgsError(f"--dtype must be one of auto, bfloat16, float16, float32 (got {self.dtype!r})")
         if not 1 <= self.port <= 65535:
             raise ArgsError(f"--port must be in 1..65535 (got {self.port})")
+        if self.max_request_bytes < 1024:
+            raise ArgsError(f"--max-request-bytes must be >= 1024 (got {self.max_request_bytes})")
+        for name in ("http_header_timeout", "http_idle_timeout"):
+            if not getattr(self, name) > 0:
+                raise ArgsError(f"--{name.replace('_', '-')} must be > 0 seconds (got {getattr(self, name)})")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ArgsError("--tp-size and --dp-size must be >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -238,6 +246,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="server and access log verbosity")
     g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
     g.add_argument("--skip-server-warmup", action="store_true", help="start without compiling the common shapes")
+    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
+                   help="largest request body accepted; a larger one gets 413 before it is read")
+    g.add_argument("--http-header-timeout", type=float, default=d.http_header_timeout,
+                   help="seconds a client has to send a request's line and headers before the connection is closed")
+    g.add_argument("--http-idle-timeout", type=float, default=d.http_idle_timeout,
+                   help="seconds of silence allowed on a kept-alive connection between requests, and inside a "
+                        "request body (then 408)")
     g = p.add_argument_group("parallelism")
     g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size, help="tensor-parallel devices")
     g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,

@@ -124,13 +124,23 @@ class Backend:
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
         try:
             return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=True)
+                                                      add_generation_prompt=True, **(template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, etc.)
             raise RequestError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                                param="messages") from None
+
+    def check_output_budget(self, prompt_tokens: int, max_new_tokens: int, param: str) -> None:
+        """An explicit output limit that cannot fit the context is a 400 naming the limit (as SGLang, vLLM and the
+        OpenAI API answer), not silently clamped. A prompt that alone fills the context is the scheduler's error."""
+        if prompt_tokens < self.context_length < prompt_tokens + max_new_tokens:
+            raise RequestError(f"this model's maximum context length is {self.context_length} tokens, but "
+                               f"{prompt_tokens + max_new_tokens} were requested ({prompt_tokens} in the prompt, "
+                               f"{max_new_tokens} for the output); lower {param} to at most "
+                               f"{self.context_length - prompt_tokens}", param=param,
+                               code="context_length_exceeded")
 
     def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None):
         return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed)

@@ -1,23 +1,76 @@
 """Request and response bodies of the HTTP endpoints (pydantic), with SGLang's / OpenAI's field names and defaults.
 
-Unknown extra fields are ignored (clients send many); known fields of the wrong type are a 400. Parameters that
-would change the output but are not implemented (penalties, logit_bias, logprobs, constrained decoding) are refused
-with a clear message rather than silently ignored.
+Every field of a request is either honoured or refused with a 400 naming it (``check_fields``): known fields of the
+wrong type or out of range, NaN/Infinity, fields that SGLang / vLLM / OpenAI define but specjax does not implement
+(penalties, logit_bias, logprobs, min_tokens, constrained decoding, LoRA, images, tools, ...) unless they carry their
+neutral value, and fields nobody defines (a typo would otherwise pass silently).
 """
 
 from __future__ import annotations
 
 import time
 import uuid
-from typing import Any, Literal, Union
+from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
 from .request import RequestError, SamplingParams
 
 
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    if value is None or (isinstance(value, (str, list, dict)) and not value):  # null / empty asks for nothing
+        return True
+    for n in neutral:
+        if isinstance(n, bool) or isinstance(value, bool):
+            if value is n:
+                return True
+        elif value == n:
+            return True
+    return False
+
+
 class _Body(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    """A request body: extra fields are collected (not dropped) so that ``check_fields`` can name each one."""
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    # field -> neutral values: fields other servers define that specjax does not implement; sent with one of these
+    # values (or null / empty) they ask for nothing and are accepted, otherwise refused.
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
+
+    def check_fields(self, where: str = "") -> None:
+        """RequestError (400) naming the first field that is neither honoured nor neutral, here or nested."""
+        for k, v in (self.model_extra or {}).items():
+            if k in self.UNSUPPORTED:
+                if not _is_neutral(v, self.UNSUPPORTED[k]):
+                    raise RequestError(f"{where}{k}={v!r} is not supported by specjax", param=k,
+                                       code="unsupported_parameter")
+            else:
+                raise RequestError(f"unknown field {where}{k!r}", param=k, code="unknown_parameter")
+        for name in type(self).model_fields:
+            v = getattr(self, name)
+            items = v if isinstance(v, list) else [v]
+            for i, x in enumerate(items):
+                if isinstance(x, _Body):
+                    x.check_fields(f"{where}{name}{f'[{i}]' if isinstance(v, list) else ''}.")
+
+    def check(self) -> None:
+        """Called on every parsed body (api.parse_body); endpoints with cross-field rules extend it."""
+        self.check_fields()
+
+
+# Unsupported-feature fields shared by the OpenAI endpoints (OpenAI's own, then SGLang / vLLM extensions).
+_OPENAI_UNSUPPORTED = {
+    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": (),
+    "min_tokens": (0,), "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "guided_json": (),
+    "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
+    "lora_path": (), "lora_request": (), "image_data": (), "session_params": (), "return_hidden_states": (False,),
+    "no_stop_trim": (False,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (),
+    "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": (),
+    "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "functions": (), "function_call": (),
+    "store": (False,), "metadata": (), "service_tier": ("auto", "default"), "modalities": (["text"],),
+    "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (), "best_of": (1,),
+    "suffix": (), "continue_final_message": (False,), "add_generation_prompt": (True,),
+    "separate_reasoning": (True, False), "stream_reasoning": (True, False), "rid": (),
+}
 
 
 # ---- errors ------------------------------------------------------------------------------------------------------
@@ -33,8 +86,15 @@ class ErrorResponse(BaseModel):
 
 
 # ---- SGLang native /generate -------------------------------------------------------------------------------------
-class GenerateSamplingParams(BaseModel):
-    model_config = ConfigDict(extra="allow")
+# Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
+NEUTRAL_EXTRAS = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
+                  "min_new_tokens": (0,), "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
+                  "logit_bias": (), "no_stop_trim": (False,), "spaces_between_special_tokens": (True,),
+                  "custom_params": (), "stream_interval": (), "lora_path": ()}
+
+
+class GenerateSamplingParams(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = NEUTRAL_EXTRAS
     max_new_tokens: int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
@@ -49,25 +109,7 @@ class GenerateSamplingParams(BaseModel):
     sampling_seed: int | None = None
 
 
-# Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
-NEUTRAL_EXTRAS = {"frequency_penalty": 0.0, "presence_penalty": 0.0, "repetition_penalty": 1.0, "min_new_tokens": 0,
-                  "regex": None, "json_schema": None, "ebnf": None, "structural_tag": None, "logit_bias": None,
-                  "no_stop_trim": False, "spaces_between_special_tokens": True, "custom_params": None,
-                  "stream_interval": None}
-
-
-def check_extras(extras: dict[str, Any], where: str = "sampling_params") -> None:
-    for k, v in extras.items():
-        if k in NEUTRAL_EXTRAS:
-            if v not in (NEUTRAL_EXTRAS[k], None) and v != {}:
-                raise RequestError(f"{where}.{k}={v!r} is not supported by specjax", param=k,
-                                   code="unsupported_parameter")
-        else:
-            raise RequestError(f"unknown sampling parameter {k!r}", param=k)
-
-
 def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
-    check_extras(p.model_extra or {})
     seed = p.seed if p.seed is not None else p.sampling_seed
     sp = SamplingParams(max_new_tokens=p.max_new_tokens if p.max_new_tokens is not None else 1 << 30,
                         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
@@ -79,6 +121,12 @@ def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
 
 
 class GenerateRequest(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {
+        "image_data": (), "audio_data": (), "video_data": (), "input_embeds": (), "lora_path": (), "lora_id": (),
+        "logprob_start_len": (-1,), "top_logprobs_num": (0,), "token_ids_logprob": (),
+        "return_text_in_logprobs": (False, True), "return_hidden_states": (False,), "custom_logit_processor": (),
+        "session_params": (), "modalities": (), "data_parallel_rank": (), "log_metrics": (True, False),
+        "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": ()}
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
     sampling_params: GenerateSamplingParams | list[GenerateSamplingParams] | None = None
@@ -95,11 +143,12 @@ class GenerateResponse(BaseModel):
 
 # ---- OpenAI ------------------------------------------------------------------------------------------------------
 class StreamOptions(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"continuous_usage_stats": (False,)}
     include_usage: bool = False
-    continuous_usage_stats: bool = False
 
 
 class _OpenAISampling(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = _OPENAI_UNSUPPORTED
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
@@ -108,27 +157,15 @@ class _OpenAISampling(_Body):
     stream: bool = False
     stream_options: StreamOptions | None = None
     seed: int | None = None
-    user: str | None = None
-    presence_penalty: float | None = None
-    frequency_penalty: float | None = None
-    logit_bias: dict[str, float] | None = None
+    user: str | None = None  # an end-user id for the caller's own records; no effect on the output
     # SGLang / vLLM extensions.
     top_k: int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
-    repetition_penalty: float | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            v = getattr(self, name)
-            if v is not None and v != neutral:
-                raise RequestError(f"{name}={v} is not supported by specjax", param=name,
-                                   code="unsupported_parameter")
-        if self.logit_bias:
-            raise RequestError("logit_bias is not supported by specjax", param="logit_bias",
-                               code="unsupported_parameter")
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
         sp = SamplingParams(
@@ -147,24 +184,20 @@ class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     echo: bool = False
-    logprobs: int | None = None
-    best_of: int | None = None
-    suffix: str | None = None
 
     def check(self) -> None:
-        if self.logprobs:
-            raise RequestError("logprobs are not supported by specjax", param="logprobs",
-                               code="unsupported_parameter")
-        if self.best_of not in (None, 1, self.n):
-            raise RequestError("best_of is not supported by specjax", param="best_of", code="unsupported_parameter")
-        if self.suffix:
-            raise RequestError("suffix is not supported", param="suffix", code="unsupported_parameter")
+        best_of = (self.model_extra or {}).get("best_of")
+        if best_of is not None and best_of == self.n and isinstance(best_of, int):
+            self.model_extra.pop("best_of")  # best_of == n: the n samples are the answer, as asked
+        self.check_fields()
 
 
 class ChatMessage(_Body):
+    UNSUPPORTED: ClassVar[dict[str, tuple]] = {"tool_calls": (), "tool_call_id": (), "function_call": (),
+                                               "reasoning_content": (), "refusal": (), "audio": ()}
     role: Literal["system", "user", "assistant", "tool", "developer"]
     content: str | list[dict[str, Any]] | None = None
-    name: str | None = None
+    name: str | None = None  # passed to the chat template (templates that know it use it)
 
     def text(self) -> str:
         if self.content is None:
@@ -179,29 +212,26 @@ class ChatMessage(_Body):
             parts.append(part["text"])
         return "".join(parts)
 
+    def template_dict(self) -> dict[str, str]:
+        d = {"role": self.role, "content": self.text()}
+        if self.name is not None:
+            d["name"] = self.name
+        return d
+
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
-    logprobs: bool | None = None
-    top_logprobs: int | None = None
-    tools: list[dict[str, Any]] | None = None
-    response_format: dict[str, Any] | None = None
-
-    def check(self) -> None:
-        if self.logprobs:
-            raise RequestError("logprobs are not supported by specjax", param="logprobs",
-                               code="unsupported_parameter")
-        if self.tools:
-            raise RequestError("tools are not supported by specjax", param="tools", code="unsupported_parameter")
-        if self.response_format and self.response_format.get("type") not in (None, "text"):
-            raise RequestError("response_format other than text is not supported", param="response_format",
-                               code="unsupported_parameter")
+    chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking...)
 
     @property
     def token_limit(self) -> int | None:
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
+
+    @property
+    def token_limit_param(self) -> str:
+        return "max_completion_tokens" if self.max_completion_tokens is not None else "max_tokens"
 
 
 class UsageInfo(BaseModel):

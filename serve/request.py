@@ -4,11 +4,13 @@ and the output events it sends to its consumer (an HTTP handler or the offline e
 from __future__ import annotations
 
 import dataclasses
+import math
 import time
 from typing import Any, Callable
 
 from specjax import sampling
 
+INT32_MAX = (1 << 31) - 1
 DETOK_CONTEXT = 6  # prompt tokens decoded with the output so that the first output token gets its leading space
 
 
@@ -58,9 +60,16 @@ class SamplingParams:
                 raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
             self.max_new_tokens = int(self.max_new_tokens)
             self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
+            for name in ("temperature", "top_p", "min_p"):
+                if not math.isfinite(getattr(self, name)):
+                    raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}", name)
             self.top_k = int(self.top_k)
             if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
                 self.top_k = -1
+            if self.top_k > INT32_MAX:  # the device kernels take int32; any k >= the vocab size means "off"
+                raise RequestError(f"top_k must be <= {INT32_MAX} (or -1 for off), got {self.top_k}", "top_k")
+            if self.seed is not None and not -(1 << 63) <= int(self.seed) < (1 << 63) - 64:
+                raise RequestError(f"seed must fit in a signed 64-bit integer, got {self.seed}", "seed")
             sampling.validate(self.temperature, self.top_k, self.top_p, self.min_p)
         except RequestError:
             raise

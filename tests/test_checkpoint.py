@@ -131,3 +131,76 @@ def test_relative_directory_is_resolved(tmp_path, monkeypatch):
     assert ck.valid_steps() == [1]
     ck.close()
     assert (tmp_path / "checkpoints" / "run" / "1").is_dir()
+
+
+def _flip_bytes(path, n=48, seed=0):
+    """Damage a file in place without changing its size (bit rot, a bad copy)."""
+    data = bytearray(path.read_bytes())
+    rng = np.random.default_rng(seed)
+    for i in rng.choice(len(data), size=min(n, len(data)), replace=False):
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _largest(step_dir, item):
+    files = [p for p in (step_dir / item).rglob("*") if p.is_file() and p.stat().st_size > 0]
+    return max(files, key=lambda p: p.stat().st_size)
+
+
+@pytest.mark.parametrize("item", ["params", "train", "meta"])
+def test_same_size_damage_is_detected_and_falls_back(tmp_path, item, capsys):
+    root = tmp_path / "ck"
+    ck = Checkpointer(str(root), keep=3, async_save=False)
+    p1, t1, _ = _save(ck, 1)
+    _save(ck, 2)
+    ck.close()
+    victim = _largest(root / "2", item)
+    size = victim.stat().st_size
+    _flip_bytes(victim)
+    assert victim.stat().st_size == size
+    rel = str(victim.relative_to(root / "2"))
+    assert validate_step_dir(__import__("etils").epath.Path(root / "2")) is None  # sizes alone cannot see it
+    assert rel in validate_step_dir(__import__("etils").epath.Path(root / "2"), content=True)
+
+    ro = load_head_for_export(str(root))  # read-only: falls back to step 1, changes nothing on disk
+    _equal(ro[1], p1)
+    assert (root / "2").exists()
+
+    ck = Checkpointer(str(root), keep=3, async_save=False)
+    assert ck.valid_steps() == [1, 2]
+    step, out = ck.restore(params=_abstract(p1), train=_abstract(t1))
+    assert step == 1 and out["meta"]["data_state"]["position"] == 1
+    _equal(out["params"], p1)
+    _equal(out["train"], t1)
+    msg = capsys.readouterr().out
+    assert f"step 2 cannot be restored (file {rel} is damaged" in msg, msg
+    assert not (root / "2").exists() and ck.damaged_steps_seen()[0].startswith("corrupt-2-")
+    ck.close()
+
+
+def test_explicit_damaged_step_is_an_error_naming_the_file(tmp_path):
+    root = tmp_path / "ck"
+    ck = Checkpointer(str(root), keep=3, async_save=False)
+    _save(ck, 1)
+    ck.close()
+    victim = _largest(root / "1", "params")
+    _flip_bytes(victim)
+    with pytest.raises(CheckpointError, match=str(victim.relative_to(root / "1")).replace(".", r"\.")):
+        load_head_for_export(str(root / "1"))
+    with pytest.raises(CheckpointError, match="could be restored"):
+        load_head_for_export(str(root))
+
+
+def test_every_step_damaged_raises(tmp_path):
+    root = tmp_path / "ck"
+    ck = Checkpointer(str(root), keep=3, async_save=False)
+    p1, t1, _ = _save(ck, 1)
+    _save(ck, 2)
+    ck.close()
+    for s in ("1", "2"):
+        _flip_bytes(_largest(root / s, "meta"))
+    ck = Checkpointer(str(root), keep=3, async_save=False)
+    with pytest.raises(CheckpointError, match="no checkpoint .* could be restored"):
+        ck.restore(params=_abstract(p1), train=_abstract(t1))
+    assert ck.valid_steps() == [] and len(ck.damaged_steps_seen()) == 2
+    ck.close()

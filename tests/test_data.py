@@ -258,3 +258,62 @@ def test_split_eval():
     np.testing.assert_array_equal(ev.tokens, ev2.tokens)
     assert len(D.split_eval(data, 0.5, 3, seed=0)[1]) == 3
     assert len(D.split_eval(data, 0.0, 3, seed=0)[1]) == 0
+
+
+def test_compressed_sources_read(tok, tmp_path):
+    import bz2
+    import gzip
+    import lzma
+    convs = tf.make_conversations(6, seed=4)
+    jsonl = "".join(json.dumps(c) + "\n" for c in convs).encode()
+    files = {"a.jsonl.gz": gzip.compress(jsonl), "b.jsonl.bz2": bz2.compress(jsonl), "c.jsonl.xz": lzma.compress(jsonl),
+             "d.json.gz": gzip.compress(json.dumps(convs).encode()), "ref.jsonl": jsonl}
+    for name, data in files.items():
+        (tmp_path / name).write_bytes(data)
+    enc = D.ChatEncoder(tok)
+    ref = D.tokenize_records(D.iter_records(DataConfig(paths=(str(tmp_path / "ref.jsonl"),))), enc, max_length=4096)
+    for name in files:
+        out = D.tokenize_records(D.iter_records(DataConfig(paths=(str(tmp_path / name),))), enc, max_length=4096)
+        assert out.stats == {"records": 6, "kept": 6}, (name, out.stats)
+        np.testing.assert_array_equal(out.tokens, ref.tokens)
+
+
+def _records_with_log(path):
+    logged = []
+    recs = list(D.iter_records(DataConfig(paths=(str(path),)), log=logged.append))
+    return recs, logged
+
+
+def test_damaged_files_lose_no_record_silently(tok, tmp_path):
+    """A JSON array cut at two thirds, one garbage item in the middle of an array, a cut-off .jsonl.gz: every record
+    is either read or counted with its reason, and the log says where the file stops parsing."""
+    import gzip
+    convs = tf.make_conversations(12, seed=6)
+    text = json.dumps(convs, indent=1)
+    (tmp_path / "cut.json").write_text(text[:2 * len(text) // 3])
+    recs, logged = _records_with_log(tmp_path / "cut.json")
+    good = [r for r in recs if not isinstance(r, D.BadRecord)]
+    bad = [r for r in recs if isinstance(r, D.BadRecord)]
+    assert good == convs[:len(good)] and 0 < len(good) < 12
+    assert [b.reason for b in bad] == ["truncated_file"] and len(logged) == 1
+    assert "cut.json" in logged[0] and "line" in logged[0] and "cut off" in logged[0]
+
+    items = [json.dumps(c) for c in convs]
+    items[4] = items[4].replace('"conversations"', '"conversations" oops', 1)
+    (tmp_path / "garbage.json").write_text("[\n" + ",\n".join(items) + "\n]\n")
+    recs, logged = _records_with_log(tmp_path / "garbage.json")
+    good = [r for r in recs if not isinstance(r, D.BadRecord)]
+    assert good == convs[:4] + convs[5:]  # everything after the garbage item is still read
+    assert [r.reason for r in recs if isinstance(r, D.BadRecord)] == ["unparseable"]
+    assert "line 6" in logged[0], logged
+    enc = D.ChatEncoder(tok)
+    out = D.tokenize_records(iter(recs), enc, max_length=4096)
+    assert out.stats == {"records": 12, "kept": 11, "unparseable": 1}
+    assert "unparseable 1" in D.summary(out.stats)
+
+    data = gzip.compress("".join(json.dumps(c) + "\n" for c in convs).encode())
+    (tmp_path / "cut.jsonl.gz").write_bytes(data[:len(data) // 2])
+    recs, logged = _records_with_log(tmp_path / "cut.jsonl.gz")
+    good = [r for r in recs if not isinstance(r, D.BadRecord)]
+    assert good == convs[:len(good)] and len(good) < 12
+    assert recs[-1].reason == "truncated_file" and "cannot be read past line" in logged[-1]

@@ -176,3 +176,21 @@ def test_cli_import_then_export(tmp_path):
     # a bad target is refused with a message, not a traceback
     (tcfg_dir / "config.json").write_text(json.dumps(_target_hf(vocab_size=256)))
     assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
+
+
+@pytest.mark.parametrize("how", ["nan", "inf", "fp16_overflow"])
+def test_refuses_non_finite_weights(tmp_path, how):
+    tcfg = _target()
+    hcfg, params, vmap = _head(tcfg)
+    dtype = None
+    if how == "nan":
+        params.fc = params.fc.at[3, 5].set(jnp.nan)
+    elif how == "inf":
+        params.layers[0].w_down = params.layers[0].w_down.at[0, 0].set(jnp.inf)
+    else:  # finite in bf16, beyond float16's range
+        params.norm = params.norm.at[0].set(1e6)
+        dtype = "float16"
+    key = {"nan": "fc.weight", "inf": "midlayer.mlp.down_proj.weight", "fp16_overflow": "norm.weight"}[how]
+    with pytest.raises(H.HeadFormatError, match=f"non-finite weights .*{key.replace('.', '[.]')} [(]1 of"):
+        H.export_head(params, hcfg, vmap, str(tmp_path / "out"), tcfg, dtype=dtype)
+    assert not (tmp_path / "out" / "model.safetensors").exists()

@@ -108,3 +108,65 @@ def test_kill_and_sigterm_resume_match_uninterrupted(assets):
     from specjax.train.checkpoint import load_head_for_export
     head_cfg, params, vm, target = load_head_for_export(str(root / "killed"))
     assert head_cfg.draft_vocab_size == 64 and len(vm.d2t) == 64 and target == assets[1]
+
+
+def _flip(path, n=48):
+    data = bytearray(path.read_bytes())
+    for i in range(0, len(data), max(1, len(data) // n))[:n]:
+        data[i] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def _largest_file(folder):
+    return max((p for p in folder.rglob("*") if p.is_file()), key=lambda p: p.stat().st_size)
+
+
+def test_damaged_checkpoints_fall_back_or_stop(assets):
+    """Same-size damage in the newest step -> resume from the previous one, naming the file; every step damaged ->
+    exit 1 with a clear error (also on the rerun), unless --checkpoint.resume false starts fresh."""
+    root = assets[0]
+    env = _env(assets, devices=1)
+    run = root / "damaged"
+    _run(_cmd(assets, "damaged", "--training.max_steps", "6", "--logging.every", "3"), env)
+    victim = _largest_file(run / "6" / "params")
+    _flip(victim)
+    r = _run(_cmd(assets, "damaged", "--training.max_steps", "9", "--logging.every", "3"), env)
+    assert f"file {victim.relative_to(run / '6')} is damaged" in r.stdout, r.stdout[-3000:]
+    assert f"resumed from {run} step 3" in r.stdout
+
+    from specjax.train.checkpoint import Checkpointer
+    steps = Checkpointer(str(run)).valid_steps()
+    for s in steps:
+        _flip(run / str(s) / "meta" / "metadata")
+    cmd = _cmd(assets, "damaged", "--training.max_steps", "12", "--logging.every", "3")
+    for expect in ("could be restored", "holds no usable checkpoint, only damaged ones"):
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert r.returncode == 1 and expect in r.stdout and "--checkpoint.resume false" in r.stdout, \
+            r.stdout[-3000:] + r.stderr[-3000:]
+        assert "Traceback" not in r.stderr
+    assert Checkpointer(str(run)).valid_steps() == []
+    r = _run(cmd + ["--checkpoint.resume", "false"], env)
+    assert "resumed" not in r.stdout and Checkpointer(str(run)).latest_step() == 12
+
+
+def test_nonfinite_loss_never_reaches_a_checkpoint(assets, tmp_path):
+    """A target whose final norm holds NaN gives a NaN loss at every step: each update is skipped, and after
+    training.max_nonfinite_steps in a row the run stops with exit 1 before saving anything."""
+    import shutil
+
+    import numpy as np
+    from specjax.safetensors_io import SafetensorsFile, save_file
+    model = tmp_path / "nan_model"
+    shutil.copytree(assets[1], model)
+    sf = SafetensorsFile(str(model / "model.safetensors"))
+    tensors = {k: sf.tensor(k) for k in sf.keys()}
+    tensors["model.norm.weight"] = np.full_like(tensors["model.norm.weight"], np.nan)
+    save_file(tensors, str(model / "model.safetensors"))
+    cmd = _cmd(assets, "nan_run", "--model.path", str(model), "--training.max_nonfinite_steps", "3",
+               "--training.max_steps", "9", "--logging.every", "1")
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "3 updates in a row had a non-finite loss or gradient" in r.stdout
+    assert "the update was skipped" in r.stdout and "Traceback" not in r.stderr
+    from specjax.train.checkpoint import Checkpointer
+    assert Checkpointer(str(assets[0] / "nan_run")).valid_steps() == []

@@ -2,6 +2,8 @@
 a 4x4 (dp x tp) mesh of fake CPU devices matches one device, the offline step matches the online one, and a run
 is reproducible from its seed."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -179,3 +181,23 @@ def test_lr_schedule_and_flops(setup):
     approx = 2 * (tcfg.num_params() - V * 64) + tcfg.num_layers * 4 * T * 64
     assert abs(target_only - approx) / approx < 0.02
     assert f > target_only
+
+
+def test_nonfinite_update_is_skipped(setup, train_fns):
+    """A NaN in the target's features (a damaged input) gives a NaN loss: the update is dropped (params and optimizer
+    state bitwise unchanged, ``skipped`` = 1) and the next finite batch trains as if it had never happened."""
+    tcfg, tparams, hcfg, vmap, data = setup
+    opt, step, _ = train_fns
+    state = S.init_train_state(hcfg, 3, opt)
+    state, m = step(state, tparams, vmap, _batch(data, 0, 1, 4))
+    assert float(m["skipped"]) == 0.0
+    before = jax.tree.map(np.asarray, (state.params, state.opt_state))
+    bad = dataclasses.replace(tparams, embed=tparams.embed.at[:].set(jnp.nan))
+    state, m = step(state, bad, vmap, _batch(data, 4, 1, 4))
+    assert not np.isfinite(float(m["loss"])) and float(m["skipped"]) == 1.0
+    assert int(state.step) == 2
+    for a, b in zip(jax.tree.leaves(before), jax.tree.leaves((state.params, state.opt_state))):
+        np.testing.assert_array_equal(a, np.asarray(b))
+    state, m = step(state, tparams, vmap, _batch(data, 8, 1, 4))
+    assert float(m["skipped"]) == 0.0 and np.isfinite(float(m["loss"]))
+    assert all(np.isfinite(np.asarray(x)).all() for x in jax.tree.leaves(state.params))

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import signal
 import sys
@@ -125,6 +124,32 @@ class Logger:
             self.tb.close()
 
 
+class NonFiniteGuard:
+    """Counts the updates the train step skipped for a non-finite loss or gradient, on the device (no host sync per
+    step): the current run of consecutive skips, the longest run and the total. ``error`` (a sync: call it at
+    logging and checkpoint steps) says why to stop once ``limit`` updates in a row were skipped."""
+
+    def __init__(self, limit: int):
+        import jax.numpy as jnp
+        self.limit = max(int(limit), 1)
+        self.run = self.longest = self.sum = jnp.zeros((), jnp.float32)
+
+    def add(self, skipped) -> None:
+        import jax.numpy as jnp
+        self.run = jnp.where(skipped > 0, self.run + 1, 0.0)
+        self.longest = jnp.maximum(self.longest, self.run)
+        self.sum = self.sum + skipped
+
+    def total(self) -> float:
+        return float(self.sum)
+
+    def error(self, step: int) -> str | None:
+        if float(self.longest) < self.limit:
+            return None
+        return (f"{self.limit} updates in a row had a non-finite loss or gradient (by step {step}; "
+                f"training.max_nonfinite_steps={self.limit}); each was skipped, none reached the weights")
+
+
 # Dense bf16 peak FLOP/s per device, for MFU (None: unknown device, MFU not reported).
 PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
               "TPU v6 lite": 918e12, "TPU v6e": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
@@ -228,11 +253,31 @@ def main(argv=None) -> int:
     # ---- checkpoints, vocab map, state ------------------------------------------------------------------------------
     ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     resume_step = ckpt.latest_step() if cfg.checkpoint.resume else None
-    init_params = None
+    fresh_hint = "to start from scratch anyway pass --checkpoint.resume false"
+    if cfg.checkpoint.resume and resume_step is None and (damaged := ckpt.damaged_steps_seen()):
+        log.info(f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "
+                 f"({', '.join(damaged)}); {fresh_hint}")
+        return 1
+    optimizer = step_lib.make_optimizer(
+        lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
+        min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
+        b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
+    rep = NamedSharding(mesh, P())
+    init_params = restored = None
     if resume_step is not None:
+        def resume_abstract(meta):  # the run's head, as saved in the step being restored
+            hc = ckpt_lib.head_config_from_dict(meta["head_config"]).replace(dtype=head_cfg.dtype)
+            st = step_lib.abstract_train_state(hc, optimizer, mesh)
+            return {"params": st.params, "train": {"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
+                    "vocab": {"d2t": jax.ShapeDtypeStruct((hc.draft_vocab_size,), np.int32, sharding=rep),
+                              "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}}
+        try:  # the newest step that passes its checksums and loads; damaged ones are moved aside
+            resume_step, restored = ckpt.restore(abstract=resume_abstract)
+        except ckpt_lib.CheckpointError as e:
+            log.info(f"error: {e}; {fresh_hint}")
+            return 1
         vocab_source = f"checkpoint step {resume_step}"
-        saved_head = ckpt_lib.head_config_from_dict(ckpt.restore(resume_step)[1]["meta"]["head_config"])
-        head_cfg = saved_head.replace(dtype=head_cfg.dtype)  # the run's head, as saved
+        head_cfg = ckpt_lib.head_config_from_dict(restored["meta"]["head_config"]).replace(dtype=head_cfg.dtype)
     elif cfg.head.init_from:
         head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
         if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
@@ -254,18 +299,8 @@ def main(argv=None) -> int:
         counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
         vocab_map = build_vocab_map(counts, head_cfg.draft_vocab_size)
         vocab_source = f"counted over {int(counts.sum())} training tokens"
-    optimizer = step_lib.make_optimizer(
-        lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
-        min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
-        b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
-    abstract_state = step_lib.abstract_train_state(head_cfg, optimizer, mesh)
-    rep = NamedSharding(mesh, P())
-    if resume_step is not None:
-        abstract_vocab = {"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), np.int32, sharding=rep),
-                          "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}
-        resume_step, out = ckpt.restore(params=abstract_state.params, vocab=abstract_vocab,  # newest that loads
-                                        train={"opt_state": abstract_state.opt_state, "step": abstract_state.step,
-                                               "rng": abstract_state.rng})
+    if restored is not None:
+        out = restored
         state = step_lib.TrainState(params=out["params"], opt_state=out["train"]["opt_state"],
                                     step=out["train"]["step"], rng=out["train"]["rng"])
         from specjax.models.eagle3 import VocabMap
@@ -347,10 +382,12 @@ def main(argv=None) -> int:
     n_dev = jax.device_count()
     bar = log.progress(total_steps, step, cfg.logging.progress)
     window_tokens, window_start, window_flops = 0, time.perf_counter(), 0.0
+    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_steps)
     while step < total_steps:
         batch, info = next(batches)
         state, metrics = train_step(state, target_arg, vocab_map, batch)
         step += 1
+        nonfinite.add(metrics["skipped"])
         window_tokens += info["tokens"]
         window_flops += info["tokens"] * step_lib.estimate_flops_per_token(
             target_cfg, head_cfg, info["seq_len"], cfg.training.ttt_length, include_target=not offline_train)
@@ -361,8 +398,10 @@ def main(argv=None) -> int:
                      time=time.time())
             if peak is not None:
                 m["mfu"] = window_flops / dt / (peak * n_dev)
-            if not math.isfinite(m["loss"]):
-                log.info(f"warning: non-finite loss at step {step}")
+            m["skipped_total"] = nonfinite.total()
+            if m["skipped"]:
+                log.info(f"warning: non-finite loss or gradient at step {step}; the update was skipped "
+                         f"({m['skipped_total']:.0f} skipped so far)")
             log.metrics(step, m)
             if bar is not None:
                 bar.set_postfix({"loss": f"{m['loss']:.3f}", "acc_0": f"{m.get('acc_0', float('nan')):.3f}",
@@ -382,6 +421,13 @@ def main(argv=None) -> int:
                                 if f"eval_acc_{k}" in em)
                 log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0..{cfg.training.ttt_length - 1} "
                          f"{accs} predicted chain accept length {em.get('eval_accept_len', float('nan')):.2f}")
+        if (step % cfg.logging.every == 0 or step % cfg.checkpoint.every == 0 or step == total_steps) and \
+                (err := nonfinite.error(step)):
+            log.info(f"error: {err}; the last checkpoint in {cfg.checkpoint.dir} (step {saved['step']}) holds "
+                     f"finite weights: lower optimizer.lr or check the data, then resume")
+            ckpt.close()
+            log.close()
+            return 1
         if step % cfg.checkpoint.every == 0 and step < total_steps:
             save(step)
         ckpt.poll()

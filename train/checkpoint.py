@@ -5,19 +5,23 @@ One checkpoint = one step folder with four items:
   vocab   d2t / t2d of the draft vocab                    meta   JSON: run config, head config, target model
                                                                  path, data iterator state
 After orbax has finalised a step, process 0 writes ``specjax_commit.json`` into it: a manifest of every file with
-its size. A step without the marker, with a missing file or a file of the wrong size (a crash mid-write, a
-truncated copy) is not valid: ``restore`` takes the newest valid step, and process 0 moves invalid ones aside
-(``corrupt-<step>-<time>``) so that training can save that step number again.
+its size and SHA-256. A step without the marker, with a missing file or a file of the wrong size (a crash mid-write,
+a truncated copy) is not valid and is never listed. Before a step is restored every file's content is hashed and
+compared with the manifest, so bit rot, a bad copy or an edited file (same size, other bytes) is caught too, with a
+message naming the file: ``restore`` then takes the previous valid step, and process 0 moves damaged ones aside
+(``corrupt-<step>-<time>``) so that training can save that step number again. Markers written before checksums
+existed (format 1) are checked by size only.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import logging
 import os
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -28,7 +32,9 @@ from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 
 COMMIT_FILE = "specjax_commit.json"
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2  # 1: sizes only; 2: sizes and SHA-256
+CORRUPT_PREFIX = "corrupt-"
+_HASH_CHUNK = 8 << 20
 log = logging.getLogger("specjax.train.checkpoint")
 
 
@@ -36,7 +42,16 @@ class CheckpointError(RuntimeError):
     pass
 
 
-def _files(step_dir: epath.Path) -> dict[str, int]:
+def _sha256(path: epath.Path) -> str:
+    h = hashlib.sha256()
+    with path.open("rb") as f:
+        while chunk := f.read(_HASH_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _files(step_dir: epath.Path) -> dict[str, dict[str, Any]]:
+    """Manifest of the step's files: relative path -> {size, sha256}."""
     out = {}
     stack = [step_dir]
     while stack:
@@ -44,7 +59,7 @@ def _files(step_dir: epath.Path) -> dict[str, int]:
             if p.is_dir():
                 stack.append(p)
             elif not p.name.startswith(COMMIT_FILE):
-                out[str(p.relative_to(step_dir))] = int(p.stat().length)
+                out[str(p.relative_to(step_dir))] = {"size": int(p.stat().length), "sha256": _sha256(p)}
     return out
 
 
@@ -58,22 +73,29 @@ def _step_dirs(root: epath.Path) -> dict[int, epath.Path]:
     return out
 
 
-def validate_step_dir(step_dir: epath.Path) -> str | None:
-    """None if the step is complete, else the reason it is not."""
+def validate_step_dir(step_dir: epath.Path, *, content: bool = False) -> str | None:
+    """None if the step is complete, else the reason it is not. ``content``: also hash every file and compare
+    with the manifest (reads the whole step; done before a restore)."""
     marker = step_dir / COMMIT_FILE
     if not marker.exists():
         return "no commit marker (interrupted save?)"
     try:
         manifest = json.loads(marker.read_text())["files"]
+        entries = {rel: (e, None) if isinstance(e, int) else (int(e["size"]), str(e["sha256"]))
+                   for rel, e in manifest.items()}
     except Exception as e:  # noqa: BLE001
         return f"unreadable commit marker ({type(e).__name__})"
-    for rel, size in manifest.items():
+    for rel, (size, digest) in entries.items():
         p = step_dir / rel
         if not p.exists():
             return f"missing file {rel}"
         got = int(p.stat().length)
         if got != size:
             return f"file {rel} has {got} bytes, expected {size}"
+    if content:
+        for rel, (_, digest) in entries.items():
+            if digest is not None and _sha256(step_dir / rel) != digest:
+                return f"file {rel} is damaged (its SHA-256 differs from the one recorded at save)"
     return None
 
 
@@ -94,6 +116,7 @@ class Checkpointer:
         self.read_only = read_only
         self.primary = jax.process_index() == 0 and not read_only
         self._pending: list[int] = []
+        self.quarantined: list[int] = []  # steps this instance moved aside
         items = ("params", "train", "vocab", "meta")
         if read_only:  # export / inspection: change nothing on disk
             absl_log = logging.getLogger("absl")
@@ -124,16 +147,26 @@ class Checkpointer:
     def quarantine_invalid(self) -> list[int]:
         """Move invalid step folders aside (process 0) so they are never restored nor block a new save."""
         bad = {s: r for s, p in _step_dirs(self.root).items() if (r := validate_step_dir(p)) is not None}
-        if self.primary:
-            for s, reason in sorted(bad.items()):
-                dst = self.root / f"corrupt-{s}-{int(time.time() * 1000)}"
-                log.warning("checkpoint step %d is invalid (%s); moved to %s", s, reason, dst)
-                print(f"checkpoint: step {s} is invalid ({reason}); moved aside to {dst.name}", flush=True)
-                (self.root / str(s)).rename(dst)
+        for s, reason in sorted(bad.items()):
+            self._move_aside(s, reason)
         _sync("specjax_ckpt_quarantine")
         if hasattr(self, "mgr"):
             self.mgr.reload()
         return sorted(bad)
+
+    def _move_aside(self, step: int, reason: str) -> None:
+        self.quarantined.append(step)
+        if self.primary:
+            dst = self.root / f"{CORRUPT_PREFIX}{step}-{int(time.time() * 1000)}"
+            log.warning("checkpoint step %d is invalid (%s); moved to %s", step, reason, dst)
+            print(f"checkpoint: step {step} is invalid ({reason}); moved aside to {dst.name}", flush=True)
+            (self.root / str(step)).rename(dst)
+
+    def damaged_steps_seen(self) -> list[str]:
+        """Names of the folders moved aside as damaged (by this run or an earlier one)."""
+        if not self.root.exists():
+            return []
+        return sorted(p.name for p in self.root.iterdir() if p.is_dir() and p.name.startswith(CORRUPT_PREFIX))
 
     def _commit(self, step: int) -> None:
         step_dir = self.root / str(step)
@@ -172,38 +205,47 @@ class Checkpointer:
         if wait:
             self.wait()
 
-    def restore(self, step: int | None = None, *, params=None, train=None, vocab=None) -> tuple[int, dict[str, Any]]:
+    def restore(self, step: int | None = None, *, params=None, train=None, vocab=None,
+                abstract: Callable[[dict[str, Any]], dict[str, Any]] | None = None) -> tuple[int, dict[str, Any]]:
         """Restore the newest valid step (or ``step``). ``params`` / ``train`` / ``vocab``: abstract pytrees
         (``jax.ShapeDtypeStruct`` leaves carrying shardings) of the items wanted; items left None are skipped.
-        Returns (step, {"params", "train", "vocab", "meta"}). A step that fails to restore is quarantined and
-        the previous valid one is tried."""
+        ``abstract(meta) -> {"params"?, "train"?, "vocab"?}`` builds them from the step's own meta instead (the
+        shapes depend on the head config saved there). Returns (step, {"params", "train", "vocab", "meta"}).
+
+        Every file of a step is checked against its recorded SHA-256 first. A step that is damaged or fails to
+        restore is moved aside (unless read-only) and the previous valid one is tried; with an explicit ``step``
+        the error is raised instead. CheckpointError when no step can be restored."""
         steps = [step] if step is not None else self.valid_steps()[::-1]
         if not steps:
             raise CheckpointError(f"no valid checkpoint in {self.root}")
         errors = []
         for s in steps:
-            items: dict[str, Any] = {"meta": ocp.args.JsonRestore()}
-            if params is not None:
-                items["params"] = ocp.args.StandardRestore(params)
-            if train is not None:
-                items["train"] = ocp.args.StandardRestore(train)
-            if vocab is not None:
-                items["vocab"] = ocp.args.StandardRestore(vocab)
             try:
-                out = self.mgr.restore(s, args=ocp.args.Composite(**items))
-                return s, {k: out[k] for k in items}
-            except Exception as e:  # noqa: BLE001 - damaged data that passed the size check
-                errors.append(f"step {s}: {type(e).__name__}: {str(e)[:200]}")
-                print(f"checkpoint: step {s} failed to restore ({type(e).__name__}); trying an older one", flush=True)
+                return s, self._restore_one(s, params, train, vocab, abstract)
+            except Exception as e:  # noqa: BLE001 - damaged data: the message says which step and why
+                reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {str(e)[:200]}"
+                errors.append(f"step {s}: {reason}")
+                print(f"checkpoint: step {s} cannot be restored ({reason})"
+                      + ("" if step is not None else "; trying an older one"), flush=True)
                 if step is not None:
                     break
-                if self.read_only:
-                    continue  # try the older one, change nothing on disk
-                if self.primary:
-                    (self.root / str(s) / COMMIT_FILE).unlink(missing_ok=True)
-                _sync("specjax_ckpt_unmark")
-                self.quarantine_invalid()
-        raise CheckpointError(f"no checkpoint in {self.root} could be restored: {errors}")
+                if not self.read_only:
+                    if self.primary:
+                        (self.root / str(s) / COMMIT_FILE).unlink(missing_ok=True)
+                    _sync("specjax_ckpt_unmark")
+                    self.quarantine_invalid()
+        raise CheckpointError(f"no checkpoint in {self.root} could be restored: " + "; ".join(errors))
+
+    def _restore_one(self, s: int, params, train, vocab, abstract) -> dict[str, Any]:
+        if (reason := validate_step_dir(self.root / str(s), content=True)) is not None:
+            raise CheckpointError(reason)
+        meta = self.mgr.restore(s, args=ocp.args.Composite(meta=ocp.args.JsonRestore()))["meta"]
+        wanted = dict(abstract(meta)) if abstract is not None else {"params": params, "train": train, "vocab": vocab}
+        items = {k: ocp.args.StandardRestore(v) for k, v in wanted.items() if v is not None}
+        if not items:
+            return {"meta": meta}
+        out = self.mgr.restore(s, args=ocp.args.Composite(**items))
+        return {"meta": meta, **{k: out[k] for k in items}}
 
     def close(self) -> None:
         self.wait()
@@ -248,23 +290,23 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
     if not epath.Path(root).exists():
         raise CheckpointError(f"checkpoint folder {root} does not exist")
     ck = Checkpointer(root, read_only=True)
+
+    def abstract(meta):
+        head_cfg = head_config_from_dict(meta["head_config"])
+        # fp32, as the train state keeps its master weights
+        params = _single_device(jax.tree.map(lambda sd: jax.ShapeDtypeStruct(sd.shape, jnp.float32),
+                                             eagle3.param_shapes(head_cfg)))
+        vocab = _single_device({"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), jnp.int32),
+                                "t2d": jax.ShapeDtypeStruct((head_cfg.vocab_size,), jnp.bool_)})
+        return {"params": params, "vocab": vocab}
+
     try:
-        steps = [step] if step is not None else ck.valid_steps()[::-1]
-        if not steps:
-            raise CheckpointError(f"no valid checkpoint in {root}")
         if step is not None and (reason := validate_step_dir(ck.root / str(step))) is not None:
             raise CheckpointError(f"checkpoint {ckpt_dir} is not valid: {reason}")
-        _, meta = ck.restore(steps[0], params=None)
-        head_cfg = head_config_from_dict(meta["meta"]["head_config"])
-        # fp32, as the train state keeps its master weights
-        abstract_params = _single_device(jax.tree.map(lambda sd: jax.ShapeDtypeStruct(sd.shape, jnp.float32),
-                                                      eagle3.param_shapes(head_cfg)))
-        v = head_cfg.vocab_size
-        abstract_vocab = _single_device({"d2t": jax.ShapeDtypeStruct((head_cfg.draft_vocab_size,), jnp.int32),
-                                         "t2d": jax.ShapeDtypeStruct((v,), jnp.bool_)})
-        _, out = ck.restore(steps[0], params=abstract_params, vocab=abstract_vocab)
+        _, out = ck.restore(step, abstract=abstract)
     finally:
         ck.mgr.close()
+    head_cfg = head_config_from_dict(out["meta"]["head_config"])
     vm = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
     return head_cfg, out["params"], vm, out["meta"].get("target_model_path", "")
 

@@ -71,6 +71,7 @@ class TrainingConfig:
     seed: int = 0  # data order, eval split, head init
     ttt_length: int = 7  # rollout steps of the training-time test
     decay: float = 0.8  # weight of rollout step k is decay**k
+    max_nonfinite_steps: int = 10  # a NaN/inf loss or gradient skips the update; this many in a row stop the run
 
 
 @dataclasses.dataclass(frozen=True)

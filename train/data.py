@@ -25,6 +25,7 @@ import dataclasses
 import glob
 import hashlib
 import json
+import logging
 import os
 from typing import Any, Callable, Iterable, Iterator
 
@@ -32,6 +33,7 @@ import numpy as np
 
 from specjax.train.config import DataConfig
 
+_log = logging.getLogger("specjax.train.data")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
          "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
 
@@ -45,25 +47,54 @@ class BadRecord(Exception):
 
 
 # ---- reading records -----------------------------------------------------------------------------------------------
-def _read_json_array(path: str) -> Iterator[Any]:
-    """Items of a top-level JSON array, one at a time; a file cut off mid-way yields its complete items."""
-    from specjax.convert.fetch import parse_truncated_json_array
-    with open(path, encoding="utf-8", errors="surrogatepass") as f:
-        yield from parse_truncated_json_array(f.read())
+COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 
 
-def _read_jsonl(path: str) -> Iterator[Any]:
-    with open(path, "rb") as f:
-        for line in f:
-            if not line.strip():
-                continue
-            try:
-                yield json.loads(line.decode("utf-8"))
-            except (UnicodeDecodeError, json.JSONDecodeError) as e:
-                yield BadRecord("undecodable", str(e)[:80])
+def _open_binary(path: str):
+    """The file's bytes, decompressed when its name ends in .gz, .bz2 or .xz."""
+    ext = os.path.splitext(path)[1].lower()
+    if ext in COMPRESSION:
+        import importlib
+        return importlib.import_module(COMPRESSION[ext]).open(path, "rb")
+    return open(path, "rb")
 
 
-def _read_local(path: str) -> Iterator[Any]:
+def _problem(path: str, exc, log: Callable[[str], None]) -> BadRecord:
+    """A place in ``path`` that cannot be parsed (a fetch.ParseProblem): said (where) in the log, counted (why)
+    in the skipped table."""
+    log(f"data: {path}: {exc}")
+    return BadRecord(exc.reason, str(exc))
+
+
+def _read_json_array(path: str, log: Callable[[str], None]) -> Iterator[Any]:
+    """Items of a top-level JSON array; an unparseable item or a cut-off tail is logged with its place and
+    counted, the items after a bad one are still read."""
+    from specjax.convert.fetch import ParseProblem, parse_truncated_json_array
+    with _open_binary(path) as f:
+        text = f.read().decode("utf-8", errors="surrogatepass")
+    for item in parse_truncated_json_array(text):
+        yield _problem(path, item, log) if isinstance(item, ParseProblem) else item
+
+
+def _read_jsonl(path: str, log: Callable[[str], None]) -> Iterator[Any]:
+    lineno = 0
+    try:
+        with _open_binary(path) as f:
+            for lineno, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    yield json.loads(line.decode("utf-8"))
+                except (UnicodeDecodeError, json.JSONDecodeError) as e:
+                    log(f"data: {path}: line {lineno} does not parse ({str(e)[:80]})")
+                    yield BadRecord("undecodable", f"line {lineno}: {str(e)[:80]}")
+    except (EOFError, OSError) as e:  # a cut-off or damaged compressed file
+        msg = f"the file cannot be read past line {lineno} ({type(e).__name__}: {e})"
+        log(f"data: {path}: {msg}")
+        yield BadRecord("truncated_file", msg)
+
+
+def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     if os.path.isdir(path):
         import datasets
         ds = datasets.load_from_disk(path)
@@ -72,22 +103,23 @@ def _read_local(path: str) -> Iterator[Any]:
         yield from ds
         return
     low = path.lower()
-    if low.endswith(".jsonl") or low.endswith(".jsonl.gz"):
-        yield from _read_jsonl(path)
-    elif low.endswith(".json"):
-        with open(path, "rb") as f:
+    base = low[:-len(os.path.splitext(low)[1])] if os.path.splitext(low)[1] in COMPRESSION else low
+    if base.endswith(".jsonl"):
+        yield from _read_jsonl(path, log)
+    elif base.endswith(".json"):
+        with _open_binary(path) as f:
             head = f.read(4096).lstrip()
         if head.startswith(b"["):
-            yield from _read_json_array(path)
+            yield from _read_json_array(path, log)
         else:
-            yield from _read_jsonl(path)  # JSON lines named .json
+            yield from _read_jsonl(path, log)  # JSON lines named .json
     elif low.endswith((".parquet", ".arrow", ".csv")):
         import datasets
         kind = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[low.rsplit(".", 1)[1]]
         yield from datasets.load_dataset(kind, data_files=path, split="train")
     else:
-        raise ValueError(f"data file {path}: unknown format (use .json, .jsonl, .parquet, .arrow or a "
-                         f"datasets.save_to_disk folder)")
+        raise ValueError(f"data file {path}: unknown format (use .json, .jsonl (optionally .gz, .bz2 or .xz "
+                         f"compressed), .parquet, .arrow or a datasets.save_to_disk folder)")
 
 
 def resolve_paths(paths: Iterable[str]) -> list[str]:
@@ -108,10 +140,12 @@ def resolve_paths(paths: Iterable[str]) -> list[str]:
     return out
 
 
-def iter_records(cfg: DataConfig) -> Iterator[Any]:
-    """Raw records of every source in order (BadRecord instances for lines that could not be parsed)."""
+def iter_records(cfg: DataConfig, log: Callable[[str], None] | None = None) -> Iterator[Any]:
+    """Raw records of every source in order (BadRecord instances for places that could not be parsed, each also
+    reported through ``log`` with the file and where in it; default: the module's logger)."""
+    log = log or _log.warning
     for path in resolve_paths(cfg.paths):
-        yield from _read_local(path)
+        yield from _read_local(path, log)
     for name in cfg.hf_datasets:
         import datasets
         yield from datasets.load_dataset(name, split=cfg.split)
@@ -419,7 +453,7 @@ def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print)
         except Exception:  # noqa: BLE001 - a damaged cache is rebuilt
             pass
     encoder = ChatEncoder(tokenizer, cfg.chat_template_kwargs)
-    data = tokenize_records(iter_records(cfg), encoder, max_length=cfg.max_length, overlong=cfg.overlong,
+    data = tokenize_records(iter_records(cfg, log), encoder, max_length=cfg.max_length, overlong=cfg.overlong,
                             fmt=cfg.format, max_examples=cfg.max_examples)
     log(f"data: {summary(data.stats)}")
     if len(data) == 0:

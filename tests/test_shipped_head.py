@@ -1,0 +1,79 @@
+"""The EAGLE3 head shipped in the package (specjax/heads/): its files are what ``LlamaForCausalLMEagle3`` loaders
+(SGLang, vLLM) expect, it carries a valid tuned tree table, and with the real SmolLM2 it is accepted for several
+tokens per step while speculative greedy output stays identical to plain greedy output (the full 80 MT-bench
+prompts run in ``python -m specjax.bench tune``; docs/benchmarks.md)."""
+
+import json
+import os
+
+import numpy as np
+import pytest
+
+from specjax.heads import DEFAULT_HEAD
+from specjax.safetensors_io import SafetensorsFile
+from specjax.spec import tune as tune_lib
+
+# SmolLM2-135M-Instruct: hidden 576, 9 heads x 64, 3 kv heads, FFN 1536, vocab 49,152, 30 layers
+H, NQ, NKV, HD, FF, V = 576, 9, 3, 64, 1536, 49152
+
+
+def test_shipped_head_files_match_the_published_format():
+    cfg = json.loads(open(os.path.join(DEFAULT_HEAD, "config.json")).read())
+    vd = cfg["draft_vocab_size"]
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["model_type"] == "llama"
+    assert (cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"], cfg["intermediate_size"],
+            cfg["vocab_size"], cfg["num_hidden_layers"]) == (H, NQ, NKV, FF, V, 1)
+    assert cfg["torch_dtype"] == "bfloat16" and cfg["tie_word_embeddings"] is False
+    assert "eagle_config" not in cfg  # default aux layers {1, L//2-1, L-4} are not written
+    path = os.path.join(DEFAULT_HEAD, "model.safetensors")
+    assert os.path.getsize(path) <= 30e6
+    sf = SafetensorsFile(path)
+    want = {"fc.weight": (H, 3 * H), "midlayer.input_layernorm.weight": (H,), "midlayer.hidden_norm.weight": (H,),
+            "midlayer.self_attn.q_proj.weight": (NQ * HD, 2 * H), "midlayer.self_attn.k_proj.weight": (NKV * HD, 2 * H),
+            "midlayer.self_attn.v_proj.weight": (NKV * HD, 2 * H), "midlayer.self_attn.o_proj.weight": (H, NQ * HD),
+            "midlayer.post_attention_layernorm.weight": (H,), "midlayer.mlp.gate_proj.weight": (FF, H),
+            "midlayer.mlp.up_proj.weight": (FF, H), "midlayer.mlp.down_proj.weight": (H, FF), "norm.weight": (H,),
+            "lm_head.weight": (vd, H), "d2t": (vd,), "t2d": (V,)}
+    assert {k: sf.shape(k) for k in sf.keys()} == want
+    assert sf.header["d2t"]["dtype"] == "I64" and sf.header["t2d"]["dtype"] == "BOOL"
+    assert {sf.header[k]["dtype"] for k in want if k not in ("d2t", "t2d")} == {"BF16"}
+    d2t, t2d = sf.tensor("d2t"), sf.tensor("t2d")
+    used = np.arange(vd) + d2t
+    assert t2d.sum() == vd and t2d[used].all() and (np.diff(used) > 0).all()
+    for k in want:
+        if k not in ("d2t", "t2d"):
+            assert np.isfinite(sf.tensor(k).astype(np.float32)).all(), k
+    table = tune_lib.load_tune(DEFAULT_HEAD)
+    assert table and 1 in table
+
+
+@pytest.fixture(scope="module")
+def smollm2_pair():
+    from specjax.convert.fetch import default_smollm2_path
+    path = default_smollm2_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
+    from specjax.generate import load_tokenizer
+    from specjax.spec.decoder import load_draft, make_draft
+    from specjax.weights import load_model
+    cfg, params = load_model(path, dtype="float32")
+    dcfg, dparams, vocab = load_draft(DEFAULT_HEAD, "EAGLE3", cfg)
+    return path, cfg, params, make_draft("EAGLE3", dcfg, dparams, params, vocab), load_tokenizer(path)
+
+
+def test_shipped_head_is_lossless_and_accepted_on_mtbench(smollm2_pair):
+    from specjax.bench.spec import load_prompts
+    from specjax.generate import generate, stop_token_ids
+    from specjax.spec.decoder import speculative_generate
+    path, cfg, params, draft, tok = smollm2_pair
+    try:
+        prompts, _ = load_prompts("mtbench", tok, 3, cfg.vocab_size)
+    except SystemExit as e:
+        pytest.skip(str(e))
+    steps, topk, ndraft = tune_lib.shape_for(tune_lib.load_tune(DEFAULT_HEAD), 1) or (5, 1, 6)
+    stop = stop_token_ids(path, cfg, tok)
+    plain = generate(params, cfg, prompts, max_new_tokens=48, stop_token_ids=stop)
+    spec, stats = speculative_generate(params, cfg, draft, prompts, num_steps=steps, topk=topk,
+                                       num_draft_tokens=ndraft, max_new_tokens=48, stop_token_ids=stop)
+    assert spec == plain
+    assert stats["tau"] > 1.8, stats["tau"]  # an untrained head gets ~1.0
