@@ -80,6 +80,7 @@ def get_topology(name: str) -> Topology:
     per_host = tuple(min(s, b) for s, b in zip(shape, (2, 2, 1)))
     try:
         from jax.experimental.topologies import get_topology_desc
+        os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compiling only: other libtpu users may run
         kw = dict(platform="tpu", topology_name=f"{topo_gen}:{'x'.join(map(str, shape))}", num_slices=1,
                   chips_per_host_bounds=per_host + (1,) * (3 - len(per_host)))
         if chip_config:
@@ -135,7 +136,8 @@ def compile_report(program: str, lowered, hbm: int, note: str = "") -> Report:
                   count_collectives(compiled.as_text()), note)
 
 
-def print_table(title: str, reports: list[Report], file=sys.stdout) -> None:
+def print_table(title: str, reports: list[Report], file=None) -> None:
+    file = file or sys.stdout
     print(title, file=file)
     head = f"{'program':<44} {'compile s':>9} {'args GiB':>9} {'temp GiB':>9} {'total GiB':>10} {'HBM GiB':>8}  " \
            f"{'fits':<4}  collectives"

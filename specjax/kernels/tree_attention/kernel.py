@@ -120,6 +120,12 @@ def pack_tree_mask(mask, padded_t: int):  # bool[B, T, T] -> i32[B, Tp, ceil(Tp 
     return lax.bitcast_convert_type(bits.sum(-1, dtype=jnp.uint32), jnp.int32)
 
 
+def _precision(dtype):
+    """bf16 operands multiply at the MXU's native precision; a global "highest" (jax_default_matmul_precision)
+    asks Mosaic for an fp32 contraction of bf16 vectors, which it rejects on v4. fp32 keeps the global setting."""
+    return lax.Precision.DEFAULT if jnp.dtype(dtype).itemsize == 2 else None
+
+
 def _unpack_tree_mask(words, padded_t: int):  # i32[R, W] -> bool[R, Tp]
     col = lax.broadcasted_iota(jnp.int32, (words.shape[0], padded_t), 1)
     word = words[:, 0:1]
@@ -227,7 +233,8 @@ def _tree_attention_kernel(
             m_prev = m_ref[h][:, :1]
             m_next = jnp.maximum(m_prev, m_next)
         p = jnp.exp(s - m_next)
-        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)  # [G*Tp, H]
+        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32,
+                     precision=_precision(values.dtype))  # [G*Tp, H]
         l_next = jnp.sum(p, axis=1, keepdims=True)
         if first:
             acc = pv
@@ -241,7 +248,8 @@ def _tree_attention_kernel(
 
     def scores(h, keys):  # keys [n, H] -> f32[G*Tp, n]
         qh = q_ref[h]
-        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(qh.dtype))
         return s * sm_scale
 
     @pl.when(num_blocks > 0)
