@@ -114,11 +114,10 @@ _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "col
 
 def count_collectives(hlo_text: str) -> dict:
     """Collective ops in an optimized HLO module, by kind (async start/done pairs counted once)."""
-    out = {}
-    for kind in _COLLECTIVES:
-        n = len(re.findall(rf"= [^=]*? {kind}(?:-start)?\(", hlo_text))
-        if n:
-            out[kind] = n
+    op = re.compile(r"^\s*(?:ROOT\s+)?%?[\w.-]+ = .*?\s(" + "|".join(_COLLECTIVES) + r")(?:-start)?\(", re.M)
+    out: dict = {}
+    for kind in op.findall(hlo_text):
+        out[kind] = out.get(kind, 0) + 1
     return out
 
 
