@@ -16,6 +16,11 @@ ARGS="$(quote_args "$@")"
 HF_ENV=""
 if [[ -n "${HF_TOKEN:-}" ]]; then HF_ENV="export HF_TOKEN=$(printf '%q' "${HF_TOKEN}");"; fi
 
+# Preflight here first (no TPU needed): the train step must compile for the pod's topology and fit its HBM.
+if [[ -n "${ACCELERATOR_TYPE:-}" && "${SKIP_PREFLIGHT:-0}" != 1 ]]; then
+  echo "preflight: compiling the train step for ${ACCELERATOR_TYPE} (SKIP_PREFLIGHT=1 skips)"
+  JAX_PLATFORMS=cpu python -m specjax.preflight train --config "${CONFIG}" --topology "${ACCELERATOR_TYPE}" "$@"
+fi
 echo "starting training on all hosts of ${TPU_NAME}: ${CONFIG} ${ARGS}"
 tpu_ssh all "set -euo pipefail; ${HF_ENV}
   . ~/specjax-venv/bin/activate; cd ~/${REMOTE_DIR}

@@ -48,7 +48,9 @@ def parse_args(argv):
     from specjax.train.config import describe
     p = argparse.ArgumentParser(prog="python -m specjax.train", description=__doc__.split("\n\n")[0],
                                 epilog=HELP_EPILOG + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--config", help="run config YAML (see configs/); keys not given keep their defaults")
+    from specjax import configs
+    p.add_argument("--config", help="run config YAML: a path, or the name of a shipped one from any directory ("
+                   + ", ".join(configs.recipes()) + "); keys not given keep their defaults")
     return p.parse_known_args(argv)
 
 
@@ -163,6 +165,22 @@ def peak_flops(device) -> float | None:
     return None
 
 
+def head_config(cfg, target_cfg):
+    """The EAGLE3 head a run config asks for (before a checkpoint or init_from may replace it)."""
+    from specjax.models.eagle3 import Eagle3Config
+    return Eagle3Config.from_target(target_cfg, draft_vocab_size=cfg.head.draft_vocab_size,
+                                    num_layers=cfg.head.num_layers, aux_layer_ids=cfg.head.aux_layer_ids,
+                                    dtype=cfg.head.dtype)
+
+
+def make_optimizer(cfg, total_steps: int):
+    from specjax.train import step as step_lib
+    return step_lib.make_optimizer(
+        lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
+        min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
+        b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
+
+
 def main(argv=None) -> int:
     args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
     from specjax.train.config import ConfigError, load_config
@@ -182,7 +200,6 @@ def main(argv=None) -> int:
     from specjax.config import ModelConfig
     from specjax.models import target as target_lib
     from specjax.models import eagle3
-    from specjax.models.eagle3 import Eagle3Config
     from specjax.sharding import make_mesh
     from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
     from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
@@ -227,9 +244,7 @@ def main(argv=None) -> int:
     train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     batch_sharding = NamedSharding(mesh, P(None, "dp"))
-    head_cfg = Eagle3Config.from_target(target_cfg, draft_vocab_size=cfg.head.draft_vocab_size,
-                                        num_layers=cfg.head.num_layers, aux_layer_ids=cfg.head.aux_layer_ids,
-                                        dtype=cfg.head.dtype)
+    head_cfg = head_config(cfg, target_cfg)
 
     if cfg.offline.build:
         offline_lib.build_cache(cfg.offline.dir, full, target_cfg, head_cfg, target_params, mesh,
@@ -258,10 +273,7 @@ def main(argv=None) -> int:
         log.info(f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "
                  f"({', '.join(damaged)}); {fresh_hint}")
         return 1
-    optimizer = step_lib.make_optimizer(
-        lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
-        min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
-        b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
+    optimizer = make_optimizer(cfg, total_steps)
     rep = NamedSharding(mesh, P())
     init_params = restored = None
     if resume_step is not None:

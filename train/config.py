@@ -17,6 +17,8 @@ from typing import Any, Sequence
 
 import yaml
 
+from specjax import configs
+
 
 class ConfigError(ValueError):
     """A run config that cannot be used as written."""
@@ -304,12 +306,13 @@ def _is_number(s: str) -> bool:
 
 
 def load_config(path: str | None = None, overrides: Sequence[str] | Sequence[tuple[str, Any]] = ()) -> RunConfig:
-    """YAML file (optional) + overrides -> validated RunConfig. Relative paths in the YAML stay relative to the
-    working directory (configs are run from the repository root)."""
+    """YAML file (optional; a path, or the name of a shipped recipe such as ``qwen2.5-7b.yaml``) + overrides ->
+    validated RunConfig. Relative paths in the YAML stay relative to the working directory."""
     d: dict[str, Any] = {}
     if path is not None:
+        path = configs.resolve(path)
         if not os.path.exists(path):
-            raise ConfigError(f"config file {path} does not exist")
+            raise ConfigError(f"config file {path} does not exist; {configs.help_text()}")
         with open(path) as f:
             try:
                 d = yaml.safe_load(f) or {}

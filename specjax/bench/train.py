@@ -23,6 +23,8 @@ import os
 import sys
 import time
 
+from specjax import configs
+
 # Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins).
 PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
                "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
@@ -77,9 +79,8 @@ def _resolve(a):
     if a.config:
         from specjax.train.config import load_config
         cfg = load_config(a.config)
-        path = os.path.expanduser(cfg.model.path)
-        cfg_json = path if path.endswith(".json") else os.path.join(path, "config.json")
-        if not os.path.exists(cfg_json):
+        cfg_json = configs.model_config_json(cfg.model.path, a.config)
+        if cfg_json is None:
             raise SystemExit(f"error: {a.config}: model.path {cfg.model.path} has no config.json here; fetch the model "
                              f"or pass --model-config with its config.json (or a preset: {', '.join(PRESETS)})")
         with open(cfg_json) as f:
@@ -93,6 +94,7 @@ def _resolve(a):
         hf, name = dict(PRESETS[a.model_config]), a.model_config
     else:
         p = a.model_config if a.model_config.endswith(".json") else os.path.join(a.model_config, "config.json")
+        p = p if os.path.exists(p) else configs.model_shape(a.model_config) or p
         with open(p) as f:
             hf = json.load(f)
         name = os.path.basename(os.path.dirname(os.path.abspath(p))) if not a.model_config.endswith(".json") \

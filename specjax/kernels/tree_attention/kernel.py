@@ -120,6 +120,12 @@ def pack_tree_mask(mask, padded_t: int):  # bool[B, T, T] -> i32[B, Tp, ceil(Tp 
     return lax.bitcast_convert_type(bits.sum(-1, dtype=jnp.uint32), jnp.int32)
 
 
+def _precision(dtype):
+    """bf16 operands multiply at the MXU's native precision; a global "highest" (jax_default_matmul_precision)
+    asks Mosaic for an fp32 contraction of bf16 vectors, which it rejects on v4. fp32 keeps the global setting."""
+    return lax.Precision.DEFAULT if jnp.dtype(dtype).itemsize == 2 else None
+
+
 def _unpack_tree_mask(words, padded_t: int):  # i32[R, W] -> bool[R, Tp]
     col = lax.broadcasted_iota(jnp.int32, (words.shape[0], padded_t), 1)
     word = words[:, 0:1]
@@ -163,13 +169,13 @@ def _tree_attention_kernel(
         k_hbm,  # [P, Z, K, H]  key pool (HBM)
         v_hbm,  # [P, Z, K, H]  value pool (HBM)
         o_ref,  # [K, G*Tp, H]
-        k_buf,  # [2, pages_per_block, Z, K, H]  VMEM double buffer
-        v_buf,  # [2, pages_per_block, Z, K, H]
+        k_buf,  # [2, pages_per_block, Z, K, H] VMEM double buffer, or [2, K, pages_per_block * Z, H] if per_head
+        v_buf,
         sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
         m_ref,  # f32[K, G*Tp, 128]  running max (lane-broadcast)
         l_ref,  # f32[K, G*Tp, 128]  running sum
         acc_ref,  # f32[K, G*Tp, H]  running numerator
-        *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
+        *, sm_scale: float, pages_per_block: int, pages_per_seq: int, per_head: bool):
     b = pl.program_id(0)
     num_pages, page_size, num_kv, head_dim = k_hbm.shape
     rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
@@ -187,24 +193,38 @@ def _tree_attention_kernel(
             idx = blk * pages_per_block + j
             page = page_table_ref[b * pages_per_seq + jnp.minimum(idx, pages_per_seq - 1)]
             page = jnp.clip(page, 0, num_pages - 1)
-            out.append((idx < used_pages,
-                        pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot]),
-                        pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])))
+            if per_head:  # one strided DMA per kv head, into rows j*Z.. of that head's [pb*Z, H] buffer
+                rows = pl.ds(j * page_size, page_size)
+                copies = [pltpu.make_async_copy(src.at[page, :, h], buf.at[slot, h, rows], sems.at[i, slot])
+                          for h in range(num_kv) for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
+            else:  # the page whole
+                copies = [pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot]),
+                          pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])]
+            out.append((idx < used_pages, copies))
         return out
 
     def start_block(blk, slot):
-        for needed, kc, vc in page_copies(blk, slot):
+        for needed, copies in page_copies(blk, slot):
             @pl.when(needed)
             def _():
-                kc.start()
-                vc.start()
+                for c in copies:
+                    c.start()
 
     def wait_block(blk, slot):
-        for needed, kc, vc in page_copies(blk, slot):
+        for needed, copies in page_copies(blk, slot):
             @pl.when(needed)
             def _():
-                kc.wait()
-                vc.wait()
+                for c in copies:
+                    c.wait()
+
+    def head_blocks(slot, h):
+        """[(keys [n, H], values [n, H], first, step)]: row i holds token first + step * i of the block."""
+        if per_head:
+            return [(k_buf[slot, h], v_buf[slot, h], 0, 1)]
+        k_rows = k_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
+        v_rows = v_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
+        return [(keys, values, first, step) for (keys, first, step), (values, _, _) in
+                zip(_head_keys(k_rows, h, num_kv, block_tokens), _head_keys(v_rows, h, num_kv, block_tokens))]
 
     def update(h, s, values, first):
         """Fold scores s f32[G*Tp, n] (already masked) and their values [n, H] into head h's running state."""
@@ -213,7 +233,8 @@ def _tree_attention_kernel(
             m_prev = m_ref[h][:, :1]
             m_next = jnp.maximum(m_prev, m_next)
         p = jnp.exp(s - m_next)
-        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32)  # [G*Tp, H]
+        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32,
+                     precision=_precision(values.dtype))  # [G*Tp, H]
         l_next = jnp.sum(p, axis=1, keepdims=True)
         if first:
             acc = pv
@@ -227,7 +248,8 @@ def _tree_attention_kernel(
 
     def scores(h, keys):  # keys [n, H] -> f32[G*Tp, n]
         qh = q_ref[h]
-        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32)
+        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                            precision=_precision(qh.dtype))
         return s * sm_scale
 
     @pl.when(num_blocks > 0)
@@ -249,11 +271,8 @@ def _tree_attention_kernel(
             start_block(blk + 1, 1 - slot)
 
         wait_block(blk, slot)
-        k_rows = k_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
-        v_rows = v_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
         for h in range(num_kv):
-            for (keys, first, step), (values, _, _) in zip(_head_keys(k_rows, h, num_kv, block_tokens),
-                                                           _head_keys(v_rows, h, num_kv, block_tokens)):
+            for keys, values, first, step in head_blocks(slot, h):
                 n = keys.shape[0]
                 # Slots past the committed length may hold anything (NaN): mask their scores and zero their values.
                 start = blk * block_tokens + first
@@ -267,6 +286,31 @@ def _tree_attention_kernel(
     lax.fori_loop(0, num_blocks, page_block, 0)
     for h in range(num_kv):
         o_ref[h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+
+
+def _per_head_pages(pool_dtype, num_kv: int) -> bool:
+    """32-bit pools are fetched one kv head at a time (strided DMAs into a head-major buffer): a
+    [Z, K, H] page in VMEM pads K to the sublane tile, so its heads cannot be re-viewed as rows when K is not a
+    multiple of 8. 16-bit pools cannot be sliced per head in HBM (K is a packed, tiled dimension there) and are
+    fetched whole, their heads read back with the packed-row loads of ``_head_keys``."""
+    return jnp.dtype(pool_dtype).itemsize == 4
+
+
+def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> str | None:
+    """Why the kernel cannot be compiled for a TPU at these shapes (Mosaic's tiling rules), or None if it can.
+    The matrix of tests/test_preflight.py compiles every supported kind of shape for v4, v5e, v5p and v6e."""
+    dt = jnp.dtype(dtype)
+    if dt not in _DTYPES:
+        return f"dtype {dt.name} (the kernel takes float32 or bfloat16)"
+    if head_dim % 64:
+        return f"head_dim {head_dim} (the kernel needs a multiple of 64 lanes)"
+    sublanes = 8 * (4 // dt.itemsize)
+    if page_size % sublanes:
+        return f"page size {page_size} with {dt.name} pages (needs a multiple of {sublanes})"
+    if dt.itemsize == 2 and num_kv_heads % 2:
+        return (f"{num_kv_heads} kv head(s) with bfloat16 pages (an odd kv-head count has no tile-aligned per-head "
+                f"view of a 16-bit page; float32 pages work)")
+    return None
 
 
 def _pages_per_block(requested: int | None, page_size: int, pages_per_seq: int, num_kv: int, pool_dtype) -> int:
@@ -316,8 +360,10 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
             + 4 * kh * (g + 1) * tp * h * jnp.dtype(q.dtype).itemsize + kh * g * tp * (2 * _LANES + h) * 4)
     vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
 
+    per_head = _per_head_pages(k_pages.dtype, kh)
+    buf_shape = (2, kh, pb * z, h) if per_head else (2, pb, z, kh, h)
     kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
-                               pages_per_seq=pps)
+                               pages_per_seq=pps, per_head=per_head)
     per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
@@ -328,8 +374,8 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
                       pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=per_seq(kh, g * tp, h),
             scratch_shapes=[
-                pltpu.VMEM((2, pb, z, kh, h), k_pages.dtype),
-                pltpu.VMEM((2, pb, z, kh, h), v_pages.dtype),
+                pltpu.VMEM(buf_shape, k_pages.dtype),
+                pltpu.VMEM(buf_shape, v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
                 pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),

@@ -1,0 +1,148 @@
+"""TPU preflight: the tree-attention kernel and the train step compiled by the real TPU compiler for abstract TPU
+devices (libtpu, from the `tpu` extra), on any host. Skipped with a reason when libtpu is not installed."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+from specjax import configs
+from specjax.kernels.tree_attention import make_cache_attention, tree_attention, tpu_unsupported_reason
+from specjax.kernels.tree_attention import kernel as kernel_lib
+import specjax.kernels.tree_attention as hook_pkg
+
+preflight = pytest.importorskip("specjax.preflight")
+
+
+@functools.lru_cache(maxsize=None)
+def one_chip(generation: str):
+    try:
+        return preflight.get_topology(f"{generation}-{2 if generation in ('v4', 'v5p') else 1}").devices[0]
+    except preflight.PreflightError as e:
+        pytest.skip(str(e))
+
+
+def compile_kernel(chip, *, groups, kv_heads, head_dim, t, page_size, dtype, fn=tree_attention, b=2, pps=8,
+                   num_pages=40):
+    sh = NamedSharding(Mesh([chip], ("x",)), P())
+    s = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    n = groups * kv_heads
+    args = (s((b, t, n, head_dim)), s((b, t, kv_heads, head_dim)), s((b, t, kv_heads, head_dim)),
+            s((b, t, t), jnp.bool_), s((num_pages, page_size, kv_heads, head_dim)),
+            s((num_pages, page_size, kv_heads, head_dim)), s((b, pps), jnp.int32), s((b,), jnp.int32))
+    return jax.jit(functools.partial(fn, sm_scale=head_dim ** -0.5)).lower(*args).compile()
+
+
+# (G, K, H, T, Z, dtype): each generation gets head dims 64 and 128, odd and even GQA groups, tree sizes 1 and 64+,
+# page sizes 16 and 128, bf16 and fp32; SmolLM2-135M (9 heads / 3 kv heads, H 64) in fp32 everywhere.
+MATRIX = {
+    "v4": [(3, 3, 64, 8, 16, "float32"), (4, 8, 128, 1, 128, "bfloat16"), (7, 2, 64, 80, 16, "bfloat16")],
+    "v5e": [(3, 3, 64, 64, 128, "float32"), (1, 8, 128, 80, 16, "bfloat16"), (5, 4, 64, 1, 16, "bfloat16")],
+    "v5p": [(3, 3, 64, 1, 16, "float32"), (8, 1, 128, 64, 128, "float32"), (3, 2, 128, 8, 16, "bfloat16")],
+    "v6e": [(3, 3, 64, 80, 16, "float32"), (4, 2, 64, 8, 128, "bfloat16"), (2, 6, 128, 64, 16, "float32")],
+}
+
+
+@pytest.mark.parametrize("generation", list(MATRIX))
+def test_kernel_compiles_for_tpu_matrix(generation):
+    chip = one_chip(generation)
+    for g, k, h, t, z, dt in MATRIX[generation]:
+        assert tpu_unsupported_reason(g * k, k, h, z, dt) is None
+        compiled = compile_kernel(chip, groups=g, kv_heads=k, head_dim=h, t=t, page_size=z, dtype=jnp.dtype(dt))
+        assert "tree_attention" in compiled.as_text() or compiled.memory_analysis() is not None
+
+
+def test_preflight_catches_a_tpu_only_error_that_interpret_mode_passes():
+    """The kernel as it was before per-head page DMAs (whole [Z, K, H] pages re-viewed as rows) runs correctly in
+    interpret mode at SmolLM2's 3 kv heads in fp32, but Mosaic rejects it; the shipped kernel compiles."""
+    chip = one_chip("v5e")
+    shape = dict(groups=3, kv_heads=3, head_dim=64, t=8, page_size=16, dtype=jnp.float32)
+    original = kernel_lib._per_head_pages
+    tree_attention.clear_cache()  # the jitted kernel wrapper caches its trace; the layout is not part of its key
+    try:
+        kernel_lib._per_head_pages = lambda dtype, num_kv: False  # the old page layout
+        rng = np.random.default_rng(0)
+        b, t, z, pps, num_pages = 2, 8, 16, 2, 4
+        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+        args = (f(b, t, 9, 64), f(b, t, 3, 64), f(b, t, 3, 64), jnp.asarray(np.tril(np.ones((b, t, t), bool))),
+                f(num_pages, z, 3, 64), f(num_pages, z, 3, 64), jnp.asarray([[0, 1], [2, 3]], jnp.int32),
+                jnp.asarray([20, 5], jnp.int32))
+        got = tree_attention(*args, sm_scale=0.125, interpret=True)
+        ref = kernel_lib.ref_tree_attention(*args, sm_scale=0.125)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)  # interpret mode: fine
+        with pytest.raises(Exception) as err:
+            compile_kernel(chip, **shape)
+        assert "Mosaic" in type(err.value).__name__ + str(err.value) and "reshape" in str(err.value)
+    finally:
+        kernel_lib._per_head_pages = original
+        tree_attention.clear_cache()
+    compile_kernel(chip, **shape)
+
+
+def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
+    """bf16 pages with an odd kv-head count: the TPU hook runs the XLA path (and says why) instead of failing."""
+    chip = one_chip("v5e")
+    reason = tpu_unsupported_reason(9, 3, 64, 16, jnp.bfloat16)
+    assert reason and "kv head" in reason
+    hook = make_cache_attention("auto", None, "tpu")
+    hook_pkg._warned.clear()
+    with caplog.at_level("WARNING", logger="specjax"):
+        compiled = compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=8, page_size=16, dtype=jnp.bfloat16,
+                                  fn=lambda *a, sm_scale: hook(*a, sm_scale))
+    assert "tpu_custom_call" not in compiled.as_text()
+    assert any("XLA attention path" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_topology_names():
+    one_chip("v4")
+    topo = preflight.get_topology("v4-32")
+    assert topo.chips == 16 and topo.generation == "v4" and topo.hbm_bytes == 32 * 2 ** 30
+    assert preflight.get_topology("v5litepod-4").chips == 4
+    with pytest.raises(preflight.PreflightError, match="unknown topology"):
+        preflight.get_topology("v9-4")
+    with pytest.raises(preflight.PreflightError, match="TensorCores"):
+        preflight.get_topology("v4-3")
+
+
+def test_preflight_train_step_small(capsys):
+    """The CLI path on a v5e-4 with the SmolLM2 recipe cut to 2 layers and short sequences: compiles, fits, and the
+    table names the collectives."""
+    one_chip("v5e")
+    rc = preflight.main(["train", "--config", "smollm2-135m.yaml", "--topology", "v5e-4", "--num-layers", "2",
+                         "--data.max_length", "128", "--data.buckets", "[128]", "--training.batch_size", "4",
+                         "--training.grad_accum", "1", "--training.ttt_length", "2", "--head.draft_vocab_size",
+                         "2048", "--mesh.tp", "1"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "train step A=1 x B=4 x T=128" in out and "yes" in out and "all-reduce" in out
+
+
+def test_preflight_train_rejects_a_mesh_that_does_not_fit_the_topology(capsys):
+    one_chip("v5e")
+    rc = preflight.main(["train", "--config", "smollm2-135m.yaml", "--topology", "v5e-4", "--mesh.tp", "3"])
+    assert rc == 1 and "mesh" in capsys.readouterr().err
+
+
+def test_shipped_configs_resolve_from_any_directory(tmp_path):
+    assert configs.resolve("qwen2.5-7b.yaml").endswith("configs/qwen2.5-7b.yaml")
+    assert os.path.samefile(configs.resolve("qwen2.5-7b"), configs.resolve("configs/qwen2.5-7b.yaml"))
+    assert configs.model_config_json("Qwen/Qwen2.5-7B-Instruct", "qwen2.5-7b.yaml").endswith("qwen2.5-7b.json")
+    r = subprocess.run([sys.executable, "-m", "specjax.train", "--help"], cwd=tmp_path, capture_output=True,
+                       text=True)
+    assert r.returncode == 0 and "qwen2.5-7b.yaml" in r.stdout
+    from specjax.train.config import load_config
+    assert load_config("qwen2.5-7b.yaml").mesh.tp == 4
+
+
+@pytest.mark.slow
+def test_preflight_qwen25_7b_train_v4_32(capsys):
+    """The card's recipe, full size (minutes of CPU)."""
+    one_chip("v4")
+    assert preflight.main(["train", "--config", "qwen2.5-7b.yaml", "--topology", "v4-32"]) == 0
+    assert "fits" in capsys.readouterr().out
