@@ -132,6 +132,7 @@ def machine_description() -> str:
 
 
 def bench_model(args) -> dict:
+    from specjax.models import target
     from specjax.weights import load_model
 
     model_path = args.model
@@ -144,6 +145,7 @@ def bench_model(args) -> dict:
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
     cfg, params = load_model(model_path, dtype=args.dtype)
+    params = target.unstack_layers(params)  # the decode layout (weights read in place), once
     hf_model = None
     if not args.no_hf:
         import torch
@@ -232,6 +234,7 @@ def copy_bandwidth(mib: int, repeats: int = 20) -> float:
 def bench_random_llama(args) -> dict:
     import jax
     from specjax.config import ModelConfig
+    from specjax.models import target
 
     hf = dict(LLAMA_31_8B)
     if args.layers:
@@ -241,7 +244,7 @@ def bench_random_llama(args) -> dict:
     print(f"random Llama-3.1-8B-shaped model: {cfg.num_layers} layers, {cfg.num_params() / 1e9:.2f}B params, bf16",
           file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    params = random_params(cfg)
+    params = target.unstack_layers(random_params(cfg))
     print(f"  initialised in {time.perf_counter() - t0:.1f}s; measuring copy bandwidth ...", file=sys.stderr,
           flush=True)
     bw = copy_bandwidth(args.copy_mib)
