@@ -23,6 +23,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 from specjax import decode, kv_cache, sampling
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
+from specjax.models import target
 from specjax.sharding import use_mesh
 
 log = logging.getLogger("specjax.serve")
@@ -76,7 +77,8 @@ class PlainRunner:
     def __init__(self, cfg: ModelConfig, params, *, max_batch: int, pages_per_seq: int, page_size: int,
                  num_pages: int, max_prefill_tokens: int = 512, attention_impl: str = "auto",
                  mesh: Mesh | None = None):
-        self.cfg, self.params, self.mesh = cfg, params, mesh
+        # Per-layer weights (one copy at start-up): every decode step reads them in place (target.unstack_layers).
+        self.cfg, self.params, self.mesh = cfg, target.unstack_layers(params), mesh
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages
         self.cache_attention = make_cache_attention(attention_impl, cfg.sliding_window)

@@ -77,7 +77,10 @@ def _prefill(params, cfg: ModelConfig, cache, tokens, valid, limit, sb, stop_ids
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("state",))
 def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_attention=None) -> LoopState:
-    """Decode until every row is done, entirely on device. Finished rows neither write the cache nor advance."""
+    """Decode until every row is done, entirely on device. Finished rows neither write the cache nor advance.
+    Stacked params are unstacked once here, outside the loop (a no-op for params already unstacked): every step then
+    reads each layer's weights in place (see ``target.unstack_layers``)."""
+    params = target.unstack_layers(params)
     def cond(s: LoopState):
         return ~s.done.all()
 

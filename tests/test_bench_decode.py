@@ -20,10 +20,12 @@ def test_model_mode_table(tmp_path, capsys):
     out = tmp_path / "res.json"
     folder = _tiny_llama_folder(tmp_path / "m")
     assert bench.main(["--model", folder, "--batch-sizes", "2", "--new-tokens", "3", "--prompt-len", "5",
-                       "--repeats", "1", "--json", str(out)]) == 0
+                       "--repeats", "1", "--copy-mib", "4", "--json", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| batch | specjax gen tok/s" in table and "HF decode tok/s" in table
+    assert "specjax of limit" in table and "weight-read limit" in table
     res = json.loads(out.read_text())
+    assert res["read_bandwidth_Bps"] > 0 and res["weight_bytes_per_step"] > 0
     assert [r["batch"] for r in res["rows"]] == [2]
     for r in res["rows"]:
         assert r["specjax"]["generate_tok_s"] > 0 and r["hf"]["generate_tok_s"] > 0

@@ -88,13 +88,14 @@ def random_draft(algorithm: str, tcfg, seed: int = 1):
 
 def load_target(args):
     from specjax.config import ModelConfig
+    from specjax.models import target
     if args.random_llama_8b:
         from specjax.bench.decode import LLAMA_31_8B, random_params
         hf = dict(LLAMA_31_8B)
         if args.layers:
             hf["num_hidden_layers"] = args.layers
         cfg = ModelConfig.from_hf_dict(hf, dtype=args.dtype or "bfloat16")
-        return cfg, random_params(cfg), None, f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
+        return cfg, target.unstack_layers(random_params(cfg)), None, f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
     from specjax.weights import load_model, resolve_model_path
     path = args.model
     if path is None:
@@ -104,6 +105,7 @@ def load_target(args):
             raise SystemExit(f"no --model and no SmolLM2 at {path}: `python -m specjax.convert fetch-smollm2`")
     folder = resolve_model_path(path)
     cfg, params = load_model(folder, dtype=args.dtype)
+    params = target.unstack_layers(params)  # the decode layout, once (as the server and SpecRunner hold it)
     tok = None
     try:
         from specjax.generate import load_tokenizer

@@ -11,8 +11,8 @@ tokens with full attention and loss masks.
 
 FLOPs per token come from ``specjax.train.step.estimate_flops_per_token`` (frozen target forward + head
 forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
-per device from the table below by device kind, or ``--peak-tflops``. CPUs have no meaningful peak: MFU there is
-against a nominal 1 TFLOP/s per device and only useful to compare runs on the same machine.
+per device from the table below by device kind, or ``--peak-tflops``. On a CPU the peak is measured in the same run
+(one large matmul in the train dtype). Every run also prints the fraction of the measured fp32 and bf16 matmul peaks.
 """
 
 from __future__ import annotations
@@ -38,6 +38,23 @@ PRESETS = {
                          tie_word_embeddings=True, max_position_embeddings=8192, bos_token_id=1, eos_token_id=2,
                          hidden_act="silu", torch_dtype="bfloat16"),
 }
+
+
+def measured_matmul_tflops(dtype: str, n: int | None = None, repeats: int = 3) -> float:
+    """TFLOP/s of one square n x n matmul in ``dtype`` on the default device, the fastest of ``repeats`` (after a
+    compile + warm-up call): the machine's achievable matmul peak, measured in the same run as the train step."""
+    import jax
+    import jax.numpy as jnp
+    n = n or (2048 if jax.devices()[0].platform == "cpu" else 8192)
+    x = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.float32).astype(dtype)
+    f = jax.jit(lambda a, b: jnp.dot(a, b, preferred_element_type=a.dtype))
+    jax.block_until_ready(f(x, x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(f(x, x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n ** 3 / best / 1e12
 
 
 def peak_tflops(device_kind: str, platform: str) -> tuple[float, str]:
@@ -169,16 +186,24 @@ def main(argv=None) -> int:
     tok_s = tokens / step_s
     fpt = S.estimate_flops_per_token(tcfg, hcfg, t, ttt)
     head_share = S.estimate_flops_per_token(tcfg, hcfg, t, ttt, include_target=False) / fpt
+    measured = {d: measured_matmul_tflops(d) for d in ("float32", "bfloat16")}
     peak, peak_src = (a.peak_tflops, "--peak-tflops") if a.peak_tflops else peak_tflops(dev.device_kind, dev.platform)
+    if dev.platform == "cpu" and not a.peak_tflops:
+        peak = measured[dtype] if dtype in measured else max(measured.values())
+        peak_src = f"{dtype} matmul measured in this run"
     achieved = fpt * tok_s / 1e12
     mfu = achieved / (peak * n_dev)
+    frac_measured = {d: achieved / (v * n_dev) for d, v in measured.items()}
     res = dict(model=name, target_params_m=round(tcfg.num_params() / 1e6, 1), device=dev.device_kind,
                platform=dev.platform, devices=n_dev, dp=dp, tp=tp, batch=b, seq_len=t, grad_accum=acc, ttt_length=ttt,
                draft_vocab=hcfg.draft_vocab_size, dtype=dtype, head_dtype=hcfg.dtype, compile_s=round(compile_s, 1),
                step_ms=round(step_s * 1e3, 1), tokens_per_s=round(tok_s, 1),
                gflop_per_token=round(fpt / 1e9, 3), head_flop_share=round(head_share, 3),
                achieved_tflops=round(achieved, 4), peak_tflops_per_device=peak, peak_source=peak_src,
-               mfu=round(mfu, 4), loss=round(float(m["loss"]), 4))
+               mfu=round(mfu, 4), loss=round(float(m["loss"]), 4),
+               measured_matmul_tflops={d: round(v, 4) for d, v in measured.items()},
+               fraction_of_measured={d: round(v, 4) for d, v in frac_measured.items()},
+               load_avg_1min=round(os.getloadavg()[0], 2))
     print(f"EAGLE3 train step: {name} ({res['target_params_m']}M-param target, random weights), {n_dev} x "
           f"{dev.device_kind} (dp={dp}, tp={tp}), B={b} x T={t} x A={acc}, TTT {ttt}, draft vocab "
           f"{hcfg.draft_vocab_size}, target {dtype} / head {hcfg.dtype}; compile {compile_s:.1f} s")
@@ -187,6 +212,9 @@ def main(argv=None) -> int:
     print(f"| {tokens} | {step_s * 1e3:.1f} | {tok_s:,.0f} | {fpt / 1e9:.2f} ({head_share:.0%}) | {achieved:.3f} | "
           f"{mfu:.1%} |")
     print(f"MFU against {peak:g} TFLOP/s per device ({peak_src}).")
+    print(f"Measured matmul peak per device (one square matmul, this run): "
+          + ", ".join(f"{d} {v:.3f} TFLOP/s (train step = {frac_measured[d]:.1%} of it)" for d, v in measured.items())
+          + f"; 1-min load average {os.getloadavg()[0]:.1f}.")
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -6,7 +6,15 @@
   tokens' K/V for the caller to write (``kv_cache.write``);
 - tree verification: the same call with the tree's ancestor mask instead of the causal one; the caller writes only
   the accepted path's K/V.
-Layers run under one ``lax.scan`` over stacked weights; aux features are captured inside the scan.
+Two layouts of the layer weights, one math:
+- stacked (``TargetParams.layers`` is one LayerParams with a leading L axis): layers run under one ``lax.scan``
+  (training, checkpoints, sharding specs). XLA copies each layer's matrices out of the stack on every scan step
+  (a dynamic-slice fusion feeds each dot), which is free next to a long sequence but doubles the bytes a
+  bandwidth-bound decode step moves;
+- unstacked (a tuple of per-layer LayerParams, ``unstack_layers``): the layers are unrolled and every dot reads its
+  weight buffer in place. Decode paths (generation, the server, the speculative engine) use this layout.
+Attention over the paged cache reads the cache in blocks of pages, only as many blocks as the longest sequence holds
+(``paged_attention``), so a step's KV read follows the tokens in use, not the page table's capacity.
 """
 
 from __future__ import annotations
@@ -49,7 +57,7 @@ class LayerParams:
 @dataclasses.dataclass
 class TargetParams:
     embed: jax.Array  # [V, D]
-    layers: LayerParams  # stacked: [L, ...]
+    layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...], or one LayerParams per layer (unstack_layers)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [D, V]; None when tied to embed
 
@@ -90,6 +98,28 @@ def param_logical_axes(cfg: ModelConfig) -> TargetParams:
                         lm_head=TOP_AXES["lm_head"] if shapes.lm_head is not None else None)
 
 
+def is_unstacked(params: TargetParams) -> bool:
+    return isinstance(params.layers, (tuple, list))
+
+
+def unstack_layers(params: TargetParams) -> TargetParams:
+    """The decode layout: one LayerParams per layer (each its own buffers), so an unrolled forward reads every weight
+    in place instead of copying it out of the stack. Call it once where params are loaded or held (it copies every
+    layer once); already-unstacked params are returned as they are. Works inside jit and on sharded arrays."""
+    if is_unstacked(params):
+        return params
+    n = params.layers.wq.shape[0]
+    return dataclasses.replace(params, layers=tuple(jax.tree.map(lambda a, i=i: a[i], params.layers)
+                                                    for i in range(n)))
+
+
+def stack_layers(params: TargetParams) -> TargetParams:
+    """Inverse of ``unstack_layers`` (the training / checkpoint layout)."""
+    if not is_unstacked(params):
+        return params
+    return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a), *params.layers))
+
+
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> TargetParams:
     """Random params (benchmarks and tests); norms start at 1."""
     return random_params(param_shapes(cfg), key, scale)
@@ -109,10 +139,67 @@ AttentionFn = Callable[..., jax.Array]
 
 
 def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
-    """Reference (XLA) attention over the gathered paged prefix plus the new tokens (see layers.attention)."""
+    """Reference (XLA) attention over the WHOLE gathered paged prefix plus the new tokens (see layers.attention).
+    Reads every page of the page table; ``paged_attention`` is the same math over the pages in use."""
     k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
     return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
                             sm_scale=sm_scale)
+
+
+CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this many tokens (whole pages)
+
+
+def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
+                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS):
+    """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
+
+    Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
+    ``while_loop`` that runs ceil(max(lengths) / block) times: a step reads the KV the longest row holds, not the
+    page table's capacity. Online softmax (running max and sum) across blocks, so no [S]-wide score row exists.
+    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H]; page_table:
+    i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window). Returns [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    z = k_pages.shape[1]
+    pps = page_table.shape[1]
+    bp = max(1, min(pps, block_tokens // z))  # pages per block
+    nblocks_max = -(-pps // bp)
+    pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+
+    def scores(keys, valid):  # keys [B, S, K, H], valid bool[B, T, S] -> f32[B, K, G, T, S]
+        s_ = jnp.einsum("btkgh,bskh->bkgts", qg, keys, preferred_element_type=jnp.float32) * sm_scale
+        return jnp.where(valid[:, None, None], s_, layers.NEG_INF)
+
+    def update(carry, s_, valid, vals):  # one online-softmax step over a block of keys
+        m, l, acc = carry
+        m_new = jnp.maximum(m, s_.max(-1))  # [B, K, G, T]
+        p = jnp.where(valid[:, None, None], jnp.exp(s_ - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        vals = jnp.where(valid.any(1)[:, :, None, None], vals, 0)  # garbage (even NaN) slots never reach the sum
+        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    def block(j, carry):
+        cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
+        kb = k_pages[cols].reshape(b, bp * z, kh, h)
+        vb = v_pages[cols].reshape(b, bp * z, kh, h)
+        key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
+        valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
+        if sliding_window is not None:
+            valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
+        valid = jnp.broadcast_to(valid, (b, t, bp * z))
+        return update(carry, scores(kb, valid), valid, vb)
+
+    g = n // kh
+    carry = (jnp.full((b, kh, g, t), layers.NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+             jnp.zeros((b, kh, g, t, h), jnp.float32))
+    nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
+    carry = jax.lax.fori_loop(0, nblocks, block, carry)
+    m, l, acc = update(carry, scores(k, mask), mask, v)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that see nothing (padding) give 0, never read
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
 
 
 def embed_tokens(params: TargetParams, tokens):
@@ -145,6 +232,7 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     cache_attention: replaces the XLA cache attention, e.g. the Pallas tree-attention kernel on TPU. Contract:
       ``fn(q [B,T,N,H], k [B,T,K,H], v, mask bool[B,T,T], k_pages [P,Z,K,H], v_pages, page_table i32[B,pps],
       lengths i32[B], sm_scale) -> [B,T,N,H]``: queries see cached positions < lengths[b] plus new keys under mask.
+    params: stacked layers run under ``lax.scan``; unstacked ones (``unstack_layers``) run unrolled. Same outputs.
     """
     b, t = tokens.shape
     if valid is None:
@@ -157,71 +245,19 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         return_kv = cache is not None
     if aux_layers is not None and len(aux_layers) == 0:
         aux_layers = default_aux_layer_ids(cfg.num_layers)
-    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-    sm_scale = cfg.head_dim ** -0.5
-    dt = jnp.dtype(cfg.dtype)
-
-    cache_valid = None
-    if cache is not None:
-        s = cache.max_len
-        key_pos = jnp.arange(s, dtype=jnp.int32)
-        cache_valid = key_pos[None, None, :] < cache.lengths[:, None, None]  # bool[B, 1, S]
-        if cfg.sliding_window is not None:
-            cache_valid = cache_valid & ((positions[:, :, None] - key_pos[None, None, :]) < cfg.sliding_window)
-        cache_valid = jnp.broadcast_to(cache_valid, (b, t, s))  # bool[B, T, S]
     if cache_attention is not None and cfg.sliding_window is not None:
         raise ValueError("sliding-window models use the XLA attention path; do not pass cache_attention")
-
     requested = tuple(aux_layers or ())
     for lid in requested:
         if not 0 <= lid < cfg.num_layers:
             raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
-    # Capture each distinct layer once (tiny models' default ids repeat a layer), then gather in requested order.
-    unique = sorted(set(requested))
-    n_aux = len(unique)
-    aux_slot = np.full((cfg.num_layers,), -1, np.int32)
-    for i, lid in enumerate(unique):
-        aux_slot[lid] = i
 
-    x = embed_tokens(params, tokens).astype(dt)
-    x = constrain(x, ("batch", "seq", "embed"))
+    def layer(h, lp, k_pages, v_pages):
+        return _layer(cfg, lp, h, positions, mask, cache, k_pages, v_pages, cache_attention)
 
-    def layer(carry, xs):
-        h, aux = carry
-        lp, slot, k_pages, v_pages = xs
-        y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-        q = jnp.einsum("btd,dnh->btnh", y, lp.wq)  # [B, T, N, H]
-        k = jnp.einsum("btd,dkh->btkh", y, lp.wk)  # [B, T, K, H]
-        v = jnp.einsum("btd,dkh->btkh", y, lp.wv)
-        if lp.bq is not None:
-            q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-        if lp.q_norm is not None:
-            q = layers.rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-            k = layers.rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-        q = layers.apply_rope(q, positions, inv_freq)
-        k = layers.apply_rope(k, positions, inv_freq)
-        q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-        if k_pages is None:
-            o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
-        elif cache_attention is not None:
-            o = cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, sm_scale)
-        else:
-            o = xla_cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache_valid, sm_scale)
-        h = h + jnp.einsum("btnh,nhd->btd", o, lp.wo)  # [B, T, D]
-        y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-        h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
-        h = constrain(h, ("batch", "seq", "embed"))
-        if aux is not None:
-            idx = jnp.maximum(slot, 0)
-            upd = jnp.where(slot >= 0, h, aux[idx])
-            aux = jax.lax.dynamic_update_index_in_dim(aux, upd, idx, 0)
-        kv = (k, v) if return_kv else None
-        return (h, aux), kv
-
-    aux0 = jnp.zeros((n_aux, b, t, cfg.hidden_size), dt) if n_aux else None
-    xs = (params.layers, jnp.asarray(aux_slot),
-          cache.k if cache is not None else None, cache.v if cache is not None else None)
-    (h, aux), kv = jax.lax.scan(layer, (x, aux0), xs)
+    x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
+    run = _run_unrolled if is_unstacked(params) else _run_scanned
+    h, aux, kv = run(layer, params.layers, x, cache, requested, cfg.num_layers, return_kv)
 
     hidden = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps)  # [B, T, D]
     logits = None
@@ -230,9 +266,80 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         logits = compute_logits(params, hl)
         logits = constrain(logits, ("batch", "seq", "vocab"))
     aux_out = None
-    if n_aux:
-        if tuple(unique) != requested:
-            aux = aux[np.asarray([unique.index(lid) for lid in requested])]  # [len(requested), B, T, D]
+    if requested:
         aux_out = jnp.moveaxis(aux, 0, 2).reshape(b, t, len(requested) * cfg.hidden_size)  # [B, T, 3*D]
     return ForwardOut(logits=logits, aux=aux_out, hidden=hidden if return_hidden else None,
                       k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None)
+
+
+def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, k_pages, v_pages, cache_attention):
+    """One decoder layer over h [B, T, D] -> (h, k, v) with k, v [B, T, K, H] the new tokens' keys and values."""
+    inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
+    sm_scale = cfg.head_dim ** -0.5
+    y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
+    q = jnp.einsum("btd,dnh->btnh", y, lp.wq)  # [B, T, N, H]
+    k = jnp.einsum("btd,dkh->btkh", y, lp.wk)  # [B, T, K, H]
+    v = jnp.einsum("btd,dkh->btkh", y, lp.wv)
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lp.q_norm is not None:
+        q = layers.rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = layers.rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    q = layers.apply_rope(q, positions, inv_freq)
+    k = layers.apply_rope(k, positions, inv_freq)
+    q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    if k_pages is None:
+        o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
+    elif cache_attention is not None:
+        o = cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, sm_scale)
+    else:
+        o = paged_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, positions, sm_scale,
+                            sliding_window=cfg.sliding_window)
+    # Contract over one merged (heads x head_dim) axis: with "btnh,nhd" XLA:CPU chose to transpose wo (a copy of the
+    # weight on every step) rather than the small attention output.
+    b, t, n, hd = o.shape
+    h = h + jnp.einsum("btf,fd->btd", o.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))  # [B, T, D]
+    y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
+    h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
+    return constrain(h, ("batch", "seq", "embed")), k, v
+
+
+def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
+    """Layers one after another (per-layer weights read in place). Returns (h, aux [A, B, T, D] | None, kv)."""
+    if len(layer_params) != num_layers:
+        raise ValueError(f"params hold {len(layer_params)} layers; the config says {num_layers}")
+    h, outs, ks, vs = x, {}, [], []
+    for i, lp in enumerate(layer_params):
+        h, k, v = layer(h, lp, None if cache is None else cache.k[i], None if cache is None else cache.v[i])
+        outs[i] = h
+        ks.append(k), vs.append(v)
+    aux = jnp.stack([outs[lid] for lid in requested]) if requested else None
+    kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
+    return h, aux, kv
+
+
+def _run_scanned(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
+    """Layers under one ``lax.scan`` over the stacked weights; aux outputs are captured inside the scan."""
+    # Capture each distinct layer once (tiny models' default ids repeat a layer), then gather in requested order.
+    unique = sorted(set(requested))
+    aux_slot = np.full((num_layers,), -1, np.int32)
+    for i, lid in enumerate(unique):
+        aux_slot[lid] = i
+
+    def body(carry, xs):
+        h, aux = carry
+        lp, slot, k_pages, v_pages = xs
+        h, k, v = layer(h, lp, k_pages, v_pages)
+        if aux is not None:
+            idx = jnp.maximum(slot, 0)
+            upd = jnp.where(slot >= 0, h, aux[idx])
+            aux = jax.lax.dynamic_update_index_in_dim(aux, upd, idx, 0)
+        return (h, aux), ((k, v) if return_kv else None)
+
+    aux0 = jnp.zeros((len(unique),) + x.shape, x.dtype) if unique else None
+    xs = (layer_params, jnp.asarray(aux_slot),
+          cache.k if cache is not None else None, cache.v if cache is not None else None)
+    (h, aux), kv = jax.lax.scan(body, (x, aux0), xs)
+    if unique and tuple(unique) != requested:
+        aux = aux[np.asarray([unique.index(lid) for lid in requested])]  # [len(requested), B, T, D]
+    return h, aux, kv

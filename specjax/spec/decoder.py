@@ -110,6 +110,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
+    target_params = target.unstack_layers(target_params)  # one copy per call; pass unstacked params to skip it
     d = _as_draft(draft, algorithm, target_params)
     b = len(prompts)
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
@@ -263,7 +264,8 @@ class SpecRunner:
                  max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
                  prefill_chunk: int = PREFILL_CHUNK, mesh=None):
         self.target_cfg = target_cfg
-        self.target_params = target_params
+        # Per-layer weights (one copy at start-up): every verify forward reads them in place.
+        self.target_params = target_params = target.unstack_layers(target_params)
         self.algorithm = algorithm.upper()
         self.draft = draft_lib.make_draft(self.algorithm, draft_cfg, draft_params, target_params,
                                           vocab_map_or_token_map)

@@ -16,8 +16,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import layers
-from specjax.kv_cache import KVCache, gather_layer
+from specjax.kv_cache import KVCache
 from specjax.models import eagle, eagle3, target
 
 ALGORITHMS = ("EAGLE3", "EAGLE")
@@ -121,11 +120,8 @@ def cache_attend(cache: KVCache, mask, cache_attention=None) -> AttendFn:
         scale = q.shape[-1] ** -0.5
         if cache_attention is not None:
             return cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, scale)
-        b, t = q.shape[:2]
-        key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-        valid = jnp.broadcast_to(key_pos[None, None, :] < cache.lengths[:, None, None], (b, t, cache.max_len))
-        kc, vc = gather_layer(cache.k[i], cache.v[i], cache.page_table)
-        return layers.attention(q, k, v, mask, k_cache=kc, v_cache=vc, cache_valid=valid, sm_scale=scale)
+        return target.paged_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, None,
+                                      scale)
     return attend
 
 

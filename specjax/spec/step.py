@@ -22,7 +22,7 @@ import jax.numpy as jnp
 from specjax import kv_cache, layers
 from specjax import sampling as sampling_lib
 from specjax.config import ModelConfig
-from specjax.kv_cache import KVCache, gather_layer
+from specjax.kv_cache import KVCache
 from specjax.models import target
 from specjax.spec import draft as draft_lib
 from specjax.spec import tree as tree_lib
@@ -165,9 +165,6 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
     b = lengths.shape[0]
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
     n_buf = max((scfg.num_steps - 1) * k, 1)
-    prefix = [gather_layer(dcache.k[i], dcache.v[i], dcache.page_table) for i in range(nl)]  # [B, S, Kd, Hd] x2
-    s_len = dcache.max_len
-    prefix_valid = jnp.broadcast_to((jnp.arange(s_len)[None, :] < lengths[:, None])[:, None, :], (b, k, s_len))
     buf = (jnp.zeros((nl, b, n_buf, kh, hd), state.draft_k.dtype), jnp.zeros((nl, b, n_buf, kh, hd),
                                                                              state.draft_v.dtype))
     self_mask = jnp.broadcast_to(jnp.eye(k, dtype=bool), (b, k, k))
@@ -175,13 +172,15 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
     def step_fn(carry, toks, h, depth, anc, slot0):
         bk, bv = carry
         positions = jnp.broadcast_to(lengths[:, None] + depth - 1, (b, k)).astype(jnp.int32)
-        valid = jnp.concatenate([prefix_valid, anc], axis=-1)  # bool[B, k, S + n_buf]
+        mask = jnp.concatenate([anc, self_mask], axis=-1)  # bool[B, k, n_buf + k]: true ancestors, then itself
 
         def attend(i, q, kk, vv):
-            kc = jnp.concatenate([prefix[i][0], bk[i]], axis=1)
-            vc = jnp.concatenate([prefix[i][1], bv[i]], axis=1)
-            return layers.attention(q, kk, vv, self_mask, k_cache=kc, v_cache=vc, cache_valid=valid,
-                                    sm_scale=q.shape[-1] ** -0.5)
+            # The committed prefix is read from the pages in use; the tree buffer and the nodes themselves are the
+            # "new" keys under the ancestor mask.
+            return target.paged_attention(q, jnp.concatenate([bk[i], kk.astype(bk.dtype)], axis=1),
+                                          jnp.concatenate([bv[i], vv.astype(bv.dtype)], axis=1), mask,
+                                          dcache.k[i], dcache.v[i], dcache.page_table, lengths, None,
+                                          q.shape[-1] ** -0.5)
 
         h_out, ks, vs = draft_lib.forward(draft, target.embed_tokens(tparams, toks), h, positions, attend)
         bk = jax.lax.dynamic_update_slice_in_dim(bk, ks.astype(bk.dtype), slot0, axis=2)

@@ -1,0 +1,121 @@
+"""Where a decode step's bytes go: weights read in place (no per-step copies in the optimized HLO), the paged KV
+read in blocks of pages (same math as the whole-table reference), and unrolled == scanned outputs."""
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import decode, generate as gen, kv_cache, layers, sampling
+from specjax.config import ModelConfig
+from specjax.models import target
+
+# Odd sizes so that every weight matrix has a shape no activation of a batch-1 step has.
+HF = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=80, intermediate_size=176,
+          num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2, head_dim=24, rms_norm_eps=1e-5,
+          rope_theta=10000.0, tie_word_embeddings=True)
+_INST = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\{[\d,]*\} ([\w-]+)\(")
+_VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # no bytes moved
+
+
+def _weight_shapes(cfg: ModelConfig):
+    d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    shapes = {(d, n, h), (d, n * h), (n, h, d), (n * h, d), (d, k, h), (d, k * h), (d, f), (f, d)}
+    return {",".join(map(str, s)) for s in shapes}
+
+
+def weight_copies(hlo: str, cfg: ModelConfig) -> list[str]:
+    """Instructions of an optimized HLO module that materialise a layer-weight-shaped array (copies, slices,
+    transposes, fusions); parameters, tuple elements and bitcasts are views."""
+    shapes = _weight_shapes(cfg)
+    out = []
+    for line in hlo.splitlines():
+        m = _INST.match(line)
+        if m and m.group(2) in shapes and m.group(3) not in _VIEWS:
+            out.append(line.strip()[:160])
+    return out
+
+
+@pytest.fixture(scope="module")
+def model():
+    cfg = ModelConfig.from_hf_dict(HF, dtype="float32")
+    return cfg, target.init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
+
+
+def _decode_step_hlo(cfg, params):
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
+    step = jax.jit(lambda p, c, t, a: decode.decode(p, cfg, c, t, a), donate_argnums=(1,))
+    return step.lower(params, cache, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)).compile().as_text()
+
+
+def test_batch1_decode_step_reads_weights_in_place(model):
+    cfg, params = model
+    stacked = weight_copies(_decode_step_hlo(cfg, params), cfg)
+    assert stacked, "the detector must see the per-step copies of the scanned (stacked) layout"
+    assert weight_copies(_decode_step_hlo(cfg, target.unstack_layers(params)), cfg) == []
+
+
+def test_generate_loop_reads_weights_in_place(model):
+    cfg, params = model
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
+    stop = jnp.full((8,), -1, jnp.int32)
+    state = gen._prefill(params, cfg, cache, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool),
+                         jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
+    # Stacked params as the user passes them: the loop unstacks once, outside the while loop.
+    hlo = gen._decode_loop.lower(params, cfg, state, stop).compile().as_text()
+    body = hlo[:hlo.index("\nENTRY ")]  # computations other than the entry (the while body among them)
+    assert weight_copies(body, cfg) == []
+
+
+def test_unrolled_equals_scanned(model):
+    cfg, params = model
+    up = target.unstack_layers(params)
+    assert target.is_unstacked(up) and not target.is_unstacked(target.stack_layers(up))
+    np.testing.assert_array_equal(target.stack_layers(up).layers.w_up, params.layers.w_up)
+    rng = np.random.default_rng(1)
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 12)), jnp.int32)
+    valid = jnp.asarray(np.arange(12)[None] < np.array([[12], [7]]))
+    outs = []
+    for p in (params, up):
+        cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 64, dtype=jnp.float32)
+        cache, o = decode.prefill(p, cfg, cache, toks, valid, aux_layers=(2, 0, 2))
+        cache, logits = decode.decode(p, cfg, cache, jnp.asarray([3, 4]), jnp.asarray([True, True]))
+        outs.append((o.logits, o.aux, logits, cache.k))
+    for a, b in zip(*outs):
+        np.testing.assert_allclose(a, b, rtol=1e-4, atol=1e-4)
+    # Greedy generation agrees token for token.
+    prompts = [[1, 5, 9, 4], [7, 3]]
+    assert gen.generate(up, cfg, prompts, max_new_tokens=10, stop_token_ids=()) == \
+        gen.generate(params, cfg, prompts, max_new_tokens=10, stop_token_ids=())
+
+
+@pytest.mark.parametrize("window, block_tokens", [(None, 4), (None, 1024), (9, 16)])
+def test_paged_attention_matches_whole_table_reference(window, block_tokens):
+    b, t, n, k, h, z, pps, pool = 3, 4, 4, 2, 16, 4, 20, 64
+    rng = np.random.default_rng(0)
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
+    k_pages, v_pages = f(pool, z, k, h), f(pool, z, k, h)
+    page_table = jnp.asarray(rng.permutation(pool)[:b * pps].reshape(b, pps), jnp.int32)
+    lengths = jnp.asarray([0, 7, 61], jnp.int32)
+    # Garbage (NaN) in pages no row may read: past row 0's length 0 and in row 1's unused tail.
+    k_pages = k_pages.at[page_table[0, 0]].set(jnp.nan).at[page_table[1, 5]].set(jnp.nan)
+    v_pages = v_pages.at[page_table[0, 0]].set(jnp.nan).at[page_table[1, 5]].set(jnp.nan)
+    valid = jnp.asarray([[1, 1, 1, 1], [1, 1, 0, 0], [1, 1, 1, 1]], bool)
+    positions = lengths[:, None] + jnp.arange(t)[None]
+    mask = layers.causal_mask(valid)
+    s = pps * z
+    key_pos = jnp.arange(s)
+    cache_valid = key_pos[None, None, :] < lengths[:, None, None]
+    if window is not None:
+        mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
+        cache_valid = cache_valid & ((positions[:, :, None] - key_pos[None, None, :]) < window)
+    cache_valid = jnp.broadcast_to(cache_valid, (b, t, s))
+    ref = target.xla_cache_attention(q, kn, vn, mask, k_pages, v_pages, page_table, cache_valid, h ** -0.5)
+    out = target.paged_attention(q, kn, vn, mask, k_pages, v_pages, page_table, lengths, positions, h ** -0.5,
+                                 sliding_window=window, block_tokens=block_tokens)
+    rows = valid[:, :, None, None]  # padded queries are never read
+    np.testing.assert_allclose(jnp.where(rows, out, 0), jnp.where(rows, ref, 0), rtol=2e-5, atol=2e-5)
+    assert bool(jnp.isfinite(out).all())
