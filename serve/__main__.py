@@ -39,7 +39,7 @@ def main(argv=None) -> int:
     app = create_app(backend)
     log.info("serving %s on http://%s:%d (startup %.1fs)", args.model_name, args.host, args.port,
              time.perf_counter() - t_start)
-    if args.speculative_algorithm:
+    if args.speculative_algorithm and not args.speculation_off_reason:
         log.info("speculative decoding: %s, head %s, tree (steps %d, topk %d, draft tokens %d)",
                  args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                  args.speculative_eagle_topk, args.speculative_num_draft_tokens)

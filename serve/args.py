@@ -74,6 +74,7 @@ class ServerArgs:
     attention_backend: str | None = None
 
     def __post_init__(self):
+        self.speculation_off_reason: str | None = None  # set when the head's tuned table says plain is faster
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
             self._tree_from_tune_file()
@@ -96,9 +97,15 @@ class ServerArgs:
         except TuneError as e:
             log.warning("%s; using the default tree", e)
             return
-        shape = shape_for(table, 1) if table else None
-        if shape is not None:
-            self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
+        if not table:
+            return
+        shape = shape_for(table, 1) or next((s for _, s in sorted(table.items()) if s is not None), None)
+        if shape is None:
+            self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
+                                           f"every batch size for this head on its machine "
+                                           f"({self.speculative_draft_model_path}/speculative_tune.json)")
+            shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative"), 1)
+        self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
 
     def use_default_pair(self) -> bool:
         """No model and no speculative flags: serve the default pair (SmolLM2-135M-Instruct with the EAGLE3 head

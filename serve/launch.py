@@ -202,7 +202,10 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     else:
         cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
     context_length = args.context_length or cfg.max_position_embeddings
-    spec = args.speculative_algorithm is not None
+    spec = args.speculative_algorithm is not None and not args.speculation_off_reason
+    if args.speculative_algorithm and not spec:
+        log.warning("serving plain decoding: %s; give --speculative-num-steps/-eagle-topk/-num-draft-tokens to "
+                    "speculate anyway", args.speculation_off_reason)
     w = args.speculative_num_steps + 1 if spec else 1
     z = args.page_size
     pages_per_seq = -(-(context_length + w) // z)

@@ -295,8 +295,14 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
     if algo is None:
         return model, None, None, None
     flags = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    table = load_tune(head)
-    tuned = shape_for(table, len(args.prompt or [1])) if table and all(f is None for f in flags) else None
+    tuned = None
+    if all(f is None for f in flags) and (table := load_tune(head)):
+        b = len(args.prompt or [1])
+        tuned = shape_for(table, b)
+        if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
+            tuned = shape_for(load_tune(head, "best_speculative"), b)
+            print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
+                  f"{b} ({head}/speculative_tune.json); running its fastest shape anyway", file=sys.stderr)
     shape = tuned or tuple(f if f is not None else d for f, d in zip(flags, (5, 1, 6)))
     validate_tree(*shape)
     return model, algo, head, shape

@@ -47,6 +47,18 @@ def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
     assert (b.speculative_num_steps, b.speculative_eagle_topk, b.speculative_num_draft_tokens) == (3, 4, 8)
     c = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "x"))
     assert (c.speculative_num_steps, c.speculative_eagle_topk) == (5, 4)  # SGLang's defaults without a tune file
+    assert a.speculation_off_reason is None and c.speculation_off_reason is None
+    # plain measured faster at every batch size: speculation is switched off (the shape kept is the fastest tree)
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME),
+                       {"format": 1, "batch_sizes": {"1": None, "4": None},
+                        "best_speculative": {"1": {"num_steps": 3, "eagle_topk": 1, "num_draft_tokens": 4},
+                                             "4": {"num_steps": 2, "eagle_topk": 1, "num_draft_tokens": 3}}})
+    d = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert "plain decoding faster" in d.speculation_off_reason
+    assert (d.speculative_num_steps, d.speculative_eagle_topk, d.speculative_num_draft_tokens) == (3, 1, 4)
+    e = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+                   speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3)
+    assert e.speculation_off_reason is None  # explicit tree flags: speculate as asked
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +83,7 @@ def test_bench_tune_writes_a_table_the_server_reads(tiny_pair, capsys):
     out = capsys.readouterr().out
     assert "steps,topk,draft" in out and "chosen: B=1" in out
     raw = json.loads(open(os.path.join(head, tune_lib.FILENAME)).read())
-    assert raw["format"] == 1 and set(raw["batch_sizes"]) == {"1", "2"}
+    assert raw["format"] == 1 and set(raw["batch_sizes"]) == set(raw["best_speculative"]) == {"1", "2"}
     rows = raw["rows"]
     assert [(r["batch_size"], r["shape"]) for r in rows] == [(1, None), (1, [2, 2, 4]), (2, None), (2, [2, 2, 4])]
     # greedy: every speculative output equals plain greedy (the same prompts, token for token)

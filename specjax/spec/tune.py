@@ -4,9 +4,12 @@ Written by ``python -m specjax.bench tune`` (measured tokens/s of every candidat
 prompt set); read by the server and ``specjax.Engine`` when the tree flags are not given. Format 1:
 
     {"format": 1, "algorithm": "EAGLE3", "batch_sizes": {"1": {"num_steps": 7, "eagle_topk": 1,
-     "num_draft_tokens": 8}, "16": null, ...}, ...measurement details...}
+     "num_draft_tokens": 8}, "16": null, ...}, "best_speculative": {"1": {...}, "16": {...}},
+     ...measurement details...}
 
-``null`` means plain decoding was faster at that batch size. A batch size between two tuned ones uses the entry of
+``null`` means plain decoding was faster at that batch size; ``best_speculative`` keeps the fastest tree shape of
+every batch size regardless. The server serves plain decoding when every tuned batch size says ``null`` (unless
+tree flags are given); ``python -m specjax.generate`` runs the best speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of
 the largest tuned size not above it (the smallest tuned size below the first).
 """
 
@@ -32,9 +35,10 @@ def save_tune(path: str, table: dict) -> None:
     os.replace(tmp, path)
 
 
-def load_tune(folder_or_file: str | None) -> dict[int, tuple[int, int, int] | None] | None:
+def load_tune(folder_or_file: str | None, which: str = "batch_sizes") -> dict[int, tuple[int, int, int] | None] | None:
     """{batch size: (num_steps, eagle_topk, num_draft_tokens) or None (plain)} from a head folder's tune file, or
-    None when there is no such file."""
+    None when there is no such file. ``which="best_speculative"``: the fastest tree shape per batch size even where
+    plain decoding was faster (what to run when speculation is asked for explicitly)."""
     if not folder_or_file:
         return None
     path = folder_or_file
@@ -48,7 +52,7 @@ def load_tune(folder_or_file: str | None) -> dict[int, tuple[int, int, int] | No
         if raw.get("format") != FORMAT:
             raise TuneError(f"{path}: format {raw.get('format')!r}, this specjax reads format {FORMAT}")
         out = {}
-        for b, shape in raw["batch_sizes"].items():
+        for b, shape in raw[which].items():
             out[int(b)] = None if shape is None else tuple(int(shape[k]) for k in SHAPE_KEYS)
     except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
         if isinstance(e, TuneError):
