@@ -36,8 +36,8 @@ def heldout_split(cfg, tokenizer):
     return eval_data
 
 
-def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad_id: int) -> float:
-    """Token-weighted TTT ``accept_len`` of the head over every held-out batch."""
+def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad_id: int) -> tuple[float, list]:
+    """Token-weighted TTT ``accept_len`` of the head over every held-out batch, and acc_0..acc_{ttt-1}."""
     mesh = make_mesh(dp=1, tp=1, devices=jax.devices()[:1])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "dp"))
     ev = data_lib.BatchIterator(eval_data, shuffle=False, batch_size=cfg.training.batch_size, grad_accum=1,
@@ -47,12 +47,15 @@ def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad
                                    decay=cfg.training.decay)
     params = jax.tree.map(lambda x: x.astype(np.float32), hparams)
     extra = valid = 0.0
+    accs = np.zeros(cfg.training.ttt_length)
     for _ in range(ev.steps_per_epoch):
         batch, _ = next(ev)
         m = jax.device_get(step(params, tparams, vmap, batch))
-        extra += (float(m["accept_len"]) - 1.0) * float(m["valid_tokens"])
-        valid += float(m["valid_tokens"])
-    return 1.0 + extra / max(valid, 1.0)
+        w = float(m["valid_tokens"])
+        extra += (float(m["accept_len"]) - 1.0) * w
+        accs += w * np.asarray([float(m[f"acc_{k}"]) for k in range(len(accs))])
+        valid += w
+    return 1.0 + extra / max(valid, 1.0), (accs / max(valid, 1.0)).tolist()
 
 
 def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:
@@ -73,7 +76,8 @@ def main(argv=None) -> int:
     ap.add_argument("--num-steps", type=int, default=7)
     ap.add_argument("--topk", type=int, default=1)
     ap.add_argument("--num-draft-tokens", type=int, default=8)
-    ap.add_argument("--max-prompts", type=int, default=32, help="held-out conversations served (default 32)")
+    ap.add_argument("--max-prompts", type=int, default=32,
+                    help="held-out conversations served (default 32; 0 = only the prediction)")
     ap.add_argument("--max-new-tokens", type=int, default=256)
     args, overrides = ap.parse_known_args(argv)
     try:
@@ -90,7 +94,11 @@ def main(argv=None) -> int:
         return 2
     hcfg, hparams, vmap = load_head(args.draft, tcfg, dtype="float32")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    predicted = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
+    predicted, accs = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
+    print(f"held-out acc_0..acc_{len(accs) - 1} (token-weighted): " + " ".join(f"{a:.3f}" for a in accs))
+    if args.max_prompts == 0:
+        print(f"predicted chain accept length: {predicted:.3f}")
+        return 0
     prompts = first_turn_prompts(eval_data, args.max_prompts)
     draft = make_draft("EAGLE3", hcfg.replace(dtype=tcfg.dtype), jax.tree.map(
         lambda x: x.astype(tcfg.dtype), hparams), tparams, vmap)
