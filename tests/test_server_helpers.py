@@ -72,8 +72,10 @@ ENGINE_KW = dict(dtype="float32", context_length=256, max_total_tokens=8192, pag
                  max_running_requests=8)
 SERVER_FLAGS = [x for k, v in ENGINE_KW.items() for x in (f"--{k.replace('_', '-')}", str(v))] + ["--log-level",
                                                                                                  "warning"]
-# Compiled programs persist across the test processes and server subprocesses (CPU compiles are slow).
-JAX_CACHE = os.path.join(tempfile.gettempdir(), "specjax_test_jax_cache")
+# Compiled programs persist across the test process and its server subprocesses (CPU compiles are slow). One fresh
+# folder per test session: a folder shared with earlier runs (other code, other jax builds, runs writing at the same
+# time) once handed XLA an entry that crashed it on read.
+JAX_CACHE = os.environ.setdefault("SPECJAX_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="specjax_test_jax_cache_"))
 
 
 def use_compilation_cache() -> None:
