@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_server_helpers import offline_engine, tiny_model_dir, use_compilation_cache
+from test_server_helpers import offline_engine, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -20,7 +20,6 @@ def oracle():
     """specjax.generate: the on-device while_loop decoder with a contiguous cache (no scheduler, no radix cache)."""
     from specjax.generate import generate
     from specjax.weights import load_model
-    use_compilation_cache()
     cfg, params = load_model(tiny_model_dir(), dtype="float32")
 
     def run(prompts, n, **kw):

@@ -72,16 +72,10 @@ ENGINE_KW = dict(dtype="float32", context_length=256, max_total_tokens=8192, pag
                  max_running_requests=8)
 SERVER_FLAGS = [x for k, v in ENGINE_KW.items() for x in (f"--{k.replace('_', '-')}", str(v))] + ["--log-level",
                                                                                                  "warning"]
-# Compiled programs persist across the test process and its server subprocesses (CPU compiles are slow). One fresh
-# folder per test session: a folder shared with earlier runs (other code, other jax builds, runs writing at the same
-# time) once handed XLA an entry that crashed it on read.
+# Compiled programs persist across the server subprocesses (CPU compiles are slow), in one fresh folder per test
+# session. The pytest process itself does not use the persistent cache: with it on for the whole session, XLA:CPU
+# segfaulted serializing / reading a speculative_generate executable of a later test (jax 0.10.2).
 JAX_CACHE = os.environ.setdefault("SPECJAX_TEST_JAX_CACHE", tempfile.mkdtemp(prefix="specjax_test_jax_cache_"))
-
-
-def use_compilation_cache() -> None:
-    import jax
-    jax.config.update("jax_compilation_cache_dir", JAX_CACHE)
-    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 
 
 _ENGINES: dict = {}
@@ -93,7 +87,6 @@ def offline_engine(model_dir: str):
         import atexit
 
         import specjax
-        use_compilation_cache()
         eng = specjax.Engine(model_path=model_dir, skip_server_warmup=True, **ENGINE_KW)
         atexit.register(eng.shutdown)
         _ENGINES[model_dir] = eng

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from spec_models import bigram_models, tiny_config
-from test_server_helpers import ENGINE_KW, free_port, tiny_model_dir, use_compilation_cache
+from test_server_helpers import ENGINE_KW, free_port, tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SPEC = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
@@ -30,7 +30,6 @@ class InProcessServer:
         from specjax.serve.api import create_app
         from specjax.serve.args import ServerArgs
         from specjax.serve.launch import build
-        use_compilation_cache()
         kw = dict(ENGINE_KW, max_running_requests=4)
         if algorithm:
             kw.update(SPEC, speculative_algorithm=algorithm, speculative_draft_model_path="(in memory)")
