@@ -109,8 +109,7 @@ def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid
     """Reference (XLA) attention over the WHOLE gathered paged prefix plus the new tokens (see ``attention``).
     Reads every page of the page table; ``paged_attention`` is the same math over the pages in use."""
     k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
-    return attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
-                            sm_scale=sm_scale)
+    return attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid, sm_scale=sm_scale)
 
 
 CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this many tokens (whole pages)
