@@ -127,7 +127,8 @@ def test_load_draft_eagle_with_token_map(reference, tmp_path):
     tcfg = tiny_config(vocab=V, hidden=H)
     hot = [7, 3, 60, 12, 0]
     (tmp_path / "hot.json").write_text(json.dumps(hot))
-    cfg, params, ids = head_weights.load_draft(reference["folder"], "EAGLE", tcfg, token_map=str(tmp_path / "hot.json"))
+    cfg, params, ids = head_weights.load_draft(reference["folder"], "EAGLE", tcfg,
+                                               token_map=str(tmp_path / "hot.json"))
     np.testing.assert_array_equal(ids, hot)
     tp = np_init(target.param_shapes(tcfg), 0, 0.1)
     d = draft_lib.make_draft("EAGLE", cfg, params, tp, ids)

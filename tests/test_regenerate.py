@@ -32,8 +32,8 @@ def model_path():
 
 
 def _plain_answer(path, messages):
-    from specjax.generate import generate, load_tokenizer, stop_token_ids
-    from specjax.weights import load_model
+    from specjax.generate import generate, load_tokenizer
+    from specjax.weights import load_model, stop_token_ids
     cfg, params = load_model(path)
     tok = load_tokenizer(path)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
