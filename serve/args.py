@@ -8,7 +8,7 @@ import argparse
 import dataclasses
 import logging
 
-from specjax.convert.fetch import default_smollm2_path
+from specjax.hub import default_smollm2_path
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.spec.tune import TuneError, load_tune, shape_for
 

@@ -21,7 +21,7 @@ import time
 import jax
 import numpy as np
 
-from specjax.convert.fetch import default_smollm2_path, fetch_smollm2
+from specjax.hub import default_smollm2_path, fetch_smollm2
 
 from .args import ServerArgs
 from .engine import Scheduler
@@ -45,18 +45,6 @@ def setup_logging(level: str) -> None:
     logging.basicConfig(level=getattr(logging, level.upper(), logging.INFO),
                         format="[%(asctime)s %(name)s] %(message)s", datefmt="%H:%M:%S")
     log.setLevel(getattr(logging, level.upper(), logging.INFO))
-
-
-def _file_eos_ids(folder: str) -> list[int]:
-    path = os.path.join(folder, "generation_config.json")
-    try:
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return []
-    if eos is None:
-        return []
-    return [int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos])]
 
 
 def _resolve_chat_template(args: ServerArgs, tokenizer) -> str:
@@ -181,7 +169,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
     from transformers import AutoTokenizer
 
-    from specjax.weights import load_model, resolve_model_path
+    from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
     t0 = time.perf_counter()
     for line in args.notices():
@@ -212,7 +200,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
     kv_layers = cfg.num_layers
     if spec and draft is None:
-        from specjax.spec.decoder import load_draft
+        from specjax.head_weights import load_draft
         draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
                            token_map=args.speculative_token_map)
     if spec:
@@ -238,9 +226,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,
                              num_pages=num_pages, max_prefill_tokens=chunk, attention_impl=args.attention_impl,
                              mesh=mesh)
-    eos = list(cfg.eos_token_ids) + _file_eos_ids(folder)
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        eos.append(int(tokenizer.eos_token_id))
+    eos = stop_token_ids(folder, cfg, tokenizer)
     metrics = Metrics(enabled=args.enable_metrics, model_name=args.model_name)
     scheduler = Scheduler(runner, tokenizer, context_length=context_length, vocab_size=cfg.vocab_size, eos_ids=eos,
                           chunked_prefill_size=args.chunked_prefill_size,

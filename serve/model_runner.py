@@ -18,35 +18,18 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh
 
 from specjax import decode, kv_cache, sampling
+from specjax.batching import MIN_PREFILL_BUCKET, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
-from specjax.sharding import use_mesh
+from specjax.sharding import put_kv_pool, use_mesh
 
 log = logging.getLogger("specjax.serve")
 
-MIN_PREFILL_BUCKET = 16
 MIN_PAGE_BUCKET_TOKENS = 256
-
-
-def pow2_buckets(lo: int, hi: int) -> list[int]:
-    """Powers of two from ``lo`` up to ``hi``, with ``hi`` itself as the last bucket."""
-    out, b = [], max(1, lo)
-    while b < hi:
-        out.append(b)
-        b *= 2
-    out.append(hi)
-    return sorted(set(out))
-
-
-def pick(buckets: list[int], need: int) -> int:
-    for b in buckets:
-        if b >= need:
-            return b
-    raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
 
 
 def sample(logits, sb: sampling.SamplingBatch, active=None):
@@ -100,10 +83,7 @@ class PlainRunner:
         k = jnp.zeros(shape, dt)
         v = jnp.zeros(shape, dt)
         if self.mesh is not None:
-            tp = self.mesh.shape["tp"]
-            spec = P(None, None, None, "tp", None) if c.num_kv_heads % tp == 0 else P()
-            k = jax.device_put(k, NamedSharding(self.mesh, spec))
-            v = jax.device_put(v, NamedSharding(self.mesh, spec))
+            k, v = put_kv_pool(k, self.mesh), put_kv_pool(v, self.mesh)
         b = self.max_batch
         cache = kv_cache.KVCache(k=k, v=v, page_table=jnp.zeros((b, self.pages_per_seq), jnp.int32),
                                  lengths=jnp.zeros((b,), jnp.int32))

@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import functools
-import json
 import os
 import sys
 from typing import Sequence
@@ -26,15 +25,17 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import decode, kv_cache, sampling
+from specjax.batching import validate_requests
 from specjax.config import ConfigError, ModelConfig
+from specjax.head_weights import load_draft
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.models import target
 from specjax.safetensors_io import SafetensorsError
-from specjax.sharding import use_mesh
-from specjax.spec.decoder import load_draft, make_draft, speculative_generate
+from specjax.sharding import put_kv_pool, use_mesh
+from specjax.spec.decoder import make_draft, speculative_generate
 from specjax.spec.tree import validate as validate_tree
 from specjax.spec.tune import TuneError, load_tune, shape_for
-from specjax.weights import WeightsError, load_model, resolve_model_path
+from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
 
 @jax.tree_util.register_dataclass
@@ -93,12 +94,10 @@ def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_
     return jax.lax.while_loop(cond, body, state)
 
 
-def _place_on_mesh(cfg: ModelConfig, mesh, cache: kv_cache.KVCache, inputs):
+def _place_on_mesh(mesh, cache: kv_cache.KVCache, inputs):
     """KV pages sharded over kv heads on tp (as the attention weights are); everything else replicated."""
-    tp = mesh.shape["tp"]
-    kv = NamedSharding(mesh, P(None, None, None, "tp" if cfg.num_kv_heads % tp == 0 else None, None))
     rep = NamedSharding(mesh, P())
-    cache = dataclasses.replace(cache, k=jax.device_put(cache.k, kv), v=jax.device_put(cache.v, kv),
+    cache = dataclasses.replace(cache, k=put_kv_pool(cache.k, mesh), v=put_kv_pool(cache.v, mesh),
                                 page_table=jax.device_put(cache.page_table, rep),
                                 lengths=jax.device_put(cache.lengths, rep))
     return cache, jax.device_put(inputs, rep)
@@ -130,17 +129,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     if not prompts:
         return []
     b = len(prompts)
-    limit = np.broadcast_to(np.asarray(max_new_tokens), (b,)).astype(np.int64)
-    if (limit < 0).any():
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-        bad = [t for t in p if not 0 <= int(t) < cfg.vocab_size]
-        if bad:
-            raise ValueError(f"prompt {i} has token ids outside [0, {cfg.vocab_size}): {bad[:5]}")
-    for t, k, p, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
-        sampling.validate(float(t), int(k), float(p), float(m))
+    limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p)
     if not limit.any():
         return [[] for _ in prompts]
 
@@ -160,7 +149,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     inputs = (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb, stop_ids)
     if mesh is not None:
-        cache, inputs = _place_on_mesh(cfg, mesh, cache, inputs)
+        cache, inputs = _place_on_mesh(mesh, cache, inputs)
     with use_mesh(mesh):
         state = _prefill(params, cfg, cache, *inputs, capacity=capacity, cache_attention=cache_attention)
         state = _decode_loop(params, cfg, state, inputs[-1], cache_attention=cache_attention)
@@ -169,29 +158,6 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
 
 
 # ---- text in, text out ------------------------------------------------------------------------------------------
-
-def _generation_eos_ids(folder: str) -> tuple[int, ...]:
-    """eos ids from generation_config.json (instruct models often list end-of-turn tokens only there)."""
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(path):
-        return ()
-    try:
-        with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
-    except (OSError, json.JSONDecodeError):
-        return ()
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
-
-
-def stop_token_ids(folder: str, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """The ids that end a turn: the eos ids of config.json, generation_config.json and the tokenizer."""
-    stop = list(cfg.eos_token_ids) + list(_generation_eos_ids(folder))
-    if tokenizer.eos_token_id is not None:
-        stop.append(int(tokenizer.eos_token_id))
-    return tuple(dict.fromkeys(stop))
-
 
 def load_tokenizer(folder: str):
     from transformers import AutoTokenizer
@@ -279,7 +245,7 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
     """(model folder, algorithm or None, head folder, tree shape) from the flags and the defaults."""
     model, algo, head = args.model, args.speculative_algorithm, args.speculative_draft_model_path
     if model is None:
-        from specjax.convert.fetch import default_smollm2_path, fetch_smollm2
+        from specjax.hub import default_smollm2_path, fetch_smollm2
         model = default_smollm2_path()
         if not os.path.isdir(model):
             print(f"first use: fetching and converting SmolLM2-135M-Instruct into {model}", file=sys.stderr)
@@ -359,7 +325,7 @@ def _print_texts(prompts, texts) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
-    from specjax.convert.fetch import FetchError
+    from specjax.hub import FetchError
     prompts = args.prompt or ["The capital of France is"]
     try:
         sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)

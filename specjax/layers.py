@@ -8,11 +8,13 @@ Axis letters used in einsums and shape comments throughout specjax:
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from specjax.kv_cache import gather_layer
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
@@ -101,3 +103,101 @@ def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm
     out = jnp.einsum("bkgts,bskh->btkgh", p[..., :s].astype(v.dtype), v_cache)
     out = out + jnp.einsum("bkgts,bskh->btkgh", p[..., s:].astype(v.dtype), v)
     return out.reshape(b, t, n, h)
+
+
+def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
+    """Reference (XLA) attention over the WHOLE gathered paged prefix plus the new tokens (see ``attention``).
+    Reads every page of the page table; ``paged_attention`` is the same math over the pages in use."""
+    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
+    return attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid, sm_scale=sm_scale)
+
+
+CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this many tokens (whole pages)
+
+
+def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
+                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS):
+    """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
+
+    Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
+    ``while_loop`` that runs ceil(max(lengths) / block) times: a step reads the KV the longest row holds, not the
+    page table's capacity. Online softmax (running max and sum) across blocks, so no [S]-wide score row exists.
+    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H]; page_table:
+    i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window). Returns [B, T, N, H] in q's dtype.
+    """
+    b, t, n, h = q.shape
+    kh = k.shape[2]
+    z = k_pages.shape[1]
+    pps = page_table.shape[1]
+    bp = max(1, min(pps, block_tokens // z))  # pages per block
+    nblocks_max = -(-pps // bp)
+    pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
+    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+
+    def scores(keys, valid):  # keys [B, S, K, H], valid bool[B, T, S] -> f32[B, K, G, T, S]
+        s_ = jnp.einsum("btkgh,bskh->bkgts", qg, keys, preferred_element_type=jnp.float32) * sm_scale
+        return jnp.where(valid[:, None, None], s_, NEG_INF)
+
+    def update(carry, s_, valid, vals):  # one online-softmax step over a block of keys
+        m, l, acc = carry
+        m_new = jnp.maximum(m, s_.max(-1))  # [B, K, G, T]
+        p = jnp.where(valid[:, None, None], jnp.exp(s_ - m_new[..., None]), 0.0)
+        alpha = jnp.exp(m - m_new)
+        vals = jnp.where(valid.any(1)[:, :, None, None], vals, 0)  # garbage (even NaN) slots never reach the sum
+        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+
+    def block(j, carry):
+        cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
+        kb = k_pages[cols].reshape(b, bp * z, kh, h)
+        vb = v_pages[cols].reshape(b, bp * z, kh, h)
+        key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
+        valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
+        if sliding_window is not None:
+            valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
+        valid = jnp.broadcast_to(valid, (b, t, bp * z))
+        return update(carry, scores(kb, valid), valid, vb)
+
+    g = n // kh
+    carry = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
+             jnp.zeros((b, kh, g, t, h), jnp.float32))
+    nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
+    carry = jax.lax.fori_loop(0, nblocks, block, carry)
+    m, l, acc = update(carry, scores(k, mask), mask, v)
+    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that see nothing (padding) give 0, never read
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
+
+
+def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_table=None, lengths=None, *,
+           positions=None, sliding_window: int | None = None, kernel: Callable | None = None):
+    """THE attention of every model layer (target, both draft heads, the speculative step): T new queries over the
+    paged cache prefix (positions < lengths[b]) plus the new keys under ``mask``.
+
+    q: [B, T, N, H]; k, v: [B, Tk, K, H]; mask: bool[B, T, Tk]. Without ``k_pages`` there is no cache (training,
+    tests): plain ``attention``. With it: k_pages, v_pages [P, Z, K, H] (one layer's pool), page_table i32[B, pps],
+    lengths i32[B]; ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA
+    ``paged_attention``; ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
+    Returns [B, T, N, H] in q's dtype.
+    """
+    if k_pages is None:
+        return attention(q, k, v, mask, sm_scale=sm_scale)
+    if kernel is not None:
+        if sliding_window is not None:
+            raise ValueError("sliding-window models use the XLA attention path; do not pass a kernel")
+        return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale)
+    return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
+                           sliding_window=sliding_window)
+
+
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]
+
+
+def cache_attend(mask, cache=None, kernel: Callable | None = None) -> AttendFn:
+    """Per-layer ``attend`` of a draft head's layer loop: layer i reads ``cache.k[i]`` / ``cache.v[i]`` (a
+    ``kv_cache.KVCache``; None: no cache). sm_scale is head_dim ** -0.5."""
+    def attend_layer(i, q, k, v):
+        scale = q.shape[-1] ** -0.5
+        if cache is None:
+            return attend(q, k, v, mask, scale)
+        return attend(q, k, v, mask, scale, cache.k[i], cache.v[i], cache.page_table, cache.lengths, kernel=kernel)
+    return attend_layer

@@ -104,9 +104,16 @@ def constrain(x, axes: Sequence[str | None]):
     return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, P(*spec)))
 
 
-def named(mesh: Mesh, spec: P) -> NamedSharding:
-    return NamedSharding(mesh, spec)
+# ---- KV page pools ------------------------------------------------------------------------------------------------
+KV_POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")  # [L, P, Z, K, H]
 
 
-def replicated(mesh: Mesh) -> NamedSharding:
-    return NamedSharding(mesh, P())
+def kv_pool_sharding(mesh: Mesh, pool_shape) -> NamedSharding:
+    """Where a KV page pool [L, P, Z, K, H] lives on the mesh: split over kv heads on tp, as the attention weights
+    are; replicated when the kv heads do not divide by tp."""
+    return NamedSharding(mesh, spec_for_shape(pool_shape, KV_POOL_AXES, mesh, replicate_indivisible=("kv_heads",)))
+
+
+def put_kv_pool(pool, mesh: Mesh):
+    """``pool`` placed by ``kv_pool_sharding``."""
+    return jax.device_put(pool, kv_pool_sharding(mesh, pool.shape))

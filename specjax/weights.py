@@ -7,6 +7,7 @@ explicitly ignored, so a checkpoint of the wrong architecture or with missing te
 
 from __future__ import annotations
 
+import json
 import os
 import re
 from typing import Callable
@@ -182,3 +183,28 @@ def params_to_hf(params: target.TargetParams, cfg: ModelConfig) -> dict[str, np.
 
 __all__ = ["load_model", "load_target_params", "param_shardings", "shard_params", "resolve_model_path",
            "WeightsError", "params_to_hf"]
+
+
+# ---- eos ids of a model folder -----------------------------------------------------------------------------------
+def generation_eos_ids(folder: str) -> tuple[int, ...]:
+    """eos ids from generation_config.json (instruct models often list end-of-turn tokens only there)."""
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return ()
+    try:
+        with open(path) as f:
+            eos = json.load(f).get("eos_token_id")
+    except (OSError, json.JSONDecodeError):
+        return ()
+    if eos is None:
+        return ()
+    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
+
+
+def stop_token_ids(folder: str, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
+    """The ids that end a turn: the eos ids of config.json, generation_config.json and the tokenizer (generation and
+    the server stop on these)."""
+    stop = list(cfg.eos_token_ids) + list(generation_eos_ids(folder))
+    if tokenizer.eos_token_id is not None:
+        stop.append(int(tokenizer.eos_token_id))
+    return tuple(dict.fromkeys(stop))

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax.config import ModelConfig
-from specjax.models import eagle, eagle3, target
+from specjax.models import eagle, eagle3, random_params, target
 
 
 def tiny_config(vocab: int = 64, hidden: int = 64, layers: int = 2, dtype: str = "float32") -> ModelConfig:
@@ -35,10 +35,8 @@ def tiny_config(vocab: int = 64, hidden: int = 64, layers: int = 2, dtype: str =
 def np_init(shapes, seed: int, scale: float):
     """Random params from a ``param_shapes`` tree with numpy (eager jax.random would compile once per shape)."""
     rng = np.random.default_rng(seed)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    out = [jnp.ones(sd.shape, sd.dtype) if "norm" in jax.tree_util.keystr(path)
-           else jnp.asarray(rng.normal(size=sd.shape) * scale, sd.dtype) for path, sd in leaves]
-    return jax.tree_util.tree_unflatten(treedef, out)
+    normal = lambda _key, shape, dtype, scale: jnp.asarray(rng.normal(size=shape) * scale, dtype)
+    return random_params(shapes, jax.random.PRNGKey(0), scale, normal=normal)
 
 
 def random_models(cfg: ModelConfig, seed: int = 0, target_scale: float = 0.3, draft_vocab: int | None = None):

@@ -10,6 +10,7 @@ import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 import train_fixtures as tf
+from real_model import smollm2_path
 from specjax.sharding import make_mesh
 from specjax.train import data as D
 from specjax.train.config import DataConfig
@@ -75,10 +76,7 @@ def test_thinking_template(think_tok, thinking):
 
 
 def test_smollm2_tokenizer_mask():
-    from specjax.convert.fetch import default_smollm2_path
-    path = default_smollm2_path()
-    if not os.path.exists(os.path.join(path, "tokenizer.json")):
-        pytest.skip(f"SmolLM2 not fetched ({path}); run `python -m specjax.convert fetch-smollm2`")
+    path = smollm2_path()
     tok = D.load_tokenizer(path)
     enc = D.ChatEncoder(tok)
     ids, mask = enc.encode(D.to_messages({"conversations": CONV}))

@@ -113,8 +113,8 @@ def test_paged_attention_matches_whole_table_reference(window, block_tokens):
         mask = mask & ((positions[:, :, None] - positions[:, None, :]) < window)
         cache_valid = cache_valid & ((positions[:, :, None] - key_pos[None, None, :]) < window)
     cache_valid = jnp.broadcast_to(cache_valid, (b, t, s))
-    ref = target.xla_cache_attention(q, kn, vn, mask, k_pages, v_pages, page_table, cache_valid, h ** -0.5)
-    out = target.paged_attention(q, kn, vn, mask, k_pages, v_pages, page_table, lengths, positions, h ** -0.5,
+    ref = layers.xla_cache_attention(q, kn, vn, mask, k_pages, v_pages, page_table, cache_valid, h ** -0.5)
+    out = layers.paged_attention(q, kn, vn, mask, k_pages, v_pages, page_table, lengths, positions, h ** -0.5,
                                  sliding_window=window, block_tokens=block_tokens)
     rows = valid[:, :, None, None]  # padded queries are never read
     np.testing.assert_allclose(jnp.where(rows, out, 0), jnp.where(rows, ref, 0), rtol=2e-5, atol=2e-5)

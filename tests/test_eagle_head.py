@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 import torch
 
-from specjax import layers
+from specjax import head_weights, layers
 from specjax.models import eagle, eagle3, target
 from specjax.safetensors_io import save_file
-from specjax.spec import decoder, draft as draft_lib
+from specjax.spec import draft as draft_lib
 from spec_models import np_init, tiny_config
 
 H, F, N, K, V, T = 64, 128, 4, 2, 64, 7
@@ -60,11 +60,11 @@ def reference(tmp_path_factory):
 
 
 def test_forward_matches_torch_reference(reference):
-    cfg, params = eagle.load_head(reference["folder"], dtype="float32")
+    cfg, params = head_weights.load_eagle_head(reference["folder"], dtype="float32")
     assert cfg.num_layers == 1 and params.layers[0].input_norm is None
     mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(2, 0)
-    h, k, v = eagle.forward_cached(params, cfg, jnp.asarray(reference["emb"]), jnp.asarray(reference["feat"]),
-                                   jnp.asarray(reference["pos"], jnp.int32), mask)
+    h, k, v = eagle.forward(params, cfg, jnp.asarray(reference["emb"]), jnp.asarray(reference["feat"]),
+                            jnp.asarray(reference["pos"], jnp.int32), layers.cache_attend(mask))
     np.testing.assert_allclose(np.asarray(h), reference["out"], atol=1e-4, rtol=1e-4)
     assert k.shape == (1, 2, T, K, H // N)
     # The generic draft adapter computes the same thing.
@@ -77,24 +77,24 @@ def test_forward_matches_torch_reference(reference):
 
 
 def test_round_trip_and_loader_variants(reference, tmp_path):
-    cfg, params = eagle.load_head(reference["folder"], dtype="float32")
-    back = eagle.params_to_hf(params, cfg)
+    cfg, params = head_weights.load_eagle_head(reference["folder"], dtype="float32")
+    back = head_weights.params_to_hf(params, cfg)
     assert set(back) == set(reference["sd"])
     for k, a in back.items():
         np.testing.assert_array_equal(a, reference["sd"][k])
     # pytorch_model.bin (read with weights_only=True) and a "model." prefix.
     (tmp_path / "config.json").write_text(json.dumps(hf_config()))
     torch.save({f"model.{k}": torch.from_numpy(v) for k, v in reference["sd"].items()}, tmp_path / "pytorch_model.bin")
-    _, p2 = eagle.load_head(str(tmp_path), dtype="float32")
+    _, p2 = head_weights.load_eagle_head(str(tmp_path), dtype="float32")
     np.testing.assert_array_equal(np.asarray(p2.fc), np.asarray(params.fc))
     # An unknown tensor, a missing one, and a wrong shape are refused by name.
     bad = dict(reference["sd"], **{"layers.0.extra.weight": np.zeros(3, np.float32)})
     with pytest.raises(eagle.EagleHeadError, match="extra"):
-        eagle.params_from_hf(bad, cfg)
+        head_weights.params_from_hf(bad, cfg)
     with pytest.raises(eagle.EagleHeadError, match="fc.bias"):
-        eagle.params_from_hf({k: v for k, v in reference["sd"].items() if k != "fc.bias"}, cfg)
+        head_weights.params_from_hf({k: v for k, v in reference["sd"].items() if k != "fc.bias"}, cfg)
     with pytest.raises(eagle.EagleHeadError, match="shape"):
-        eagle.params_from_hf(dict(reference["sd"], **{"fc.bias": np.zeros(3, np.float32)}), cfg)
+        head_weights.params_from_hf(dict(reference["sd"], **{"fc.bias": np.zeros(3, np.float32)}), cfg)
     with pytest.raises(eagle.EagleHeadError, match="EAGLE3"):
         eagle.config_from_hf(dict(hf_config(), architectures=["LlamaForCausalLMEagle3"]))
 
@@ -111,23 +111,24 @@ def test_token_map_formats_and_safe_loading(tmp_path):
     torch.save(torch.tensor(ids), tmp_path / "m.pt")
     torch.save(ids, tmp_path / "list.pt")
     for name in ("m.json", "m.npy", "m.pt", "list.pt"):
-        np.testing.assert_array_equal(eagle.load_token_map(str(tmp_path / name), vocab_size=16), ids)
+        np.testing.assert_array_equal(head_weights.load_token_map(str(tmp_path / name), vocab_size=16), ids)
     with open(tmp_path / "evil.pt", "wb") as f:
         pickle.dump(NotATensor(), f, protocol=2)
     with pytest.raises(eagle.EagleHeadError, match="refused"):
-        eagle.load_token_map(str(tmp_path / "evil.pt"))
+        head_weights.load_token_map(str(tmp_path / "evil.pt"))
     with pytest.raises(eagle.EagleHeadError, match="outside"):
-        eagle.load_token_map(str(tmp_path / "m.json"), vocab_size=8)
+        head_weights.load_token_map(str(tmp_path / "m.json"), vocab_size=8)
     (tmp_path / "dup.json").write_text(json.dumps([1, 1]))
     with pytest.raises(eagle.EagleHeadError, match="repeats"):
-        eagle.load_token_map(str(tmp_path / "dup.json"))
+        head_weights.load_token_map(str(tmp_path / "dup.json"))
 
 
 def test_load_draft_eagle_with_token_map(reference, tmp_path):
     tcfg = tiny_config(vocab=V, hidden=H)
     hot = [7, 3, 60, 12, 0]
     (tmp_path / "hot.json").write_text(json.dumps(hot))
-    cfg, params, ids = decoder.load_draft(reference["folder"], "EAGLE", tcfg, token_map=str(tmp_path / "hot.json"))
+    cfg, params, ids = head_weights.load_draft(reference["folder"], "EAGLE", tcfg,
+                                               token_map=str(tmp_path / "hot.json"))
     np.testing.assert_array_equal(ids, hot)
     tp = np_init(target.param_shapes(tcfg), 0, 0.1)
     d = draft_lib.make_draft("EAGLE", cfg, params, tp, ids)
@@ -142,7 +143,7 @@ def test_load_draft_eagle3_uses_the_head_importer(tmp_path):
     params = np_init(eagle3.param_shapes(hcfg), 3, 0.1)
     vmap = eagle3.VocabMap.from_used_ids(np.arange(0, 64, 2), 64)
     export_head(params, hcfg, vmap, str(tmp_path / "head"), tcfg)
-    cfg, p2, vm2 = decoder.load_draft(str(tmp_path / "head"), "EAGLE3", tcfg)
+    cfg, p2, vm2 = head_weights.load_draft(str(tmp_path / "head"), "EAGLE3", tcfg)
     assert cfg.draft_vocab_size == 32
     np.testing.assert_array_equal(np.asarray(vm2.d2t), np.asarray(vmap.d2t))
     np.testing.assert_allclose(np.asarray(p2.fc), np.asarray(params.fc))

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from test_server_helpers import offline_engine, tiny_model_dir
+from server_helpers import offline_engine, tiny_model_dir
 
 
 @pytest.fixture(scope="module")
@@ -104,7 +104,7 @@ def test_tp_dp_mesh_gives_the_same_tokens(engine):
     """--tp-size 2 --dp-size 2 on four of the test's fake CPU devices: weights and KV heads split over tp, the
     running batch over dp; greedy tokens equal the single-device engine's."""
     import specjax
-    from test_server_helpers import ENGINE_KW
+    from server_helpers import ENGINE_KW
     prompts = ["Hello world", "The capital of France is Paris. The capital of Italy is"]
     sp = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
     want = [o["output_ids"] for o in engine.generate(prompts, sp)]

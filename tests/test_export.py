@@ -1,4 +1,5 @@
-"""EAGLE3 head export / import (specjax/convert/head.py) against ../shared/specs/eagle.md section 1."""
+"""EAGLE3 head export (specjax/convert/head.py) and import (specjax/head_weights.py) against
+../shared/specs/eagle.md section 1."""
 
 import json
 import os
@@ -8,6 +9,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from specjax import head_weights
 from specjax.config import ModelConfig
 from specjax.convert import head as H
 from specjax.models import eagle3
@@ -93,7 +95,7 @@ def test_round_trip_is_exact(tmp_path):
     tcfg = _target()
     hcfg, params, vmap = _head(tcfg, seed=1)
     H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
-    cfg2, params2, vmap2 = H.load_head(str(tmp_path), tcfg)
+    cfg2, params2, vmap2 = head_weights.load_eagle3_head(str(tmp_path), tcfg)
     assert cfg2 == hcfg
     _same(params2, params)
     _same(vmap2, vmap)
@@ -108,7 +110,7 @@ def test_non_default_aux_layers_and_extra_layers(tmp_path):
     keys = set(SafetensorsFile(str(tmp_path / "model.safetensors")).keys())
     assert "layers.1.self_attn.q_proj.weight" in keys and "layers.1.hidden_norm.weight" not in keys
     assert SafetensorsFile(str(tmp_path / "model.safetensors")).shape("layers.1.self_attn.q_proj.weight") == (64, D)
-    cfg2, params2, vmap2 = H.load_head(str(tmp_path), tcfg)
+    cfg2, params2, vmap2 = head_weights.load_eagle3_head(str(tmp_path), tcfg)
     assert cfg2 == hcfg and cfg2.aux_layer_ids == (2, 4, 6)
     _same(params2, params)
 
@@ -125,35 +127,35 @@ def test_import_prefix_embed_tokens_and_layers0(tmp_path):
     renamed = {("model." + k.replace("midlayer.", "layers.0.")): v for k, v in tensors.items()}
     renamed["model.embed_tokens.weight"] = np.ones((V, D), np.float32)
     save_file(renamed, str(src / "model.safetensors"))
-    cfg2, params2, vmap2 = H.load_head(str(src), tcfg)
+    cfg2, params2, vmap2 = head_weights.load_eagle3_head(str(src), tcfg)
     assert cfg2.dtype == "float32"
     _same(params2, jax.tree.map(lambda x: x.astype(jnp.float32), params))
     _same(vmap2, vmap)
     # an embedding of another shape means another target
     renamed["model.embed_tokens.weight"] = np.ones((V, D + 1), np.float32)
     save_file(renamed, str(src / "model.safetensors"))
-    with pytest.raises(H.HeadFormatError, match="embed_tokens"):
-        H.load_head(str(src), tcfg)
+    with pytest.raises(head_weights.HeadFormatError, match="embed_tokens"):
+        head_weights.load_eagle3_head(str(src), tcfg)
     # unknown tensors are refused, not silently dropped
     renamed["model.embed_tokens.weight"] = np.ones((V, D), np.float32)
     renamed["model.layers.1.mlp.up_proj.weight"] = np.ones((96, D), np.float32)
     save_file(renamed, str(src / "model.safetensors"))
-    with pytest.raises(H.HeadFormatError, match="does not use"):
-        H.load_head(str(src), tcfg)
+    with pytest.raises(head_weights.HeadFormatError, match="does not use"):
+        head_weights.load_eagle3_head(str(src), tcfg)
 
 
 def test_refuses_mismatched_target(tmp_path):
     tcfg = _target()
     hcfg, params, vmap = _head(tcfg, seed=4)
     H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
-    with pytest.raises(H.HeadFormatError, match="vocab"):
-        H.load_head(str(tmp_path), _target(vocab_size=256))
-    with pytest.raises(H.HeadFormatError, match="hidden size"):
-        H.load_head(str(tmp_path), _target(hidden_size=96))
-    with pytest.raises(H.HeadFormatError, match="vocab"):
+    with pytest.raises(head_weights.HeadFormatError, match="vocab"):
+        head_weights.load_eagle3_head(str(tmp_path), _target(vocab_size=256))
+    with pytest.raises(head_weights.HeadFormatError, match="hidden size"):
+        head_weights.load_eagle3_head(str(tmp_path), _target(hidden_size=96))
+    with pytest.raises(head_weights.HeadFormatError, match="vocab"):
         H.export_head(params, hcfg, vmap, str(tmp_path / "x"), _target(vocab_size=256))
     bad = eagle3.VocabMap(d2t=vmap.d2t, t2d=jnp.roll(vmap.t2d, 1))
-    with pytest.raises(H.HeadFormatError, match="disagree"):
+    with pytest.raises(head_weights.HeadFormatError, match="disagree"):
         H.export_head(params, hcfg, bad, str(tmp_path / "y"), tcfg)
 
 
@@ -168,7 +170,7 @@ def test_cli_import_then_export(tmp_path):
     from specjax.convert.__main__ import main
     assert main(["import-head", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--target", str(tcfg_dir)]) == 0
     assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
-    cfg2, params2, vmap2 = H.load_head(str(tmp_path / "out"), tcfg)
+    cfg2, params2, vmap2 = head_weights.load_eagle3_head(str(tmp_path / "out"), tcfg)
     assert cfg2 == hcfg
     _same(params2, params)
     _same(vmap2, vmap)
@@ -191,6 +193,6 @@ def test_refuses_non_finite_weights(tmp_path, how):
         params.norm = params.norm.at[0].set(1e6)
         dtype = "float16"
     key = {"nan": "fc.weight", "inf": "midlayer.mlp.down_proj.weight", "fp16_overflow": "norm.weight"}[how]
-    with pytest.raises(H.HeadFormatError, match=f"non-finite weights .*{key.replace('.', '[.]')} [(]1 of"):
+    with pytest.raises(head_weights.HeadFormatError, match=f"non-finite weights .*{key.replace('.', '[.]')} [(]1 of"):
         H.export_head(params, hcfg, vmap, str(tmp_path / "out"), tcfg, dtype=dtype)
     assert not (tmp_path / "out" / "model.safetensors").exists()

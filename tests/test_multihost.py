@@ -1,11 +1,9 @@
 """Two local processes x 8 CPU devices (jax.distributed over gloo) train exactly like one process x 16 devices:
 each process feeds only its own rows of every global batch, and the losses agree step for step."""
 
-import json
 import os
 import socket
 import subprocess
-import sys
 
 import pytest
 
@@ -21,32 +19,13 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _losses(path):
-    out = {}
-    with open(path) as f:
-        for line in f:
-            rec = json.loads(line)
-            if "loss" in rec:
-                out[rec["step"]] = rec
-    return out
-
-
-def _evals(path):
-    with open(path) as f:
-        return {r["step"]: r for r in map(json.loads, f) if "eval_loss" in r}
-
-
 def test_two_processes_match_one(tmp_path):
     model = tf.make_tiny_model(str(tmp_path / "model"))
     data = tf.write_jsonl(str(tmp_path / "data.jsonl"), tf.make_conversations(80, seed=9))
 
     def cmd(run, *extra):
-        return [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
-                "--data.paths", f"[{data}]", "--data.max_length", "128", "--data.buckets", "[128]",
-                "--training.ttt_length", "2", "--training.max_steps", str(STEPS), "--logging.eval_every", str(STEPS),
-                "--logging.eval_batches", "1",
-                "--logging.progress", "false", "--logging.every", "1", "--checkpoint.every", "100",
-                "--mesh.dp", "4", "--mesh.tp", "4", "--checkpoint.dir", str(tmp_path / run), *extra]
+        return tf.train_command(model, data, str(tmp_path / run), STEPS, "--logging.eval_batches", "1",
+                                "--checkpoint.every", "100", "--mesh.dp", "4", "--mesh.tp", "4", *extra)
 
     def env(devices):
         return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
@@ -73,13 +52,14 @@ def test_two_processes_match_one(tmp_path):
         assert p.returncode == 0, out[-4000:]
     assert "2 process(es)" in outs[0] and "on 16 cpu devices" in outs[0]
 
-    a, b = _losses(tmp_path / "one" / "metrics.jsonl"), _losses(tmp_path / "two" / "metrics.jsonl")
+    a, b = tf.metrics(tmp_path / "one" / "metrics.jsonl"), tf.metrics(tmp_path / "two" / "metrics.jsonl")
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
     assert len({a[s]["seq_len"] for s in a}) >= 1
     for s in a:
         for key in ("loss", "acc_0", "ploss_1", "grad_norm"):
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key, a[s][key], b[s][key])
-    ea, eb = _evals(tmp_path / "one" / "metrics.jsonl"), _evals(tmp_path / "two" / "metrics.jsonl")
+    ea = tf.metrics(tmp_path / "one" / "metrics.jsonl", "eval_loss")
+    eb = tf.metrics(tmp_path / "two" / "metrics.jsonl", "eval_loss")
     assert list(ea) == list(eb) == [STEPS]
     assert eb[STEPS]["eval_loss"] == pytest.approx(ea[STEPS]["eval_loss"], rel=1e-5)
     from specjax.train.checkpoint import Checkpointer

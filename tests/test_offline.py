@@ -14,11 +14,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
 
 
-def _losses(path):
-    with open(path) as f:
-        return {r["step"]: r for r in map(json.loads, f) if "loss" in r}
-
-
 def test_offline_matches_online(tmp_path):
     model = tf.make_tiny_model(str(tmp_path / "model"))
     data = tf.write_jsonl(str(tmp_path / "data.jsonl"), tf.make_conversations(60, seed=2))
@@ -26,11 +21,7 @@ def test_offline_matches_online(tmp_path):
                SPECJAX_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
 
     def run(ckpt, *extra):
-        cmd = [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
-               "--data.paths", f"[{data}]", "--data.max_length", "128", "--data.buckets", "[128]",
-               "--training.ttt_length", "2", "--training.max_steps", str(STEPS), "--logging.eval_every", str(STEPS),
-               "--logging.progress", "false", "--logging.every", "1", "--checkpoint.dir", str(tmp_path / ckpt),
-               "--mesh.tp", "2", *extra]
+        cmd = tf.train_command(model, data, str(tmp_path / ckpt), STEPS, "--mesh.tp", "2", *extra)
         r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
         assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
         return r
@@ -43,7 +34,7 @@ def test_offline_matches_online(tmp_path):
     assert man["complete"] and man["aux_dim"] == 3 * 64 and man["hidden_dim"] == 64
     assert os.path.getsize(os.path.join(cache, "aux.bin")) == man["tokens"] * 3 * 64 * 4
     run("offline", "--offline.dir", cache)
-    on, off = _losses(tmp_path / "online" / "metrics.jsonl"), _losses(tmp_path / "offline" / "metrics.jsonl")
+    on, off = tf.metrics(tmp_path / "online" / "metrics.jsonl"), tf.metrics(tmp_path / "offline" / "metrics.jsonl")
     assert sorted(on) == sorted(off) == list(range(1, STEPS + 1))
     for s in on:
         for k in ("loss", "acc_0", "ploss_1", "eval_loss"):

@@ -4,11 +4,10 @@ equals HF transformers' greedy output on the same converted folder, token for to
 Needs the converted model in the cache (``python -m specjax.convert fetch-smollm2``); skips otherwise.
 """
 
-import os
 
 import pytest
 
-from specjax.convert.fetch import default_smollm2_path
+from real_model import smollm2_path
 
 PROMPTS = ["What is the capital of France?", "Write a haiku about the ocean.",
            "Explain what a binary search does in two sentences."]
@@ -17,9 +16,7 @@ NEW_TOKENS = 24
 
 @pytest.fixture(scope="module")
 def smollm2():
-    path = default_smollm2_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
+    path = smollm2_path()
     from transformers import AutoTokenizer
     from specjax.weights import load_model
     cfg, params = load_model(path, dtype="float32")

@@ -6,11 +6,10 @@ Needs the converted model in the cache (``python -m specjax.convert fetch-smollm
 """
 
 import json
-import os
 
 import pytest
 
-from specjax.convert.fetch import default_smollm2_path
+from real_model import smollm2_path
 from specjax.train import regenerate as regen
 
 NEW = 12
@@ -29,15 +28,12 @@ CONVS = [
 
 @pytest.fixture(scope="module")
 def model_path():
-    path = default_smollm2_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
-    return path
+    return smollm2_path()
 
 
 def _plain_answer(path, messages):
-    from specjax.generate import generate, load_tokenizer, stop_token_ids
-    from specjax.weights import load_model
+    from specjax.generate import generate, load_tokenizer
+    from specjax.weights import load_model, stop_token_ids
     cfg, params = load_model(path)
     tok = load_tokenizer(path)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)

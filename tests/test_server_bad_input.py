@@ -8,7 +8,7 @@ import time
 import httpx
 import pytest
 
-from test_server_helpers import Server, tiny_model_dir
+from server_helpers import Server, tiny_model_dir
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}

@@ -8,21 +8,10 @@ import json
 import random
 
 import httpx
-import pytest
 
-from test_server_helpers import SHARED_NAME, offline_engine, shared_server, sse_events, tiny_model_dir
+from server_helpers import SHARED_NAME, model_dir, offline_engine, server, sse_events  # noqa: F401 (fixtures)
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    return shared_server()  # shared with test_server_openai.py (one startup)
 
 
 def gen(server, **body):

@@ -6,21 +6,11 @@ from __future__ import annotations
 import openai
 import pytest
 
-from test_server_helpers import SHARED_NAME, shared_server, tiny_model_dir
+from server_helpers import SHARED_NAME, model_dir, server  # noqa: F401 (fixtures)
 
 NAME = SHARED_NAME
 IGNORE_EOS = {"ignore_eos": True}
 MESSAGES = [{"role": "system", "content": "You are terse."}, {"role": "user", "content": "Say hello to Paris."}]
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    return shared_server()  # shared with test_server_native.py (one startup)
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from spec_models import bigram_models, tiny_config
-from test_server_helpers import ENGINE_KW, free_port, tiny_model_dir
+from server_helpers import ENGINE_KW, free_port, tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SPEC = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
@@ -165,7 +165,7 @@ def test_cli_server_with_a_random_eagle3_head_folder(tmp_path):
     from specjax.config import ModelConfig
     from specjax.convert.head import export_head
     from specjax.models import eagle3
-    from test_server_helpers import Server, shared_server
+    from server_helpers import Server, shared_server
     model_dir = tiny_model_dir()
     cfg = ModelConfig.from_pretrained(model_dir, dtype="float32")
     hcfg = eagle3.Eagle3Config.from_target(cfg, draft_vocab_size=200, dtype="float32")

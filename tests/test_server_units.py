@@ -12,7 +12,7 @@ import pytest
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import Request, RequestError, SamplingParams
-from test_server_helpers import tiny_model_dir
+from server_helpers import tiny_model_dir
 
 
 # ---- arguments -----------------------------------------------------------------------------------------------------

@@ -9,7 +9,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from hf_tiny_models import build
 from specjax.config import ModelConfig
 from specjax.models import target
-from specjax.sharding import ShardingError, make_mesh, use_mesh
+from specjax.sharding import ShardingError, kv_pool_sharding, make_mesh, put_kv_pool, use_mesh
 from specjax.weights import load_model, load_target_params, param_shardings, shard_params
 
 BATCH, SEQ, VOCAB = 16, 8, 256
@@ -89,6 +89,14 @@ def test_indivisible_heads_raise():
 def test_indivisible_vocab_raises():
     with pytest.raises(ShardingError, match=r"dimension vocab=250 does not divide by mesh axis tp=4"):
         param_shardings(_cfg(num_attention_heads=4, num_key_value_heads=4, vocab_size=250), make_mesh(4, 4))
+
+
+def test_kv_pool_split_over_kv_heads_on_tp():
+    """[L, P, Z, K, H] pools: split over K on tp when it divides (as the attention weights), else replicated."""
+    assert kv_pool_sharding(make_mesh(4, 4), (2, 8, 4, 4, 16)).spec == P(None, None, None, "tp", None)
+    assert kv_pool_sharding(make_mesh(2, 8), (2, 8, 4, 4, 16)).spec == P(None, None, None, None, None)
+    pool = put_kv_pool(jnp.zeros((2, 8, 4, 4, 16)), make_mesh(8, 2))
+    assert {s.data.shape for s in pool.addressable_shards} == {(2, 8, 4, 2, 16)}
 
 
 def test_generate_on_mesh_matches_single_device(model):

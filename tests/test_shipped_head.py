@@ -9,6 +9,7 @@ import os
 import numpy as np
 import pytest
 
+from real_model import smollm2_path
 from specjax.heads import DEFAULT_HEAD
 from specjax.safetensors_io import SafetensorsFile
 from specjax.spec import tune as tune_lib
@@ -49,12 +50,10 @@ def test_shipped_head_files_match_the_published_format():
 
 @pytest.fixture(scope="module")
 def smollm2_pair():
-    from specjax.convert.fetch import default_smollm2_path
-    path = default_smollm2_path()
-    if not os.path.isfile(os.path.join(path, "config.json")):
-        pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
+    path = smollm2_path()
     from specjax.generate import load_tokenizer
-    from specjax.spec.decoder import load_draft, make_draft
+    from specjax.head_weights import load_draft
+    from specjax.spec.decoder import make_draft
     from specjax.weights import load_model
     cfg, params = load_model(path, dtype="float32")
     dcfg, dparams, vocab = load_draft(DEFAULT_HEAD, "EAGLE3", cfg)
@@ -63,7 +62,8 @@ def smollm2_pair():
 
 def test_shipped_head_is_lossless_and_accepted_on_mtbench(smollm2_pair):
     from specjax.bench.spec import load_prompts
-    from specjax.generate import generate, stop_token_ids
+    from specjax.generate import generate
+    from specjax.weights import stop_token_ids
     from specjax.spec.decoder import speculative_generate
     path, cfg, params, draft, tok = smollm2_pair
     try:

@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decode, kv_cache
+from specjax import decode, kv_cache, layers
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention, ref_tree_attention, tree_attention
 from specjax.models import target
@@ -57,7 +57,7 @@ def layers_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm
     """target.forward's XLA path: layers.attention over the gathered pages."""
     s = page_table.shape[1] * k_pages.shape[1]
     cache_valid = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (*mask.shape[:2], s))
-    return target.xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale)
+    return layers.xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale)
 
 
 CASES = {

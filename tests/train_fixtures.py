@@ -134,3 +134,18 @@ if __name__ == "__main__":
     make_tiny_model(os.path.join(root, "model"))
     write_jsonl(os.path.join(root, "data.jsonl"), make_conversations(200))
     print(f"tiny model in {root}/model, data in {root}/data.jsonl")
+
+
+def train_command(model: str, data: str, ckpt_dir: str, steps: int, *extra: str) -> list[str]:
+    """``python -m specjax.train`` on configs/tiny.yaml with a tiny model and data: 128-token rows, TTT length 2,
+    ``steps`` steps with an eval at the last one and a metrics line every step, then ``extra`` overrides."""
+    return [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
+            "--data.paths", f"[{data}]", "--data.max_length", "128", "--data.buckets", "[128]",
+            "--training.ttt_length", "2", "--training.max_steps", str(steps), "--logging.eval_every", str(steps),
+            "--logging.progress", "false", "--logging.every", "1", "--checkpoint.dir", ckpt_dir, *extra]
+
+
+def metrics(path, key: str = "loss") -> dict:
+    """step -> record, for the lines of a run's metrics.jsonl that hold ``key``."""
+    with open(path) as f:
+        return {r["step"]: r for r in map(json.loads, f) if key in r}

@@ -3,7 +3,7 @@
 Inputs (``data.paths`` / ``data.hf_datasets``): ShareGPT JSON/JSONL (``conversations`` of ``{from, value}``,
 roles human/gpt/system), OpenAI-style ``messages`` JSONL (``{role, content}``), any ``datasets`` dataset (hub name,
 parquet, or a ``save_to_disk`` folder) holding either shape, and the name ``sharegpt`` (the cleaned ShareGPT file
-that ``specjax.convert.fetch`` downloads into the cache).
+that ``specjax.hub`` downloads into the cache).
 
 Rendering: the TARGET tokenizer's chat template. Assistant spans are found by rendering incrementally: turn i's
 tokens start where ``render(messages[:i], add_generation_prompt=True)`` stops matching the full rendering, and end
@@ -60,7 +60,7 @@ def _open_binary(path: str):
 
 
 def _problem(path: str, exc, log: Callable[[str], None]) -> BadRecord:
-    """A place in ``path`` that cannot be parsed (a fetch.ParseProblem): said (where) in the log, counted (why)
+    """A place in ``path`` that cannot be parsed (a hub.ParseProblem): said (where) in the log, counted (why)
     in the skipped table."""
     log(f"data: {path}: {exc}")
     return BadRecord(exc.reason, str(exc))
@@ -69,7 +69,7 @@ def _problem(path: str, exc, log: Callable[[str], None]) -> BadRecord:
 def _read_json_array(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     """Items of a top-level JSON array; an unparseable item or a cut-off tail is logged with its place and
     counted, the items after a bad one are still read."""
-    from specjax.convert.fetch import ParseProblem, parse_truncated_json_array
+    from specjax.hub import ParseProblem, parse_truncated_json_array
     with _open_binary(path) as f:
         text = f.read().decode("utf-8", errors="surrogatepass")
     for item in parse_truncated_json_array(text):
@@ -127,7 +127,7 @@ def resolve_paths(paths: Iterable[str]) -> list[str]:
     for p in paths:
         if p == "sharegpt":
             try:
-                from specjax.convert.fetch import fetch_sharegpt
+                from specjax.hub import fetch_sharegpt
             except ImportError as e:
                 raise FileNotFoundError(f"data.paths names 'sharegpt' but the fetcher is unavailable ({e})") from None
             out.append(str(fetch_sharegpt()))
@@ -437,7 +437,7 @@ def fingerprint(cfg: DataConfig, tok) -> str:
 
 
 def default_cache_dir() -> str:
-    from specjax.convert.fetch import default_cache_dir as cache_root
+    from specjax.hub import default_cache_dir as cache_root
     return os.path.join(cache_root(), "data")
 
 

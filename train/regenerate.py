@@ -126,12 +126,12 @@ class Regenerator:
     """Holds the loaded target and answers rounds of prompts in length-sorted batches."""
 
     def __init__(self, cfg: RegenConfig):
-        from specjax.weights import load_model, resolve_model_path
+        from specjax.weights import load_model, resolve_model_path, stop_token_ids
         self.cfg = cfg
         folder = resolve_model_path(cfg.model)
         self.model_cfg, self.params = load_model(folder, dtype=cfg.dtype)
         self.tokenizer = gen.load_tokenizer(folder)
-        self.stop_ids = gen.stop_token_ids(folder, self.model_cfg, self.tokenizer)
+        self.stop_ids = stop_token_ids(folder, self.model_cfg, self.tokenizer)
         self.generated_tokens = 0
 
     def answer(self, prompts: list[list[dict]], seed: int) -> list[str | None]:

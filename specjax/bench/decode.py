@@ -143,7 +143,7 @@ def bench_model(args) -> dict:
 
     model_path = args.model
     if model_path is None:
-        from specjax.convert.fetch import default_smollm2_path
+        from specjax.hub import default_smollm2_path
         model_path = default_smollm2_path()
         if not os.path.isfile(os.path.join(model_path, "config.json")):
             raise SystemExit(f"error: no model at {model_path}; run `python -m specjax.convert fetch-smollm2` "
@@ -214,20 +214,12 @@ def random_params(cfg, seed: int = 0, scale: float = 0.02):
     """Random params generated directly in cfg.dtype on the default device (no float32 copy of an 8B model)."""
     import jax
     import jax.numpy as jnp
-    from specjax.models import target
+    from specjax.models import random_params as init, target
 
-    shapes = target.param_shapes(cfg)
-    leaves, treedef = jax.tree_util.tree_flatten_with_path(shapes)
-    keys = jax.random.split(jax.random.PRNGKey(seed), len(leaves))
-    out = []
-    for (path, sd), k in zip(leaves, keys):
-        if "norm" in jax.tree_util.keystr(path):
-            out.append(jnp.ones(sd.shape, sd.dtype))
-        else:
-            def fn(k, shape=sd.shape, dt=sd.dtype):
-                return jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt)  # bf16 throughout
-            out.append(jax.jit(fn)(k))
-    params = jax.tree_util.tree_unflatten(treedef, out)
+    def normal(k, shape, dt, scale):
+        return jax.jit(lambda k: jax.random.normal(k, shape, dt) * jnp.asarray(scale, dt))(k)  # bf16 throughout
+
+    params = init(target.param_shapes(cfg), jax.random.PRNGKey(seed), scale, normal=normal)
     jax.block_until_ready(params)
     return params
 

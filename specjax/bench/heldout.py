@@ -21,7 +21,7 @@ import sys
 import jax
 import numpy as np
 
-from specjax.convert.head import load_head
+from specjax.head_weights import load_eagle3_head
 from specjax.generate import stop_token_ids
 from specjax.sharding import make_mesh
 from specjax.spec.decoder import make_draft, speculative_generate
@@ -92,7 +92,7 @@ def main(argv=None) -> int:
     if len(eval_data) == 0:
         print("error: the run has no held-out split (data.eval_fraction is 0)", file=sys.stderr)
         return 2
-    hcfg, hparams, vmap = load_head(args.draft, tcfg, dtype="float32")
+    hcfg, hparams, vmap = load_eagle3_head(args.draft, tcfg, dtype="float32")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
     predicted, accs = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
     print(f"held-out acc_0..acc_{len(accs) - 1} (token-weighted): " + " ".join(f"{a:.3f}" for a in accs))

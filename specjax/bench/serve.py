@@ -45,7 +45,7 @@ def load_prompts(spec: str, n: int) -> list[str]:
     else:
         path = spec
         if spec == "mtbench":
-            from specjax.convert.fetch import default_mtbench_path
+            from specjax.hub import default_mtbench_path
             path = default_mtbench_path()
             if not os.path.exists(path):
                 print(f"MT-bench questions not found at {path}; fetch them with "

@@ -45,7 +45,7 @@ def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[li
     if spec == "mtbench":
         path, note = None, ""
         try:
-            from specjax.convert.fetch import fetch_mtbench
+            from specjax.hub import fetch_mtbench
             path = fetch_mtbench()
             note = f"MT-bench first turns ({path})"
         except Exception as e:  # noqa: BLE001 - fall back to the shared copy when the fetch is impossible offline
@@ -99,7 +99,7 @@ def load_target(args):
     from specjax.weights import load_model, resolve_model_path
     path = args.model
     if path is None:
-        from specjax.convert.fetch import default_smollm2_path
+        from specjax.hub import default_smollm2_path
         path = default_smollm2_path()
         if not os.path.isdir(path):
             raise SystemExit(f"no --model and no SmolLM2 at {path}: `python -m specjax.convert fetch-smollm2`")
@@ -161,6 +161,7 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 def bench_spec(args) -> dict:
     from specjax.generate import generate
     from specjax.kernels.tree_attention import make_cache_attention
+    from specjax import head_weights
     from specjax.spec import decoder, step as step_lib
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
@@ -171,7 +172,7 @@ def bench_spec(args) -> dict:
         dcfg, dparams, vocab = random_draft(alg, tcfg)
         draft_note = f"random {alg} head"
     else:
-        dcfg, dparams, vocab = decoder.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
+        dcfg, dparams, vocab = head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
         draft_note = f"{args.draft} ({alg})"
     draft = decoder.make_draft(alg, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)

@@ -60,10 +60,12 @@ def _time_groups(run, groups) -> tuple[float, list[list[int]], int]:
 
 def tune(args) -> dict:
     from specjax.generate import generate
+    from specjax import head_weights
     from specjax.spec import decoder
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
-    dcfg, dparams, vocab = decoder.load_draft(args.draft, args.algorithm, tcfg, token_map=args.speculative_token_map)
+    dcfg, dparams, vocab = head_weights.load_draft(args.draft, args.algorithm, tcfg,
+                                                   token_map=args.speculative_token_map)
     draft = decoder.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(tcfg.eos_token_ids),

@@ -25,18 +25,36 @@ from specjax.config import ModelConfig, default_aux_layer_ids
 
 
 @dataclasses.dataclass(frozen=True)
-class Eagle3Config:
+class HeadShape:
+    """What both draft heads (EAGLE3 here, EAGLE in eagle.py) take from one layer of their target."""
     hidden_size: int
     intermediate_size: int
     num_heads: int
     num_kv_heads: int
     head_dim: int
     vocab_size: int  # the TARGET's vocab
-    draft_vocab_size: int
-    target_hidden_size: int
     rms_norm_eps: float
     rope_theta: float
     max_position_embeddings: int
+
+    @property
+    def rope_scaling_dict(self):
+        return dict(self.rope_scaling) if self.rope_scaling is not None else None
+
+    def replace(self, **kw):
+        return dataclasses.replace(self, **kw)
+
+    @staticmethod
+    def of_target(tcfg) -> dict[str, Any]:
+        """The shape fields (and rope scaling) of a head shaped like one layer of the target ``tcfg``."""
+        return dict({f.name: getattr(tcfg, f.name) for f in dataclasses.fields(HeadShape)},
+                    rope_scaling=tcfg.rope_scaling)
+
+
+@dataclasses.dataclass(frozen=True)
+class Eagle3Config(HeadShape):
+    draft_vocab_size: int
+    target_hidden_size: int
     rope_scaling: tuple[tuple[str, Any], ...] | None = None
     num_layers: int = 1
     aux_layer_ids: tuple[int, ...] = (1, 13, 24)
@@ -44,24 +62,13 @@ class Eagle3Config:
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
 
-    @property
-    def rope_scaling_dict(self):
-        return dict(self.rope_scaling) if self.rope_scaling is not None else None
-
-    def replace(self, **kw) -> "Eagle3Config":
-        return dataclasses.replace(self, **kw)
-
     @classmethod
     def from_target(cls, tcfg: ModelConfig, *, draft_vocab_size: int | None = None, num_layers: int = 1,
                     aux_layer_ids: tuple[int, ...] | None = None, dtype: str | None = None, **overrides) -> "Eagle3Config":
         """A head shaped like one layer of its target (SpecForge's default recipe)."""
         kw = dict(
-            hidden_size=tcfg.hidden_size, intermediate_size=tcfg.intermediate_size, num_heads=tcfg.num_heads,
-            num_kv_heads=tcfg.num_kv_heads, head_dim=tcfg.head_dim, vocab_size=tcfg.vocab_size,
-            draft_vocab_size=min(draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size),
-            target_hidden_size=tcfg.hidden_size, rms_norm_eps=tcfg.rms_norm_eps, rope_theta=tcfg.rope_theta,
-            max_position_embeddings=tcfg.max_position_embeddings, rope_scaling=tcfg.rope_scaling,
-            num_layers=num_layers,
+            HeadShape.of_target(tcfg), draft_vocab_size=min(draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size),
+            target_hidden_size=tcfg.hidden_size, num_layers=num_layers,
             aux_layer_ids=tuple(aux_layer_ids) if aux_layer_ids else default_aux_layer_ids(tcfg.num_layers),
             bos_token_id=tcfg.bos_token_id, eos_token_ids=tcfg.eos_token_ids, dtype=dtype or tcfg.dtype)
         kw.update(overrides)
@@ -71,8 +78,9 @@ class Eagle3Config:
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class HeadLayerParams:
-    """One head layer. The midlayer (index 0) takes 2H inputs and has ``hidden_norm``; later layers take H."""
-    input_norm: jax.Array  # [H]
+    """One head layer. The midlayer (index 0) takes 2H inputs and has ``hidden_norm``; later layers take H.
+    EAGLE heads (eagle.py) use it too: H inputs, no ``hidden_norm``, and no ``input_norm`` in layer 0."""
+    input_norm: jax.Array | None  # [H]
     wq: jax.Array  # [Din, N, Hd]   Din = 2H for the midlayer, H otherwise
     wk: jax.Array  # [Din, K, Hd]
     wv: jax.Array  # [Din, K, Hd]
@@ -184,34 +192,16 @@ def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):
                       preferred_element_type=jnp.float32)
 
 
-def forward_cached(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, mask, *, cache=None,
-                   cache_attention=None):
-    """Serving step over T new tokens against the head's own paged cache (``KVCache`` with one entry per layer).
-
-    emb: [B, T, H] target embeddings of the tokens; hidden: [B, T, H] incoming hidden (fc(aux) or fed-back h);
-    positions: i32[B, T]; mask: bool[B, T, T] which new keys each query sees (causal or tree ancestors).
-    Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd]).
-    """
-    from specjax.kv_cache import gather_layer
-    b, t = positions.shape
-    sm_scale = cfg.head_dim ** -0.5
-    cache_valid = None
-    if cache is not None:
-        key_pos = jnp.arange(cache.max_len, dtype=jnp.int32)
-        cache_valid = jnp.broadcast_to(key_pos[None, None, :] < cache.lengths[:, None, None], (b, t, cache.max_len))
+def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, attend: layers.AttendFn):
+    """One draft step over T new tokens. emb: [B, T, H] target embeddings of the tokens; hidden: [B, T, H] incoming
+    hidden (fc(aux) or fed-back h); positions: i32[B, T]; attend: the per-layer attention (``layers.cache_attend``).
+    Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd])."""
+    h = hidden.astype(params.norm.dtype)
+    emb = emb.astype(h.dtype)
     ks, vs = [], []
-    h = hidden
     for i, lp in enumerate(params.layers):
-        x = layer_input(lp, cfg, emb, h)
-        q, k, v = qkv(lp, cfg, x, positions)
-        if cache is None:
-            o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
-        elif cache_attention is not None:
-            o = cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, sm_scale)
-        else:
-            kc, vc = gather_layer(cache.k[i], cache.v[i], cache.page_table)
-            o = layers.attention(q, k, v, mask, k_cache=kc, v_cache=vc, cache_valid=cache_valid, sm_scale=sm_scale)
-        h = finish_layer(lp, cfg, h, o)
+        q, k, v = qkv(lp, cfg, layer_input(lp, cfg, emb, h), positions)
+        h = finish_layer(lp, cfg, h, attend(i, q, k, v))
         ks.append(k)
         vs.append(v)
     return h, jnp.stack(ks), jnp.stack(vs)

@@ -13,8 +13,9 @@ Two layouts of the layer weights, one math:
   bandwidth-bound decode step moves;
 - unstacked (a tuple of per-layer LayerParams, ``unstack_layers``): the layers are unrolled and every dot reads its
   weight buffer in place. Decode paths (generation, the server, the speculative engine) use this layout.
-Attention over the paged cache reads the cache in blocks of pages, only as many blocks as the longest sequence holds
-(``paged_attention``), so a step's KV read follows the tokens in use, not the page table's capacity.
+Attention is ``layers.attend``: over the paged cache it reads the cache in blocks of pages, only as many blocks as the
+longest sequence holds (``layers.paged_attention``), so a step's KV read follows the tokens in use, not the page
+table's capacity.
 """
 
 from __future__ import annotations
@@ -29,7 +30,7 @@ import numpy as np
 from specjax import layers
 from specjax.models import random_params
 from specjax.config import ModelConfig, default_aux_layer_ids
-from specjax.kv_cache import KVCache, gather_layer
+from specjax.kv_cache import KVCache
 from specjax.sharding import constrain
 
 
@@ -138,70 +139,6 @@ class ForwardOut:
 AttentionFn = Callable[..., jax.Array]
 
 
-def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
-    """Reference (XLA) attention over the WHOLE gathered paged prefix plus the new tokens (see layers.attention).
-    Reads every page of the page table; ``paged_attention`` is the same math over the pages in use."""
-    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
-    return layers.attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid,
-                            sm_scale=sm_scale)
-
-
-CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this many tokens (whole pages)
-
-
-def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
-                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS):
-    """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
-
-    Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
-    ``while_loop`` that runs ceil(max(lengths) / block) times: a step reads the KV the longest row holds, not the
-    page table's capacity. Online softmax (running max and sum) across blocks, so no [S]-wide score row exists.
-    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H]; page_table:
-    i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window). Returns [B, T, N, H] in q's dtype.
-    """
-    b, t, n, h = q.shape
-    kh = k.shape[2]
-    z = k_pages.shape[1]
-    pps = page_table.shape[1]
-    bp = max(1, min(pps, block_tokens // z))  # pages per block
-    nblocks_max = -(-pps // bp)
-    pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
-    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-
-    def scores(keys, valid):  # keys [B, S, K, H], valid bool[B, T, S] -> f32[B, K, G, T, S]
-        s_ = jnp.einsum("btkgh,bskh->bkgts", qg, keys, preferred_element_type=jnp.float32) * sm_scale
-        return jnp.where(valid[:, None, None], s_, layers.NEG_INF)
-
-    def update(carry, s_, valid, vals):  # one online-softmax step over a block of keys
-        m, l, acc = carry
-        m_new = jnp.maximum(m, s_.max(-1))  # [B, K, G, T]
-        p = jnp.where(valid[:, None, None], jnp.exp(s_ - m_new[..., None]), 0.0)
-        alpha = jnp.exp(m - m_new)
-        vals = jnp.where(valid.any(1)[:, :, None, None], vals, 0)  # garbage (even NaN) slots never reach the sum
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
-
-    def block(j, carry):
-        cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
-        kb = k_pages[cols].reshape(b, bp * z, kh, h)
-        vb = v_pages[cols].reshape(b, bp * z, kh, h)
-        key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
-        valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
-        if sliding_window is not None:
-            valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
-        valid = jnp.broadcast_to(valid, (b, t, bp * z))
-        return update(carry, scores(kb, valid), valid, vb)
-
-    g = n // kh
-    carry = (jnp.full((b, kh, g, t), layers.NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
-             jnp.zeros((b, kh, g, t, h), jnp.float32))
-    nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
-    carry = jax.lax.fori_loop(0, nblocks, block, carry)
-    m, l, acc = update(carry, scores(k, mask), mask, v)
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that see nothing (padding) give 0, never read
-    return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
-
-
 def embed_tokens(params: TargetParams, tokens):
     return jnp.take(params.embed, tokens, axis=0)  # [B, T, D]
 
@@ -288,13 +225,9 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, k_pages
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    if k_pages is None:
-        o = layers.attention(q, k, v, mask, sm_scale=sm_scale)
-    elif cache_attention is not None:
-        o = cache_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, sm_scale)
-    else:
-        o = paged_attention(q, k, v, mask, k_pages, v_pages, cache.page_table, cache.lengths, positions, sm_scale,
-                            sliding_window=cfg.sliding_window)
+    pt, lengths = (None, None) if cache is None else (cache.page_table, cache.lengths)
+    o = layers.attend(q, k, v, mask, sm_scale, k_pages, v_pages, pt, lengths, positions=positions,
+                      sliding_window=cfg.sliding_window, kernel=cache_attention)
     # Contract over one merged (heads x head_dim) axis: with "btnh,nhd" XLA:CPU chose to transpose wo (a copy of the
     # weight on every step) rather than the small attention output.
     b, t, n, hd = o.shape

@@ -20,14 +20,15 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sampling as sampling_lib
+from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, validate_requests
 from specjax.config import ModelConfig
 from specjax.kv_cache import KVCache
-from specjax.models import eagle, target
+from specjax.models import target
 from specjax.spec import draft as draft_lib
 from specjax.spec import step as step_lib
 from specjax.spec.draft import Draft
 from specjax.kernels.tree_attention import make_cache_attention
-from specjax.sharding import use_mesh
+from specjax.sharding import put_kv_pool, use_mesh
 
 _JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
         "step": (step_lib.spec_step, ("state",))}
@@ -47,49 +48,11 @@ def _options(compiler_options: dict | None) -> tuple:
 PREFILL_CHUNK = 512
 
 
-def _bucket(n: int, lo: int = 16, hi: int = PREFILL_CHUNK) -> int:
-    """Power-of-two chunk length >= n (bounded), so that prompts of many lengths share few compiles."""
-    t = lo
-    while t < n and t < hi:
-        t *= 2
-    return min(t, hi)
-
-
-def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,
-               dtype: str | None = None):
-    """(draft_cfg, draft_params, vocab) from an HF head folder. vocab: EAGLE3 -> eagle3.VocabMap (from the head's
-    d2t/t2d); EAGLE -> hot-token ids from ``token_map`` (``--speculative-token-map``) or None."""
-    algorithm = algorithm.upper()
-    dtype = dtype or target_cfg.dtype
-    if algorithm == "EAGLE3":
-        from specjax.convert.head import load_head
-        loaded = load_head(path, target_cfg=target_cfg, dtype=dtype)
-        cfg, params, vocab = loaded[0], loaded[1], loaded[2] if len(loaded) > 2 else None
-        if token_map is not None:
-            import warnings
-            warnings.warn("--speculative-token-map is ignored for EAGLE3 heads (they carry their own d2t map)")
-        return cfg, params, vocab
-    if algorithm == "EAGLE":
-        cfg, params = eagle.load_head(path, dtype=dtype)
-        if cfg.hidden_size != target_cfg.hidden_size:
-            raise ValueError(f"EAGLE head hidden_size {cfg.hidden_size} != target hidden_size "
-                             f"{target_cfg.hidden_size}")
-        ids = eagle.load_token_map(token_map, target_cfg.vocab_size) if token_map else None
-        return cfg, params, ids
-    raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE3 or EAGLE")
-
-
 def _as_draft(draft, algorithm: str, target_params) -> Draft:
     if isinstance(draft, Draft):
         return draft
     cfg, params, vocab = draft
     return draft_lib.make_draft(algorithm, cfg, params, target_params, vocab)
-
-
-def _shifted(tokens: np.ndarray) -> np.ndarray:
-    nxt = np.zeros_like(tokens)
-    nxt[:, :-1] = tokens[:, 1:]
-    return nxt
 
 
 def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
@@ -117,16 +80,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, make_cache_attention(attention_impl, target_cfg.sliding_window),
                                may_sample, sample_accept_fn)
     step_lib.check_compatible(target_cfg, d, scfg)
-    for i, p in enumerate(prompts):
-        if len(p) == 0:
-            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
-        if any(not 0 <= int(t) < target_cfg.vocab_size for t in p):
-            raise ValueError(f"prompt {i} has token ids outside [0, {target_cfg.vocab_size})")
-    for t, k, pp, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
-        sampling_lib.validate(float(t), int(k), float(pp), float(m))
-    budget = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,)).astype(np.int32)
-    if (budget < 0).any():
-        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    budget = validate_requests(prompts, target_cfg.vocab_size, max_new_tokens, temperature, top_k, top_p,
+                               min_p).astype(np.int32)
     if budget.max() == 0:
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
@@ -140,7 +95,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     state = dataclasses.replace(state, sampling=sampling_lib.SamplingBatch.make(
         b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
 
-    chunk = _bucket(int(lengths.max()))
+    chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
     n_chunks = -(-int(lengths.max()) // chunk)
     full = np.zeros((b, n_chunks * chunk + 1), np.int32)
     for i, p in enumerate(prompts):
@@ -247,13 +202,6 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
         **{f: getattr(state, f).at[:nb].set(getattr(view, f)) for f in _ROW_FIELDS}), toks, counts
 
 
-def _pow2_at_least(n: int, cap: int) -> int:
-    t = 1
-    while t < n:
-        t *= 2
-    return min(t, cap)
-
-
 class SpecRunner:
     """EAGLE3 / EAGLE speculative decoding behind ``specjax.runner.Runner`` (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
@@ -289,9 +237,6 @@ class SpecRunner:
             return x
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
-    def _kv_spec(self, num_kv_heads: int):
-        return P(None, None, None, "tp" if num_kv_heads % self.mesh.shape["tp"] == 0 else None, None)
-
     def init_state(self) -> step_lib.SpecState:
         state = step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
                                     self.pages_per_seq * self.page_size, page_size=self.page_size,
@@ -299,13 +244,9 @@ class SpecRunner:
         if self.mesh is None:
             return state
         state = jax.tree.map(self._on_mesh, state)  # replicated, then the KV pools re-placed below
-        kv_t = self._kv_spec(state.cache.k.shape[3])
-        kv_d = self._kv_spec(state.draft_k.shape[3])
-        cache = dataclasses.replace(state.cache, k=jax.device_put(state.cache.k, NamedSharding(self.mesh, kv_t)),
-                                    v=jax.device_put(state.cache.v, NamedSharding(self.mesh, kv_t)))
-        return dataclasses.replace(state, cache=cache,
-                                   draft_k=jax.device_put(state.draft_k, NamedSharding(self.mesh, kv_d)),
-                                   draft_v=jax.device_put(state.draft_v, NamedSharding(self.mesh, kv_d)))
+        put = lambda pool: put_kv_pool(pool, self.mesh)
+        cache = dataclasses.replace(state.cache, k=put(state.cache.k), v=put(state.cache.v))
+        return dataclasses.replace(state, cache=cache, draft_k=put(state.draft_k), draft_v=put(state.draft_v))
 
     def prefill(self, state, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
                 cached: int = 0) -> tuple[Any, int]:
@@ -332,7 +273,7 @@ class SpecRunner:
         first = 0
         pos = 0
         while pos < len(rest):
-            t = _bucket(len(rest) - pos, hi=self.prefill_chunk)
+            t = pow2_bucket(len(rest) - pos, MIN_PREFILL_BUCKET, self.prefill_chunk)
             seg = rest[pos:pos + t]
             m = len(seg)
             toks = np.zeros((1, t), np.int32)
@@ -358,9 +299,9 @@ class SpecRunner:
         idx = np.nonzero(active)[0]
         if len(idx) == 0:
             return state, np.zeros((b, w), np.int32), np.zeros((b,), np.int32)
-        nb = _pow2_at_least(int(idx[-1]) + 1, b)
+        nb = pow2_bucket(int(idx[-1]) + 1, 1, b)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
-        npages = _pow2_at_least(-(-longest // self.page_size), self.pages_per_seq)
+        npages = pow2_bucket(-(-longest // self.page_size), 1, self.pages_per_seq)
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, self.scfg, state,
                                              jnp.asarray(active), nb=nb, npages=npages)
@@ -377,4 +318,4 @@ class SpecRunner:
 
 make_draft = draft_lib.make_draft
 
-__all__ = ["speculative_generate", "SpecRunner", "load_draft", "make_draft"]
+__all__ = ["speculative_generate", "SpecRunner", "make_draft"]

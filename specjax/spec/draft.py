@@ -10,13 +10,13 @@ target token ``ids[i]``.
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Callable
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import KVCache
+from specjax import layers
 from specjax.models import eagle, eagle3, target
 
 ALGORITHMS = ("EAGLE3", "EAGLE")
@@ -81,30 +81,11 @@ def target_features(draft: Draft, out: target.ForwardOut):
     return project(draft, raw_features(draft, out))
 
 
-AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o
-
-
-def forward(draft: Draft, emb, feature, positions, attend: AttendFn):
+def forward(draft: Draft, emb, feature, positions, attend: layers.AttendFn):
     """One draft step over T tokens. emb, feature: [B, T, H]; positions i32[B, T].
     Returns (h [B, T, H], k_new [nl, B, T, K, Hd], v_new)."""
-    cfg = draft.cfg
-    ks, vs = [], []
-    if draft.algorithm == "EAGLE3":
-        h = feature.astype(draft.params.norm.dtype)
-        emb = emb.astype(h.dtype)
-        for i, lp in enumerate(draft.params.layers):
-            q, k, v = eagle3.qkv(lp, cfg, eagle3.layer_input(lp, cfg, emb, h), positions)
-            h = eagle3.finish_layer(lp, cfg, h, attend(i, q, k, v))
-            ks.append(k)
-            vs.append(v)
-    else:
-        h = eagle.embed_input(draft.params, emb, feature)
-        for i, lp in enumerate(draft.params.layers):
-            q, k, v = eagle3.qkv(lp, cfg, eagle.layer_input(lp, cfg, h), positions)
-            h = eagle3.finish_layer(lp, cfg, h, attend(i, q, k, v))
-            ks.append(k)
-            vs.append(v)
-    return h, jnp.stack(ks), jnp.stack(vs)
+    head = eagle3 if draft.algorithm == "EAGLE3" else eagle
+    return head.forward(draft.params, draft.cfg, emb, feature, positions, attend)
 
 
 def logits(draft: Draft, h):
@@ -112,17 +93,6 @@ def logits(draft: Draft, h):
     if draft.algorithm == "EAGLE3":
         return eagle3.draft_logits(draft.params, draft.cfg, h)
     return eagle.draft_logits(draft.lm_head, h)
-
-
-def cache_attend(cache: KVCache, mask, cache_attention=None) -> AttendFn:
-    """Attention of new tokens over the draft's paged cache (positions < lengths) plus themselves under ``mask``."""
-    def attend(i, q, k, v):
-        scale = q.shape[-1] ** -0.5
-        if cache_attention is not None:
-            return cache_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, scale)
-        return target.paged_attention(q, k, v, mask, cache.k[i], cache.v[i], cache.page_table, cache.lengths, None,
-                                      scale)
-    return attend
 
 
 def draft_head_dims(cfg) -> tuple[int, int, int]:

@@ -140,7 +140,7 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     feat = draft_lib.target_features(draft, out)
     dcache = draft_cache(state)
     h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
-                                  draft_lib.cache_attend(dcache, mask, scfg.cache_attention))
+                                  layers.cache_attend(mask, dcache, scfg.cache_attention))
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
     h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
@@ -177,10 +177,9 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
         def attend(i, q, kk, vv):
             # The committed prefix is read from the pages in use; the tree buffer and the nodes themselves are the
             # "new" keys under the ancestor mask.
-            return target.paged_attention(q, jnp.concatenate([bk[i], kk.astype(bk.dtype)], axis=1),
-                                          jnp.concatenate([bv[i], vv.astype(bv.dtype)], axis=1), mask,
-                                          dcache.k[i], dcache.v[i], dcache.page_table, lengths, None,
-                                          q.shape[-1] ** -0.5)
+            return layers.attend(q, jnp.concatenate([bk[i], kk.astype(bk.dtype)], axis=1),
+                                 jnp.concatenate([bv[i], vv.astype(bv.dtype)], axis=1), mask, q.shape[-1] ** -0.5,
+                                 dcache.k[i], dcache.v[i], dcache.page_table, lengths)
 
         h_out, ks, vs = draft_lib.forward(draft, target.embed_tokens(tparams, toks), h, positions, attend)
         bk = jax.lax.dynamic_update_slice_in_dim(bk, ks.astype(bk.dtype), slot0, axis=2)
@@ -219,7 +218,7 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     emb = target.embed_tokens(tparams, acc.tokens)
     dcache = draft_cache(state)
     h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
-                                  draft_lib.cache_attend(dcache, layers.causal_mask(valid), scfg.cache_attention))
+                                  layers.cache_attend(layers.causal_mask(valid), dcache, scfg.cache_attention))
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
     rp, rid = _root(draft, h_last, scfg.topk)

@@ -9,7 +9,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax.kernels.tree_attention.kernel import ref_tree_attention, tpu_unsupported_reason, tree_attention
-from specjax.models.target import xla_cache_attention
+from specjax.layers import xla_cache_attention
 
 __all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason"]
 

@@ -12,6 +12,7 @@ import tempfile
 import time
 
 import httpx
+import pytest
 
 SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
@@ -163,3 +164,14 @@ def sse_events(lines) -> list:
         out.append(json.loads(data))
     assert done, "stream did not end with data: [DONE]"
     return out
+
+
+# Fixtures of the modules that talk to the shared server (test_server_native.py, test_server_openai.py): one startup.
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    return shared_server()

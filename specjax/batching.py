@@ -1,0 +1,55 @@
+"""How a batch of requests becomes fixed shapes: request validation and the power-of-two buckets that let a few
+compiled programs serve every prompt length, batch size and context length."""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import numpy as np
+
+from specjax import sampling
+
+MIN_PREFILL_BUCKET = 16  # the shortest padded prefill chunk
+
+
+def pow2_buckets(lo: int, hi: int) -> list[int]:
+    """Powers of two from ``lo`` up to ``hi``, with ``hi`` itself as the last bucket."""
+    out, b = [], max(1, lo)
+    while b < hi:
+        out.append(b)
+        b *= 2
+    out.append(hi)
+    return sorted(set(out))
+
+
+def pick(buckets: list[int], need: int) -> int:
+    """The smallest bucket >= ``need``."""
+    for b in buckets:
+        if b >= need:
+            return b
+    raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
+
+
+def pow2_bucket(n: int, lo: int, hi: int) -> int:
+    """The bucket of ``pow2_buckets(lo, hi)`` that holds ``n``, or ``hi`` when ``n`` is larger (the caller chunks)."""
+    return pick(pow2_buckets(lo, hi), min(n, hi))
+
+
+def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,
+                      min_p) -> np.ndarray:
+    """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget or bad sampling
+    parameters. ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt. Returns the
+    token budget of each prompt, i64[B]."""
+    b = len(prompts)
+    limit = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,)).astype(np.int64)
+    if (limit < 0).any():
+        raise ValueError(f"max_new_tokens must be >= 0, got {max_new_tokens}")
+    for i, p in enumerate(prompts):
+        if len(p) == 0:
+            raise ValueError(f"prompt {i} is empty; every prompt needs at least one token (e.g. BOS)")
+        bad = [t for t in p if not 0 <= int(t) < vocab_size]
+        if bad:
+            raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
+    for t, k, p, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
+        sampling.validate(float(t), int(k), float(p), float(m))
+    return limit

@@ -1,0 +1,317 @@
+"""Draft heads from HF folders: EAGLE3 (``LlamaForCausalLMEagle3``) and EAGLE-1/2 (``LlamaForCausalLMEagle``), and
+``load_draft``, the one entry point the generator, the server and the benchmarks use. Export (and the convert CLI)
+lives in ``specjax.convert.head``, on top of the key tables here.
+
+EAGLE3 folder: ``config.json`` and safetensors holding these keys, stored ``[out, in]``:
+``fc.weight``, ``midlayer.*`` (the first layer; extra layer i >= 1 is ``layers.{i}.*``), ``norm.weight``,
+``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The importer accepts ``layers.0.*`` for the first
+layer, strips a ``model.`` prefix, and accepts an ``embed_tokens.weight`` whose shape matches the target's embedding
+(its values are ignored: engines, and specjax, use the target's own).
+EAGLE folder: ``fc.*`` and ``layers.{i}.*`` in safetensors or ``pytorch_model*.bin`` (read with weights_only=True).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import warnings
+
+import jax.numpy as jnp
+import numpy as np
+
+from specjax.config import ModelConfig
+from specjax.models import eagle, eagle3
+from specjax.models.eagle import EagleHeadError
+from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
+from specjax.safetensors_io import CheckpointIndex, load_file
+
+
+class HeadFormatError(ValueError):
+    """A head that does not match the EAGLE3 format or its target."""
+
+
+# ---- EAGLE3 key table ----------------------------------------------------------------------------------------------
+IGNORED = [re.compile(p) for p in (r".*rotary_emb\.inv_freq$",)]
+
+
+def layer_prefix(i: int) -> str:
+    return "midlayer." if i == 0 else f"layers.{i}."
+
+
+def layer_table(cfg: Eagle3Config, i: int):
+    """HF suffix -> (HeadLayerParams field, HF shape, to_hf(param), from_hf(tensor)) for layer i."""
+    h, f, n, k, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    din = 2 * h if i == 0 else h
+    proj = lambda heads: (lambda w: w.reshape(din, heads * hd).T, lambda a: a.T.reshape(din, heads, hd))
+    t = {
+        "input_layernorm.weight": ("input_norm", (h,), lambda w: w, lambda a: a),
+        "self_attn.q_proj.weight": ("wq", (n * hd, din), *proj(n)),
+        "self_attn.k_proj.weight": ("wk", (k * hd, din), *proj(k)),
+        "self_attn.v_proj.weight": ("wv", (k * hd, din), *proj(k)),
+        "self_attn.o_proj.weight": ("wo", (h, n * hd), lambda w: w.reshape(n * hd, h).T, lambda a: a.T.reshape(n, hd, h)),
+        "post_attention_layernorm.weight": ("post_norm", (h,), lambda w: w, lambda a: a),
+        "mlp.gate_proj.weight": ("w_gate", (f, h), lambda w: w.T, lambda a: a.T),
+        "mlp.up_proj.weight": ("w_up", (f, h), lambda w: w.T, lambda a: a.T),
+        "mlp.down_proj.weight": ("w_down", (h, f), lambda w: w.T, lambda a: a.T),
+    }
+    if i == 0:
+        t["hidden_norm.weight"] = ("hidden_norm", (h,), lambda w: w, lambda a: a)
+    return t
+
+
+def top_table(cfg: Eagle3Config):
+    h = cfg.hidden_size
+    return {
+        "fc.weight": ("fc", (h, len(cfg.aux_layer_ids) * cfg.target_hidden_size), lambda w: w.T, lambda a: a.T),
+        "norm.weight": ("norm", (h,), lambda w: w, lambda a: a),
+        "lm_head.weight": ("lm_head", (cfg.draft_vocab_size, h), lambda w: w.T, lambda a: a.T),
+    }
+
+
+# ---- checks ----------------------------------------------------------------------------------------------------
+def check_head_matches_target(head_cfg: Eagle3Config, target_cfg: ModelConfig) -> None:
+    """Refuse a head that cannot run on this target (vocab, feature width, aux layers)."""
+    if head_cfg.vocab_size != target_cfg.vocab_size:
+        raise HeadFormatError(
+            f"head vocab_size={head_cfg.vocab_size} but the target's vocab is {target_cfg.vocab_size}: this head was "
+            f"trained for another target (t2d must cover the target vocab)")
+    if head_cfg.target_hidden_size != target_cfg.hidden_size:
+        raise HeadFormatError(
+            f"head expects target features of width {head_cfg.target_hidden_size} (fc takes "
+            f"{len(head_cfg.aux_layer_ids)} x {head_cfg.target_hidden_size}), but the target's hidden size is "
+            f"{target_cfg.hidden_size}: this head was trained for another target")
+    bad = [i for i in head_cfg.aux_layer_ids if not 0 <= i < target_cfg.num_layers]
+    if bad:
+        raise HeadFormatError(f"head aux layer ids {list(head_cfg.aux_layer_ids)} include {bad}, out of range for the "
+                              f"target's {target_cfg.num_layers} layers")
+    if head_cfg.draft_vocab_size > head_cfg.vocab_size:
+        raise HeadFormatError(f"draft_vocab_size={head_cfg.draft_vocab_size} exceeds vocab_size={head_cfg.vocab_size}")
+
+
+def check_vocab_map(d2t: np.ndarray, t2d: np.ndarray, head_cfg: Eagle3Config) -> None:
+    vd, v = head_cfg.draft_vocab_size, head_cfg.vocab_size
+    if d2t.shape != (vd,):
+        raise HeadFormatError(f"d2t has shape {d2t.shape}, expected ({vd},) (draft_vocab_size)")
+    if t2d.shape != (v,):
+        raise HeadFormatError(f"t2d has shape {t2d.shape}, expected ({v},) (the target vocab)")
+    ids = np.arange(vd, dtype=np.int64) + d2t.astype(np.int64)
+    if ids.min(initial=0) < 0 or ids.max(initial=0) >= v:
+        raise HeadFormatError(f"d2t maps draft ids outside the target vocab [0, {v})")
+    if int(t2d.sum()) != vd or not np.array_equal(np.nonzero(t2d)[0], ids):
+        raise HeadFormatError("d2t and t2d disagree: t2d must be true exactly at the target ids i + d2t[i], "
+                              "which must increase with i")
+
+
+# ---- EAGLE3 ----------------------------------------------------------------------------------------------------
+def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = None
+              ) -> tuple[Eagle3Config, Eagle3Params, VocabMap]:
+    """Read an HF EAGLE3 head folder (config.json + safetensors) for ``target_cfg``; params in ``dtype`` (default:
+    the config's torch_dtype). Every tensor's shape is checked and every key must be used or known-ignorable."""
+    if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
+        raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors)")
+    hf = eagle3.read_hf_config(path)
+    try:
+        head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=dtype)
+    except (KeyError, ValueError) as e:
+        raise HeadFormatError(f"{path}/config.json: {e}") from None
+    check_head_matches_target(head_cfg, target_cfg)
+    ckpt = CheckpointIndex(path)
+    raw = {(k[len("model."):] if k.startswith("model.") else k): k for k in ckpt.keys()}
+    if "midlayer.input_layernorm.weight" not in raw and "layers.0.input_layernorm.weight" in raw:
+        raw = {(("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k): v for k, v in raw.items()}
+    consumed: set[str] = set()
+    dt = jnp.dtype(head_cfg.dtype)
+
+    def need(key: str, shape: tuple, from_hf):
+        if key not in raw:
+            raise HeadFormatError(f"head {path} lacks tensor {key!r} (expected shape {shape})")
+        got = tuple(ckpt.shape(raw[key]))
+        if got != tuple(shape):
+            raise HeadFormatError(f"head {path}: tensor {key!r} has shape {got}, expected {tuple(shape)} for this "
+                                  f"config")
+        consumed.add(key)
+        return jnp.asarray(from_hf(np.asarray(ckpt.tensor(raw[key])))).astype(dt)
+
+    top = {field: need(key, shape, from_hf) for key, (field, shape, _, from_hf) in top_table(head_cfg).items()}
+    lays = []
+    for i in range(head_cfg.num_layers):
+        fields = {field: need(layer_prefix(i) + suffix, shape, from_hf)
+                  for suffix, (field, shape, _, from_hf) in layer_table(head_cfg, i).items()}
+        lays.append(HeadLayerParams(**fields))
+
+    vd, v = head_cfg.draft_vocab_size, head_cfg.vocab_size
+    if "d2t" in raw and "t2d" in raw:
+        d2t = np.asarray(ckpt.tensor(raw["d2t"])).astype(np.int64)
+        t2d = np.asarray(ckpt.tensor(raw["t2d"])).astype(bool)
+        consumed |= {"d2t", "t2d"}
+    elif vd == v and "d2t" not in raw and "t2d" not in raw:
+        d2t, t2d = np.zeros((vd,), np.int64), np.ones((v,), bool)
+    else:
+        raise HeadFormatError(f"head {path} has draft_vocab_size={vd} < vocab_size={v} but no d2t/t2d tensors")
+    check_vocab_map(d2t, t2d, head_cfg)
+
+    if "embed_tokens.weight" in raw:
+        got = tuple(ckpt.shape(raw["embed_tokens.weight"]))
+        if got != (target_cfg.vocab_size, target_cfg.hidden_size):
+            raise HeadFormatError(f"head {path}: embed_tokens.weight has shape {got}, but the target's embedding is "
+                                  f"{(target_cfg.vocab_size, target_cfg.hidden_size)}: another target's head?")
+        consumed.add("embed_tokens.weight")  # the target's embedding is used instead
+    leftover = sorted(k for k in set(raw) - consumed if not any(p.match(k) for p in IGNORED))
+    if leftover:
+        raise HeadFormatError(f"head {path} has tensors this {head_cfg.num_layers}-layer EAGLE3 head does not use: "
+                              f"{leftover[:8]}{' ...' if len(leftover) > 8 else ''}")
+    params = Eagle3Params(fc=top["fc"], layers=lays, norm=top["norm"], lm_head=top["lm_head"])
+    return head_cfg, params, VocabMap(d2t=jnp.asarray(d2t, jnp.int32), t2d=jnp.asarray(t2d))
+
+
+# ---- EAGLE ------------------------------------------------------------------------------------------------------
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+_TOLERATED = ("embed_tokens.weight", "lm_head.weight")  # engines use the target's embedding and lm_head
+
+
+def _read_tensors(folder: str) -> dict[str, np.ndarray]:
+    """All tensors of a head folder: *.safetensors, else pytorch_model*.bin read with torch weights_only=True."""
+    files = sorted(os.listdir(folder))
+    st = [f for f in files if f.endswith(".safetensors")]
+    out: dict[str, np.ndarray] = {}
+    if st:
+        for f in st:
+            out.update(load_file(os.path.join(folder, f)))
+        return out
+    bins = [f for f in files if f.endswith(".bin") and f.startswith("pytorch_model")]
+    if not bins:
+        raise EagleHeadError(f"{folder} has no *.safetensors or pytorch_model*.bin")
+    import torch
+    for f in bins:
+        sd = torch.load(os.path.join(folder, f), map_location="cpu", weights_only=True)
+        out.update({k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in sd.items()})
+    return out
+
+
+def params_from_hf(tensors: dict[str, np.ndarray], cfg: eagle.EagleConfig) -> eagle.EagleParams:
+    """HF tensors (``fc.*``, ``layers.{i}.*``; a ``model.`` prefix is stripped) -> eagle.EagleParams; shapes asserted,
+    every key consumed or explicitly tolerated."""
+    t = {(k[len("model."):] if k.startswith("model.") else k): v for k, v in tensors.items()}
+    h, f, n, kh, hd = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+    dt = jnp.dtype(cfg.dtype)
+    used: set[str] = set()
+
+    def need(key, shape):
+        if key not in t:
+            raise EagleHeadError(f"EAGLE head lacks tensor {key!r} (expected shape {shape})")
+        a = np.asarray(t[key])
+        if tuple(a.shape) != tuple(shape):
+            raise EagleHeadError(f"EAGLE head tensor {key!r} has shape {a.shape}, expected {shape}")
+        used.add(key)
+        return a.astype(np.float32)
+
+    put = lambda a: jnp.asarray(a, dt)
+    fc = put(need("fc.weight", (h, 2 * h)).T)
+    fc_b = put(need("fc.bias", (h,)))
+    lays = []
+    for i in range(cfg.num_layers):
+        p = f"layers.{i}."
+        if i == 0:
+            in_norm = None
+            if p + "input_layernorm.weight" in t:
+                used.add(p + "input_layernorm.weight")  # present in some exports; skipped by the architecture
+        else:
+            in_norm = put(need(p + "input_layernorm.weight", (h,)))
+        lays.append(HeadLayerParams(
+            input_norm=in_norm,
+            wq=put(need(p + "self_attn.q_proj.weight", (n * hd, h)).T.reshape(h, n, hd)),
+            wk=put(need(p + "self_attn.k_proj.weight", (kh * hd, h)).T.reshape(h, kh, hd)),
+            wv=put(need(p + "self_attn.v_proj.weight", (kh * hd, h)).T.reshape(h, kh, hd)),
+            wo=put(need(p + "self_attn.o_proj.weight", (h, n * hd)).T.reshape(n, hd, h)),
+            post_norm=put(need(p + "post_attention_layernorm.weight", (h,))),
+            w_gate=put(need(p + "mlp.gate_proj.weight", (f, h)).T), w_up=put(need(p + "mlp.up_proj.weight", (f, h)).T),
+            w_down=put(need(p + "mlp.down_proj.weight", (h, f)).T)))
+    left = sorted(k for k in t if k not in used and not k.endswith(_IGNORED_SUFFIXES) and k not in _TOLERATED)
+    if left:
+        raise EagleHeadError(f"EAGLE head has tensors the architecture does not use: {left[:8]}")
+    return eagle.EagleParams(fc=fc, fc_bias=fc_b, layers=lays)
+
+
+def params_to_hf(params: eagle.EagleParams, cfg: eagle.EagleConfig) -> dict[str, np.ndarray]:
+    """Inverse of ``params_from_hf`` (tests, export)."""
+    f32 = lambda a: np.asarray(jnp.asarray(a, jnp.float32))
+    out = {"fc.weight": f32(params.fc).T.copy(), "fc.bias": f32(params.fc_bias)}
+    for i, lp in enumerate(params.layers):
+        p = f"layers.{i}."
+        if lp.input_norm is not None:
+            out[p + "input_layernorm.weight"] = f32(lp.input_norm)
+        out[p + "self_attn.q_proj.weight"] = f32(lp.wq).reshape(cfg.hidden_size, -1).T.copy()
+        out[p + "self_attn.k_proj.weight"] = f32(lp.wk).reshape(cfg.hidden_size, -1).T.copy()
+        out[p + "self_attn.v_proj.weight"] = f32(lp.wv).reshape(cfg.hidden_size, -1).T.copy()
+        out[p + "self_attn.o_proj.weight"] = f32(lp.wo).reshape(-1, cfg.hidden_size).T.copy()
+        out[p + "post_attention_layernorm.weight"] = f32(lp.post_norm)
+        out[p + "mlp.gate_proj.weight"] = f32(lp.w_gate).T.copy()
+        out[p + "mlp.up_proj.weight"] = f32(lp.w_up).T.copy()
+        out[p + "mlp.down_proj.weight"] = f32(lp.w_down).T.copy()
+    return out
+
+
+def load_eagle_head(folder: str, dtype: str | None = None) -> tuple[eagle.EagleConfig, eagle.EagleParams]:
+    """(eagle.EagleConfig, eagle.EagleParams) from an HF folder (config.json + safetensors or pytorch_model.bin)."""
+    cfg_path = os.path.join(folder, "config.json")
+    if not os.path.exists(cfg_path):
+        raise EagleHeadError(f"no config.json in EAGLE head folder {folder}")
+    with open(cfg_path) as fh:
+        cfg = eagle.config_from_hf(json.load(fh), dtype=dtype)
+    return cfg, params_from_hf(_read_tensors(folder), cfg)
+
+
+def load_token_map(path: str, vocab_size: int | None = None) -> np.ndarray:
+    """FR-Spec hot-token ids i32[Vd] from a .json list, a .npy array, or a torch file read with
+    ``torch.load(weights_only=True)`` (never unrestricted unpickling)."""
+    if not os.path.exists(path):
+        raise EagleHeadError(f"speculative token map {path} does not exist")
+    if path.endswith(".json"):
+        with open(path) as fh:
+            ids = json.load(fh)
+        if isinstance(ids, dict):
+            ids = ids.get("hot_token_ids", ids.get("token_ids"))
+        ids = np.asarray(ids)
+    elif path.endswith(".npy"):
+        ids = np.load(path, allow_pickle=False)
+    else:
+        import pickle
+        import torch
+        try:
+            obj = torch.load(path, map_location="cpu", weights_only=True)
+        except pickle.UnpicklingError as e:
+            raise EagleHeadError(f"token map {path} holds more than plain tensors/lists and is refused (loaded with "
+                                 f"weights_only=True): {str(e).splitlines()[0][:200]}") from None
+        ids = obj.numpy() if hasattr(obj, "numpy") else np.asarray(obj)
+    ids = np.asarray(ids)
+    if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
+        raise EagleHeadError(f"token map {path} must be a non-empty 1-D list of integer token ids, got dtype "
+                             f"{ids.dtype} shape {ids.shape}")
+    if ids.min() < 0 or (vocab_size is not None and ids.max() >= vocab_size):
+        raise EagleHeadError(f"token map {path} has ids outside [0, {vocab_size})")
+    if len(np.unique(ids)) != len(ids):
+        raise EagleHeadError(f"token map {path} repeats token ids")
+    return ids.astype(np.int32)
+
+
+# ---- either head -------------------------------------------------------------------------------------------------
+def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,
+               dtype: str | None = None):
+    """(draft_cfg, draft_params, vocab) from an HF head folder. vocab: EAGLE3 -> eagle3.VocabMap (from the head's
+    d2t/t2d); EAGLE -> hot-token ids from ``token_map`` (``--speculative-token-map``) or None."""
+    algorithm = algorithm.upper()
+    dtype = dtype or target_cfg.dtype
+    if algorithm == "EAGLE3":
+        cfg, params, vocab = load_eagle3_head(path, target_cfg=target_cfg, dtype=dtype)
+        if token_map is not None:
+            warnings.warn("--speculative-token-map is ignored for EAGLE3 heads (they carry their own d2t map)")
+        return cfg, params, vocab
+    if algorithm == "EAGLE":
+        cfg, params = load_eagle_head(path, dtype=dtype)
+        if cfg.hidden_size != target_cfg.hidden_size:
+            raise ValueError(f"EAGLE head hidden_size {cfg.hidden_size} != target hidden_size "
+                             f"{target_cfg.hidden_size}")
+        ids = load_token_map(token_map, target_cfg.vocab_size) if token_map else None
+        return cfg, params, ids
+    raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE3 or EAGLE")

@@ -1,0 +1,37 @@
+"""Request checks and shape buckets (specjax.batching), against the doubling loops the runners used to write out."""
+
+import pytest
+
+from specjax.batching import pick, pow2_bucket, pow2_buckets, validate_requests
+
+
+def doubling(n: int, lo: int, hi: int) -> int:
+    """Power-of-two chunk >= n from lo, bounded by hi (spec/decoder.py's former _bucket / _pow2_at_least)."""
+    t = lo
+    while t < n and t < hi:
+        t *= 2
+    return min(t, hi)
+
+
+@pytest.mark.parametrize("lo,hi", [(16, 512), (1, 8), (16, 48), (1, 1), (32, 16)])
+def test_pow2_bucket_is_the_doubling_rule(lo, hi):
+    for n in range(1, 2 * hi + 3):
+        assert pow2_bucket(n, lo, hi) == doubling(n, lo, hi), (n, lo, hi)
+
+
+def test_buckets_and_pick():
+    assert pow2_buckets(16, 48) == [16, 32, 48]
+    assert pow2_buckets(1, 8) == [1, 2, 4, 8]
+    assert pick([16, 32, 48], 33) == 48
+    with pytest.raises(ValueError, match="exceeds the largest bucket 48"):
+        pick([16, 32, 48], 49)
+
+
+def test_validate_requests():
+    assert validate_requests([[1, 2], [3]], 10, [4, 0], 0.0, -1, 1.0, 0.0).tolist() == [4, 0]
+    for prompts, budget, match in [([[1], []], 4, "prompt 1 is empty"), ([[1, 12]], 4, r"outside \[0, 10\): \[12\]"),
+                                   ([[1]], -1, "max_new_tokens must be >= 0")]:
+        with pytest.raises(ValueError, match=match):
+            validate_requests(prompts, 10, budget, 0.0, -1, 1.0, 0.0)
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        validate_requests([[1]], 10, 4, -1.0, -1, 1.0, 0.0)
