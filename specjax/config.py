@@ -35,7 +35,8 @@ _REFUSED_IF_TRUE = {
 
 
 class ConfigError(ValueError):
-    """A config.json that specjax cannot run faithfully."""
+    """A config specjax cannot use as written: a model's config.json it cannot run faithfully, or a run config
+    (``specjax.train.config``) with an unknown key or a bad value. The message says what to change."""
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -75,10 +76,6 @@ class ModelConfig:
     @property
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling is not None else None
-
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
 
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)

@@ -15,6 +15,10 @@ import signal
 import sys
 import time
 
+from specjax import configs
+from specjax.cli import add_dotted_options, dotted_values
+from specjax.train.config import ConfigError, RunConfig, load_config, parse_overrides, parse_value
+
 HELP_EPILOG = """\
 Every key of the run config can be overridden on the command line as --section.key VALUE, e.g.
   --optimizer.lr 3e-4  --mesh.tp 2  --training.max_steps 100  --data.buckets [512,1024]  --checkpoint.dir runs/x
@@ -39,19 +43,26 @@ Multi-host (TPU pods): run the same command on every host (see tpu_scripts/READM
 initialised from the environment, or from --multihost.coordinator HOST:PORT --multihost.num_processes N
 --multihost.process_id I.
 Export the trained head: python -m specjax.convert export-head CHECKPOINT_DIR OUT_DIR
-
-All keys and their defaults:
+(every key, its meaning and its default: the sections above)
 """
 
 
-def parse_args(argv):
-    from specjax.train.config import describe
+def build_parser():
+    """``--config`` plus one ``--section.key VALUE`` flag per key of the run config (help and default from the
+    config's dataclasses)."""
     p = argparse.ArgumentParser(prog="python -m specjax.train", description=__doc__.split("\n\n")[0],
-                                epilog=HELP_EPILOG + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    from specjax import configs
+                                usage="%(prog)s [--config YAML] [--section.key VALUE ...]", epilog=HELP_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", help="run config YAML: a path, or the name of a shipped one from any directory ("
                    + ", ".join(configs.recipes()) + "); keys not given keep their defaults")
-    return p.parse_known_args(argv)
+    return add_dotted_options(p, RunConfig, parse_value)
+
+
+def parse_args(argv):
+    """(args, overrides): the overrides are (section.key, value) pairs, those the parser knows and then whatever it
+    does not (which ``load_config`` refuses with the valid keys and the nearest one)."""
+    args, rest = build_parser().parse_known_args(argv)
+    return args, dotted_values(args) + parse_overrides(rest)
 
 
 def init_distributed(mh) -> None:
@@ -182,9 +193,8 @@ def make_optimizer(cfg, total_steps: int):
 
 
 def main(argv=None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from specjax.train.config import ConfigError, load_config
     try:
+        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
         cfg = load_config(args.config, overrides)
     except ConfigError as e:
         print(f"error: {e}", file=sys.stderr)
