@@ -20,11 +20,15 @@ _ARGPARSE = "argparse"
 
 
 def option(default: Any = dataclasses.MISSING, *, help: str = "", default_factory: Any = dataclasses.MISSING,
-           flags: Sequence[str] = (), group: str | None = None, hidden: bool = False, **argparse_kw) -> Any:
+           flags: Sequence[str] = (), group: str | None = None, hidden: bool = False, positional: bool = False,
+           one_of: str | None = None, **argparse_kw) -> Any:
     """A dataclass field that documents itself: ``help`` is the flag's help (and the key's documentation);
     ``flags`` adds spellings (aliases), ``group`` names the --help section, ``hidden`` keeps an accepted flag out of
-    --help; anything else (choices, type, metavar, required, nargs) goes to ``add_argument`` as is."""
-    meta = {"help": help, _ARGPARSE: dict(argparse_kw, flags=tuple(flags), group=group, hidden=hidden)}
+    --help, ``positional`` makes it a positional argument, fields with the same ``one_of`` name are mutually
+    exclusive and one of them is required; anything else (choices, type, metavar, required, nargs)
+    goes to ``add_argument`` as is."""
+    meta = {"help": help, _ARGPARSE: dict(argparse_kw, flags=tuple(flags), group=group, hidden=hidden,
+                                          positional=positional, one_of=one_of)}
     return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
 
 
@@ -69,28 +73,56 @@ def add_options(parser: argparse.ArgumentParser, cls, *, group_descriptions: dic
             continue
         kw = dict(f.metadata.get(_ARGPARSE, {}))
         flags, group, hidden = kw.pop("flags", ()), kw.pop("group", None), kw.pop("hidden", False)
+        positional, one_of = kw.pop("positional", False), kw.pop("one_of", None)
         tp, _ = strip_optional(hints[f.name])
         default = field_default(f)
         if tp is bool and "action" not in kw:
             kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
-        elif typing.get_origin(tp) in (tuple, list) and "nargs" not in kw:
+        elif typing.get_origin(tp) in (tuple, list) and "nargs" not in kw and "action" not in kw:
             kw["nargs"] = "+"
             kw.setdefault("type", (typing.get_args(tp) or (str,))[0])
         elif tp in (int, float) and "type" not in kw:
             kw["type"] = tp
-        if not kw.get("required"):
+        if not (kw.get("required") or (positional and kw.get("nargs") != "?")):
             kw["default"] = list(default) if isinstance(default, tuple) else default
         target = _group(parser, groups, group, group_descriptions or {})
-        target.add_argument(f"--{f.name.replace('_', '-')}", *flags, dest=f.name,
+        if one_of is not None:
+            if ("one_of", one_of) not in groups:
+                groups[("one_of", one_of)] = target.add_mutually_exclusive_group(required=True)
+            target = groups[("one_of", one_of)]
+        names = [f.name] if positional else [f"--{f.name.replace('_', '-')}", *flags]
+        target.add_argument(*names, **({} if positional else {"dest": f.name}),
                             help=argparse.SUPPRESS if hidden else field_help(f), **kw)
     return parser
 
 
+def options_parser(cls, prog: str, description: str | None = None, epilog: str | None = None,
+                   formatter_class=argparse.RawDescriptionHelpFormatter, **kw) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` for a command whose options are the fields of ``cls`` (see :func:`add_options`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter_class)
+    return add_options(p, cls, **kw)
+
+
+def parse_options(cls, argv: Sequence[str] | None, prog: str, description: str | None = None, **kw):
+    """``cls(**flags)`` from ``argv`` (the fields of ``cls`` are the options; see :func:`add_options`)."""
+    return parse_into(cls, options_parser(cls, prog, description, **kw), argv)
+
+
 def parse_into(cls, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None):
     """Parse ``argv`` with a parser made by :func:`add_options` and return ``cls(**flags)``."""
-    ns = parser.parse_args(argv)
-    names = {f.name for f in dataclasses.fields(cls) if f.init}
-    return cls(**{k: (tuple(v) if isinstance(v, list) else v) for k, v in vars(ns).items() if k in names})
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def from_namespace(cls, ns: argparse.Namespace):
+    """``cls(**flags)`` from the flags in ``ns`` that are fields of ``cls`` (as tuples where the field is one)."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.init and f.name in vars(ns):
+            v = getattr(ns, f.name)
+            kw[f.name] = tuple(v) if isinstance(v, list) and typing.get_origin(strip_optional(hints[f.name])[0]) \
+                is tuple else v
+    return cls(**kw)
 
 
 def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[str], Any]) -> argparse.ArgumentParser:
@@ -98,6 +130,8 @@ def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[st
     section of the nested dataclass ``cls``; one argument group per section, titled by its docstring. A bare flag
     means ``true``. Values go through ``value`` (e.g. a YAML scalar parser) and are typed later by the config
     loader; only the flags given appear in the namespace (read them with :func:`dotted_values`)."""
+    if parser.usage is None:  # the usage line names the parser's own options, then the overrides in one
+        parser.usage = parser.format_usage().strip().removeprefix("usage: ") + " [--section.key VALUE ...]"
     hints = typing.get_type_hints(cls)
     for sec in dataclasses.fields(cls):
         sec_cls = hints[sec.name]

@@ -8,6 +8,7 @@ are and how to train. Unknown keys (in YAML or on the command line) raise ``Conf
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
@@ -17,7 +18,7 @@ from typing import Any, Sequence
 import yaml
 
 from specjax import configs
-from specjax.cli import option, strip_optional
+from specjax.cli import add_dotted_options, dotted_values, option, strip_optional
 from specjax.config import ConfigError  # the one config error of specjax (run configs raise it too)
 
 
@@ -295,6 +296,18 @@ def parse_value(raw: str) -> Any:
     if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
         value = float(value)
     return value
+
+
+def add_override_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--section.key VALUE`` for every key of the run config (one --help section per config section)."""
+    return add_dotted_options(parser, RunConfig, parse_value)
+
+
+def parse_known_overrides(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[tuple[str, Any]]]:
+    """(the parser's own arguments, the run-config overrides): those the parser knows, then whatever it does not,
+    which ``load_config`` refuses naming the valid keys and the nearest one."""
+    args, rest = parser.parse_known_args(argv)
+    return args, dotted_values(args) + parse_overrides(rest)
 
 
 def _is_number(s: str) -> bool:

