@@ -29,7 +29,7 @@ from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 from specjax.sharding import make_mesh
 from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
-from specjax.train.config import ConfigError, RunConfig, add_override_options, load_config, parse_known_overrides
+from specjax.train.config import RunConfig, add_override_options, config_from_command_line
 from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
 
 HELP_EPILOG = """\
@@ -69,11 +69,6 @@ def build_parser():
     p.add_argument("--config", help="run config YAML: a path, or the name of a shipped one from any directory ("
                    + ", ".join(configs.recipes()) + "); keys not given keep their defaults")
     return add_override_options(p)
-
-
-def parse_args(argv):
-    """(args, overrides): ``--config`` and the (section.key, value) overrides of the run config."""
-    return parse_known_overrides(build_parser(), argv)
 
 
 def init_distributed(mh) -> None:
@@ -258,12 +253,9 @@ class Run:
 
 
 def main(argv=None) -> int:
-    try:
-        args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if (got := config_from_command_line(build_parser(), sys.argv[1:] if argv is None else argv)) is None:
         return 2
+    cfg = got[1]
     init_distributed(cfg.multihost)
     log = Logger(cfg, jax.process_index() == 0)
     try:

@@ -12,6 +12,7 @@ import argparse
 import dataclasses
 import difflib
 import os
+import sys
 import typing
 from typing import Any, Sequence
 
@@ -308,6 +309,17 @@ def parse_known_overrides(parser: argparse.ArgumentParser, argv) -> tuple[argpar
     which ``load_config`` refuses naming the valid keys and the nearest one."""
     args, rest = parser.parse_known_args(argv)
     return args, dotted_values(args) + parse_overrides(rest)
+
+
+def config_from_command_line(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, RunConfig] | None:
+    """(the parser's own arguments, the run config its ``--config`` and overrides make); None, after printing the
+    ``ConfigError`` on stderr, when they make none."""
+    try:
+        args, overrides = parse_known_overrides(parser, argv)
+        return args, load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def _is_number(s: str) -> bool:

@@ -20,7 +20,7 @@ import numpy as np
 from specjax.cli import from_namespace, option, options_parser
 from specjax.config import ModelConfig
 from specjax.models.eagle3 import VocabMap
-from specjax.train.config import ConfigError, add_override_options, load_config, parse_known_overrides
+from specjax.train.config import add_override_options, config_from_command_line
 from specjax.weights import resolve_model_path
 
 
@@ -123,13 +123,9 @@ def main(argv=None) -> int:
         "between runs.",
         epilog="Any --section.key VALUE override of the run config is accepted (e.g. --head.draft_vocab_size 16000).",
         formatter_class=argparse.HelpFormatter))
-    try:
-        ns, overrides = parse_known_overrides(p, argv)
-        cfg = load_config(ns.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if (got := config_from_command_line(p, argv)) is None:
         return 2
-    args = from_namespace(VocabOptions, ns)
+    args, cfg = from_namespace(VocabOptions, got[0]), got[1]
     tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
     vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
     save_vocab_map(args.out, vm, counts)

@@ -27,7 +27,7 @@ from specjax.generate import stop_token_ids
 from specjax.sharding import make_mesh
 from specjax.spec.decoder import make_draft, speculative_generate
 from specjax.train import data as data_lib, step as step_lib
-from specjax.train.config import ConfigError, add_override_options, load_config, parse_known_overrides
+from specjax.train.config import add_override_options, config_from_command_line
 from specjax.weights import load_model, resolve_model_path
 
 
@@ -83,13 +83,9 @@ class HeldoutOptions:
 def main(argv=None) -> int:
     ap = add_override_options(options_parser(HeldoutOptions, "python -m specjax.bench heldout",
                                              __doc__.split("\n\n")[0]))
-    try:
-        ns, overrides = parse_known_overrides(ap, argv)
-        cfg = load_config(ns.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if (got := config_from_command_line(ap, argv)) is None:
         return 2
-    args = from_namespace(HeldoutOptions, ns)
+    args, cfg = from_namespace(HeldoutOptions, got[0]), got[1]
     folder = resolve_model_path(cfg.model.path)
     tcfg, tparams = load_model(folder, dtype=cfg.model.dtype)
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or folder)

@@ -193,9 +193,27 @@ def rest_is(hf_name: str, proj: str) -> bool:
     return hf_name.endswith(f"self_attn.{proj}.weight")
 
 
+def _pre_tokenizer(pre: str):
+    """The pre-tokenizer that llama.cpp's ``tokenizer.ggml.pre`` name stands for."""
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("smollm",):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in ("default", "gpt-2", "gpt2", "starcoder", "refact"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"), byte_level])
+    if pre in ("qwen2",):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"), byte_level])
+    raise GGUFConvertError(f"tokenizer.ggml.pre={pre!r} is not supported (smollm, gpt-2, llama-bpe, qwen2)")
+
+
 def build_tokenizer(md: _Metadata):
     """(tokenizers.Tokenizer, tokenizer_config dict, special_tokens_map dict) from the ``tokenizer.ggml.*`` fields."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, Regex
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     model = md.require("tokenizer.ggml.model")
     if model != "gpt2":
@@ -214,22 +232,7 @@ def build_tokenizer(md: _Metadata):
         raise GGUFConvertError("duplicate tokens in tokenizer.ggml.tokens")
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = md.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("smollm",):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in ("default", "gpt-2", "gpt2", "starcoder", "refact"):
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"), byte_level])
-    elif pre in ("qwen2",):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"), byte_level])
-    else:
-        raise GGUFConvertError(f"tokenizer.ggml.pre={pre!r} is not supported (smollm, gpt-2, llama-bpe, qwen2)")
+    tok.pre_tokenizer = _pre_tokenizer(md.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
 
     added = []
