@@ -8,6 +8,8 @@ import argparse
 import dataclasses
 import logging
 
+from specjax.cli import add_options, option
+from specjax.config import ConfigError
 from specjax.hub import default_smollm2_path
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.spec.tune import TuneError, load_tune, shape_for
@@ -16,62 +18,84 @@ log = logging.getLogger("specjax.serve")
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
-GPU_ONLY_FLAGS = {
-    "cuda_graph_max_bs": int, "enable_torch_compile": bool, "torch_compile_max_bs": int, "attention_backend": str,
-}
+GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "enable_torch_compile", "torch_compile_max_bs", "attention_backend")
+# --help sections (argument groups), in the order of the fields.
+_MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
 
 
-class ArgsError(ValueError):
+class ArgsError(ConfigError):
     """An invalid combination of server arguments; the message says what to change."""
 
 
 @dataclasses.dataclass
 class ServerArgs:
-    # Model and tokenizer.
-    model_path: str = ""
-    tokenizer_path: str | None = None
-    served_model_name: str | None = None
-    chat_template: str | None = None
-    trust_remote_code: bool = False
-    dtype: str = "auto"
-    context_length: int | None = None
-    # HTTP.
-    host: str = "127.0.0.1"
-    port: int = 30000
-    api_key: str | None = None
-    log_level: str = "info"
-    enable_metrics: bool = False
-    skip_server_warmup: bool = False
-    max_request_bytes: int = 8 << 20  # larger bodies get 413 before they are read
-    http_header_timeout: float = 10.0  # s to send a request's line and headers, else the connection is closed
-    http_idle_timeout: float = 30.0  # s of silence allowed between requests (keep-alive) and inside a body
-    # Parallelism.
-    tp_size: int = 1
-    dp_size: int = 1
-    # Memory and scheduling.
-    mem_fraction_static: float = 0.85
-    max_running_requests: int | None = None
-    max_total_tokens: int | None = None
-    chunked_prefill_size: int = 512
-    page_size: int = 16
-    schedule_policy: str = "fcfs"
-    disable_radix_cache: bool = False
-    random_seed: int = 0
-    attention_impl: str = "auto"
-    # Speculative decoding.
-    speculative_algorithm: str | None = None
-    speculative_draft_model_path: str | None = None
-    speculative_num_steps: int | None = None
-    speculative_eagle_topk: int | None = None
-    speculative_num_draft_tokens: int | None = None
-    speculative_token_map: str | None = None
-    speculative_accept_threshold_single: float = 1.0
-    speculative_accept_threshold_acc: float = 1.0
-    # GPU-only SGLang flags (no effect here).
-    cuda_graph_max_bs: int | None = None
-    enable_torch_compile: bool = False
-    torch_compile_max_bs: int | None = None
-    attention_backend: str | None = None
+    model_path: str = option("", flags=("--model",), required=True, group="model",
+                             help="HF-format model folder (config.json + *.safetensors) or hub id")
+    tokenizer_path: str | None = option(None, group="model", help="tokenizer folder (default: the model folder)")
+    served_model_name: str | None = option(None, group="model",
+                                           help="name reported by /v1/models (default: model path)")
+    chat_template: str | None = option(None, group="model",
+                                       help="Jinja chat template file, or a built-in name (chatml, llama-3-instruct);"
+                                            " default: the tokenizer's own template")
+    trust_remote_code: bool = option(False, group="model", help="allow custom tokenizer code from the hub")
+    dtype: str = option("auto", group="model", choices=["auto", "bfloat16", "float16", "float32"],
+                        help="parameter/compute dtype; auto = the checkpoint's torch_dtype")
+    context_length: int | None = option(None, group="model", help="max tokens per sequence (prompt + output); "
+                                                                  "default: the model's max_position_embeddings")
+    host: str = option("127.0.0.1", group="http", help="address to listen on (0.0.0.0 for every interface)")
+    port: int = option(30000, group="http", help="HTTP port")
+    api_key: str | None = option(None, group="http",
+                                 help="require 'Authorization: Bearer KEY' on every endpoint but /health")
+    log_level: str = option("info", group="http", choices=["debug", "info", "warning", "error", "critical"],
+                            help="server and access log verbosity")
+    enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
+    skip_server_warmup: bool = option(False, group="http", help="start without compiling the common shapes")
+    max_request_bytes: int = option(8 << 20, group="http",
+                                    help="largest request body accepted; a larger one gets 413 before it is read")
+    http_header_timeout: float = option(10.0, group="http", help="seconds a client has to send a request's line and "
+                                                                 "headers before the connection is closed")
+    http_idle_timeout: float = option(30.0, group="http", help="seconds of silence allowed on a kept-alive "
+                                                               "connection between requests, and inside a request "
+                                                               "body (then 408)")
+    tp_size: int = option(1, flags=("--tp",), group="parallelism", help="tensor-parallel devices")
+    dp_size: int = option(1, flags=("--dp",), group="parallelism",
+                          help="data-parallel devices (the running batch is split over them)")
+    mem_fraction_static: float = option(0.85, group=_MEM, help="fraction of device memory for weights + KV pages "
+                                                               "(host RAM on CPU); ignored when --max-total-tokens "
+                                                               "is set")
+    max_total_tokens: int | None = option(None, group=_MEM,
+                                          help="KV pool size in tokens (overrides the fraction)")
+    max_running_requests: int | None = option(None, group=_MEM, help="slots in the running batch (default: 32, "
+                                                                     "fewer if the KV pool is small)")
+    chunked_prefill_size: int = option(512, group=_MEM, help="max prompt tokens computed per scheduler iteration, "
+                                                             "so long prompts interleave with decoding (-1: whole "
+                                                             "prompt at once)")
+    page_size: int = option(16, group=_MEM, help="tokens per KV page (radix cache granularity)")
+    schedule_policy: str = option("fcfs", group=_MEM, choices=["fcfs", "lpm"], help="order of admission: first "
+                                  "come first served, or longest cached prefix first")
+    disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
+    random_seed: int = option(0, group=_MEM, help="seed for requests that bring none")
+    attention_impl: str = option("auto", group=_MEM, choices=["auto", "xla", "pallas"],
+                                 help="attention kernel: pallas (TPU), xla (reference), auto = pallas on TPU else xla")
+    speculative_algorithm: str | None = option(None, group=_SPEC, type=str.upper, choices=list(SPEC_ALGORITHMS),
+                                               help="EAGLE3 (aux-feature heads) or EAGLE (EAGLE-1/2 heads); unset = "
+                                                    "plain decoding")
+    speculative_draft_model_path: str | None = option(None, flags=("--speculative-draft-model",), group=_SPEC,
+                                                      help="draft head folder (required with an algorithm)")
+    speculative_num_steps: int | None = option(None, group=_SPEC, help="draft tree depth (default 5)")
+    speculative_eagle_topk: int | None = option(None, group=_SPEC, help="branching per step; 1 = chain (default 4)")
+    speculative_num_draft_tokens: int | None = option(None, group=_SPEC, help="tree size incl. root (default 8; "
+                                                                             "with topk 1 it must be steps + 1)")
+    speculative_token_map: str | None = option(None, group=_SPEC, help="FR-Spec hot-token list for EAGLE heads")
+    speculative_accept_threshold_single: float = option(1.0, group=_SPEC,
+                                                        help="SGLang's relaxed acceptance; 1.0 = lossless")
+    speculative_accept_threshold_acc: float = option(1.0, group=_SPEC,
+                                                     help="SGLang's relaxed acceptance; 1.0 = lossless")
+    # SGLang's CUDA-only flags: accepted so that a copied SGLang command still starts, then ignored (see notices()).
+    cuda_graph_max_bs: int | None = option(None, group=_GPU, hidden=True)
+    enable_torch_compile: bool = option(False, group=_GPU, hidden=True)
+    torch_compile_max_bs: int | None = option(None, group=_GPU, hidden=True)
+    attention_backend: str | None = option(None, group=_GPU, hidden=True)
 
     def __post_init__(self):
         self.speculation_off_reason: str | None = None  # set when the head's tuned table says plain is faster
@@ -231,76 +255,8 @@ def build_parser() -> argparse.ArgumentParser:
                "      --speculative-num-steps 5 --speculative-eagle-topk 4 --speculative-num-draft-tokens 8\n"
                "then: curl localhost:30000/generate -d '{\"text\": \"Hello\", \"sampling_params\": "
                "{\"max_new_tokens\": 16}}'")
-    d = ServerArgs()
-    g = p.add_argument_group("model")
-    g.add_argument("--model-path", "--model", dest="model_path", required=True,
-                   help="HF-format model folder (config.json + *.safetensors) or hub id")
-    g.add_argument("--tokenizer-path", default=None, help="tokenizer folder (default: the model folder)")
-    g.add_argument("--served-model-name", default=None, help="name reported by /v1/models (default: model path)")
-    g.add_argument("--chat-template", default=None,
-                   help="Jinja chat template file, or a built-in name (chatml, llama-3-instruct); default: the "
-                        "tokenizer's own template")
-    g.add_argument("--trust-remote-code", action="store_true", help="allow custom tokenizer code from the hub")
-    g.add_argument("--dtype", default=d.dtype, choices=["auto", "bfloat16", "float16", "float32"],
-                   help="parameter/compute dtype; auto = the checkpoint's torch_dtype")
-    g.add_argument("--context-length", type=int, default=None,
-                   help="max tokens per sequence (prompt + output); default: the model's max_position_embeddings")
-    g = p.add_argument_group("http")
-    g.add_argument("--host", default=d.host, help="address to listen on (0.0.0.0 for every interface)")
-    g.add_argument("--port", type=int, default=d.port, help="HTTP port")
-    g.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every endpoint but /health")
-    g.add_argument("--log-level", default=d.log_level, choices=["debug", "info", "warning", "error", "critical"],
-                   help="server and access log verbosity")
-    g.add_argument("--enable-metrics", action="store_true", help="serve Prometheus metrics at /metrics")
-    g.add_argument("--skip-server-warmup", action="store_true", help="start without compiling the common shapes")
-    g.add_argument("--max-request-bytes", type=int, default=d.max_request_bytes,
-                   help="largest request body accepted; a larger one gets 413 before it is read")
-    g.add_argument("--http-header-timeout", type=float, default=d.http_header_timeout,
-                   help="seconds a client has to send a request's line and headers before the connection is closed")
-    g.add_argument("--http-idle-timeout", type=float, default=d.http_idle_timeout,
-                   help="seconds of silence allowed on a kept-alive connection between requests, and inside a "
-                        "request body (then 408)")
-    g = p.add_argument_group("parallelism")
-    g.add_argument("--tp-size", "--tp", dest="tp_size", type=int, default=d.tp_size, help="tensor-parallel devices")
-    g.add_argument("--dp-size", "--dp", dest="dp_size", type=int, default=d.dp_size,
-                   help="data-parallel devices (the running batch is split over them)")
-    g = p.add_argument_group("memory and scheduling")
-    g.add_argument("--mem-fraction-static", type=float, default=d.mem_fraction_static,
-                   help="fraction of device memory for weights + KV pages (host RAM on CPU); ignored when "
-                        "--max-total-tokens is set")
-    g.add_argument("--max-total-tokens", type=int, default=None, help="KV pool size in tokens (overrides the fraction)")
-    g.add_argument("--max-running-requests", type=int, default=None,
-                   help="slots in the running batch (default: 32, fewer if the KV pool is small)")
-    g.add_argument("--chunked-prefill-size", type=int, default=d.chunked_prefill_size,
-                   help="max prompt tokens computed per scheduler iteration, so long prompts interleave with "
-                        "decoding (-1: whole prompt at once)")
-    g.add_argument("--page-size", type=int, default=d.page_size, help="tokens per KV page (radix cache granularity)")
-    g.add_argument("--schedule-policy", default=d.schedule_policy, choices=["fcfs", "lpm"],
-                   help="order of admission: first come first served, or longest cached prefix first")
-    g.add_argument("--disable-radix-cache", action="store_true", help="turn off prefix reuse between requests")
-    g.add_argument("--random-seed", type=int, default=d.random_seed, help="seed for requests that bring none")
-    g.add_argument("--attention-impl", default=d.attention_impl, choices=["auto", "xla", "pallas"],
-                   help="attention kernel: pallas (TPU), xla (reference), auto = pallas on TPU else xla")
-    g = p.add_argument_group("speculative decoding")
-    g.add_argument("--speculative-algorithm", default=None, type=str.upper, choices=list(SPEC_ALGORITHMS),
-                   help="EAGLE3 (aux-feature heads) or EAGLE (EAGLE-1/2 heads); unset = plain decoding")
-    g.add_argument("--speculative-draft-model-path", "--speculative-draft-model", dest="speculative_draft_model_path",
-                   default=None, help="draft head folder (required with an algorithm)")
-    g.add_argument("--speculative-num-steps", type=int, default=None, help="draft tree depth (default 5)")
-    g.add_argument("--speculative-eagle-topk", type=int, default=None, help="branching per step; 1 = chain (default 4)")
-    g.add_argument("--speculative-num-draft-tokens", type=int, default=None,
-                   help="tree size incl. root (default 8; with topk 1 it must be steps + 1)")
-    g.add_argument("--speculative-token-map", default=None, help="FR-Spec hot-token list for EAGLE heads")
-    g.add_argument("--speculative-accept-threshold-single", type=float, default=1.0,
-                   help="SGLang's relaxed acceptance; 1.0 = lossless")
-    g.add_argument("--speculative-accept-threshold-acc", type=float, default=1.0,
-                   help="SGLang's relaxed acceptance; 1.0 = lossless")
-    g = p.add_argument_group("CUDA-only SGLang flags (accepted, no effect)")
-    g.add_argument("--cuda-graph-max-bs", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--enable-torch-compile", action="store_true", help=argparse.SUPPRESS)
-    g.add_argument("--torch-compile-max-bs", type=int, default=None, help=argparse.SUPPRESS)
-    g.add_argument("--attention-backend", default=None, help=argparse.SUPPRESS)
-    g.description = "--cuda-graph-max-bs, --enable-torch-compile, --torch-compile-max-bs, --attention-backend"
+    add_options(p, ServerArgs, group_descriptions={_GPU: ", ".join(f"--{n.replace('_', '-')}"
+                                                                    for n in GPU_ONLY_FLAGS)})
     for a in p._actions:  # short metavars keep --help readable
         if a.option_strings and a.nargs is None and a.choices is None and not isinstance(a.const, bool):
             a.metavar = "N" if a.type is int else "F" if a.type is float else (

@@ -35,7 +35,8 @@ _REFUSED_IF_TRUE = {
 
 
 class ConfigError(ValueError):
-    """A config.json that specjax cannot run faithfully."""
+    """A config specjax cannot use as written: a model's config.json it cannot run faithfully, or a run config
+    (``specjax.train.config``) with an unknown key or a bad value. The message says what to change."""
 
 
 def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
@@ -76,10 +77,6 @@ class ModelConfig:
     def rope_scaling_dict(self) -> dict[str, Any] | None:
         return dict(self.rope_scaling) if self.rope_scaling is not None else None
 
-    @property
-    def q_per_kv(self) -> int:
-        return self.num_heads // self.num_kv_heads
-
     def replace(self, **kw) -> "ModelConfig":
         return dataclasses.replace(self, **kw)
 
@@ -100,16 +97,7 @@ class ModelConfig:
 
     @classmethod
     def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
-        archs = hf.get("architectures") or []
-        arch = archs[0] if archs else None
-        if arch is None:
-            mt = hf.get("model_type")
-            arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM"}.get(mt)
-        if arch not in SUPPORTED_ARCHITECTURES:
-            raise ConfigError(
-                f"unsupported architecture {archs or hf.get('model_type')!r}; specjax supports "
-                f"{sorted(SUPPORTED_ARCHITECTURES)}")
+        arch = _architecture(hf)
         family = SUPPORTED_ARCHITECTURES[arch]
         for field, what in _REFUSED_IF_TRUE.items():
             if hf.get(field):
@@ -128,25 +116,7 @@ class ModelConfig:
         if num_heads % num_kv:
             raise ConfigError(f"{arch}: num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv}")
 
-        rope_scaling = hf.get("rope_scaling")
-        rope_theta = hf.get("rope_theta")
-        # transformers >= 4.56 may store rope settings under "rope_parameters".
-        rp = hf.get("rope_parameters")
-        if isinstance(rp, dict):
-            rope_theta = rope_theta or rp.get("rope_theta")
-            if rope_scaling is None and rp.get("rope_type", "default") != "default":
-                rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-        rope_theta = float(rope_theta if rope_theta is not None else 10000.0)
-        if rope_scaling is not None:
-            rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
-            if rtype not in SUPPORTED_ROPE_TYPES:
-                raise ConfigError(f"{arch}: rope_scaling type {rtype!r} is not supported ({SUPPORTED_ROPE_TYPES})")
-            if rtype == "default":
-                rope_scaling = None
-            else:
-                rope_scaling = dict(rope_scaling, rope_type=rtype)
-                rope_scaling.pop("type", None)
-                rope_scaling.pop("rope_theta", None)
+        rope_theta, rope_scaling = _rope(hf, arch)
 
         sliding = None
         if family == "mistral" and hf.get("sliding_window"):
@@ -198,3 +168,42 @@ class ModelConfig:
             except json.JSONDecodeError as e:
                 raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
         return cls.from_hf_dict(hf, dtype=dtype)
+
+
+def _architecture(hf: dict[str, Any]) -> str:
+    """The supported architecture a config.json names (``architectures[0]``, else by ``model_type``)."""
+    archs = hf.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch is None:
+        mt = hf.get("model_type")
+        arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                "qwen3": "Qwen3ForCausalLM"}.get(mt)
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ConfigError(
+            f"unsupported architecture {archs or hf.get('model_type')!r}; specjax supports "
+            f"{sorted(SUPPORTED_ARCHITECTURES)}")
+    return arch
+
+
+def _rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None for plain RoPE) of a config.json."""
+    rope_scaling = hf.get("rope_scaling")
+    rope_theta = hf.get("rope_theta")
+    # transformers >= 4.56 may store rope settings under "rope_parameters".
+    rp = hf.get("rope_parameters")
+    if isinstance(rp, dict):
+        rope_theta = rope_theta or rp.get("rope_theta")
+        if rope_scaling is None and rp.get("rope_type", "default") != "default":
+            rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
+    rope_theta = float(rope_theta if rope_theta is not None else 10000.0)
+    if rope_scaling is not None:
+        rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
+        if rtype not in SUPPORTED_ROPE_TYPES:
+            raise ConfigError(f"{arch}: rope_scaling type {rtype!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+        if rtype == "default":
+            rope_scaling = None
+        else:
+            rope_scaling = dict(rope_scaling, rope_type=rtype)
+            rope_scaling.pop("type", None)
+            rope_scaling.pop("rope_theta", None)
+    return rope_theta, rope_scaling

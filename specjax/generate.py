@@ -26,8 +26,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import decode, kv_cache, sampling
 from specjax.batching import validate_requests
+from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
+from specjax.hub import FetchError
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.models import target
 from specjax.safetensors_io import SafetensorsError
@@ -203,42 +205,44 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
     return [tokenizer.decode(o, skip_special_tokens=True) for o in outs]
 
 
+@dataclasses.dataclass
+class GenerateOptions:
+    model: str | None = option(None, metavar="PATH", help="folder with config.json, *.safetensors and the tokenizer "
+                                                          "(or a hub id when online); default: SmolLM2-135M-Instruct "
+                                                          "with the packaged EAGLE3 head")
+    prompt: list[str] | None = option(None, action="append", metavar="TEXT",
+                                      help="a prompt; repeat for a batch (default: one example prompt)")
+    chat: bool = option(False, help="render each prompt as a user turn with the model's chat template")
+    max_new_tokens: int = option(128, help="tokens to generate per prompt (default 128)")
+    temperature: float = option(0.0, help="0 = greedy (default)")
+    top_k: int = option(-1, help="-1 = off (default)")
+    top_p: float = option(1.0, help="1 = off (default)")
+    min_p: float = option(0.0, help="0 = off (default)")
+    seed: int = option(0, help="PRNG seed for sampling (default 0)")
+    dtype: str = option("auto", choices=("auto", "bfloat16", "float16", "float32"),
+                        help="parameter/compute dtype; auto = the checkpoint's torch_dtype (default)")
+    speculative_algorithm: str | None = option(None, type=str.upper, choices=("EAGLE3", "EAGLE", "NONE"),
+                                               help="speculative decoding with a draft head (default: EAGLE3 for "
+                                                    "the default model, none otherwise; NONE forces plain decoding)")
+    speculative_draft_model_path: str | None = option(None, metavar="PATH",
+                                                      help="the draft head's folder (HF format)")
+    speculative_num_steps: int | None = option(None, metavar="N", help="draft depth (default: the head's tuned)")
+    speculative_eagle_topk: int | None = option(None, metavar="N", help="branching per draft step")
+    speculative_num_draft_tokens: int | None = option(None, metavar="N", help="tree tokens verified per step")
+    no_compare: bool = option(False, help="with speculative decoding, skip the timed plain run beside it")
+
+
 def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(
-        prog="python -m specjax.generate", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Generate with a target model, with speculative decoding (EAGLE3 / EAGLE) or plain. With no "
-                    "--model: SmolLM2-135M-Instruct (fetched on first use) with the EAGLE3 head shipped in the "
-                    "package, at its tuned tree shape, timed beside plain decoding of the same prompt.",
+    return options_parser(
+        GenerateOptions, "python -m specjax.generate",
+        "Generate with a target model, with speculative decoding (EAGLE3 / EAGLE) or plain. With no --model: "
+        "SmolLM2-135M-Instruct (fetched on first use) with the EAGLE3 head shipped in the package, at its tuned "
+        "tree shape, timed beside plain decoding of the same prompt.",
         epilog="examples:\n"
                "  python -m specjax.generate --chat --prompt 'Explain what a binary search does.'\n"
                "  python -m specjax.generate --model ./SmolLM2-135M-Instruct --chat --prompt 'What is JAX?'\n"
                "  python -m specjax.generate --model M --speculative-algorithm EAGLE3 "
                "--speculative-draft-model-path HEAD --chat --prompt 'Hi'")
-    ap.add_argument("--model", metavar="PATH",
-                    help="folder with config.json, *.safetensors and the tokenizer (or a hub id when online); "
-                         "default: SmolLM2-135M-Instruct with the packaged EAGLE3 head")
-    ap.add_argument("--prompt", action="append", metavar="TEXT",
-                    help="a prompt; repeat for a batch (default: one example prompt)")
-    ap.add_argument("--chat", action="store_true",
-                    help="render each prompt as a user turn with the model's chat template")
-    ap.add_argument("--max-new-tokens", type=int, default=128, help="tokens to generate per prompt (default 128)")
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--top-k", type=int, default=-1, help="-1 = off (default)")
-    ap.add_argument("--top-p", type=float, default=1.0, help="1 = off (default)")
-    ap.add_argument("--min-p", type=float, default=0.0, help="0 = off (default)")
-    ap.add_argument("--seed", type=int, default=0, help="PRNG seed for sampling (default 0)")
-    ap.add_argument("--dtype", choices=("auto", "bfloat16", "float16", "float32"), default="auto",
-                    help="parameter/compute dtype; auto = the checkpoint's torch_dtype (default)")
-    ap.add_argument("--speculative-algorithm", type=str.upper, choices=("EAGLE3", "EAGLE", "NONE"),
-                    help="speculative decoding with a draft head (default: EAGLE3 for the default model, none "
-                         "otherwise; NONE forces plain decoding)")
-    ap.add_argument("--speculative-draft-model-path", metavar="PATH", help="the draft head's folder (HF format)")
-    ap.add_argument("--speculative-num-steps", type=int, metavar="N", help="draft depth (default: the head's tuned)")
-    ap.add_argument("--speculative-eagle-topk", type=int, metavar="N", help="branching per draft step")
-    ap.add_argument("--speculative-num-draft-tokens", type=int, metavar="N", help="tree tokens verified per step")
-    ap.add_argument("--no-compare", action="store_true",
-                    help="with speculative decoding, skip the timed plain run beside it")
-    return ap
 
 
 def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, int] | None]:
@@ -324,8 +328,7 @@ def _print_texts(prompts, texts) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    from specjax.hub import FetchError
+    args = parse_into(GenerateOptions, _parser(), argv)
     prompts = args.prompt or ["The capital of France is"]
     try:
         sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)

@@ -6,7 +6,10 @@ import os
 
 import pytest
 
-from specjax.train.config import ConfigError, RunConfig, describe, load_config, parse_overrides
+from specjax import config as core_config
+from specjax.cli import field_help
+from specjax.train.__main__ import build_parser
+from specjax.train.config import ConfigError, RunConfig, config_from_command_line, load_config, parse_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -59,8 +62,29 @@ def test_bad_yaml(tmp_path):
         load_config(str(tmp_path / "missing.yaml"))
 
 
-def test_describe_lists_every_key():
-    text = describe()
+def test_help_lists_every_key_with_its_documentation():
+    text = " ".join(build_parser().format_help().split())  # argparse wraps long help lines
     for sec in dataclasses.fields(RunConfig):
-        for f in dataclasses.fields(sec.type if isinstance(sec.type, type) else getattr(RunConfig(), sec.name)):
-            assert f"--{sec.name}.{f.name} =" in text
+        for f in dataclasses.fields(getattr(RunConfig(), sec.name)):
+            assert f"--{sec.name}.{f.name} " in text
+            assert field_help(f), f"{sec.name}.{f.name} has no help text"
+            assert " ".join(field_help(f).split()) in text
+
+
+def test_cli_flags_reach_the_config(tmp_path, capsys):
+    y = tmp_path / "c.yaml"
+    y.write_text("model: {path: m}\ntraining: {seed: 3}\n")
+    args, cfg = config_from_command_line(build_parser(), [
+        "--config", str(y), "--optimizer.lr", "3e-4", "--offline.build", "--checkpoint.async-save", "false",
+        "--training.max_steps=7", "--data.buckets", "[64,128]"])
+    assert args.config == str(y)
+    assert cfg.optimizer.lr == 3e-4 and cfg.offline.build and cfg.checkpoint.async_save is False
+    assert cfg.training.max_steps == 7 and cfg.training.seed == 3 and cfg.data.buckets == (64, 128)
+    for argv, msg in ((["--optimizer.lrr", "1"], "did you mean 'lr'"), (["positional"], "unexpected argument"),
+                      (["--mesh.tp", "x"], "expected an integer")):
+        assert config_from_command_line(build_parser(), argv) is None
+        assert msg in capsys.readouterr().err
+
+
+def test_one_config_error():
+    assert ConfigError is core_config.ConfigError

@@ -9,11 +9,28 @@ Reads top to bottom: config -> distributed init -> mesh -> target (sharded) -> d
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import signal
 import sys
 import time
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.experimental import multihost_utils
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from specjax import configs, weights
+from specjax.config import ModelConfig
+from specjax.models import eagle3, target as target_lib
+from specjax.models.eagle3 import Eagle3Config, VocabMap
+from specjax.sharding import make_mesh
+from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
+from specjax.train.config import RunConfig, add_override_options, config_from_command_line
+from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
 
 HELP_EPILOG = """\
 Every key of the run config can be overridden on the command line as --section.key VALUE, e.g.
@@ -39,24 +56,23 @@ Multi-host (TPU pods): run the same command on every host (see tpu_scripts/READM
 initialised from the environment, or from --multihost.coordinator HOST:PORT --multihost.num_processes N
 --multihost.process_id I.
 Export the trained head: python -m specjax.convert export-head CHECKPOINT_DIR OUT_DIR
-
-All keys and their defaults:
+(every key, its meaning and its default: the sections above)
 """
 
 
-def parse_args(argv):
-    from specjax.train.config import describe
+def build_parser():
+    """``--config`` plus one ``--section.key VALUE`` flag per key of the run config (help and default from the
+    config's dataclasses)."""
     p = argparse.ArgumentParser(prog="python -m specjax.train", description=__doc__.split("\n\n")[0],
-                                epilog=HELP_EPILOG + describe(), formatter_class=argparse.RawDescriptionHelpFormatter)
-    from specjax import configs
+                                usage="%(prog)s [--config YAML] [--section.key VALUE ...]", epilog=HELP_EPILOG,
+                                formatter_class=argparse.RawDescriptionHelpFormatter, allow_abbrev=False)
     p.add_argument("--config", help="run config YAML: a path, or the name of a shipped one from any directory ("
                    + ", ".join(configs.recipes()) + "); keys not given keep their defaults")
-    return p.parse_known_args(argv)
+    return add_override_options(p)
 
 
 def init_distributed(mh) -> None:
     """jax.distributed.initialize() when flags or the environment say there are several processes."""
-    import jax
     env = os.environ
     explicit = mh.coordinator is not None
     auto = mh.auto or ("," in env.get("TPU_WORKER_HOSTNAMES", "") or int(env.get("SLURM_NTASKS", "1")) > 1
@@ -132,12 +148,10 @@ class NonFiniteGuard:
     logging and checkpoint steps) says why to stop once ``limit`` updates in a row were skipped."""
 
     def __init__(self, limit: int):
-        import jax.numpy as jnp
         self.limit = max(int(limit), 1)
         self.run = self.longest = self.sum = jnp.zeros((), jnp.float32)
 
     def add(self, skipped) -> None:
-        import jax.numpy as jnp
         self.run = jnp.where(skipped > 0, self.run + 1, 0.0)
         self.longest = jnp.maximum(self.longest, self.run)
         self.sum = self.sum + skipped
@@ -167,64 +181,166 @@ def peak_flops(device) -> float | None:
 
 def head_config(cfg, target_cfg):
     """The EAGLE3 head a run config asks for (before a checkpoint or init_from may replace it)."""
-    from specjax.models.eagle3 import Eagle3Config
     return Eagle3Config.from_target(target_cfg, draft_vocab_size=cfg.head.draft_vocab_size,
                                     num_layers=cfg.head.num_layers, aux_layer_ids=cfg.head.aux_layer_ids,
                                     dtype=cfg.head.dtype)
 
 
 def make_optimizer(cfg, total_steps: int):
-    from specjax.train import step as step_lib
     return step_lib.make_optimizer(
         lr=cfg.optimizer.lr, total_steps=total_steps, warmup_ratio=cfg.optimizer.warmup_ratio,
         min_lr_ratio=cfg.optimizer.min_lr_ratio, weight_decay=cfg.optimizer.weight_decay, b1=cfg.optimizer.b1,
         b2=cfg.optimizer.b2, clip_norm=cfg.optimizer.clip_norm, grad_accum=cfg.training.grad_accum)
 
 
+class Stop(Exception):
+    """Setup cannot go on: ``lines`` say why (and what to do), ``code`` is the exit status."""
+
+    def __init__(self, code: int, *lines: str):
+        super().__init__(lines[0] if lines else "")
+        self.code, self.lines = code, lines
+
+
+@dataclasses.dataclass
+class Run:
+    """Everything the training loop needs, built by :func:`setup`."""
+    cfg: RunConfig
+    log: Logger
+    model_dir: str
+    target_cfg: ModelConfig
+    target_arg: Any  # the target's params, or only its embeddings when training from the offline cache
+    offline_train: bool
+    batches: data_lib.BatchIterator
+    eval_batches: Callable[[], data_lib.BatchIterator | None]
+    total_steps: int
+    ckpt: ckpt_lib.Checkpointer
+    head_cfg: Any
+    state: step_lib.TrainState
+    vocab_map: Any
+    vocab_source: str
+    train_step: Callable
+    eval_step: Callable
+    saved_step: int | None = None
+
+    def meta(self) -> dict:
+        d = self.model_dir
+        return {"run_config": self.cfg.to_dict(), "head_config": ckpt_lib.head_config_to_dict(self.head_cfg),
+                "target_model_path": os.path.abspath(d) if os.path.isdir(d) else d,
+                "data_state": self.batches.state_dict(), "total_steps": self.total_steps,
+                "vocab_source": self.vocab_source}
+
+    def save(self, step: int, wait: bool = False) -> None:
+        if self.saved_step == step:
+            return
+        self.saved_step = step
+        st = self.state
+        self.ckpt.save(step, params=st.params, train={"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
+                       vocab=self.vocab_map, meta=self.meta(), wait=wait)
+
+    def evaluate(self) -> dict:
+        """Mean metrics over ``logging.eval_batches`` batches of the held-out split ({} when it is empty)."""
+        ev = self.eval_batches()
+        if ev is None:
+            return {}
+        n = min(self.cfg.logging.eval_batches, ev.steps_per_epoch)
+        sums: dict[str, float] = {}
+        for _ in range(n):
+            batch, _ = next(ev)
+            m = jax.device_get(self.eval_step(self.state.params, self.target_arg, self.vocab_map, batch))
+            for k, v in m.items():
+                sums[k] = sums.get(k, 0.0) + float(v)
+        return {f"eval_{k}": v / n for k, v in sums.items()}
+
+
 def main(argv=None) -> int:
-    args, overrides = parse_args(sys.argv[1:] if argv is None else argv)
-    from specjax.train.config import ConfigError, load_config
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    if (got := config_from_command_line(build_parser(), sys.argv[1:] if argv is None else argv)) is None:
         return 2
-
-    # ---- distributed, mesh ---------------------------------------------------------------------------------------
+    cfg = got[1]
     init_distributed(cfg.multihost)
-    import jax
-    import numpy as np
-    from jax.sharding import NamedSharding, PartitionSpec as P
+    log = Logger(cfg, jax.process_index() == 0)
+    try:
+        run = setup(cfg, log)
+    except Stop as e:
+        for line in e.lines:
+            log.info(line)
+        return e.code
+    if run is None:  # offline.build: the cache is written
+        return 0
+    return train(run)
 
-    from specjax import weights
-    from specjax.config import ModelConfig
-    from specjax.models import target as target_lib
-    from specjax.models import eagle3
-    from specjax.sharding import make_mesh
-    from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
-    from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
 
-    primary = jax.process_index() == 0
-    log = Logger(cfg, primary)
+# ---- setup ---------------------------------------------------------------------------------------------------------
+def setup(cfg: RunConfig, log: Logger) -> Run | None:
+    """Mesh -> target (sharded) -> data -> checkpoints, vocab map and train state -> jitted steps. Returns None when
+    the run only builds the offline feature cache; raises :class:`Stop` on anything the user must fix."""
+    mesh = make_run_mesh(cfg, log)
+    model_dir, target_cfg, target_params = load_target(cfg, mesh, log)
+    offline_train = cfg.offline.dir is not None and not cfg.offline.build
+    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
+    full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
+    train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    head_cfg = head_config(cfg, target_cfg)
+    if cfg.offline.build:
+        offline_lib.build_cache(cfg.offline.dir, full, target_cfg, head_cfg, target_params, mesh,
+                                fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
+                                batch_size=cfg.training.batch_size, buckets=cfg.data.buckets,
+                                max_length=cfg.data.max_length, pad_id=pad_id, log=log.info)
+        return None
+    features = None
+    if offline_train:
+        features = offline_lib.FeatureCache(cfg.offline.dir, expect_tokens=len(full.tokens),
+                                            expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer))
+    it_kw = dict(batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum, buckets=cfg.data.buckets,
+                 max_length=cfg.data.max_length, seed=cfg.training.seed, sharding=NamedSharding(mesh, P(None, "dp")),
+                 pad_id=pad_id)
+    batches = data_lib.BatchIterator(train_data, features=features, **it_kw)
+    total_steps = cfg.training.max_steps or cfg.training.epochs * batches.steps_per_epoch
+    log.info(f"train: {len(train_data)} conversations, {batches.steps_per_epoch} steps/epoch "
+             f"({cfg.training.grad_accum} x {cfg.training.batch_size} sequences/step), {total_steps} steps; "
+             f"eval: {len(eval_data)} conversations")
+
+    def eval_batches():
+        return data_lib.BatchIterator(eval_data, shuffle=False, features=features, **it_kw) if len(eval_data) else None
+
+    ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+    optimizer = make_optimizer(cfg, total_steps)
+    head_cfg, state, vocab_map, vocab_source, resume_step = init_head(
+        cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches)
+    make = step_lib.make_train_step_offline if offline_train else step_lib.make_train_step
+    train_step = make(target_cfg, head_cfg, optimizer, mesh, ttt_length=cfg.training.ttt_length,
+                      decay=cfg.training.decay, grad_accum=cfg.training.grad_accum)
+    eval_step = step_lib.make_eval_step(target_cfg, head_cfg, mesh, ttt_length=cfg.training.ttt_length,
+                                        decay=cfg.training.decay, offline=offline_train)
+    return Run(cfg=cfg, log=log, model_dir=model_dir, target_cfg=target_cfg, target_arg=target_params,
+               offline_train=offline_train, batches=batches, eval_batches=eval_batches, total_steps=total_steps,
+               ckpt=ckpt, head_cfg=head_cfg, state=state, vocab_map=vocab_map, vocab_source=vocab_source,
+               train_step=train_step, eval_step=eval_step, saved_step=resume_step)
+
+
+def make_run_mesh(cfg: RunConfig, log: Logger):
     tp = cfg.mesh.tp
     dp = cfg.mesh.dp if cfg.mesh.dp > 0 else jax.device_count() // tp
     mesh = make_mesh(dp=dp, tp=tp)
     if cfg.training.batch_size % dp:
-        log.info(f"error: training.batch_size={cfg.training.batch_size} must be divisible by mesh.dp={dp}")
-        return 2
+        raise Stop(2, f"error: training.batch_size={cfg.training.batch_size} must be divisible by mesh.dp={dp}")
     log.info(f"mesh dp={dp} tp={tp} on {jax.device_count()} {jax.devices()[0].platform} devices, "
              f"{jax.process_count()} process(es)")
+    return mesh
 
-    # ---- target ------------------------------------------------------------------------------------------------
+
+def load_target(cfg: RunConfig, mesh, log: Logger):
+    """(model folder, ModelConfig, params): the full target, only its embeddings (training from the offline cache),
+    or random weights (``model.random_init``), sharded over the mesh."""
     try:
         model_dir = weights.resolve_model_path(cfg.model.path)
         target_cfg = ModelConfig.from_pretrained(model_dir, dtype=cfg.model.dtype)
     except Exception as e:  # noqa: BLE001 - the message says what to do
-        log.info(f"error: cannot use model.path={cfg.model.path!r}: {e}")
+        lines = [f"error: cannot use model.path={cfg.model.path!r}: {e}"]
         if "smollm2" in (cfg.model.path or "").lower():
-            log.info("fetch it with:  python -m specjax.convert fetch-smollm2   (into $SPECJAX_CACHE or "
-                     "~/.cache/specjax; point --model.path at the folder it prints)")
-        return 2
+            lines.append("fetch it with:  python -m specjax.convert fetch-smollm2   (into $SPECJAX_CACHE or "
+                         "~/.cache/specjax; point --model.path at the folder it prints)")
+        raise Stop(2, *lines) from None
     offline_train = cfg.offline.dir is not None and not cfg.offline.build
     if cfg.model.random_init:
         target_params = weights.shard_params(target_lib.init_params(target_cfg, jax.random.PRNGKey(cfg.training.seed)),
@@ -237,90 +353,23 @@ def main(argv=None) -> int:
         target_params = weights.load_target_params(model_dir, target_cfg, mesh)
     log.info(f"target {target_cfg.architecture} ({target_cfg.num_params() / 1e6:.0f}M params, {target_cfg.dtype}) "
              f"from {model_dir}")
+    return model_dir, target_cfg, target_params
 
-    # ---- data ----------------------------------------------------------------------------------------------------
-    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
-    full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
-    train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
-    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    batch_sharding = NamedSharding(mesh, P(None, "dp"))
-    head_cfg = head_config(cfg, target_cfg)
 
-    if cfg.offline.build:
-        offline_lib.build_cache(cfg.offline.dir, full, target_cfg, head_cfg, target_params, mesh,
-                                fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
-                                batch_size=cfg.training.batch_size, buckets=cfg.data.buckets,
-                                max_length=cfg.data.max_length, pad_id=pad_id, log=log.info)
-        return 0
-    features = eval_features = None
-    if offline_train:
-        features = offline_lib.FeatureCache(cfg.offline.dir, expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
-                                            expect_tokens=len(full.tokens))
-        eval_features = features
-    it_kw = dict(batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum, buckets=cfg.data.buckets,
-                 max_length=cfg.data.max_length, seed=cfg.training.seed, sharding=batch_sharding, pad_id=pad_id)
-    batches = data_lib.BatchIterator(train_data, features=features, **it_kw)
-    total_steps = cfg.training.max_steps or cfg.training.epochs * batches.steps_per_epoch
-    log.info(f"train: {len(train_data)} conversations, {batches.steps_per_epoch} steps/epoch "
-             f"({cfg.training.grad_accum} x {cfg.training.batch_size} sequences/step), {total_steps} steps; "
-             f"eval: {len(eval_data)} conversations")
-
-    # ---- checkpoints, vocab map, state ------------------------------------------------------------------------------
-    ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
+def init_head(cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches):
+    """(head config, train state, vocab map, where the map came from, resumed step or None): restored from the
+    newest good checkpoint, else fresh (from ``head.init_from``, ``head.vocab_map`` or the training data)."""
     resume_step = ckpt.latest_step() if cfg.checkpoint.resume else None
-    fresh_hint = "to start from scratch anyway pass --checkpoint.resume false"
     if cfg.checkpoint.resume and resume_step is None and (damaged := ckpt.damaged_steps_seen()):
-        log.info(f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "
-                 f"({', '.join(damaged)}); {fresh_hint}")
-        return 1
-    optimizer = make_optimizer(cfg, total_steps)
+        raise Stop(1, f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "
+                      f"({', '.join(damaged)}); {FRESH_HINT}")
     rep = NamedSharding(mesh, P())
-    init_params = restored = None
     if resume_step is not None:
-        def resume_abstract(meta):  # the run's head, as saved in the step being restored
-            hc = ckpt_lib.head_config_from_dict(meta["head_config"]).replace(dtype=head_cfg.dtype)
-            st = step_lib.abstract_train_state(hc, optimizer, mesh)
-            return {"params": st.params, "train": {"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
-                    "vocab": {"d2t": jax.ShapeDtypeStruct((hc.draft_vocab_size,), np.int32, sharding=rep),
-                              "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}}
-        try:  # the newest step that passes its checksums and loads; damaged ones are moved aside
-            resume_step, restored = ckpt.restore(abstract=resume_abstract)
-        except ckpt_lib.CheckpointError as e:
-            log.info(f"error: {e}; {fresh_hint}")
-            return 1
+        head_cfg, state, vocab_map, resume_step = resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg,
+                                                         batches)
         vocab_source = f"checkpoint step {resume_step}"
-        head_cfg = ckpt_lib.head_config_from_dict(restored["meta"]["head_config"]).replace(dtype=head_cfg.dtype)
-    elif cfg.head.init_from:
-        head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
-        if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
-            log.info(f"error: head.init_from={cfg.head.init_from} was trained for a target with vocab "
-                     f"{head0.vocab_size} and hidden {head0.target_hidden_size}, not this one "
-                     f"({target_cfg.vocab_size}, {target_cfg.hidden_size})")
-            return 2
-        head_cfg = head0.replace(dtype=head_cfg.dtype)  # the head keeps its own shape, aux layers and vocab map
-        vocab_source = f"head {cfg.head.init_from}"
-    elif cfg.head.vocab_map:
-        vocab_map = load_vocab_map(cfg.head.vocab_map)
-        if len(vocab_map.t2d) != target_cfg.vocab_size:
-            log.info(f"error: head.vocab_map={cfg.head.vocab_map} maps a vocab of {len(vocab_map.t2d)} ids, the target "
-                     f"has {target_cfg.vocab_size}")
-            return 2
-        head_cfg = head_cfg.replace(draft_vocab_size=len(vocab_map.d2t))
-        vocab_source = cfg.head.vocab_map
     else:
-        counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
-        vocab_map = build_vocab_map(counts, head_cfg.draft_vocab_size)
-        vocab_source = f"counted over {int(counts.sum())} training tokens"
-    if restored is not None:
-        out = restored
-        state = step_lib.TrainState(params=out["params"], opt_state=out["train"]["opt_state"],
-                                    step=out["train"]["step"], rng=out["train"]["rng"])
-        from specjax.models.eagle3 import VocabMap
-        vocab_map = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
-        batches.load_state_dict(out["meta"]["data_state"])
-        log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
-                 f"batch {batches.position})")
-    else:
+        head_cfg, init_params, vocab_map, vocab_source = fresh_head(cfg, target_cfg, head_cfg, train_data)
         if init_params is not None:  # host copies -> replicated global arrays (any number of processes)
             init_params = jax.tree.map(lambda x: jax.make_array_from_callback(
                 x.shape, rep, lambda idx, x=np.asarray(jax.device_get(x)): x[idx]), init_params)
@@ -333,42 +382,103 @@ def main(argv=None) -> int:
     vocab_map = jax.device_put(vocab_map, rep)
     log.info(f"head: {head_cfg.num_layers} layer(s), hidden {head_cfg.hidden_size}, draft vocab "
              f"{head_cfg.draft_vocab_size} ({vocab_source}), aux layers {list(head_cfg.aux_layer_ids)}")
+    return head_cfg, state, vocab_map, vocab_source, resume_step
 
-    # ---- jitted step, eval -------------------------------------------------------------------------------------------
-    make = step_lib.make_train_step_offline if offline_train else step_lib.make_train_step
-    train_step = make(target_cfg, head_cfg, optimizer, mesh, ttt_length=cfg.training.ttt_length,
-                      decay=cfg.training.decay, grad_accum=cfg.training.grad_accum)
-    eval_step = step_lib.make_eval_step(target_cfg, head_cfg, mesh, ttt_length=cfg.training.ttt_length,
-                                        decay=cfg.training.decay, offline=offline_train)
-    target_arg = target_params
 
-    def run_eval() -> dict:
-        if len(eval_data) == 0:
-            return {}
-        ev = data_lib.BatchIterator(eval_data, shuffle=False, features=eval_features, **it_kw)
-        n = min(cfg.logging.eval_batches, ev.steps_per_epoch)
-        sums: dict[str, float] = {}
-        for _ in range(n):
-            batch, _ = next(ev)
-            m = jax.device_get(eval_step(state.params, target_arg, vocab_map, batch))
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return {f"eval_{k}": v / n for k, v in sums.items()}
+FRESH_HINT = "to start from scratch anyway pass --checkpoint.resume false"
 
-    def meta() -> dict:
-        return {"run_config": cfg.to_dict(), "head_config": ckpt_lib.head_config_to_dict(head_cfg),
-                "target_model_path": os.path.abspath(model_dir) if os.path.isdir(model_dir) else model_dir,
-                "data_state": batches.state_dict(), "total_steps": total_steps, "vocab_source": vocab_source}
 
-    saved = {"step": resume_step}
+def resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg, batches):
+    """The newest checkpoint step that passes its checksums and loads (damaged ones are moved aside); the data
+    iterator continues where it was."""
+    rep = NamedSharding(mesh, P())
 
-    def save(step: int, wait: bool = False) -> None:
-        if saved["step"] == step:
-            return
-        saved["step"] = step
-        ckpt.save(step, params=state.params, train={"opt_state": state.opt_state, "step": state.step,
-                                                    "rng": state.rng}, vocab=vocab_map, meta=meta(), wait=wait)
+    def resume_abstract(meta):  # the run's head, as saved in the step being restored
+        hc = ckpt_lib.head_config_from_dict(meta["head_config"]).replace(dtype=head_cfg.dtype)
+        st = step_lib.abstract_train_state(hc, optimizer, mesh)
+        return {"params": st.params, "train": {"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
+                "vocab": {"d2t": jax.ShapeDtypeStruct((hc.draft_vocab_size,), np.int32, sharding=rep),
+                          "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}}
+    try:
+        resume_step, out = ckpt.restore(abstract=resume_abstract)
+    except ckpt_lib.CheckpointError as e:
+        raise Stop(1, f"error: {e}; {FRESH_HINT}") from None
+    head_cfg = ckpt_lib.head_config_from_dict(out["meta"]["head_config"]).replace(dtype=head_cfg.dtype)
+    state = step_lib.TrainState(params=out["params"], opt_state=out["train"]["opt_state"],
+                                step=out["train"]["step"], rng=out["train"]["rng"])
+    vocab_map = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
+    batches.load_state_dict(out["meta"]["data_state"])
+    log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
+             f"batch {batches.position})")
+    return head_cfg, state, vocab_map, resume_step
 
+
+def fresh_head(cfg, target_cfg, head_cfg, train_data):
+    """(head config, initial params or None, vocab map, where the map came from) for a run with no checkpoint."""
+    if cfg.head.init_from:
+        head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
+        if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
+            raise Stop(2, f"error: head.init_from={cfg.head.init_from} was trained for a target with vocab "
+                          f"{head0.vocab_size} and hidden {head0.target_hidden_size}, not this one "
+                          f"({target_cfg.vocab_size}, {target_cfg.hidden_size})")
+        # the head keeps its own shape, aux layers and vocab map
+        return head0.replace(dtype=head_cfg.dtype), init_params, vocab_map, f"head {cfg.head.init_from}"
+    if cfg.head.vocab_map:
+        vocab_map = load_vocab_map(cfg.head.vocab_map)
+        if len(vocab_map.t2d) != target_cfg.vocab_size:
+            raise Stop(2, f"error: head.vocab_map={cfg.head.vocab_map} maps a vocab of {len(vocab_map.t2d)} ids, the "
+                          f"target has {target_cfg.vocab_size}")
+        return head_cfg.replace(draft_vocab_size=len(vocab_map.d2t)), None, vocab_map, cfg.head.vocab_map
+    counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
+    vocab_map = build_vocab_map(counts, head_cfg.draft_vocab_size)
+    return head_cfg, None, vocab_map, f"counted over {int(counts.sum())} training tokens"
+
+
+# ---- the loop --------------------------------------------------------------------------------------------------------
+def train(run: Run) -> int:
+    """Step until ``total_steps`` (or a signal): metrics every ``logging.every`` steps, evals, checkpoints; stop with
+    status 1 when too many updates in a row were not finite. The last step is always saved."""
+    cfg, log = run.cfg, run.log
+    stop = watch_signals()
+    step = int(jax.device_get(run.state.step))
+    bar = log.progress(run.total_steps, step, cfg.logging.progress)
+    meter = Throughput(run)
+    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_steps)
+    while step < run.total_steps:
+        batch, info = next(run.batches)
+        run.state, metrics = run.train_step(run.state, run.target_arg, run.vocab_map, batch)
+        step += 1
+        nonfinite.add(metrics["skipped"])
+        meter.add(info)
+        if step % cfg.logging.every == 0 or step == run.total_steps:
+            log_metrics(run, step, metrics, info, meter.take(), nonfinite.total(), bar)
+        if bar is not None:
+            bar.update(1)
+        if cfg.logging.eval_every and step % cfg.logging.eval_every == 0:
+            log_eval(run, step)
+        if (step % cfg.logging.every == 0 or step % cfg.checkpoint.every == 0 or step == run.total_steps) and \
+                (err := nonfinite.error(step)):
+            log.info(f"error: {err}; the last checkpoint in {cfg.checkpoint.dir} (step {run.saved_step}) holds "
+                     f"finite weights: lower optimizer.lr or check the data, then resume")
+            run.ckpt.close()
+            log.close()
+            return 1
+        if step % cfg.checkpoint.every == 0 and step < run.total_steps:
+            run.save(step)
+        run.ckpt.poll()
+        if should_stop(stop, step, cfg.logging.every, run.total_steps):
+            log.info(f"signal {stop['signal']}: saving a checkpoint at step {step} and exiting")
+            break
+    run.save(step, wait=True)
+    run.ckpt.close()
+    log.close()
+    log.info(f"done at step {step}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
+             f"export-head {cfg.checkpoint.dir} OUT_DIR")
+    return 0
+
+
+def watch_signals() -> dict:
+    """SIGTERM (preemption) and SIGINT set ``stop["signal"]``; the loop saves and exits at the next step."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
@@ -376,82 +486,71 @@ def main(argv=None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    return stop
 
-    def should_stop(step: int) -> bool:
-        flag = stop["signal"] is not None
-        if jax.process_count() > 1:
-            # every host must stop at the same step: agree on the flag, but only at logging steps (which sync
-            # with the devices anyway) so that the host keeps running ahead of the devices in between
-            if step % cfg.logging.every and step < total_steps:
-                return False
-            from jax.experimental import multihost_utils
-            flag = bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag))).any())
-        return flag
 
-    # ---- the loop ----------------------------------------------------------------------------------------------------
-    step = int(jax.device_get(state.step))
-    peak = peak_flops(jax.devices()[0])
-    n_dev = jax.device_count()
-    bar = log.progress(total_steps, step, cfg.logging.progress)
-    window_tokens, window_start, window_flops = 0, time.perf_counter(), 0.0
-    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_steps)
-    while step < total_steps:
-        batch, info = next(batches)
-        state, metrics = train_step(state, target_arg, vocab_map, batch)
-        step += 1
-        nonfinite.add(metrics["skipped"])
-        window_tokens += info["tokens"]
-        window_flops += info["tokens"] * step_lib.estimate_flops_per_token(
-            target_cfg, head_cfg, info["seq_len"], cfg.training.ttt_length, include_target=not offline_train)
-        if step % cfg.logging.every == 0 or step == total_steps:
-            m = {k: float(v) for k, v in jax.device_get(metrics).items()}
-            dt = max(time.perf_counter() - window_start, 1e-9)
-            m.update(epoch=batches.epoch, seq_len=info["seq_len"], tokens_per_s=window_tokens / dt,
-                     time=time.time())
-            if peak is not None:
-                m["mfu"] = window_flops / dt / (peak * n_dev)
-            m["skipped_total"] = nonfinite.total()
-            if m["skipped"]:
-                log.info(f"warning: non-finite loss or gradient at step {step}; the update was skipped "
-                         f"({m['skipped_total']:.0f} skipped so far)")
-            log.metrics(step, m)
-            if bar is not None:
-                bar.set_postfix({"loss": f"{m['loss']:.3f}", "acc_0": f"{m.get('acc_0', float('nan')):.3f}",
-                                 "tok/s": f"{m['tokens_per_s']:.0f}",
-                                 **({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {})})
-            elif primary:
-                print(f"step {step}/{total_steps} loss {m['loss']:.4f} acc_0 {m.get('acc_0', float('nan')):.3f} "
-                      f"tok/s {m['tokens_per_s']:.0f}" + (f" mfu {m['mfu']:.1%}" if "mfu" in m else ""), flush=True)
-            window_tokens, window_start, window_flops = 0, time.perf_counter(), 0.0
-        if bar is not None:
-            bar.update(1)
-        if cfg.logging.eval_every and step % cfg.logging.eval_every == 0:
-            em = run_eval()
-            if em:
-                log.metrics(step, em)
-                accs = " ".join(f"{em[f'eval_acc_{k}']:.3f}" for k in range(cfg.training.ttt_length)
-                                if f"eval_acc_{k}" in em)
-                log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0..{cfg.training.ttt_length - 1} "
-                         f"{accs} predicted chain accept length {em.get('eval_accept_len', float('nan')):.2f}")
-        if (step % cfg.logging.every == 0 or step % cfg.checkpoint.every == 0 or step == total_steps) and \
-                (err := nonfinite.error(step)):
-            log.info(f"error: {err}; the last checkpoint in {cfg.checkpoint.dir} (step {saved['step']}) holds "
-                     f"finite weights: lower optimizer.lr or check the data, then resume")
-            ckpt.close()
-            log.close()
-            return 1
-        if step % cfg.checkpoint.every == 0 and step < total_steps:
-            save(step)
-        ckpt.poll()
-        if should_stop(step):
-            log.info(f"signal {stop['signal']}: saving a checkpoint at step {step} and exiting")
-            break
-    save(step, wait=True)
-    ckpt.close()
-    log.close()
-    log.info(f"done at step {step}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
-             f"export-head {cfg.checkpoint.dir} OUT_DIR")
-    return 0
+def should_stop(stop: dict, step: int, every: int, total_steps: int) -> bool:
+    flag = stop["signal"] is not None
+    if jax.process_count() > 1:
+        # every host must stop at the same step: agree on the flag, but only at logging steps (which sync
+        # with the devices anyway) so that the host keeps running ahead of the devices in between
+        if step % every and step < total_steps:
+            return False
+        flag = bool(np.asarray(multihost_utils.process_allgather(np.asarray(flag))).any())
+    return flag
+
+
+class Throughput:
+    """Tokens and model FLOPs since the last metric line, for tokens/s and MFU."""
+
+    def __init__(self, run: Run):
+        self.run, self.peak, self.n_dev = run, peak_flops(jax.devices()[0]), jax.device_count()
+        self.tokens, self.flops, self.start = 0, 0.0, time.perf_counter()
+
+    def add(self, info: dict) -> None:
+        r = self.run
+        self.tokens += info["tokens"]
+        self.flops += info["tokens"] * step_lib.estimate_flops_per_token(
+            r.target_cfg, r.head_cfg, info["seq_len"], r.cfg.training.ttt_length, include_target=not r.offline_train)
+
+    def take(self) -> dict:
+        """{tokens_per_s, mfu (when the device's peak is known)} over the window, then a new window."""
+        dt = max(time.perf_counter() - self.start, 1e-9)
+        out = {"tokens_per_s": self.tokens / dt}
+        if self.peak is not None:
+            out["mfu"] = self.flops / dt / (self.peak * self.n_dev)
+        self.tokens, self.flops, self.start = 0, 0.0, time.perf_counter()
+        return out
+
+
+def log_metrics(run: Run, step: int, metrics, info: dict, rates: dict, skipped_total: float, bar) -> None:
+    log = run.log
+    m = {k: float(v) for k, v in jax.device_get(metrics).items()}
+    m.update(epoch=run.batches.epoch, seq_len=info["seq_len"], tokens_per_s=rates["tokens_per_s"], time=time.time())
+    if "mfu" in rates:
+        m["mfu"] = rates["mfu"]
+    m["skipped_total"] = skipped_total
+    if m["skipped"]:
+        log.info(f"warning: non-finite loss or gradient at step {step}; the update was skipped "
+                 f"({m['skipped_total']:.0f} skipped so far)")
+    log.metrics(step, m)
+    if bar is not None:
+        bar.set_postfix({"loss": f"{m['loss']:.3f}", "acc_0": f"{m.get('acc_0', float('nan')):.3f}",
+                         "tok/s": f"{m['tokens_per_s']:.0f}", **({"mfu": f"{m['mfu']:.1%}"} if "mfu" in m else {})})
+    elif log.primary:
+        print(f"step {step}/{run.total_steps} loss {m['loss']:.4f} acc_0 {m.get('acc_0', float('nan')):.3f} "
+              f"tok/s {m['tokens_per_s']:.0f}" + (f" mfu {m['mfu']:.1%}" if "mfu" in m else ""), flush=True)
+
+
+def log_eval(run: Run, step: int) -> None:
+    em = run.evaluate()
+    if not em:
+        return
+    run.log.metrics(step, em)
+    n = run.cfg.training.ttt_length
+    accs = " ".join(f"{em[f'eval_acc_{k}']:.3f}" for k in range(n) if f"eval_acc_{k}" in em)
+    run.log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0..{n - 1} {accs} predicted chain accept "
+                 f"length {em.get('eval_accept_len', float('nan')):.2f}")
 
 
 if __name__ == "__main__":

@@ -8,119 +8,124 @@ are and how to train. Unknown keys (in YAML or on the command line) raise ``Conf
 
 from __future__ import annotations
 
+import argparse
 import dataclasses
 import difflib
 import os
-import types
+import sys
 import typing
 from typing import Any, Sequence
 
 import yaml
 
 from specjax import configs
-
-
-class ConfigError(ValueError):
-    """A run config that cannot be used as written."""
+from specjax.cli import add_dotted_options, dotted_values, option, strip_optional
+from specjax.config import ConfigError  # the one config error of specjax (run configs raise it too)
 
 
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
-    """The frozen target."""
-    path: str = ""  # local HF folder (config.json, *.safetensors, tokenizer) or hub id
-    tokenizer: str | None = None  # tokenizer folder / hub id; default: model.path
-    dtype: str | None = None  # target compute dtype; default: config.json's torch_dtype
-    random_init: bool = False  # tests only: config.json + tokenizer but random weights (seeded by training.seed)
+class ModelSource:
+    """The frozen target: where it is (its architecture comes from its config.json, see specjax.config)."""
+    path: str = option("", help='local HF folder (config.json, *.safetensors, tokenizer) or hub id')
+    tokenizer: str | None = option(None, help='tokenizer folder / hub id; default: model.path')
+    dtype: str | None = option(None, help="target compute dtype; default: config.json's torch_dtype")
+    random_init: bool = option(
+        False, help='tests only: config.json + tokenizer but random weights (seeded by training.seed)')
 
 
 @dataclasses.dataclass(frozen=True)
 class HeadConfig:
     """The EAGLE3 draft head being trained."""
-    draft_vocab_size: int = 32000  # Vd: the most frequent target ids of the data (capped at the target vocab)
-    num_layers: int = 1  # decoder layers of the head (EAGLE3: 1)
-    init_from: str | None = None  # specjax checkpoint dir: fine-tune that head (keeps its vocab map)
-    init_lm_head: str = "random"  # random | target: a fresh head's lm_head/norm start as the target's (draft rows)
-    vocab_map: str | None = None  # .npz / .safetensors from `python -m specjax.train.vocab`; default: computed
-    dtype: str = "float32"  # compute dtype of the head (master weights and Adam moments are fp32 regardless)
-    aux_layer_ids: tuple[int, ...] | None = None  # default: EAGLE3's {1, L/2-1, L-4}
+    draft_vocab_size: int = option(
+        32000, help='Vd: the most frequent target ids of the data (capped at the target vocab)')
+    num_layers: int = option(1, help='decoder layers of the head (EAGLE3: 1)')
+    init_from: str | None = option(None, help='specjax checkpoint dir: fine-tune that head (keeps its vocab map)')
+    init_lm_head: str = option(
+        "random", help="random | target: a fresh head's lm_head/norm start as the target's (draft rows)")
+    vocab_map: str | None = option(
+        None, help='.npz / .safetensors from `python -m specjax.train.vocab`; default: computed')
+    dtype: str = option(
+        "float32", help='compute dtype of the head (master weights and Adam moments are fp32 regardless)')
+    aux_layer_ids: tuple[int, ...] | None = option(None, help="default: EAGLE3's {1, L/2-1, L-4}")
 
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
     """Chat data, rendered with the target tokenizer's chat template."""
-    paths: tuple[str, ...] = ()  # local .json / .jsonl / .parquet files or `datasets.save_to_disk` folders;
-    #                              the name "sharegpt" means the cleaned ShareGPT fetched into the cache
-    hf_datasets: tuple[str, ...] = ()  # hub datasets (`datasets.load_dataset(name, split=...)`)
-    split: str = "train"  # split of the hub datasets
-    format: str = "auto"  # auto | sharegpt (conversations/from/value) | messages (OpenAI role/content)
-    max_length: int = 2048  # tokens per conversation (after rendering)
-    buckets: tuple[int, ...] = (128, 256, 512, 1024, 2048, 4096)  # padded lengths (one compile each)
-    overlong: str = "truncate"  # truncate | drop: what to do with conversations longer than max_length
-    eval_fraction: float = 0.01  # held-out share of the conversations (deterministic from training.seed)
-    eval_max: int = 512  # at most this many held-out conversations
-    max_examples: int | None = None  # use only the first N conversations (smoke runs)
-    chat_template_kwargs: dict = dataclasses.field(default_factory=dict)  # e.g. {enable_thinking: false}
-    cache_dir: str | None = None  # tokenized-data cache; default: ~/.cache/specjax/data
+    paths: tuple[str, ...] = option((), help="local .json / .jsonl / .parquet files or `datasets.save_to_disk` "
+                                    "folders; the name 'sharegpt' means the cleaned ShareGPT fetched into the cache")
+    hf_datasets: tuple[str, ...] = option((), help='hub datasets (`datasets.load_dataset(name, split=...)`)')
+    split: str = option("train", help='split of the hub datasets')
+    format: str = option("auto", help='auto | sharegpt (conversations/from/value) | messages (OpenAI role/content)')
+    max_length: int = option(2048, help='tokens per conversation (after rendering)')
+    buckets: tuple[int, ...] = option((128, 256, 512, 1024, 2048, 4096), help='padded lengths (one compile each)')
+    overlong: str = option("truncate", help='truncate | drop: what to do with conversations longer than max_length')
+    eval_fraction: float = option(0.01, help='held-out share of the conversations (deterministic from training.seed)')
+    eval_max: int = option(512, help='at most this many held-out conversations')
+    max_examples: int | None = option(None, help='use only the first N conversations (smoke runs)')
+    chat_template_kwargs: dict = option(default_factory=dict, help='e.g. {enable_thinking: false}')
+    cache_dir: str | None = option(None, help='tokenized-data cache; default: ~/.cache/specjax/data')
 
 
 @dataclasses.dataclass(frozen=True)
 class TrainingConfig:
     """Batches, length of the run, the TTT rollout."""
-    batch_size: int = 4  # GLOBAL micro-batch (sequences), split over mesh.dp
-    grad_accum: int = 1  # micro-batches per optimizer step
-    epochs: int = 1  # passes over the training split
-    max_steps: int | None = None  # stop after this many optimizer steps (default: epochs over the data)
-    seed: int = 0  # data order, eval split, head init
-    ttt_length: int = 7  # rollout steps of the training-time test
-    decay: float = 0.8  # weight of rollout step k is decay**k
-    max_nonfinite_steps: int = 10  # a NaN/inf loss or gradient skips the update; this many in a row stop the run
+    batch_size: int = option(4, help='GLOBAL micro-batch (sequences), split over mesh.dp')
+    grad_accum: int = option(1, help='micro-batches per optimizer step')
+    epochs: int = option(1, help='passes over the training split')
+    max_steps: int | None = option(None, help='stop after this many optimizer steps (default: epochs over the data)')
+    seed: int = option(0, help='data order, eval split, head init')
+    ttt_length: int = option(7, help='rollout steps of the training-time test')
+    decay: float = option(0.8, help='weight of rollout step k is decay**k')
+    max_nonfinite_steps: int = option(
+        10, help='a NaN/inf loss or gradient skips the update; this many in a row stop the run')
 
 
 @dataclasses.dataclass(frozen=True)
 class OptimizerConfig:
     """AdamW after global-norm clipping; linear warmup then cosine."""
-    lr: float = 8e-4  # peak learning rate
-    warmup_ratio: float = 0.03  # share of the steps spent warming up linearly from 0
-    min_lr_ratio: float = 0.0  # cosine decays to lr * min_lr_ratio
-    weight_decay: float = 0.0  # decoupled, on matrices only
-    b1: float = 0.9
-    b2: float = 0.95
-    clip_norm: float = 0.5  # global gradient-norm clip (0: off)
+    lr: float = option(8e-4, help='peak learning rate')
+    warmup_ratio: float = option(0.03, help='share of the steps spent warming up linearly from 0')
+    min_lr_ratio: float = option(0.0, help='cosine decays to lr * min_lr_ratio')
+    weight_decay: float = option(0.0, help='decoupled, on matrices only')
+    b1: float = option(0.9, help='Adam beta1')
+    b2: float = option(0.95, help='Adam beta2')
+    clip_norm: float = option(0.5, help='global gradient-norm clip (0: off)')
 
 
 @dataclasses.dataclass(frozen=True)
 class MeshConfig:
     """Device mesh: data parallel x tensor parallel (dp * tp = all devices of all hosts)."""
-    dp: int = -1  # -1: all devices not used by tp
-    tp: int = 1  # tensor-parallel devices (the target and head are split over them)
+    dp: int = option(-1, help='-1: all devices not used by tp')
+    tp: int = option(1, help='tensor-parallel devices (the target and head are split over them)')
 
 
 @dataclasses.dataclass(frozen=True)
 class CheckpointConfig:
     """Orbax checkpoints (params, optimizer, step, rng, data position, configs, vocab map)."""
-    dir: str = "checkpoints/run"  # local folder or gs://... (multi-host: must be shared by all hosts)
-    every: int = 500  # optimizer steps between saves (and one at the end, and on SIGTERM)
-    keep: int = 3  # keep the newest K checkpoints
-    async_save: bool = True  # write in the background while training continues
-    resume: bool = True  # continue from the latest good checkpoint in dir, if any
+    dir: str = option("checkpoints/run", help='local folder or gs://... (multi-host: must be shared by all hosts)')
+    every: int = option(500, help='optimizer steps between saves (and one at the end, and on SIGTERM)')
+    keep: int = option(3, help='keep the newest K checkpoints')
+    async_save: bool = option(True, help='write in the background while training continues')
+    resume: bool = option(True, help='continue from the latest good checkpoint in dir, if any')
 
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
     """Metrics (JSONL on process 0, optional TensorBoard), progress bar, periodic eval."""
-    every: int = 10  # steps between metric lines
-    jsonl: str | None = None  # default: <checkpoint.dir>/metrics.jsonl
-    tensorboard: str | None = None  # log dir; needs tensorboardX or tensorflow
-    eval_every: int = 500  # steps between evals on the held-out split (0: never)
-    eval_batches: int = 8  # batches of the held-out split per eval
-    progress: bool = True  # tqdm progress bar (process 0)
+    every: int = option(10, help='steps between metric lines')
+    jsonl: str | None = option(None, help='default: <checkpoint.dir>/metrics.jsonl')
+    tensorboard: str | None = option(None, help='log dir; needs tensorboardX or tensorflow')
+    eval_every: int = option(500, help='steps between evals on the held-out split (0: never)')
+    eval_batches: int = option(8, help='batches of the held-out split per eval')
+    progress: bool = option(True, help='tqdm progress bar (process 0)')
 
 
 @dataclasses.dataclass(frozen=True)
 class OfflineConfig:
     """Offline mode: cache the target's aux features + final hidden states once, then train from disk."""
-    dir: str | None = None  # cache folder; setting it trains from the cache
-    build: bool = False  # build the cache (then exit)
+    dir: str | None = option(None, help='cache folder; setting it trains from the cache')
+    build: bool = option(False, help='build the cache (then exit)')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -128,15 +133,15 @@ class MultihostConfig:
     """jax.distributed.initialize arguments. Left empty, it is called when the environment shows several processes
     (TPU_WORKER_HOSTNAMES, SLURM, Open MPI, JAX_COORDINATOR_ADDRESS), or always with ``auto: true`` (what
     tpu_scripts/train.sh passes on TPU pods)."""
-    auto: bool = False  # always call jax.distributed.initialize() (TPU pods)
-    coordinator: str | None = None  # host:port of process 0
-    num_processes: int | None = None  # with coordinator
-    process_id: int | None = None  # with coordinator: this process's index
+    auto: bool = option(False, help='always call jax.distributed.initialize() (TPU pods)')
+    coordinator: str | None = option(None, help='host:port of process 0')
+    num_processes: int | None = option(None, help='with coordinator')
+    process_id: int | None = option(None, help="with coordinator: this process's index")
 
 
 @dataclasses.dataclass(frozen=True)
 class RunConfig:
-    model: ModelConfig = dataclasses.field(default_factory=ModelConfig)
+    model: ModelSource = dataclasses.field(default_factory=ModelSource)
     head: HeadConfig = dataclasses.field(default_factory=HeadConfig)
     data: DataConfig = dataclasses.field(default_factory=DataConfig)
     training: TrainingConfig = dataclasses.field(default_factory=TrainingConfig)
@@ -155,16 +160,8 @@ class RunConfig:
 
 
 # ---- building from dicts -----------------------------------------------------------------------------------------
-def _strip_optional(tp):
-    origin = typing.get_origin(tp)
-    if origin in (typing.Union, types.UnionType):
-        args = [a for a in typing.get_args(tp) if a is not type(None)]
-        return (args[0] if len(args) == 1 else tp), True
-    return tp, False
-
-
 def _coerce(value: Any, tp: Any, where: str) -> Any:
-    tp, optional = _strip_optional(tp)
+    tp, optional = strip_optional(tp)
     if value is None:
         if optional:
             return None
@@ -286,15 +283,43 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
         else:
             raw = "true"
             i += 1
-        key = key.replace("-", "_")
-        try:
-            value = yaml.safe_load(raw) if raw != "" else ""
-        except yaml.YAMLError:
-            value = raw
-        if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
-            value = float(value)
-        out.append((key, value))
+        out.append((key.replace("-", "_"), parse_value(raw)))
     return out
+
+
+def parse_value(raw: str) -> Any:
+    """A command-line value as a YAML scalar or list (``3e-4`` -> float, ``[128,256]`` -> list, ``null`` -> None);
+    the config loader types it against the key afterwards."""
+    try:
+        value = yaml.safe_load(raw) if raw != "" else ""
+    except yaml.YAMLError:
+        value = raw
+    if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
+        value = float(value)
+    return value
+
+
+def add_override_options(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
+    """``--section.key VALUE`` for every key of the run config (one --help section per config section)."""
+    return add_dotted_options(parser, RunConfig, parse_value)
+
+
+def parse_known_overrides(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, list[tuple[str, Any]]]:
+    """(the parser's own arguments, the run-config overrides): those the parser knows, then whatever it does not,
+    which ``load_config`` refuses naming the valid keys and the nearest one."""
+    args, rest = parser.parse_known_args(argv)
+    return args, dotted_values(args) + parse_overrides(rest)
+
+
+def config_from_command_line(parser: argparse.ArgumentParser, argv) -> tuple[argparse.Namespace, RunConfig] | None:
+    """(the parser's own arguments, the run config its ``--config`` and overrides make); None, after printing the
+    ``ConfigError`` on stderr, when they make none."""
+    try:
+        args, overrides = parse_known_overrides(parser, argv)
+        return args, load_config(args.config, overrides)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return None
 
 
 def _is_number(s: str) -> bool:
@@ -370,44 +395,3 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("head.draft_vocab_size must be >= 1")
     if cfg.head.init_lm_head not in ("random", "target"):
         raise ConfigError(f"head.init_lm_head must be random or target, not {cfg.head.init_lm_head!r}")
-
-
-def dump_yaml(cfg: RunConfig) -> str:
-    return yaml.safe_dump(to_dict(cfg), sort_keys=False)
-
-
-def _field_comments(cls) -> dict[str, str]:
-    """The trailing ``# comment`` of each field in the class source (the documentation of a key)."""
-    import inspect
-    import re
-    out: dict[str, str] = {}
-    try:
-        src = inspect.getsource(cls).splitlines()
-    except (OSError, TypeError):
-        return out
-    last = None
-    for line in src:
-        m = re.match(r"\s+(\w+): [^#]*?(?:#\s*(.*))?$", line)
-        if m and m.group(1) in {f.name for f in dataclasses.fields(cls)}:
-            last = m.group(1)
-            out[last] = (m.group(2) or "").strip()
-        elif last and re.match(r"\s+#\s*(.*)$", line) and out.get(last):
-            out[last] += " " + line.strip().lstrip("#").strip()
-    return out
-
-
-def describe() -> str:
-    """Every key with its default and its comment, for --help."""
-    lines = []
-    for sec in dataclasses.fields(RunConfig):
-        cls = typing.get_type_hints(RunConfig)[sec.name]
-        doc = (cls.__doc__ or "").strip().splitlines()[0] if cls.__doc__ else ""
-        lines.append(f"  {sec.name}:" + (f"  {doc}" if doc else ""))
-        comments = _field_comments(cls)
-        for f in dataclasses.fields(cls):
-            default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore
-            if isinstance(default, tuple):
-                default = list(default)
-            c = comments.get(f.name, "")
-            lines.append(f"    --{sec.name}.{f.name} = {default!r}" + (f"   {c}" if c else ""))
-    return "\n".join(lines)

@@ -35,26 +35,31 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax import generate as gen
+from specjax.cli import option, options_parser, parse_into
 from specjax.train import data as data_lib
 from specjax.train.config import DataConfig
 
 
 @dataclasses.dataclass
 class RegenConfig:
-    model: str
-    data: Sequence[str]
-    out: str
-    format: str = "auto"
-    max_conversations: int = 0  # 0 = all
-    max_turns: int = 3  # user turns answered per conversation
-    max_prompt_tokens: int = 1024
-    max_new_tokens: int = 384
-    batch_size: int = 16
-    chunk: int = 64  # conversations per written chunk
-    temperature: float = 0.0
-    top_p: float = 1.0
-    seed: int = 0
-    dtype: str | None = None
+    """What ``python -m specjax.train.regenerate`` does (its flags are these fields)."""
+    model: str = option(required=True, metavar="PATH", help="target model folder (or hub id when online)")
+    out: str = option(required=True, metavar="FILE", help="output messages JSONL (appended to; resumable)")
+    data: Sequence[str] = option(("sharegpt",), nargs="+", metavar="PATH",
+                                 help="input files (ShareGPT JSON/JSONL, messages JSONL, parquet, ...) or 'sharegpt' "
+                                      "(default)")
+    format: str = option("auto", choices=("auto", "sharegpt", "messages"), help="input record shape")
+    max_conversations: int = option(0, help="read at most this many input records (0 = all) (default 0)")
+    max_turns: int = option(3, help="user turns answered per conversation (default 3)")
+    max_prompt_tokens: int = option(1024, help="stop a conversation when its rendered prompt is longer (default 1024)")
+    max_new_tokens: int = option(384, help="tokens per answer (default 384)")
+    batch_size: int = option(16, help="prompts decoded together (default 16)")
+    chunk: int = option(64, help="conversations per written chunk (a kill loses at most one) (default 64)")
+    temperature: float = option(0.0, help="0 = greedy (default 0.0)")
+    top_p: float = option(1.0, help="nucleus sampling (with temperature > 0) (default 1.0)")
+    seed: int = option(0, help="sampling seed (default 0)")
+    dtype: str | None = option(None, choices=("auto", "float32", "bfloat16", "float16"),
+                               help="target dtype (default: the checkpoint's)")
 
 
 @dataclasses.dataclass
@@ -221,40 +226,18 @@ def regenerate(cfg: RegenConfig, log=print) -> collections.Counter:
 
 
 def _parser() -> argparse.ArgumentParser:
-    d = RegenConfig(model="", data=(), out="")
-    ap = argparse.ArgumentParser(
-        prog="python -m specjax.train.regenerate", formatter_class=argparse.RawDescriptionHelpFormatter,
-        description="Answer a chat dataset's prompts with the TARGET model (specjax's batched engine) and write "
-                    "messages JSONL for the trainer. Resumable: rerun the same command to continue.",
+    return options_parser(
+        RegenConfig, "python -m specjax.train.regenerate",
+        "Answer a chat dataset's prompts with the TARGET model (specjax's batched engine) and write messages JSONL "
+        "for the trainer. Resumable: rerun the same command to continue.",
         epilog="example:\n  python -m specjax.train.regenerate --model ~/.cache/specjax/SmolLM2-135M-Instruct "
                "--data sharegpt --out regen.jsonl --max-conversations 2000")
-    ap.add_argument("--model", required=True, metavar="PATH", help="target model folder (or hub id when online)")
-    ap.add_argument("--data", nargs="+", default=["sharegpt"], metavar="PATH",
-                    help="input files (ShareGPT JSON/JSONL, messages JSONL, parquet, ...) or 'sharegpt' (default)")
-    ap.add_argument("--out", required=True, metavar="FILE", help="output messages JSONL (appended to; resumable)")
-    ap.add_argument("--format", default=d.format, choices=("auto", "sharegpt", "messages"), help="input record shape")
-    for name, typ, hlp in (
-            ("max_conversations", int, "read at most this many input records (0 = all)"),
-            ("max_turns", int, "user turns answered per conversation"),
-            ("max_prompt_tokens", int, "stop a conversation when its rendered prompt is longer"),
-            ("max_new_tokens", int, "tokens per answer"),
-            ("batch_size", int, "prompts decoded together"),
-            ("chunk", int, "conversations per written chunk (a kill loses at most one)"),
-            ("temperature", float, "0 = greedy"),
-            ("top_p", float, "nucleus sampling (with temperature > 0)"),
-            ("seed", int, "sampling seed")):
-        ap.add_argument("--" + name.replace("_", "-"), type=typ, default=getattr(d, name),
-                        help=f"{hlp} (default {getattr(d, name)})")
-    ap.add_argument("--dtype", default="auto", choices=("auto", "float32", "bfloat16", "float16"),
-                    help="target dtype (default: the checkpoint's)")
-    return ap
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    kw = {k: v for k, v in vars(args).items()}
-    kw["dtype"] = None if args.dtype == "auto" else args.dtype
-    cfg = RegenConfig(**kw)
+    cfg = parse_into(RegenConfig, _parser(), argv)
+    if cfg.dtype == "auto":
+        cfg = dataclasses.replace(cfg, dtype=None)
     for name in ("max_turns", "max_prompt_tokens", "max_new_tokens", "batch_size", "chunk"):
         if getattr(cfg, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)

@@ -289,57 +289,89 @@ def _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, param
     return g, stats
 
 
-def _build(features_factory, target_sh_fn, target_cfg, head_cfg, optimizer, mesh, *, ttt_length, decay, grad_accum,
-           compute_dtype, head_sharding, kind):
-    compute_dtype = compute_dtype or head_cfg.dtype
-    features = features_factory(target_cfg, head_cfg)
-    rules = train_rules(head_sharding)
-    rep = NamedSharding(mesh, P()) if mesh is not None else None
-    batch_sh = NamedSharding(mesh, P(None, "dp")) if mesh is not None else None
-    vmap_sh = VocabMap(d2t=rep, t2d=rep) if mesh is not None else None
-    target_sh = target_sh_fn(target_cfg, mesh) if mesh is not None else None
+@dataclasses.dataclass(frozen=True)
+class _StepParts:
+    """What the jitted functions of a run share: the target features (online: run the frozen target; offline: the
+    cached features), the head's compute dtype and sharding rules, and the shardings of the arguments (all None
+    without a mesh)."""
+    features: Callable
+    compute_dtype: str
+    rules: dict
+    rep: Any = None
+    batch: Any = None
+    vocab_map: Any = None
+    target: Any = None
+    params: Any = None  # the head's params
 
-    if kind == "train":
-        def step(state: TrainState, target_arg, vocab_map: VocabMap, batch):
-            with use_mesh(mesh, rules):
-                batch = _check_batch(batch, grad_accum, mesh)
-                grads, stats = _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, state.params,
-                                                target_arg, vocab_map, batch)
-                grad_norm = _global_norm(grads)
-                updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
-                params = optax.apply_updates(state.params, updates)
-                rng, _ = jax.random.split(state.rng)
-                metrics = ttt.finalize_metrics(stats, decay)
-                # A non-finite loss, gradient or update never reaches the weights: the update is dropped (params and
-                # optimizer state kept, so the lr schedule does not advance either); the caller counts `skipped`.
-                finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(updates))
-                params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
-                                                 (params, opt_state), (state.params, state.opt_state))
-                metrics.update(grad_norm=grad_norm, lr=current_lr(opt_state),
-                               skipped=jnp.logical_not(finite).astype(jnp.float32))
-                return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng), metrics
 
-        if mesh is None:
-            return jax.jit(step, donate_argnums=(0,))
-        state_sh = train_state_shardings(head_cfg, optimizer, mesh, head_sharding)
-        return jax.jit(step, in_shardings=(state_sh, target_sh, vmap_sh, batch_sh), out_shardings=(state_sh, rep),
-                       donate_argnums=(0,))
-
-    def run(params, target_arg, vocab_map, batch, with_grad):
-        with use_mesh(mesh, rules):
-            batch = _check_batch(batch, None, mesh)
-            grads, stats = _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, params, target_arg,
-                                            vocab_map, batch, with_grad=with_grad)
-            metrics = ttt.finalize_metrics(stats, decay)
-            return (grads, metrics) if with_grad else metrics
-
-    with_grad = kind == "grad"
-    fn = lambda p, t, v, b: run(p, t, v, b, with_grad)
+def _step_parts(target_cfg, head_cfg, mesh, *, offline: bool, compute_dtype, head_sharding) -> _StepParts:
+    features = (_offline_features if offline else _online_features)(target_cfg, head_cfg)
+    parts = _StepParts(features, compute_dtype or head_cfg.dtype, train_rules(head_sharding))
     if mesh is None:
-        return jax.jit(fn)
-    psh = head_param_shardings(head_cfg, mesh, head_sharding)
-    return jax.jit(fn, in_shardings=(psh, target_sh, vmap_sh, batch_sh),
-                   out_shardings=(psh, rep) if with_grad else rep)
+        return parts
+    rep = NamedSharding(mesh, P())
+    target_sh = (_embedding_shardings if offline else _target_shardings)(target_cfg, mesh)
+    return dataclasses.replace(parts, rep=rep, batch=NamedSharding(mesh, P(None, "dp")),
+                               vocab_map=VocabMap(d2t=rep, t2d=rep), target=target_sh,
+                               params=head_param_shardings(head_cfg, mesh, head_sharding))
+
+
+def _update_step(parts: _StepParts, head_cfg, optimizer, mesh, *, ttt_length, decay, grad_accum, head_sharding):
+    """The jitted train step: gradients of the TTT loss, then one optimizer update (skipped when not finite)."""
+    def step(state: TrainState, target_arg, vocab_map: VocabMap, batch):
+        with use_mesh(mesh, parts.rules):
+            batch = _check_batch(batch, grad_accum, mesh)
+            grads, stats = _grads_and_stats(parts.features, head_cfg, parts.compute_dtype, ttt_length, decay,
+                                            state.params, target_arg, vocab_map, batch)
+            grad_norm = _global_norm(grads)
+            updates, opt_state = optimizer.update(grads, state.opt_state, state.params)
+            params = optax.apply_updates(state.params, updates)
+            rng, _ = jax.random.split(state.rng)
+            metrics = ttt.finalize_metrics(stats, decay)
+            # A non-finite loss, gradient or update never reaches the weights: the update is dropped (params and
+            # optimizer state kept, so the lr schedule does not advance either); the caller counts `skipped`.
+            finite = jnp.isfinite(metrics["loss"]) & jnp.isfinite(grad_norm) & jnp.isfinite(_global_norm(updates))
+            params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
+                                             (params, opt_state), (state.params, state.opt_state))
+            metrics.update(grad_norm=grad_norm, lr=current_lr(opt_state),
+                           skipped=jnp.logical_not(finite).astype(jnp.float32))
+            return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng), metrics
+
+    if mesh is None:
+        return jax.jit(step, donate_argnums=(0,))
+    state_sh = train_state_shardings(head_cfg, optimizer, mesh, head_sharding)
+    return jax.jit(step, in_shardings=(state_sh, parts.target, parts.vocab_map, parts.batch),
+                   out_shardings=(state_sh, parts.rep), donate_argnums=(0,))
+
+
+def _eval_fn(parts: _StepParts, head_cfg, mesh, *, ttt_length, decay):
+    """The jitted loss and metrics of the head's params, without gradients."""
+    def run(params, target_arg, vocab_map, batch):
+        with use_mesh(mesh, parts.rules):
+            batch = _check_batch(batch, None, mesh)
+            _, stats = _grads_and_stats(parts.features, head_cfg, parts.compute_dtype, ttt_length, decay, params,
+                                        target_arg, vocab_map, batch, with_grad=False)
+            return ttt.finalize_metrics(stats, decay)
+
+    if mesh is None:
+        return jax.jit(run)
+    return jax.jit(run, in_shardings=(parts.params, parts.target, parts.vocab_map, parts.batch),
+                   out_shardings=parts.rep)
+
+
+def _grad_fn(parts: _StepParts, head_cfg, mesh, *, ttt_length, decay):
+    """The jitted gradients the optimizer would receive, and the metrics, without an update."""
+    def run(params, target_arg, vocab_map, batch):
+        with use_mesh(mesh, parts.rules):
+            batch = _check_batch(batch, None, mesh)
+            grads, stats = _grads_and_stats(parts.features, head_cfg, parts.compute_dtype, ttt_length, decay, params,
+                                            target_arg, vocab_map, batch)
+            return grads, ttt.finalize_metrics(stats, decay)
+
+    if mesh is None:
+        return jax.jit(run)
+    return jax.jit(run, in_shardings=(parts.params, parts.target, parts.vocab_map, parts.batch),
+                   out_shardings=(parts.params, parts.rep))
 
 
 def _target_shardings(target_cfg, mesh):
@@ -362,9 +394,10 @@ def make_train_step(target_cfg: ModelConfig, head_cfg: Eagle3Config, optimizer, 
     ``lr`` (of this update), ``skipped`` (1.0 when the loss or gradient was not finite and the update was dropped:
     params and optimizer state unchanged, ``step`` still advances), as f32 scalars (replicated).
     """
-    return _build(_online_features, _target_shardings, target_cfg, head_cfg, optimizer, mesh, ttt_length=ttt_length,
-                  decay=decay, grad_accum=grad_accum, compute_dtype=compute_dtype, head_sharding=head_sharding,
-                  kind="train")
+    parts = _step_parts(target_cfg, head_cfg, mesh, offline=False, compute_dtype=compute_dtype,
+                        head_sharding=head_sharding)
+    return _update_step(parts, head_cfg, optimizer, mesh, ttt_length=ttt_length, decay=decay, grad_accum=grad_accum,
+                        head_sharding=head_sharding)
 
 
 def make_train_step_offline(target_cfg: ModelConfig, head_cfg: Eagle3Config, optimizer, mesh: Mesh | None = None, *,
@@ -379,19 +412,19 @@ def make_train_step_offline(target_cfg: ModelConfig, head_cfg: Eagle3Config, opt
     FULL vocab (needed for the position mask) could not be recovered from them. ``target_logits`` f32[A, B, T, V]
     may be passed instead of ``target_hidden``. ``target_embeddings``: ``TargetEmbeddings`` (embed, lm_head).
     """
-    return _build(_offline_features, _embedding_shardings, target_cfg, head_cfg, optimizer, mesh,
-                  ttt_length=ttt_length, decay=decay, grad_accum=grad_accum, compute_dtype=compute_dtype,
-                  head_sharding=head_sharding, kind="train")
+    parts = _step_parts(target_cfg, head_cfg, mesh, offline=True, compute_dtype=compute_dtype,
+                        head_sharding=head_sharding)
+    return _update_step(parts, head_cfg, optimizer, mesh, ttt_length=ttt_length, decay=decay, grad_accum=grad_accum,
+                        head_sharding=head_sharding)
 
 
 def make_eval_step(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh | None = None, *,
                    ttt_length: int = 7, decay: float = 0.8, compute_dtype: str | None = None,
                    head_sharding: str = "tp", offline: bool = False) -> Callable:
     """``eval(params, target_params | target_embeddings, vocab_map, batch) -> metrics`` (no update, any A)."""
-    return _build(_offline_features if offline else _online_features,
-                  _embedding_shardings if offline else _target_shardings, target_cfg, head_cfg, None, mesh,
-                  ttt_length=ttt_length, decay=decay, grad_accum=None, compute_dtype=compute_dtype,
-                  head_sharding=head_sharding, kind="eval")
+    parts = _step_parts(target_cfg, head_cfg, mesh, offline=offline, compute_dtype=compute_dtype,
+                        head_sharding=head_sharding)
+    return _eval_fn(parts, head_cfg, mesh, ttt_length=ttt_length, decay=decay)
 
 
 def make_grad_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh | None = None, *, ttt_length: int = 7,
@@ -399,10 +432,9 @@ def make_grad_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh | N
                  offline: bool = False) -> Callable:
     """``grad(params, target_params, vocab_map, batch) -> (grads, metrics)``: the step without the update (tests,
     debugging). Gradients are those the optimizer would receive (averaged over micro-batches, before clipping)."""
-    return _build(_offline_features if offline else _online_features,
-                  _embedding_shardings if offline else _target_shardings, target_cfg, head_cfg, None, mesh,
-                  ttt_length=ttt_length, decay=decay, grad_accum=None, compute_dtype=compute_dtype,
-                  head_sharding=head_sharding, kind="grad")
+    parts = _step_parts(target_cfg, head_cfg, mesh, offline=offline, compute_dtype=compute_dtype,
+                        head_sharding=head_sharding)
+    return _grad_fn(parts, head_cfg, mesh, ttt_length=ttt_length, decay=decay)
 
 
 def make_feature_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh | None = None) -> Callable:

@@ -11,12 +11,17 @@ with ``d2t`` (i64[Vd]) and ``t2d`` (bool[V]), the same tensor names as published
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 
 import numpy as np
 
+from specjax.cli import from_namespace, option, options_parser
+from specjax.config import ModelConfig
 from specjax.models.eagle3 import VocabMap
+from specjax.train.config import add_override_options, config_from_command_line
+from specjax.weights import resolve_model_path
 
 
 def count_tokens(tokens: np.ndarray, loss_mask: np.ndarray, vocab_size: int) -> np.ndarray:
@@ -104,25 +109,24 @@ def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.nda
     return vm, counts
 
 
+@dataclasses.dataclass
+class VocabOptions:
+    config: str = option(required=True, help="run config YAML (configs/*.yaml)")
+    out: str = option(required=True, help="output file (.npz or .safetensors)")
+
+
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(
-        prog="python -m specjax.train.vocab",
-        description="Count loss-masked target token ids over the training data of a run config and save the "
-                    "draft<->target vocab map (d2t, t2d). Training computes it itself when head.vocab_map is "
-                    "not set; precompute it to share it between runs.",
-        epilog="Any --section.key VALUE override of the run config is accepted (e.g. --head.draft_vocab_size 16000).")
-    p.add_argument("--config", required=True, help="run config YAML (configs/*.yaml)")
-    p.add_argument("--out", required=True, help="output file (.npz or .safetensors)")
-    args, rest = p.parse_known_args(argv)
-    from specjax.config import ModelConfig as TargetConfig
-    from specjax.train.config import ConfigError, load_config
-    from specjax.weights import resolve_model_path
-    try:
-        cfg = load_config(args.config, rest)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    p = add_override_options(options_parser(
+        VocabOptions, "python -m specjax.train.vocab",
+        "Count loss-masked target token ids over the training data of a run config and save the draft<->target "
+        "vocab map (d2t, t2d). Training computes it itself when head.vocab_map is not set; precompute it to share it "
+        "between runs.",
+        epilog="Any --section.key VALUE override of the run config is accepted (e.g. --head.draft_vocab_size 16000).",
+        formatter_class=argparse.HelpFormatter))
+    if (got := config_from_command_line(p, argv)) is None:
         return 2
-    tcfg = TargetConfig.from_pretrained(resolve_model_path(cfg.model.path))
+    args, cfg = from_namespace(VocabOptions, got[0]), got[1]
+    tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
     vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
     save_vocab_map(args.out, vm, counts)
     print(f"wrote {args.out}")

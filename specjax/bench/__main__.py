@@ -1,7 +1,8 @@
 """Dispatch ``python -m specjax.bench KIND ...`` to ``specjax.bench.<KIND>.main(argv)``."""
 
-import importlib
 import sys
+
+from specjax.cli import dispatch
 
 KINDS = {
     "decode": "plain greedy decode tokens/s, specjax vs HF transformers, batch 1 and 8",
@@ -14,14 +15,8 @@ KINDS = {
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in KINDS:
-        print("usage: python -m specjax.bench {%s} [--help]\n" % ",".join(KINDS))
-        for k, v in KINDS.items():
-            print(f"  {k:8s} {v}")
-        return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
-    mod = importlib.import_module(f"specjax.bench.{argv[0]}")
-    return mod.main(argv[1:]) or 0
+    return dispatch("python -m specjax.bench", {k: (f"specjax.bench.{k}", v) for k, v in KINDS.items()}, argv,
+                    lambda mod, _kind, args: mod.main(args))
 
 
 if __name__ == "__main__":

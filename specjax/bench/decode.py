@@ -20,7 +20,7 @@ copy bandwidth (read + write bytes of ``x + 1`` on a --copy-mib uint32 buffer) i
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import platform
 import statistics
@@ -28,6 +28,9 @@ import sys
 import time
 
 import numpy as np
+
+from specjax.bench.common import report
+from specjax.cli import option, parse_options
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (architecture fields)
     "architectures": ["LlamaForCausalLM"], "vocab_size": 128256, "hidden_size": 4096, "intermediate_size": 14336,
@@ -309,49 +312,41 @@ def print_random_llama(res: dict) -> None:
           f"{100 * res['bandwidth_fraction']:.1f}% |")
 
 
-def _parser() -> argparse.ArgumentParser:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench decode",
-                                 description="Plain greedy decode tokens/s: specjax vs HF transformers.")
-    ap.add_argument("--model", default=None, metavar="PATH",
-                    help="HF folder (default: the SmolLM2 cache of `python -m specjax.convert fetch-smollm2`)")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 8])
-    ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompt-len", type=int, default=32)
-    ap.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32")
-    ap.add_argument("--repeats", type=int, default=3, help="timed repeats per measurement (median reported)")
-    ap.add_argument("--no-hf", action="store_true", help="skip the transformers baseline")
-    ap.add_argument("--random-llama-8b", action="store_true",
-                    help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the bandwidth limit")
-    ap.add_argument("--layers", type=int, default=None, help="with --random-llama-8b: override the 32 layers")
-    ap.add_argument("--copy-mib", type=int, default=None,
-                    help="buffer size of the bandwidth measurement (default 1024 on accelerators, 256 on CPU); "
-                         "both modes report the weight-read limit")
-    ap.add_argument("--threads", type=int, default=None,
-                    help="CPU threads for both engines (torch.set_num_threads and XLA's intra-op pool); default: "
-                         "each library's own choice. On a shared, oversubscribed CPU, 1 gives stable numbers")
-    ap.add_argument("--json", default=None, metavar="OUT", help="also write the results as JSON")
-    return ap
+@dataclasses.dataclass
+class DecodeOptions:
+    model: str | None = option(None, metavar="PATH", help="HF folder (default: the SmolLM2 cache of `python -m "
+                                                          "specjax.convert fetch-smollm2`)")
+    batch_sizes: tuple[int, ...] = option((1, 8))
+    new_tokens: int = option(128)
+    prompt_len: int = option(32)
+    dtype: str = option("float32", choices=("float32", "bfloat16"))
+    repeats: int = option(3, help="timed repeats per measurement (median reported)")
+    no_hf: bool = option(False, help="skip the transformers baseline")
+    random_llama_8b: bool = option(False, help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the "
+                                               "bandwidth limit")
+    layers: int | None = option(None, help="with --random-llama-8b: override the 32 layers")
+    copy_mib: int | None = option(None, help="buffer size of the bandwidth measurement (default 1024 on "
+                                             "accelerators, 256 on CPU); both modes report the weight-read limit")
+    threads: int | None = option(None, help="CPU threads for both engines (torch.set_num_threads and XLA's intra-op "
+                                            "pool); default: each library's own choice. On a shared, oversubscribed "
+                                            "CPU, 1 gives stable numbers")
+    json: str | None = option(None, metavar="OUT", help="also write the results as JSON")
 
 
 def main(argv=None) -> int:
-    args = _parser().parse_args(argv)
+    args = parse_options(DecodeOptions, argv, "python -m specjax.bench decode",
+                         "Plain greedy decode tokens/s: specjax vs HF transformers.",
+                         formatter_class=argparse.HelpFormatter)
     if args.new_tokens < 2:
         raise SystemExit("error: --new-tokens must be >= 2 (decode tok/s is measured against a 1-token run)")
     if args.threads is not None:
         set_cpu_threads(args.threads)
-    if args.random_llama_8b:
-        import jax
-        if args.copy_mib is None:
-            args.copy_mib = 256 if jax.devices()[0].platform == "cpu" else 1024
-        res = bench_random_llama(args)
-        print_random_llama(res)
-    else:
-        res = bench_model(args)
-        print_model_table(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+    if not args.random_llama_8b:
+        return report(args, bench_model, print_model_table)
+    import jax
+    if args.copy_mib is None:
+        args.copy_mib = 256 if jax.devices()[0].platform == "cpu" else 1024
+    return report(args, bench_random_llama, print_random_llama)
 
 
 if __name__ == "__main__":

@@ -15,19 +15,19 @@ tokens, so they should agree; the differences that remain are listed in docs/ben
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import sys
 
 import jax
 import numpy as np
 
+from specjax.cli import from_namespace, option, options_parser
 from specjax.head_weights import load_eagle3_head
-from specjax.generate import stop_token_ids
 from specjax.sharding import make_mesh
 from specjax.spec.decoder import make_draft, speculative_generate
 from specjax.train import data as data_lib, step as step_lib
-from specjax.train.config import ConfigError, load_config
-from specjax.weights import load_model, resolve_model_path
+from specjax.train.config import add_override_options, config_from_command_line
+from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 
 def heldout_split(cfg, tokenizer):
@@ -68,23 +68,23 @@ def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:
     return prompts
 
 
+@dataclasses.dataclass
+class HeldoutOptions:
+    config: str = option("", required=True, help="the run config the head was trained with (name or path)")
+    draft: str = option("", required=True, help="the exported head (HF EAGLE3 folder)")
+    num_steps: int = option(7)
+    topk: int = option(1)
+    num_draft_tokens: int = option(8)
+    max_prompts: int = option(32, help="held-out conversations served (default 32; 0 = only the prediction)")
+    max_new_tokens: int = option(256)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench heldout", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--config", required=True, help="the run config the head was trained with (name or path)")
-    ap.add_argument("--draft", required=True, help="the exported head (HF EAGLE3 folder)")
-    ap.add_argument("--num-steps", type=int, default=7)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=8)
-    ap.add_argument("--max-prompts", type=int, default=32,
-                    help="held-out conversations served (default 32; 0 = only the prediction)")
-    ap.add_argument("--max-new-tokens", type=int, default=256)
-    args, overrides = ap.parse_known_args(argv)
-    try:
-        cfg = load_config(args.config, overrides)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
+    ap = add_override_options(options_parser(HeldoutOptions, "python -m specjax.bench heldout",
+                                             __doc__.split("\n\n")[0]))
+    if (got := config_from_command_line(ap, argv)) is None:
         return 2
+    args, cfg = from_namespace(HeldoutOptions, got[0]), got[1]
     folder = resolve_model_path(cfg.model.path)
     tcfg, tparams = load_model(folder, dtype=cfg.model.dtype)
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or folder)

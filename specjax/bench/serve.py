@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import shlex
@@ -24,6 +25,9 @@ import tempfile
 import time
 
 import numpy as np
+
+from specjax.bench.common import write_json
+from specjax.cli import option, options_parser, parse_into
 
 BUILTIN_PROMPTS = [
     "Explain how speculative decoding speeds up text generation.",
@@ -261,30 +265,36 @@ def launch_and_sweep(name: str, args) -> list[dict]:
             proc.kill()
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench serve", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.ArgumentDefaultsHelpFormatter)
-    ap.add_argument("--url", default="http://127.0.0.1:30000", help="server to load (ignored with --launch)")
-    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 16], help="concurrent clients per level")
-    ap.add_argument("--num-prompts", type=int, default=32, help="requests per concurrency level")
-    ap.add_argument("--max-tokens", type=int, default=128, help="max_tokens per request")
-    ap.add_argument("--prompts", default="mtbench", help="mtbench | builtin | FILE (JSONL or one prompt per line)")
-    ap.add_argument("--temperature", type=float, default=0.0)
-    ap.add_argument("--ignore-eos", action="store_true", help="always generate max_tokens tokens")
-    ap.add_argument("--api-key", default=None)
-    ap.add_argument("--warmup-requests", type=int, default=2, help="untimed requests before the sweep")
-    ap.add_argument("--request-timeout", type=float, default=600.0)
-    ap.add_argument("--json", default=None, help="also write the results here")
-    g = ap.add_argument_group("launch mode: start a server per configuration and compare")
-    g.add_argument("--launch", default=None, help="comma-separated configurations: plain, eagle3, eagle")
-    g.add_argument("--model-path", default=None)
-    g.add_argument("--draft", default=None, help="draft head folder for eagle3 / eagle")
-    g.add_argument("--server-args", default="", help="extra flags for every server, e.g. \"--context-length 2048\"")
-    g.add_argument("--spec-args", default="", help="extra flags for speculative servers, e.g. "
+_LAUNCH = "launch mode: start a server per configuration and compare"
+
+
+@dataclasses.dataclass
+class ServeBenchOptions:
+    url: str = option("http://127.0.0.1:30000", help="server to load (ignored with --launch)")
+    concurrency: tuple[int, ...] = option((1, 4, 16), help="concurrent clients per level")
+    num_prompts: int = option(32, help="requests per concurrency level")
+    max_tokens: int = option(128, help="max_tokens per request")
+    prompts: str = option("mtbench", help="mtbench | builtin | FILE (JSONL or one prompt per line)")
+    temperature: float = option(0.0)
+    ignore_eos: bool = option(False, help="always generate max_tokens tokens")
+    api_key: str | None = option(None)
+    warmup_requests: int = option(2, help="untimed requests before the sweep")
+    request_timeout: float = option(600.0)
+    json: str | None = option(None, help="also write the results here")
+    launch: str | None = option(None, group=_LAUNCH, help="comma-separated configurations: plain, eagle3, eagle")
+    model_path: str | None = option(None, group=_LAUNCH)
+    draft: str | None = option(None, group=_LAUNCH, help="draft head folder for eagle3 / eagle")
+    server_args: str = option("", group=_LAUNCH, help="extra flags for every server, e.g. \"--context-length 2048\"")
+    spec_args: str = option("", group=_LAUNCH, help="extra flags for speculative servers, e.g. "
                                                    "\"--speculative-num-steps 3 --speculative-eagle-topk 1 "
                                                    "--speculative-num-draft-tokens 4\"")
-    g.add_argument("--launch-timeout", type=float, default=1800.0)
-    args = ap.parse_args(argv)
+    launch_timeout: float = option(1800.0, group=_LAUNCH)
+
+
+def main(argv=None) -> int:
+    ap = options_parser(ServeBenchOptions, "python -m specjax.bench serve", __doc__.split("\n\n")[0],
+                        formatter_class=argparse.ArgumentDefaultsHelpFormatter)
+    args = parse_into(ServeBenchOptions, ap, argv)
     if args.launch:
         if not args.model_path:
             ap.error("--launch needs --model-path")
@@ -297,9 +307,7 @@ def main(argv=None) -> int:
     else:
         results = {"server": sweep(args.url.rstrip("/"), args)}
         print_table(results["server"], title=args.url)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+    write_json(args.json, results, indent=1)
     return 0
 
 

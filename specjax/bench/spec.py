@@ -20,12 +20,15 @@ a ``--context``-token prefix against a plain decode step: what verifying a wider
 
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import os
 import statistics
 import sys
 import time
+
+from specjax.bench.common import report
+from specjax.cli import option, parse_options
 
 
 def _median(fn, repeats: int) -> float:
@@ -270,40 +273,36 @@ def print_sweep_table(r: dict) -> None:
         print(f"| {row['m']} | {row['ms']:.2f} | {row['vs_decode']:.2f} |")
 
 
+@dataclasses.dataclass
+class SpecOptions:
+    model: str | None = option(None, help="HF model folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
+    draft: str | None = option(None, help="draft head folder (HF format)")
+    random_draft: bool = option(False, help="a random head shaped like one target layer")
+    algorithm: str = option("EAGLE3", choices=["EAGLE3", "EAGLE", "eagle3", "eagle"])
+    speculative_token_map: str | None = option(None, help="FR-Spec hot-token list for EAGLE heads")
+    num_steps: int = option(3)
+    topk: int = option(1)
+    num_draft_tokens: int = option(4)
+    prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
+    num_prompts: int = option(8)
+    max_new_tokens: int = option(64)
+    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"])
+    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"])
+    phase_repeats: int = option(5)
+    verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
+                                                 "step")
+    context: int = option(512, help="prefix length for --verify-sweep")
+    batch: int = option(1, help="batch for --verify-sweep")
+    random_llama_8b: bool = option(False, help="random Llama-3.1-8B-shaped bf16 target")
+    layers: int | None = option(None, help="with --random-llama-8b: number of layers (CPU smoke runs)")
+    json: str | None = option(None, help="also write the results as JSON here")
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench spec", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--model", help="HF model folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
-    ap.add_argument("--draft", help="draft head folder (HF format)")
-    ap.add_argument("--random-draft", action="store_true", help="a random head shaped like one target layer")
-    ap.add_argument("--algorithm", default="EAGLE3", choices=["EAGLE3", "EAGLE", "eagle3", "eagle"])
-    ap.add_argument("--speculative-token-map", help="FR-Spec hot-token list for EAGLE heads")
-    ap.add_argument("--num-steps", type=int, default=3)
-    ap.add_argument("--topk", type=int, default=1)
-    ap.add_argument("--num-draft-tokens", type=int, default=4)
-    ap.add_argument("--prompts", default="mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
-    ap.add_argument("--num-prompts", type=int, default=8)
-    ap.add_argument("--max-new-tokens", type=int, default=64)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
-    ap.add_argument("--phase-repeats", type=int, default=5)
-    ap.add_argument("--verify-sweep", help="comma-separated tree sizes M: time the verify forward vs a decode step")
-    ap.add_argument("--context", type=int, default=512, help="prefix length for --verify-sweep")
-    ap.add_argument("--batch", type=int, default=1, help="batch for --verify-sweep")
-    ap.add_argument("--random-llama-8b", action="store_true", help="random Llama-3.1-8B-shaped bf16 target")
-    ap.add_argument("--layers", type=int, help="with --random-llama-8b: number of layers (CPU smoke runs)")
-    ap.add_argument("--json", help="also write the results as JSON here")
-    args = ap.parse_args(argv)
+    args = parse_options(SpecOptions, argv, "python -m specjax.bench spec", __doc__)
     if args.verify_sweep:
-        res = bench_verify_sweep(args)
-        print_sweep_table(res)
-    else:
-        res = bench_spec(args)
-        print_spec_table(res)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(res, f, indent=2)
-    return 0
+        return report(args, bench_verify_sweep, print_sweep_table)
+    return report(args, bench_spec, print_spec_table)
 
 
 if __name__ == "__main__":

@@ -18,12 +18,14 @@ per device from the table below by device kind, or ``--peak-tflops``. On a CPU t
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 from specjax import configs
+from specjax.cli import option, parse_options
 
 # Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins).
 PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
@@ -66,27 +68,33 @@ def peak_tflops(device_kind: str, platform: str) -> tuple[float, str]:
     return float("nan"), f"unknown device {device_kind!r}: pass --peak-tflops"
 
 
+@dataclasses.dataclass
+class TrainBenchOptions:
+    config: str | None = option(None, one_of="source",
+                                help="training YAML (model, batch, grad_accum, TTT, head, mesh)")
+    model_config: str | None = option(None, one_of="source",
+                                      help=f"HF config.json / folder, or a preset: {', '.join(PRESETS)}")
+    batch: int | None = option(None, help="global micro-batch (sequences); default 4 or the YAML's")
+    seq_len: int | None = option(None, help="tokens per sequence; default 512 or the YAML's data.max_length")
+    steps: int = option(5, help="timed steps (after --warmup)")
+    warmup: int = option(2, help="untimed steps, the first one compiles")
+    grad_accum: int | None = option(None, help="micro-batches per step (default 1 or the YAML's)")
+    ttt_length: int | None = option(None, help="TTT rollout length (default 7 or the YAML's)")
+    draft_vocab: int | None = option(None, help="draft vocab size (default 32000 or the YAML's)")
+    head_layers: int | None = option(None, help="head layers (default 1 or the YAML's)")
+    dtype: str | None = option(None, help="target dtype (default: bfloat16 on accelerators, float32 on CPU)")
+    head_dtype: str | None = option(None, help="head compute dtype (default: same as --dtype); master weights "
+                                               "are fp32")
+    dp: int | None = option(None, help="data-parallel size (default: all devices / tp)")
+    tp: int | None = option(None, help="tensor-parallel size (default 1 or the YAML's)")
+    head_sharding: str = option("tp", choices=("tp", "replicated"))
+    peak_tflops: float | None = option(None, help="peak TFLOP/s per device for MFU (overrides the table)")
+    json: str | None = option(None, help="append the result as one JSON line to this file")
+
+
 def _args(argv):
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench train", description=__doc__.split("\n\n")[0])
-    src = ap.add_mutually_exclusive_group(required=True)
-    src.add_argument("--config", help="training YAML (model, batch, grad_accum, TTT, head, mesh)")
-    src.add_argument("--model-config", help=f"HF config.json / folder, or a preset: {', '.join(PRESETS)}")
-    ap.add_argument("--batch", type=int, help="global micro-batch (sequences); default 4 or the YAML's")
-    ap.add_argument("--seq-len", type=int, help="tokens per sequence; default 512 or the YAML's data.max_length")
-    ap.add_argument("--steps", type=int, default=5, help="timed steps (after --warmup)")
-    ap.add_argument("--warmup", type=int, default=2, help="untimed steps, the first one compiles")
-    ap.add_argument("--grad-accum", type=int, help="micro-batches per step (default 1 or the YAML's)")
-    ap.add_argument("--ttt-length", type=int, help="TTT rollout length (default 7 or the YAML's)")
-    ap.add_argument("--draft-vocab", type=int, help="draft vocab size (default 32000 or the YAML's)")
-    ap.add_argument("--head-layers", type=int, help="head layers (default 1 or the YAML's)")
-    ap.add_argument("--dtype", help="target dtype (default: bfloat16 on accelerators, float32 on CPU)")
-    ap.add_argument("--head-dtype", help="head compute dtype (default: same as --dtype); master weights are fp32")
-    ap.add_argument("--dp", type=int, help="data-parallel size (default: all devices / tp)")
-    ap.add_argument("--tp", type=int, help="tensor-parallel size (default 1 or the YAML's)")
-    ap.add_argument("--head-sharding", default="tp", choices=("tp", "replicated"))
-    ap.add_argument("--peak-tflops", type=float, help="peak TFLOP/s per device for MFU (overrides the table)")
-    ap.add_argument("--json", help="append the result as one JSON line to this file")
-    return ap.parse_args(argv)
+    return parse_options(TrainBenchOptions, argv, "python -m specjax.bench train", __doc__.split("\n\n")[0],
+                         formatter_class=argparse.HelpFormatter)
 
 
 def _resolve(a):
@@ -122,6 +130,43 @@ def _resolve(a):
         if getattr(a, k_arg) is not None:
             s[k] = getattr(a, k_arg)
     return hf, s, name
+
+
+def time_steps(step, state, tparams, vmap, batch, warmup: int, steps: int):
+    """(compile seconds, seconds per timed step, last metrics): ``warmup`` untimed steps (the first compiles), then
+    ``steps`` timed ones."""
+    import jax
+    t0 = time.perf_counter()
+    for i in range(max(warmup, 1)):
+        state, m = step(state, tparams, vmap, batch)
+        jax.block_until_ready(m)
+        if i == 0:
+            compile_s = time.perf_counter() - t0
+    t1 = time.perf_counter()
+    for _ in range(steps):
+        state, m = step(state, tparams, vmap, batch)
+    jax.block_until_ready((state, m))
+    return compile_s, (time.perf_counter() - t1) / max(steps, 1), m
+
+
+def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
+    """The table; ``exact`` holds the unrounded step_s, tok_s, fpt, head_share, achieved, mfu, measured and
+    frac_measured that ``res`` (the JSON line) rounds."""
+    name, n_dev, dev_kind = res["model"], res["devices"], res["device"]
+    fpt, head_share, achieved = exact["fpt"], exact["head_share"], exact["achieved"]
+    print(f"EAGLE3 train step: {name} ({res['target_params_m']}M-param target, random weights), {n_dev} x "
+          f"{dev_kind} (dp={res['dp']}, tp={res['tp']}), B={res['batch']} x T={res['seq_len']} x "
+          f"A={res['grad_accum']}, TTT {res['ttt_length']}, draft vocab {res['draft_vocab']}, target {res['dtype']} "
+          f"/ head {res['head_dtype']}; compile {res['compile_s']:.1f} s")
+    print("| tokens/step | step time (ms) | tokens/s | GFLOP/token (head share) | achieved TFLOP/s | MFU |")
+    print("|---|---|---|---|---|---|")
+    print(f"| {tokens} | {exact['step_s'] * 1e3:.1f} | {exact['tok_s']:,.0f} | {fpt / 1e9:.2f} ({head_share:.0%}) | "
+          f"{achieved:.3f} | {exact['mfu']:.1%} |")
+    print(f"MFU against {peak:g} TFLOP/s per device ({res['peak_source']}).")
+    print(f"Measured matmul peak per device (one square matmul, this run): "
+          + ", ".join(f"{d} {v:.3f} TFLOP/s (train step = {exact['frac_measured'][d]:.1%} of it)"
+                      for d, v in exact["measured"].items())
+          + f"; 1-min load average {os.getloadavg()[0]:.1f}.")
 
 
 def main(argv=None) -> int:
@@ -169,17 +214,7 @@ def main(argv=None) -> int:
     else:
         batch = jax.device_put(batch)
 
-    t0 = time.perf_counter()
-    for i in range(max(a.warmup, 1)):
-        state, m = step(state, tparams, vmap, batch)
-        jax.block_until_ready(m)
-        if i == 0:
-            compile_s = time.perf_counter() - t0
-    t1 = time.perf_counter()
-    for _ in range(a.steps):
-        state, m = step(state, tparams, vmap, batch)
-    jax.block_until_ready((state, m))
-    step_s = (time.perf_counter() - t1) / max(a.steps, 1)
+    compile_s, step_s, m = time_steps(step, state, tparams, vmap, batch, a.warmup, a.steps)
 
     n_dev = dp * tp
     tokens = acc * b * t
@@ -204,17 +239,8 @@ def main(argv=None) -> int:
                measured_matmul_tflops={d: round(v, 4) for d, v in measured.items()},
                fraction_of_measured={d: round(v, 4) for d, v in frac_measured.items()},
                load_avg_1min=round(os.getloadavg()[0], 2))
-    print(f"EAGLE3 train step: {name} ({res['target_params_m']}M-param target, random weights), {n_dev} x "
-          f"{dev.device_kind} (dp={dp}, tp={tp}), B={b} x T={t} x A={acc}, TTT {ttt}, draft vocab "
-          f"{hcfg.draft_vocab_size}, target {dtype} / head {hcfg.dtype}; compile {compile_s:.1f} s")
-    print("| tokens/step | step time (ms) | tokens/s | GFLOP/token (head share) | achieved TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {tokens} | {step_s * 1e3:.1f} | {tok_s:,.0f} | {fpt / 1e9:.2f} ({head_share:.0%}) | {achieved:.3f} | "
-          f"{mfu:.1%} |")
-    print(f"MFU against {peak:g} TFLOP/s per device ({peak_src}).")
-    print(f"Measured matmul peak per device (one square matmul, this run): "
-          + ", ".join(f"{d} {v:.3f} TFLOP/s (train step = {frac_measured[d]:.1%} of it)" for d, v in measured.items())
-          + f"; 1-min load average {os.getloadavg()[0]:.1f}.")
+    print_result(res, tokens, peak, dict(step_s=step_s, tok_s=tok_s, fpt=fpt, head_share=head_share, achieved=achieved,
+                                         mfu=mfu, measured=measured, frac_measured=frac_measured))
     if a.json:
         with open(a.json, "a") as f:
             f.write(json.dumps(res) + "\n")

@@ -19,13 +19,15 @@ when the tree flags are not given (``specjax.spec.tune.load_tune``).
 from __future__ import annotations
 
 import argparse
-import json
+import dataclasses
 import os
 import platform
 import sys
 import time
 
+from specjax.bench.common import write_json
 from specjax.bench.spec import load_prompts, load_target
+from specjax.cli import option, options_parser, parse_into
 from specjax.spec import tune as tune_lib
 
 DEFAULT_SHAPES = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")
@@ -124,28 +126,32 @@ def print_table(r: dict) -> None:
                                  for b, s in r["batch_sizes"].items()))
 
 
+@dataclasses.dataclass
+class TuneOptions:
+    draft: str = option("", required=True, help="draft head folder (HF format)")
+    model: str | None = option(None, help="target folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
+    algorithm: str = option("EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"])
+    speculative_token_map: str | None = option(None, help="FR-Spec hot-token list for EAGLE heads")
+    batch_sizes: tuple[int, ...] = option((1, 4, 16))
+    shapes: tuple[tuple[int, int, int], ...] = option(tuple(_parse_shape(s) for s in DEFAULT_SHAPES),
+                                                      type=_parse_shape, metavar="STEPS,TOPK,DRAFT")
+    prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
+    num_prompts: int = option(16)
+    max_new_tokens: int = option(128)
+    temperature: float = option(0.0, help="0 = greedy (default)")
+    seed: int = option(0)
+    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"])
+    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"])
+    out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json)")
+    no_write: bool = option(False, help="print only")
+    json: str | None = option(None, help="also write the full results here")
+    random_llama_8b: bool = False  # the target is always a real model here (bench spec's load_target reads it)
+
+
 def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.bench tune", description=__doc__.split("\n\n")[0],
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--draft", required=True, help="draft head folder (HF format)")
-    ap.add_argument("--model", help="target folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
-    ap.add_argument("--algorithm", default="EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"])
-    ap.add_argument("--speculative-token-map", help="FR-Spec hot-token list for EAGLE heads")
-    ap.add_argument("--batch-sizes", type=int, nargs="+", default=[1, 4, 16])
-    ap.add_argument("--shapes", type=_parse_shape, nargs="+", default=[_parse_shape(s) for s in DEFAULT_SHAPES],
-                    metavar="STEPS,TOPK,DRAFT")
-    ap.add_argument("--prompts", default="mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
-    ap.add_argument("--num-prompts", type=int, default=16)
-    ap.add_argument("--max-new-tokens", type=int, default=128)
-    ap.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--dtype", choices=["float32", "bfloat16", "float16"])
-    ap.add_argument("--attention-impl", default="auto", choices=["auto", "xla", "pallas"])
-    ap.add_argument("--out", help="where to write the table (default: DRAFT/speculative_tune.json)")
-    ap.add_argument("--no-write", action="store_true", help="print only")
-    ap.add_argument("--json", help="also write the full results here")
-    args = ap.parse_args(argv)
-    args.random_llama_8b = False
+    ap = options_parser(TuneOptions, "python -m specjax.bench tune", __doc__.split("\n\n")[0],
+                        exclude=("random_llama_8b",))
+    args = parse_into(TuneOptions, ap, argv)
     if any(b < 1 for b in args.batch_sizes) or args.num_prompts < 1 or args.max_new_tokens < 1:
         ap.error("--batch-sizes, --num-prompts and --max-new-tokens must be >= 1")
     r = tune(args)
@@ -154,9 +160,7 @@ def main(argv=None) -> int:
         out = args.out or os.path.join(args.draft, tune_lib.FILENAME)
         tune_lib.save_tune(out, r)
         print(f"wrote {out}")
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(r, f, indent=1)
+    write_json(args.json, r, indent=1)
     return 0
 
 

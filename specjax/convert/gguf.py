@@ -23,12 +23,15 @@ ByteLevel). Control / user-defined tokens become added (special) tokens, so chat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 import time
 
 import numpy as np
+
+from specjax.cli import option, parse_options
 
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -190,9 +193,27 @@ def rest_is(hf_name: str, proj: str) -> bool:
     return hf_name.endswith(f"self_attn.{proj}.weight")
 
 
+def _pre_tokenizer(pre: str):
+    """The pre-tokenizer that llama.cpp's ``tokenizer.ggml.pre`` name stands for."""
+    from tokenizers import Regex, pre_tokenizers
+
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    if pre in ("smollm",):
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Digits(individual_digits=True),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
+    if pre in ("default", "gpt-2", "gpt2", "starcoder", "refact"):
+        return pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in ("llama-bpe", "llama3", "smaug-bpe"):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"), byte_level])
+    if pre in ("qwen2",):
+        return pre_tokenizers.Sequence([pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"), byte_level])
+    raise GGUFConvertError(f"tokenizer.ggml.pre={pre!r} is not supported (smollm, gpt-2, llama-bpe, qwen2)")
+
+
 def build_tokenizer(md: _Metadata):
     """(tokenizers.Tokenizer, tokenizer_config dict, special_tokens_map dict) from the ``tokenizer.ggml.*`` fields."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors, Regex
+    from tokenizers import AddedToken, Tokenizer, decoders, models, processors
 
     model = md.require("tokenizer.ggml.model")
     if model != "gpt2":
@@ -211,22 +232,7 @@ def build_tokenizer(md: _Metadata):
         raise GGUFConvertError("duplicate tokens in tokenizer.ggml.tokens")
 
     tok = Tokenizer(models.BPE(vocab=vocab, merges=merges, fuse_unk=False, byte_fallback=False))
-    pre = md.get("tokenizer.ggml.pre", "default")
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    if pre in ("smollm",):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Digits(individual_digits=True),
-            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)])
-    elif pre in ("default", "gpt-2", "gpt2", "starcoder", "refact"):
-        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    elif pre in ("llama-bpe", "llama3", "smaug-bpe"):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(LLAMA3_REGEX), behavior="isolated"), byte_level])
-    elif pre in ("qwen2",):
-        tok.pre_tokenizer = pre_tokenizers.Sequence([
-            pre_tokenizers.Split(Regex(QWEN2_REGEX), behavior="isolated"), byte_level])
-    else:
-        raise GGUFConvertError(f"tokenizer.ggml.pre={pre!r} is not supported (smollm, gpt-2, llama-bpe, qwen2)")
+    tok.pre_tokenizer = _pre_tokenizer(md.get("tokenizer.ggml.pre", "default"))
     tok.decoder = decoders.ByteLevel()
 
     added = []
@@ -323,14 +329,18 @@ def _check_complete(tensors: dict, cfg: dict) -> None:
         raise GGUFConvertError(f"GGUF file lacks tensors: {missing[:6]}{' ...' if len(missing) > 6 else ''}")
 
 
+@dataclasses.dataclass
+class GGUFOptions:
+    src: str = option(positional=True, help="path to the .gguf file")
+    out_dir: str = option(positional=True, help="output folder")
+    dtype: str = option("float32", choices=("float32", "bfloat16"),
+                        help="storage dtype of the dequantised weights (float32 is lossless)")
+
+
 def main(command: str, argv: list[str]) -> int:
-    ap = argparse.ArgumentParser(prog=f"python -m specjax.convert {command}",
-                                 description="Convert a llama GGUF file into an HF folder (float32 by default).")
-    ap.add_argument("src", help="path to the .gguf file")
-    ap.add_argument("out_dir", help="output folder")
-    ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
-                    help="storage dtype of the dequantised weights (float32 is lossless)")
-    args = ap.parse_args(argv)
+    args = parse_options(GGUFOptions, argv, f"python -m specjax.convert {command}",
+                         "Convert a llama GGUF file into an HF folder (float32 by default).",
+                         formatter_class=argparse.HelpFormatter)
     try:
         convert(args.src, args.out_dir, args.dtype)
     except GGUFConvertError as e:

@@ -24,6 +24,7 @@ target's embedding (its values are ignored: engines, and specjax, use the target
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -32,6 +33,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.cli import option, parse_options
 from specjax.config import ModelConfig
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
@@ -121,15 +123,31 @@ def _target_config(path: str | None, what: str) -> ModelConfig:
     return ModelConfig.from_pretrained(resolve_model_path(path, allow_patterns=("config.json",)))
 
 
+@dataclasses.dataclass
+class ExportOptions:
+    ckpt: str = option(positional=True, help="training checkpoint dir (or one step folder in it), or an HF EAGLE3 "
+                                             "head folder")
+    out_dir: str = option(positional=True)
+    target: str | None = option(None, help="target model folder / config.json (default: the one the checkpoint "
+                                           "names)")
+    dtype: str = option("bfloat16", choices=("bfloat16", "float16", "float32"),
+                        help="dtype of the exported weights (default bfloat16, as published heads)")
+
+
+@dataclasses.dataclass
+class ImportOptions:
+    src: str = option(positional=True, help="HF EAGLE3 head folder (config.json + safetensors)")
+    out: str = option(positional=True, help="output folder")
+    target: str = option("", required=True, help="target model folder / config.json the head belongs to")
+    format: str = option("checkpoint", choices=("checkpoint", "hf"),
+                         help="checkpoint: a training checkpoint (step 0, fp32 params) usable as head.init_from and "
+                              "by export-head; hf: a normalised HF folder (no model. prefix, no embed_tokens)")
+
+
 def _export_main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.convert export-head",
-                                 description="training checkpoint (or HF head folder) -> HF LlamaForCausalLMEagle3")
-    ap.add_argument("ckpt", help="training checkpoint dir (or one step folder in it), or an HF EAGLE3 head folder")
-    ap.add_argument("out_dir")
-    ap.add_argument("--target", help="target model folder / config.json (default: the one the checkpoint names)")
-    ap.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
-                    help="dtype of the exported weights (default bfloat16, as published heads)")
-    a = ap.parse_args(argv)
+    a = parse_options(ExportOptions, argv, "python -m specjax.convert export-head",
+                      "training checkpoint (or HF head folder) -> HF LlamaForCausalLMEagle3",
+                      formatter_class=argparse.HelpFormatter)
     if _is_hf_head(a.ckpt):
         target_cfg = _target_config(a.target, "exporting an HF head folder")
         head_cfg, params, vmap = load_eagle3_head(a.ckpt, target_cfg)
@@ -149,15 +167,8 @@ def _export_main(argv) -> int:
 
 
 def _import_main(argv) -> int:
-    ap = argparse.ArgumentParser(prog="python -m specjax.convert import-head",
-                                 description="published EAGLE3 head folder -> specjax head checkpoint")
-    ap.add_argument("src", help="HF EAGLE3 head folder (config.json + safetensors)")
-    ap.add_argument("out", help="output folder")
-    ap.add_argument("--target", required=True, help="target model folder / config.json the head belongs to")
-    ap.add_argument("--format", default="checkpoint", choices=("checkpoint", "hf"),
-                    help="checkpoint: a training checkpoint (step 0, fp32 params) usable as head.init_from and by "
-                         "export-head; hf: a normalised HF folder (no model. prefix, no embed_tokens)")
-    a = ap.parse_args(argv)
+    a = parse_options(ImportOptions, argv, "python -m specjax.convert import-head",
+                      "published EAGLE3 head folder -> specjax head checkpoint", formatter_class=argparse.HelpFormatter)
     target_cfg = _target_config(a.target, "import-head")
     head_cfg, params, vmap = load_eagle3_head(a.src, target_cfg)
     if a.format == "hf":

@@ -1,0 +1,93 @@
+"""Server administration routes (SGLang's names): liveness, model and server info, cache flush, aborts,
+Prometheus metrics."""
+
+from __future__ import annotations
+
+import asyncio
+import dataclasses
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import PlainTextResponse, Response
+
+from .. import protocol as P
+from ..request import SamplingParams
+from .common import APIError, Fanout, backend_of, drain, error_response, parse, version
+
+router = APIRouter()
+
+
+@router.get("/health")
+async def health(request: Request):
+    backend = backend_of(request)
+    if not backend.scheduler.alive:
+        return error_response(503, "the scheduler is not running", type_="service_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/health_generate")
+async def health_generate(request: Request):
+    backend = backend_of(request)
+    fan = Fanout(backend)
+    sp = SamplingParams(max_new_tokens=1, temperature=0.0, ignore_eos=True)
+    try:
+        fan.add([backend.cfg.bos_token_id or 0], sp, rid=f"health-{uuid.uuid4().hex[:8]}")
+        await asyncio.wait_for(drain(fan), timeout=30.0)
+    except Exception as e:  # noqa: BLE001
+        fan.abort()
+        return error_response(503, f"could not generate: {type(e).__name__}: {e}", type_="service_unavailable")
+    if (fan.meta[0].get("finish_reason") or {}).get("type") == "abort":
+        return error_response(503, "generation failed", type_="service_unavailable")
+    return Response(status_code=200)
+
+
+@router.get("/get_model_info")
+async def get_model_info(request: Request):
+    backend = backend_of(request)
+    args = backend.args
+    return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
+            "is_generation": True}
+
+
+@router.get("/get_server_info")
+async def get_server_info(request: Request):
+    backend = backend_of(request)
+    args = backend.args
+    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
+    info.update(version=version(), context_length=backend.context_length,
+                internal_states=[backend.scheduler.stats()], startup_seconds=round(backend.startup_s, 2))
+    return info
+
+
+@router.api_route("/flush_cache", methods=["GET", "POST"])
+async def flush_cache(request: Request):
+    backend = backend_of(request)
+    ok = await asyncio.get_running_loop().run_in_executor(None, backend.scheduler.flush_cache)
+    if not ok:
+        return error_response(400, "cache not flushed: requests are running or waiting; retry when idle")
+    return PlainTextResponse("Cache flushed.\n")
+
+
+@router.post("/abort_request")
+async def abort_request(request: Request):
+    backend = backend_of(request)
+    body = await parse(request, P.AbortRequest)
+    if body.abort_all:
+        sched = backend.scheduler
+        rids = await asyncio.get_running_loop().run_in_executor(None, lambda: sched.call(lambda: [
+            r.rid for r in sched.waiting] + [r.rid for r in sched.slots if r is not None]))
+        for rid in rids:
+            backend.scheduler.abort(rid)
+    elif body.rid:
+        backend.scheduler.abort(body.rid)
+    else:
+        raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
+    return Response(status_code=200)
+
+
+@router.get("/metrics")
+async def metrics(request: Request):
+    backend = backend_of(request)
+    if not backend.args.enable_metrics:
+        raise APIError(404, "metrics are off; start the server with --enable-metrics", type_="not_found_error")
+    return Response(backend.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")

@@ -1,0 +1,139 @@
+"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``."""
+
+from __future__ import annotations
+
+import time
+import uuid
+
+from fastapi import APIRouter, Request
+from fastapi.responses import StreamingResponse
+
+from .. import protocol as P
+from .common import SSE_DONE, APIError, Fanout, backend_of, check_model, off_loop, parse, seed_for, sse
+
+router = APIRouter()
+
+
+async def openai_request(request: Request, model):
+    """(backend, served model name, body) of a /v1 request, refused with 404 when it names another model."""
+    backend = backend_of(request)
+    body = await parse(request, model)
+    check_model(backend, body.model)
+    return backend, backend.args.model_name, body
+
+
+@router.get("/v1/models")
+async def models(request: Request):
+    backend = backend_of(request)
+    args = backend.args
+    served = args.model_name
+    return P.ModelList(data=[P.ModelCard(id=served, root=args.model_path,
+                                         max_model_len=backend.context_length)]).model_dump()
+
+
+@router.post("/v1/completions")
+async def completions(request: Request):
+    backend, served, body = await openai_request(request, P.CompletionRequest)
+    sp = body.sampling(body.max_tokens)
+    p = body.prompt
+    if isinstance(p, str):
+        prompts = [p]
+    elif p and isinstance(p[0], int):
+        prompts = [p]
+    else:
+        prompts = list(p)
+    if not prompts:
+        raise APIError(400, "prompt is empty", param="prompt")
+    ids_list = await off_loop(lambda: [backend.encode(x) if isinstance(x, str) else list(x) for x in prompts])
+    if body.max_tokens is not None:
+        for ids in ids_list:
+            backend.check_output_budget(len(ids), body.max_tokens, "max_tokens")
+    echo_text = await off_loop(lambda: [(x if isinstance(x, str) else backend.tokenizer.decode(x))
+                                        if body.echo else "" for x in prompts])
+    fan = Fanout(backend)
+    for ids in ids_list:
+        for j in range(sp.n):
+            fan.add(ids, sp, seed=seed_for(sp, j))
+    cid, created = f"cmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def usage():
+        pt = sum(len(i) for i in ids_list)
+        ct = sum(m.get("completion_tokens", 0) for m in fan.meta)
+        cached = sum(fan.meta[k * sp.n].get("cached_tokens", 0) for k in range(len(ids_list)))
+        return P.UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct,
+                           prompt_tokens_details={"cached_tokens": cached})
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        async def gen():
+            echoed = set()
+            async for i, ev in fan.events():
+                text = ev["text"]
+                if body.echo and i not in echoed:
+                    text, _ = echo_text[i // sp.n] + text, echoed.add(i)
+                fr = P.finish_reason_openai(ev["meta_info"]["finish_reason"]) if ev["finished"] else None
+                if not text and fr is None:
+                    continue
+                yield sse(P.CompletionStreamResponse(id=cid, created=created, model=served, choices=[
+                    P.CompletionStreamChoice(index=i, text=text, finish_reason=fr)]))
+            if include_usage:
+                yield sse(P.CompletionStreamResponse(id=cid, created=created, model=served, choices=[],
+                                                     usage=usage()))
+            yield SSE_DONE
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    await fan.wait(request)
+    choices = [P.CompletionChoice(index=i, text=echo_text[i // sp.n] + fan.text[i],
+                                  finish_reason=P.finish_reason_openai(fan.meta[i]["finish_reason"]),
+                                  matched_stop=(fan.meta[i]["finish_reason"] or {}).get("matched"))
+               for i in range(len(fan.reqs))]
+    return P.CompletionResponse(id=cid, created=created, model=served, choices=choices,
+                                usage=usage()).model_dump()
+
+
+@router.post("/v1/chat/completions")
+async def chat_completions(request: Request):
+    backend, served, body = await openai_request(request, P.ChatCompletionRequest)
+    sp = body.sampling(body.token_limit)
+    messages = [m.template_dict() for m in body.messages]
+    ids = await off_loop(lambda: backend.encode(backend.render_chat(messages, body.chat_template_kwargs),
+                                                add_special_tokens=False))
+    if body.token_limit is not None:
+        backend.check_output_budget(len(ids), body.token_limit, body.token_limit_param)
+    fan = Fanout(backend)
+    for j in range(sp.n):
+        fan.add(ids, sp, seed=seed_for(sp, j))
+    cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
+
+    def usage():
+        ct = sum(m.get("completion_tokens", 0) for m in fan.meta)
+        return P.UsageInfo(prompt_tokens=len(ids), completion_tokens=ct, total_tokens=len(ids) + ct,
+                           prompt_tokens_details={"cached_tokens": fan.meta[0].get("cached_tokens", 0)})
+
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+
+        def chunk(i, delta, fr=None, usage_=None):
+            choices = [] if i is None else [P.ChatStreamChoice(index=i, delta=delta, finish_reason=fr)]
+            return sse(P.ChatCompletionStreamResponse(id=cid, created=created, model=served, choices=choices,
+                                                      usage=usage_))
+
+        async def gen():
+            for j in range(sp.n):
+                yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+            async for i, ev in fan.events():
+                if ev["text"]:
+                    yield chunk(i, P.DeltaMessage(content=ev["text"]))
+                if ev["finished"]:
+                    yield chunk(i, P.DeltaMessage(), P.finish_reason_openai(ev["meta_info"]["finish_reason"]))
+            if include_usage:
+                yield chunk(None, None, usage_=usage())
+            yield SSE_DONE
+        return StreamingResponse(gen(), media_type="text/event-stream")
+    await fan.wait(request)
+    choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=fan.text[i]),
+                            finish_reason=P.finish_reason_openai(fan.meta[i]["finish_reason"]),
+                            matched_stop=(fan.meta[i]["finish_reason"] or {}).get("matched"))
+               for i in range(len(fan.reqs))]
+    return P.ChatCompletionResponse(id=cid, created=created, model=served, choices=choices,
+                                    usage=usage()).model_dump()

@@ -1,0 +1,21 @@
+"""What every bench tool ends with: measure, print the table, and keep the figures as JSON when ``--json`` asks."""
+
+from __future__ import annotations
+
+import json
+from typing import Any, Callable
+
+
+def write_json(path: str | None, results: Any, indent: int = 2) -> None:
+    """The results as JSON at ``path`` (nothing when it is None or empty)."""
+    if path:
+        with open(path, "w") as f:
+            json.dump(results, f, indent=indent)
+
+
+def report(options, measure: Callable[[Any], dict], show: Callable[[dict], None], indent: int = 2) -> int:
+    """``measure(options)``, ``show`` its results, write them to ``options.json`` when set; exit status 0."""
+    results = measure(options)
+    show(results)
+    write_json(options.json, results, indent)
+    return 0

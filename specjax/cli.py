@@ -1,0 +1,171 @@
+"""One way from a dataclass to a command line.
+
+A dataclass field declared with :func:`option` carries its help text (and any argparse detail: extra spellings,
+choices, group) in its metadata. :func:`add_options` turns a flat dataclass into ``--kebab-case`` flags (serve's
+SGLang-named flags, the bench and convert tools); :func:`add_dotted_options` turns a nested run config into
+``--section.key VALUE`` overrides (training). :func:`dispatch` runs ``python -m specjax.X COMMAND ...`` front ends.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import importlib
+import sys
+import types
+import typing
+from typing import Any, Callable, Sequence
+
+_ARGPARSE = "argparse"
+
+
+def option(default: Any = dataclasses.MISSING, *, help: str = "", default_factory: Any = dataclasses.MISSING,
+           flags: Sequence[str] = (), group: str | None = None, hidden: bool = False, positional: bool = False,
+           one_of: str | None = None, **argparse_kw) -> Any:
+    """A dataclass field that documents itself: ``help`` is the flag's help (and the key's documentation);
+    ``flags`` adds spellings (aliases), ``group`` names the --help section, ``hidden`` keeps an accepted flag out of
+    --help, ``positional`` makes it a positional argument, fields with the same ``one_of`` name are mutually
+    exclusive and one of them is required; anything else (choices, type, metavar, required, nargs)
+    goes to ``add_argument`` as is."""
+    meta = {"help": help, _ARGPARSE: dict(argparse_kw, flags=tuple(flags), group=group, hidden=hidden,
+                                          positional=positional, one_of=one_of)}
+    return dataclasses.field(default=default, default_factory=default_factory, metadata=meta)
+
+
+def field_help(f: dataclasses.Field) -> str:
+    return f.metadata.get("help", "")
+
+
+def field_default(f: dataclasses.Field) -> Any:
+    if f.default is not dataclasses.MISSING:
+        return f.default
+    if f.default_factory is not dataclasses.MISSING:  # type: ignore[misc]
+        return f.default_factory()  # type: ignore[misc]
+    return None
+
+
+def strip_optional(tp) -> tuple[Any, bool]:
+    """``X | None`` -> (X, True); anything else -> (tp, False)."""
+    origin = typing.get_origin(tp)
+    if origin in (typing.Union, types.UnionType):
+        args = [a for a in typing.get_args(tp) if a is not type(None)]
+        return (args[0] if len(args) == 1 else tp), True
+    return tp, False
+
+
+def _group(parser, groups: dict, name: str | None, descriptions: dict[str, str]):
+    if name is None:
+        return parser
+    if name not in groups:
+        groups[name] = parser.add_argument_group(name, descriptions.get(name))
+    return groups[name]
+
+
+def add_options(parser: argparse.ArgumentParser, cls, *, group_descriptions: dict[str, str] | None = None,
+                exclude: Sequence[str] = ()) -> argparse.ArgumentParser:
+    """One ``--field-name`` flag per field of the flat dataclass ``cls`` (dest = the field name, default = the
+    field's default): ``bool`` fields are switches, ``int`` / ``float`` fields are typed, ``tuple[X, ...]`` fields
+    take one or more values. Returns the parser."""
+    hints = typing.get_type_hints(cls)
+    groups: dict[str, Any] = {}
+    for f in dataclasses.fields(cls):
+        if not f.init or f.name in exclude:
+            continue
+        kw = dict(f.metadata.get(_ARGPARSE, {}))
+        flags, group, hidden = kw.pop("flags", ()), kw.pop("group", None), kw.pop("hidden", False)
+        positional, one_of = kw.pop("positional", False), kw.pop("one_of", None)
+        tp, _ = strip_optional(hints[f.name])
+        default = field_default(f)
+        if tp is bool and "action" not in kw:
+            kw["action"] = argparse.BooleanOptionalAction if default else "store_true"
+        elif typing.get_origin(tp) in (tuple, list) and "nargs" not in kw and "action" not in kw:
+            kw["nargs"] = "+"
+            kw.setdefault("type", (typing.get_args(tp) or (str,))[0])
+        elif tp in (int, float) and "type" not in kw:
+            kw["type"] = tp
+        if not (kw.get("required") or (positional and kw.get("nargs") != "?")):
+            kw["default"] = list(default) if isinstance(default, tuple) else default
+        target = _group(parser, groups, group, group_descriptions or {})
+        if one_of is not None:
+            if ("one_of", one_of) not in groups:
+                groups[("one_of", one_of)] = target.add_mutually_exclusive_group(required=True)
+            target = groups[("one_of", one_of)]
+        names = [f.name] if positional else [f"--{f.name.replace('_', '-')}", *flags]
+        target.add_argument(*names, **({} if positional else {"dest": f.name}),
+                            help=argparse.SUPPRESS if hidden else field_help(f), **kw)
+    return parser
+
+
+def options_parser(cls, prog: str, description: str | None = None, epilog: str | None = None,
+                   formatter_class=argparse.RawDescriptionHelpFormatter, **kw) -> argparse.ArgumentParser:
+    """An ``ArgumentParser`` for a command whose options are the fields of ``cls`` (see :func:`add_options`)."""
+    p = argparse.ArgumentParser(prog=prog, description=description, epilog=epilog, formatter_class=formatter_class)
+    return add_options(p, cls, **kw)
+
+
+def parse_options(cls, argv: Sequence[str] | None, prog: str, description: str | None = None, **kw):
+    """``cls(**flags)`` from ``argv`` (the fields of ``cls`` are the options; see :func:`add_options`)."""
+    return parse_into(cls, options_parser(cls, prog, description, **kw), argv)
+
+
+def parse_into(cls, parser: argparse.ArgumentParser, argv: Sequence[str] | None = None):
+    """Parse ``argv`` with a parser made by :func:`add_options` and return ``cls(**flags)``."""
+    return from_namespace(cls, parser.parse_args(argv))
+
+
+def from_namespace(cls, ns: argparse.Namespace):
+    """``cls(**flags)`` from the flags in ``ns`` that are fields of ``cls`` (as tuples where the field is one)."""
+    hints = typing.get_type_hints(cls)
+    kw = {}
+    for f in dataclasses.fields(cls):
+        if f.init and f.name in vars(ns):
+            v = getattr(ns, f.name)
+            kw[f.name] = tuple(v) if isinstance(v, list) and typing.get_origin(strip_optional(hints[f.name])[0]) \
+                is tuple else v
+    return cls(**kw)
+
+
+def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[str], Any]) -> argparse.ArgumentParser:
+    """``--section.key VALUE`` (also ``--section.key=VALUE`` and ``--section.some-key``) for every key of every
+    section of the nested dataclass ``cls``; one argument group per section, titled by its docstring. A bare flag
+    means ``true``. Values go through ``value`` (e.g. a YAML scalar parser) and are typed later by the config
+    loader; only the flags given appear in the namespace (read them with :func:`dotted_values`)."""
+    if parser.usage is None:  # the usage line names the parser's own options, then the overrides in one
+        parser.usage = parser.format_usage().strip().removeprefix("usage: ") + " [--section.key VALUE ...]"
+    hints = typing.get_type_hints(cls)
+    for sec in dataclasses.fields(cls):
+        sec_cls = hints[sec.name]
+        doc = (sec_cls.__doc__ or "").strip().splitlines()
+        g = parser.add_argument_group(sec.name, " ".join(doc[:1]) if doc and not doc[0].startswith(
+            sec_cls.__name__ + "(") else None)
+        for f in dataclasses.fields(sec_cls):
+            names = [f"--{sec.name}.{f.name}"]
+            if "_" in f.name:
+                names.append(f"--{sec.name}.{f.name.replace('_', '-')}")
+            default = field_default(f)
+            shown = list(default) if isinstance(default, tuple) else default
+            help_text = field_help(f)
+            g.add_argument(*names, dest=f"{sec.name}.{f.name}", default=argparse.SUPPRESS, nargs="?", const="true",
+                           type=value, metavar="VALUE",
+                           help=(help_text + " " if help_text else "") + f"(default: {shown!r})")
+    return parser
+
+
+def dotted_values(ns: argparse.Namespace) -> list[tuple[str, Any]]:
+    """The ``(section.key, value)`` pairs that :func:`add_dotted_options` flags set."""
+    return [(k, v) for k, v in vars(ns).items() if "." in k]
+
+
+def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: Sequence[str] | None,
+             run: Callable[[Any, str, list[str]], int | None]) -> int:
+    """``prog COMMAND ARGS...``: ``commands`` maps each command to (module, one-line description); the module is
+    imported only when its command runs, and ``run(module, command, args)`` runs it. No command or ``--help``
+    prints the list (exit 0); an unknown command prints it too (exit 2)."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        print(f"usage: {prog} {{{','.join(commands)}}} [--help]\n")
+        width = max(8, max(len(k) for k in commands) + 1)
+        for k, (_, what) in commands.items():
+            print(f"  {k:{width}s} {what}")
+        return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
+    return run(importlib.import_module(commands[argv[0]][0]), argv[0], argv[1:]) or 0

@@ -1,0 +1,100 @@
+"""The one dataclass -> argparse builder (specjax/cli.py) and the command lines built with it: help from field
+metadata, aliases, switches, lists, positionals, exclusive choices, dotted run-config overrides, subcommands."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+
+import pytest
+
+from specjax import cli
+
+
+@dataclasses.dataclass
+class Opts:
+    src: str = cli.option(positional=True, help="input file")
+    model_path: str = cli.option("", flags=("--model",), required=True, group="model", help="the model folder")
+    steps: int = cli.option(3, group="model", help="how many steps")
+    sizes: tuple[int, ...] = cli.option((1, 8), help="batch sizes")
+    ratio: float | None = cli.option(None, help="a ratio")
+    fast: bool = cli.option(False, help="go fast")
+    name: str = cli.option("a", choices=("a", "b"), type=str.lower, help="a or b")
+    secret: int | None = cli.option(None, hidden=True)
+
+
+def test_fields_become_flags_with_their_help():
+    p = cli.options_parser(Opts, "prog", group_descriptions={"model": "what to load"})
+    text = p.format_help()
+    for flag, help_text in (("--model-path", "the model folder"), ("--model", "the model folder"),
+                            ("--steps", "how many steps"), ("--sizes", "batch sizes"), ("--fast", "go fast"),
+                            ("src", "input file")):
+        assert flag in text and help_text in text
+    assert "what to load" in text and "--secret" not in text
+    assert {a.dest for a in p._actions} - {"help"} == {f.name for f in dataclasses.fields(Opts)}
+
+
+def test_parse_gives_the_dataclass():
+    o = cli.parse_options(Opts, ["in.txt", "--model", "m", "--sizes", "2", "4", "--ratio", "0.5", "--fast",
+                                 "--name", "B", "--secret", "7"], "prog")
+    assert o == Opts(src="in.txt", model_path="m", steps=3, sizes=(2, 4), ratio=0.5, fast=True, name="b", secret=7)
+    o = cli.parse_options(Opts, ["x", "--model-path", "m"], "prog")
+    assert (o.steps, o.sizes, o.ratio, o.fast, o.name, o.secret) == (3, (1, 8), None, False, "a", None)
+
+
+@pytest.mark.parametrize("argv", [["x"], ["--model", "m"], ["x", "--model", "m", "--steps", "two"],
+                                  ["x", "--model", "m", "--name", "c"]])
+def test_bad_flags_are_refused(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.parse_options(Opts, argv, "prog")
+    assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_one_of_is_exclusive_and_required(capsys):
+    @dataclasses.dataclass
+    class Src:
+        config: str | None = cli.option(None, one_of="source")
+        model_config: str | None = cli.option(None, one_of="source")
+
+    assert cli.parse_options(Src, ["--config", "c"], "prog") == Src(config="c")
+    for argv, msg in (([], "one of the arguments --config --model-config is required"),
+                      (["--config", "c", "--model-config", "m"], "not allowed with argument")):
+        with pytest.raises(SystemExit):
+            cli.parse_options(Src, argv, "prog")
+        assert msg in capsys.readouterr().err
+
+
+@dataclasses.dataclass(frozen=True)
+class Inner:
+    """The inner section."""
+    learning_rate: float = cli.option(0.1, help="step size")
+    on: bool = cli.option(False, help="a switch")
+
+
+@dataclasses.dataclass(frozen=True)
+class Outer:
+    inner: Inner = dataclasses.field(default_factory=Inner)
+
+
+def test_dotted_overrides():
+    p = cli.add_dotted_options(argparse.ArgumentParser(prog="prog"), Outer, float_or_true)
+    ns, rest = p.parse_known_args(["--inner.learning-rate", "3", "--inner.on", "--other.x", "1"])
+    assert cli.dotted_values(ns) == [("inner.learning_rate", 3.0), ("inner.on", True)]
+    assert rest == ["--other.x", "1"]
+    text = p.format_help()
+    assert "The inner section." in text and "step size (default: 0.1)" in text and "[--section.key VALUE ...]" in text
+
+
+def float_or_true(raw: str):
+    return True if raw == "true" else float(raw)
+
+
+def test_dispatch(capsys):
+    commands = {"one": ("json", "the first"), "two": ("os", "the second")}
+    seen = []
+    assert cli.dispatch("prog", commands, [], lambda *a: seen.append(a)) == 0
+    assert "the first" in capsys.readouterr().out
+    assert cli.dispatch("prog", commands, ["three"], lambda *a: seen.append(a)) == 2
+    assert cli.dispatch("prog", commands, ["two", "--x"], lambda mod, cmd, args: 5) == 5
+    assert cli.dispatch("prog", commands, ["one"], lambda mod, cmd, args: seen.append((mod.__name__, cmd, args))) == 0
+    assert seen == [("json", "one", [])]
