@@ -13,7 +13,7 @@ from specjax.convert.fetch import default_smollm2_path
 from test_sampling_params import run_runner
 
 R = sampling.SamplingRow
-PROMPTS = ["Say yes.", "List three colours."]
+PROMPTS = ["What is the capital of France? One word.", "Hi"]  # both end (eos) within 10 tokens
 NEW = 12
 
 
@@ -39,19 +39,20 @@ def test_repetition_penalty_and_min_new_tokens_match_hf_generate(smollm2):
     eos = cfg.eos_token_ids
     row = R(temperature=0.0, repetition_penalty=1.3, min_new_tokens=10, stop_ids=eos)
     ours = generate(params, cfg, ids, max_new_tokens=NEW, rows=[row] * len(ids))
-    free = generate(params, cfg, ids, max_new_tokens=NEW)
-    assert len(free[0]) < 10 and free[0][-1] in eos  # unconstrained, "Say yes." ends early
-    with torch.no_grad():
-        for p, o in zip(ids, ours):
-            ref = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
-                              max_new_tokens=NEW, do_sample=False, repetition_penalty=1.3, min_new_tokens=10,
-                              eos_token_id=list(eos), pad_token_id=eos[0])
-            assert o == ref[0, len(p):].tolist()
-    assert len(ours[0]) > 10 and ours != free
+
+    def hf_generate(p, **kw):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), attention_mask=torch.ones(1, len(p), dtype=torch.long),
+                              max_new_tokens=NEW, do_sample=False, eos_token_id=list(eos), pad_token_id=eos[0], **kw)
+        return out[0, len(p):].tolist()
+
+    for p, o in zip(ids, ours):
+        assert o == hf_generate(p, repetition_penalty=1.3, min_new_tokens=10)
+        free = hf_generate(p)
+        assert len(free) <= 10 and free[-1] in eos and len(o) > 10  # unconstrained, the answer ends early
 
 
-@pytest.fixture(scope="module")
-def runs(smollm2):
+def run_all(smollm2, algorithms):
     from specjax.serve.model_runner import PlainRunner
     from specjax.heads import DEFAULT_HEAD
     from specjax.models import eagle
@@ -63,11 +64,16 @@ def runs(smollm2):
     kw = dict(max_batch=2, pages_per_seq=8, page_size=16, num_pages=17, attention_impl="xla")
     plain = run_runner(PlainRunner(cfg, params, **kw), ids, rows, NEW)
     ecfg = eagle.EagleConfig.from_target(cfg)
-    heads = {"EAGLE3": load_draft(DEFAULT_HEAD, "EAGLE3", cfg),
-             "EAGLE": (ecfg, np_init(eagle.param_shapes(ecfg), 5, 0.02), None)}
-    spec = {alg: run_runner(SpecRunner(cfg, params, alg, *h, num_steps=3, topk=2, num_draft_tokens=5, **kw), ids,
-                            rows, NEW) for alg, h in heads.items()}
+    heads = {"EAGLE3": lambda: load_draft(DEFAULT_HEAD, "EAGLE3", cfg),
+             "EAGLE": lambda: (ecfg, np_init(eagle.param_shapes(ecfg), 5, 0.02), None)}
+    spec = {alg: run_runner(SpecRunner(cfg, params, alg, *heads[alg](), num_steps=3, topk=2, num_draft_tokens=5,
+                                       **kw), ids, rows, NEW) for alg in algorithms}
     return plain, spec
+
+
+@pytest.fixture(scope="module")
+def runs(smollm2):
+    return run_all(smollm2, ["EAGLE3"])
 
 
 def test_plain_logprobs_equal_hf_log_softmax(smollm2, runs):
@@ -82,10 +88,19 @@ def test_plain_logprobs_equal_hf_log_softmax(smollm2, runs):
     np.testing.assert_allclose(o["top"], -np.sort(-at, axis=-1)[:, :sampling.TOP_LOGPROBS], atol=1e-4)
 
 
-@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
-def test_speculative_tokens_and_logprobs_equal_plain(runs, alg):
-    plain, spec = runs
-    for p, s in zip(plain, spec[alg]):
+def check_equal(plain, spec):
+    for p, s in zip(plain, spec):
         assert s["tok"] == p["tok"]
         np.testing.assert_allclose(s["lp"], p["lp"], atol=1e-4)
         np.testing.assert_allclose(s["top"], p["top"], atol=1e-4)
+
+
+def test_speculative_eagle3_tokens_and_logprobs_equal_plain(runs):
+    plain, spec = runs
+    check_equal(plain, spec["EAGLE3"])
+
+
+@pytest.mark.slow  # a random EAGLE head is rarely accepted on SmolLM2; the tiny-model test covers EAGLE trees
+def test_speculative_eagle_tokens_and_logprobs_equal_plain(smollm2):
+    plain, spec = run_all(smollm2, ["EAGLE"])
+    check_equal(plain, spec["EAGLE"])
