@@ -207,6 +207,8 @@ class _OpenAISampling(_Body):
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
         sp = SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
             temperature=1.0 if self.temperature is None else self.temperature,

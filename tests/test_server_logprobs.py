@@ -137,7 +137,7 @@ def test_penalties_over_http_equal_the_offline_decoder(server, model_dir, hf):
     ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
     ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
     ({"logit_bias": {"5": 500}}, "logit_bias"), ({"repetition_penalty": 0}, "repetition_penalty"),
-    ({"min_tokens": -1}, "min_new_tokens")])
+    ({"min_tokens": -1}, "min_tokens")])
 def test_bad_values_are_400(server, body, param):
     r = httpx.post(server.url + "/v1/chat/completions", json=dict(
         model=SHARED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **body), timeout=60)
