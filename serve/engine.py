@@ -245,11 +245,7 @@ class Scheduler:
             if req.prefill_done:
                 self.metrics.on_prefill(n, req.cached_tokens)
                 self._cache_prefix(req)
-                if req.params.return_logprob and req.params.logprob_start_len >= 0:
-                    req.input_logprobs = self.runner.prompt_logprobs(
-                        req.prompt_ids, req.params.temperature)[req.params.logprob_start_len:]
-                lps = self._logprobs([req])
-                self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
+                self._first_token(req, tok)
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def _decode_round(self) -> None:
@@ -276,6 +272,20 @@ class Scheduler:
         if self.spec:
             self.totals["spec_verify_ct"] += int(active.sum())
             self.totals["spec_tokens"] += n_out
+
+    def _first_token(self, req: Request, tok: int) -> None:
+        """Emit the prefill's token (with the prompt's logprobs when asked for)."""
+        sp = req.params
+        try:
+            if sp.return_logprob and sp.logprob_start_len >= 0:
+                req.input_logprobs = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[
+                    sp.logprob_start_len:]
+            lps = self._logprobs([req])
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            log.exception("prompt logprobs of request %s failed", req.rid)
+            self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
+            return
+        self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
 
     def _logprobs(self, reqs):
         """The runner's logprobs of the latest step (host arrays), fetched only when one of ``reqs`` wants them."""

@@ -66,7 +66,8 @@ _OPENAI_UNSUPPORTED = {
     "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
     "lora_path": (), "lora_request": (), "image_data": (), "session_params": (), "return_hidden_states": (False,),
-    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "response_format": ({"type": "text"},), "tools": (),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "response_format": ({"type": "text"},),
+    "tools": (),
     "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "functions": (), "function_call": (),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"), "modalities": (["text"],),
     "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (), "best_of": (1,),
@@ -89,7 +90,8 @@ class ErrorResponse(BaseModel):
 
 # ---- SGLang native /generate -------------------------------------------------------------------------------------
 # Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
-NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "spaces_between_special_tokens": (True,),
+NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
+                  "spaces_between_special_tokens": (True,),
                   "custom_params": (), "stream_interval": (), "lora_path": ()}
 
 

@@ -344,7 +344,8 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None) -> SamplingBatch:
     new = dataclasses.replace(sb, counts=counts, generated=sb.generated + take.sum(-1).astype(jnp.int32))
     if x is not None:
         pad = sb.logprob.shape[1] - w  # a speculative row's prefill emits 1 of its W tokens per step
-        lp, ids, top = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2)) for a in token_logprobs(x, sb, tokens))
+        lp, ids, top = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+                        for a in token_logprobs(x, sb, tokens))
         keep = lambda a, b: jnp.where(_expand(active, a.ndim), a, b) if active is not None else a
         new = dataclasses.replace(new, logprob=keep(lp, sb.logprob), top_ids=keep(ids, sb.top_ids),
                                   top_logprobs=keep(top, sb.top_logprobs))
