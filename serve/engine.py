@@ -88,6 +88,10 @@ class Scheduler:
             raise RequestError(f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
                                f"(prompt + output must fit); shorten the prompt", param="prompt",
                                code="context_length_exceeded")
+        try:
+            params.runner_row(0, self.eos_ids).validate(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(" ")[0]) from None
         params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
         need = self._pages_needed(len(ids), params.max_new_tokens)
         if need > self.pool.capacity:
@@ -226,7 +230,7 @@ class Scheduler:
             try:
                 self.state, tok = self.runner.prefill(self.state, req.slot, np.asarray(
                     req.prompt_ids[:req.prefilled + n], np.int32), self._page_row(req),
-                    req.params.runner_dict(req.seed), cached=req.prefilled)
+                    req.params.runner_row(req.seed, self.eos_ids), cached=req.prefilled)
             except Exception as e:  # noqa: BLE001
                 log.exception("prefill of request %s failed", req.rid)
                 if self._state_lost():
@@ -241,7 +245,7 @@ class Scheduler:
             if req.prefill_done:
                 self.metrics.on_prefill(n, req.cached_tokens)
                 self._cache_prefix(req)
-                self._emit_tokens(req, [tok])
+                self._first_token(req, tok)
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def _decode_round(self) -> None:
@@ -256,22 +260,42 @@ class Scheduler:
             self._recover(f"decode step failed: {type(e).__name__}: {e}")
             return
         tokens, counts = np.asarray(tokens), np.asarray(counts)
+        lps = self._logprobs([self.slots[b] for b in np.nonzero(active)[0]])
         n_out = 0
         for b in np.nonzero(active)[0]:
             req = self.slots[b]
             req.spec_verify_ct += 1
             c = int(counts[b])
             n_out += c
-            self._emit_tokens(req, tokens[b, :c].tolist())
+            self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
         self.metrics.on_step(n_out, int(active.sum()), time.perf_counter() - t0)
         if self.spec:
             self.totals["spec_verify_ct"] += int(active.sum())
             self.totals["spec_tokens"] += n_out
 
-    def _emit_tokens(self, req: Request, tokens) -> None:
+    def _first_token(self, req: Request, tok: int) -> None:
+        """Emit the prefill's token (with the prompt's logprobs when asked for)."""
+        sp = req.params
+        try:
+            if sp.return_logprob and sp.logprob_start_len >= 0:
+                req.input_logprobs = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[
+                    sp.logprob_start_len:]
+            lps = self._logprobs([req])
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            log.exception("prompt logprobs of request %s failed", req.rid)
+            self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
+            return
+        self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
+
+    def _logprobs(self, reqs):
+        """The runner's logprobs of the latest step (host arrays), fetched only when one of ``reqs`` wants them."""
+        return self.runner.logprobs(self.state) if any(r.params.return_logprob for r in reqs) else None
+
+    def _emit_tokens(self, req: Request, tokens, logprobs=None) -> None:
         try:
             before = len(req.output_ids)
-            req.append_tokens(tokens, self.tokenizer, self.eos_ids, self.max_new_tokens_cap(len(req.prompt_ids)))
+            req.append_tokens(tokens, self.tokenizer, self.eos_ids, self.max_new_tokens_cap(len(req.prompt_ids)),
+                              logprobs)
             self.totals["generated_tokens"] += len(req.output_ids) - before
             if req.finished:
                 self._finish(req)
@@ -279,7 +303,7 @@ class Scheduler:
                 text, ids = req.stream_delta()
                 if text or ids:
                     self._send(req, {"text": text, "token_ids": ids, "finished": False,
-                                     "meta_info": req.meta_info(self.spec)})
+                                     "meta_info": req.meta_info(self.spec, self.tokenizer)})
         except Exception as e:  # noqa: BLE001 - e.g. a tokenizer failure: fail this request only
             log.exception("output processing of request %s failed", req.rid)
             if not req.finished or req.slot is not None:
@@ -313,7 +337,7 @@ class Scheduler:
             self.state = self.runner.release(self.state, req.slot)
             self.slots[req.slot] = None
             req.slot, req.nodes, req.pages = None, [], []
-        meta = req.meta_info(self.spec)
+        meta = req.meta_info(self.spec, self.tokenizer)
         self.totals["finished"] += 1
         if req.finish_reason.get("type") == "abort":
             self.totals["aborted"] += 1

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specjax import decode, kv_cache, sampling
+from specjax import decode, kv_cache, prompt_logprobs, sampling
 from specjax.batching import MIN_PREFILL_BUCKET, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
@@ -32,16 +32,6 @@ log = logging.getLogger("specjax.serve")
 MIN_PAGE_BUCKET_TOKENS = 256
 
 
-def sample(logits, sb: sampling.SamplingBatch, active=None):
-    """``sampling.sample_next``, but when every (active) row is greedy only the argmax runs: the full path sorts the
-    vocabulary twice per row, which dominates a small model's decode step on CPU. Keys advance identically."""
-    greedy = sb.greedy if active is None else sb.greedy | ~active
-
-    def argmax(_):
-        keys, _ = sampling.split_keys(sb.key)
-        return jnp.argmax(logits, -1).astype(jnp.int32), dataclasses.replace(sb, key=keys)
-
-    return jax.lax.cond(jnp.all(greedy), argmax, lambda _: sampling.sample_next(logits, sb), None)
 
 
 @jax.tree_util.register_dataclass
@@ -72,6 +62,7 @@ class PlainRunner:
         self._lengths = np.zeros((max_batch,), np.int64)  # host mirror of cache lengths, for bucketing
         self._active = np.zeros((max_batch,), bool)
         self._compiled: set = set()
+        self._seeds = sampling.Seeds()
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("npages",), donate_argnums=(1,))
         self._step_jit = jax.jit(self._step, static_argnames=("nb", "npages"), donate_argnums=(1,))
 
@@ -89,20 +80,18 @@ class PlainRunner:
                                  lengths=jnp.zeros((b,), jnp.int32))
         self._lengths[:] = 0
         self._active[:] = False
-        return PlainState(cache=cache, sampling=sampling.SamplingBatch.make(b), last=jnp.zeros((b,), jnp.int32))
+        return PlainState(cache=cache, sampling=sampling.SamplingBatch.make(b, vocab=c.vocab_size),
+                          last=jnp.zeros((b,), jnp.int32))
 
     # ---- jitted bodies -------------------------------------------------------------------------------------------
-    def _prefill(self, params, state: PlainState, slot, tokens, n, cached, page_row, temperature, top_k, top_p,
-                 min_p, seed, *, npages: int):
+    def _prefill(self, params, state: PlainState, slot, tokens, n, cached, page_row, row: sampling.SamplingBatch, *,
+                 npages: int):
         t = tokens.shape[0]
         view = kv_cache.KVCache(k=state.cache.k, v=state.cache.v, page_table=page_row[None, :npages],
                                 lengths=cached[None])
         valid = (jnp.arange(t) < n)[None]  # bool[1, T]
         view, out = decode.prefill(params, self.cfg, view, tokens[None], valid, cache_attention=self.cache_attention)
-        key = jax.random.key_data(jax.random.PRNGKey(seed))[None]  # u32[1, 2]: the request's own stream
-        sb = sampling.SamplingBatch(temperature=temperature[None], top_k=top_k[None], top_p=top_p[None],
-                                    min_p=min_p[None], key=key)
-        tok, sb = sample(out.logits, sb)  # i32[1]
+        tok, sb = sampling.sample_next(out.logits, row)  # i32[1]; row: the request's fresh row (its own stream)
         cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=state.cache.page_table.at[slot].set(page_row),
                                  lengths=state.cache.lengths.at[slot].set(cached + n))
         samp = jax.tree.map(lambda a, r: a.at[slot].set(r[0]), state.sampling, sb)
@@ -115,7 +104,7 @@ class PlainRunner:
         view, logits = decode.decode(params, self.cfg, view, state.last[:nb], act,
                                      cache_attention=self.cache_attention)
         sb = jax.tree.map(lambda a: a[:nb], state.sampling)
-        tok, sb = sample(logits, sb, act)  # i32[nb]
+        tok, sb = sampling.sample_next(logits, sb, act)  # i32[nb]
         tok = jnp.where(act, tok, 0)
         samp = jax.tree.map(lambda a, r: a.at[:nb].set(r), state.sampling, sb)
         cache = kv_cache.KVCache(k=view.k, v=view.v, page_table=c.page_table, lengths=c.lengths.at[:nb].set(
@@ -129,13 +118,11 @@ class PlainRunner:
             log.debug("compiled %s in %.2fs", key, time.perf_counter() - t0)
 
     # ---- protocol ------------------------------------------------------------------------------------------------
-    def prefill(self, state, slot: int, tokens, page_row, sampling_params: dict, cached: int = 0):
+    def prefill(self, state, slot: int, tokens, page_row, row: sampling.SamplingRow, cached: int = 0):
         tokens = np.asarray(tokens, np.int32)
         page_row = np.asarray(page_row, np.int32)
-        sp = sampling_params
-        args = [np.float32(sp.get("temperature", 1.0)), np.int32(sp.get("top_k", -1)),
-                np.float32(sp.get("top_p", 1.0)), np.float32(sp.get("min_p", 0.0)),
-                np.uint32(sp.get("seed", 0) % (1 << 32))]
+        row = sampling.SamplingRow.coerce(row)
+        args = [sampling.SamplingBatch.from_rows([row], self.cfg.vocab_size, [tokens], seeds=[self._seeds.next(row)])]
         pos, total, tok = int(cached), len(tokens), None
         if total <= pos:
             raise ValueError(f"prefill needs at least one uncached token (cached={pos}, tokens={total})")
@@ -173,6 +160,14 @@ class PlainRunner:
         self._lengths[idx] += 1
         return state, tokens, active.astype(np.int32)
 
+    def logprobs(self, state):
+        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
+        return sampling.read_logprobs(state.sampling)
+
+    def prompt_logprobs(self, tokens, temperature: float):
+        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
+        return prompt_logprobs.prompt_logprobs(self.params, self.cfg, tokens, temperature, self.mesh)
+
     def release(self, state, slot: int):
         self._lengths[slot] = 0
         self._active[slot] = False
@@ -182,7 +177,7 @@ class PlainRunner:
         """Compile every prefill bucket and every batch bucket at the shortest page bucket; returns the state."""
         t0 = time.perf_counter()
         row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
-        greedy = {"temperature": 0.0}
+        greedy = sampling.SamplingRow(temperature=0.0)
         for t in self.prefill_buckets:
             state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
             state = self.release(state, 0)

@@ -2,17 +2,21 @@
 
 Every field of a request is either honoured or refused with a 400 naming it (``check_fields``): known fields of the
 wrong type or out of range, NaN/Infinity, fields that SGLang / vLLM / OpenAI define but specjax does not implement
-(penalties, logit_bias, logprobs, min_tokens, constrained decoding, LoRA, images, tools, ...) unless they carry their
-neutral value, and fields nobody defines (a typo would otherwise pass silently).
+(constrained decoding, LoRA, images, tools, ...) unless they carry their neutral value, and fields nobody defines (a
+typo would otherwise pass silently). Penalties, logit_bias, min_tokens and logprobs are honoured; the logprob objects
+of the responses are built here (``chat_logprobs``, ``completion_logprobs``, ``logprob_params``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import uuid
 from typing import Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
+
+from specjax import sampling
 
 from .request import RequestError, SamplingParams
 
@@ -59,12 +63,11 @@ class _Body(BaseModel):
 
 # Unsupported-feature fields shared by the OpenAI endpoints (OpenAI's own, then SGLang / vLLM extensions).
 _OPENAI_UNSUPPORTED = {
-    "presence_penalty": (0.0,), "frequency_penalty": (0.0,), "repetition_penalty": (1.0,), "logit_bias": (),
-    "min_tokens": (0,), "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "guided_json": (),
+    "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (), "guided_json": (),
     "guided_regex": (), "guided_choice": (), "guided_grammar": (), "guided_decoding_backend": (),
     "lora_path": (), "lora_request": (), "image_data": (), "session_params": (), "return_hidden_states": (False,),
-    "no_stop_trim": (False,), "spaces_between_special_tokens": (True,), "prompt_logprobs": (),
-    "logprobs": (False, 0), "top_logprobs": (0,), "response_format": ({"type": "text"},), "tools": (),
+    "spaces_between_special_tokens": (True,), "prompt_logprobs": (), "response_format": ({"type": "text"},),
+    "tools": (),
     "tool_choice": ("none", "auto"), "parallel_tool_calls": (True, False), "functions": (), "function_call": (),
     "store": (False,), "metadata": (), "service_tier": ("auto", "default"), "modalities": (["text"],),
     "audio": (), "prediction": (), "reasoning_effort": (), "web_search_options": (), "best_of": (1,),
@@ -87,9 +90,8 @@ class ErrorResponse(BaseModel):
 
 # ---- SGLang native /generate -------------------------------------------------------------------------------------
 # Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
-NEUTRAL_EXTRAS = {"frequency_penalty": (0.0,), "presence_penalty": (0.0,), "repetition_penalty": (1.0,),
-                  "min_new_tokens": (0,), "regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
-                  "logit_bias": (), "no_stop_trim": (False,), "spaces_between_special_tokens": (True,),
+NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
+                  "spaces_between_special_tokens": (True,),
                   "custom_params": (), "stream_interval": (), "lora_path": ()}
 
 
@@ -107,6 +109,12 @@ class GenerateSamplingParams(_Body):
     n: int = 1
     seed: int | None = None
     sampling_seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[str, float] | None = None
+    no_stop_trim: bool = False
 
 
 def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
@@ -115,7 +123,10 @@ def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
                         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                         stop=[p.stop] if isinstance(p.stop, str) else list(p.stop or []),
                         stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos,
-                        skip_special_tokens=p.skip_special_tokens, n=p.n, seed=seed)
+                        skip_special_tokens=p.skip_special_tokens, n=p.n, seed=seed,
+                        frequency_penalty=p.frequency_penalty, presence_penalty=p.presence_penalty,
+                        repetition_penalty=p.repetition_penalty, min_new_tokens=p.min_new_tokens,
+                        logit_bias=p.logit_bias, no_stop_trim=p.no_stop_trim)
     sp.validate()
     return sp
 
@@ -123,8 +134,7 @@ def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
 class GenerateRequest(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "image_data": (), "audio_data": (), "video_data": (), "input_embeds": (), "lora_path": (), "lora_id": (),
-        "logprob_start_len": (-1,), "top_logprobs_num": (0,), "token_ids_logprob": (),
-        "return_text_in_logprobs": (False, True), "return_hidden_states": (False,), "custom_logit_processor": (),
+        "token_ids_logprob": (), "return_hidden_states": (False,), "custom_logit_processor": (),
         "session_params": (), "modalities": (), "data_parallel_rank": (), "log_metrics": (True, False),
         "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": ()}
     text: str | list[str] | None = None
@@ -133,6 +143,27 @@ class GenerateRequest(_Body):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
+    logprob_start_len: int | list[int] = -1
+    top_logprobs_num: int | list[int] = 0
+    return_text_in_logprobs: bool = False
+
+    def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
+        """``params`` (one per prompt) with this request's logprob fields (scalars or one per prompt) applied."""
+        def pick(v, i, name):
+            if not isinstance(v, list):
+                return v
+            if len(v) != len(params):
+                raise RequestError(f"{len(v)} values of {name} for {len(params)} prompts", param=name)
+            return v[i]
+        out = []
+        for i, sp in enumerate(params):
+            sp = dataclasses.replace(sp, return_logprob=bool(pick(self.return_logprob, i, "return_logprob")),
+                                     logprob_start_len=pick(self.logprob_start_len, i, "logprob_start_len"),
+                                     top_logprobs_num=pick(self.top_logprobs_num, i, "top_logprobs_num"),
+                                     return_text_in_logprobs=self.return_text_in_logprobs)
+            sp.validate()
+            out.append(sp)
+        return out
 
 
 class GenerateResponse(BaseModel):
@@ -164,10 +195,22 @@ class _OpenAISampling(_Body):
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
     skip_special_tokens: bool = True
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    min_tokens: int | None = None
+    no_stop_trim: bool = False
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        """(return_logprob, top_logprobs_num, echo prompt logprobs): each endpoint maps its own fields."""
+        return False, 0, False
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+        if self.min_tokens is not None and self.min_tokens < 0:
+            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
         sp = SamplingParams(
             max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
             temperature=1.0 if self.temperature is None else self.temperature,
@@ -175,7 +218,12 @@ class _OpenAISampling(_Body):
             min_p=0.0 if self.min_p is None else self.min_p,
             stop=[self.stop] if isinstance(self.stop, str) else list(self.stop or []),
             stop_token_ids=list(self.stop_token_ids or []), ignore_eos=self.ignore_eos,
-            skip_special_tokens=self.skip_special_tokens, n=self.n, seed=self.seed)
+            skip_special_tokens=self.skip_special_tokens, n=self.n, seed=self.seed,
+            frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
+            repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
+            min_new_tokens=self.min_tokens or 0, logit_bias=self.logit_bias, no_stop_trim=self.no_stop_trim)
+        want, top, echo = self.logprob_request()
+        sp.return_logprob, sp.top_logprobs_num, sp.logprob_start_len = want, top, 0 if echo else -1
         sp.validate()
         return sp
 
@@ -184,6 +232,14 @@ class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
     max_tokens: int | None = 16
     echo: bool = False
+    logprobs: int | None = None  # completions: the number of top logprobs per token (0: the chosen token's only)
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        if self.logprobs is not None and not 0 <= self.logprobs <= sampling.TOP_LOGPROBS:
+            raise RequestError(f"logprobs must be in [0, {sampling.TOP_LOGPROBS}], got {self.logprobs}",
+                               param="logprobs")
+        want = self.logprobs is not None
+        return want, self.logprobs or 0, want and self.echo
 
     def check(self) -> None:
         best_of = (self.model_extra or {}).get("best_of")
@@ -224,6 +280,17 @@ class ChatCompletionRequest(_OpenAISampling):
     max_tokens: int | None = None
     max_completion_tokens: int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking...)
+    logprobs: bool = False
+    top_logprobs: int | None = None
+
+    def logprob_request(self) -> tuple[bool, int, bool]:
+        if self.top_logprobs is not None:
+            if not 0 <= self.top_logprobs <= sampling.TOP_LOGPROBS:
+                raise RequestError(f"top_logprobs must be in [0, {sampling.TOP_LOGPROBS}], got {self.top_logprobs}",
+                                   param="top_logprobs")
+            if self.top_logprobs and not self.logprobs:
+                raise RequestError("top_logprobs needs logprobs: true", param="top_logprobs")
+        return self.logprobs, self.top_logprobs or 0, False
 
     @property
     def token_limit(self) -> int | None:
@@ -244,7 +311,7 @@ class UsageInfo(BaseModel):
 class CompletionChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -261,7 +328,7 @@ class CompletionResponse(BaseModel):
 class CompletionStreamChoice(BaseModel):
     index: int
     text: str
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -282,7 +349,7 @@ class ChatMessageOut(BaseModel):
 class ChatChoice(BaseModel):
     index: int
     message: ChatMessageOut
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
     matched_stop: int | str | None = None
 
@@ -304,7 +371,7 @@ class DeltaMessage(BaseModel):
 class ChatStreamChoice(BaseModel):
     index: int
     delta: DeltaMessage
-    logprobs: None = None
+    logprobs: dict[str, Any] | None = None
     finish_reason: str | None = None
 
 
@@ -341,3 +408,45 @@ def finish_reason_openai(reason: dict | None) -> str | None:
     if reason is None:
         return None
     return {"stop": "stop", "length": "length"}.get(reason.get("type"), "abort")
+
+
+# ---- logprob objects -----------------------------------------------------------------------------------------------
+def _token_text(tokenizer, tok: int) -> str:
+    return tokenizer.decode([tok])
+
+
+def chat_logprobs(meta: dict, tokenizer, top_n: int, start: int = 0) -> dict | None:
+    """OpenAI chat ``choices[i].logprobs`` from SGLang meta_info (output tokens from index ``start``)."""
+    if "output_token_logprobs" not in meta:
+        return None
+
+    def entry(lp, tok):
+        text = _token_text(tokenizer, tok)
+        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+
+    content = []
+    for (lp, tok, _), top in list(zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))[start:]:
+        content.append(dict(entry(lp, tok), top_logprobs=[entry(l, t) for l, t, _ in top[:top_n]]))
+    return {"content": content}
+
+
+def completion_logprobs(meta: dict, tokenizer, top_n: int, echo: bool, start: int = 0,
+                        text_offset: int = 0) -> dict | None:
+    """OpenAI completions ``choices[i].logprobs`` ({tokens, token_logprobs, top_logprobs, text_offset}) from SGLang
+    meta_info; with ``echo`` the prompt's tokens come first (the first one's logprob None)."""
+    if "output_token_logprobs" not in meta:
+        return None
+    pairs = [(lp, t, None) for lp, t, _ in meta["input_token_logprobs"]] if echo and start == 0 else []
+    pairs += [(lp, t, top) for (lp, t, _), top in list(zip(meta["output_token_logprobs"],
+                                                               meta["output_top_logprobs"]))[start:]]
+    out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+    offset = text_offset
+    for lp, t, top in pairs:
+        text = _token_text(tokenizer, t)
+        out["tokens"].append(text)
+        out["token_logprobs"].append(lp)
+        out["top_logprobs"].append(None if top is None else {_token_text(tokenizer, tt): l for l, tt, _ in
+                                                             top[:top_n]})
+        out["text_offset"].append(offset)
+        offset += len(text)
+    return out

@@ -36,6 +36,17 @@ class SamplingParams:
     skip_special_tokens: bool = True
     n: int = 1
     seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: dict[int, float] | None = None  # token id (int or its string, as JSON keys are) -> bias
+    no_stop_trim: bool = False  # keep the matched stop string / stop token in the text
+    # Logprobs (SGLang's request fields; the OpenAI endpoints map theirs onto these).
+    return_logprob: bool = False
+    top_logprobs_num: int = 0
+    logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none)
+    return_text_in_logprobs: bool = False
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -84,10 +95,34 @@ class SamplingParams:
             raise RequestError("at most 16 stop strings", "stop")
         if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
             raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
+        self._validate_extras()
 
-    def runner_dict(self, seed: int) -> dict:
-        return {"temperature": self.temperature, "top_k": self.top_k, "top_p": self.top_p, "min_p": self.min_p,
-                "seed": seed}
+    def _validate_extras(self) -> None:
+        try:
+            self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
+        except (TypeError, ValueError):
+            raise RequestError("logit_bias must map token ids to numbers", "logit_bias") from None
+        if not 0 <= int(self.top_logprobs_num) <= sampling.TOP_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {sampling.TOP_LOGPROBS}], got {self.top_logprobs_num}",
+                               "top_logprobs_num")
+        if int(self.logprob_start_len) < -1:
+            raise RequestError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
+        if isinstance(self.min_new_tokens, bool) or int(self.min_new_tokens) < 0:
+            raise RequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}", "min_new_tokens")
+        try:
+            self.runner_row(0, ()).validate()
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(" ")[0]) from None
+
+    def runner_row(self, seed: int | None, eos_ids) -> sampling.SamplingRow:
+        """The runner's typed row: min_new_tokens holds back the stop tokens (eos unless ignore_eos)."""
+        stops = tuple(dict.fromkeys(list(self.stop_token_ids) + ([] if self.ignore_eos else sorted(eos_ids))))
+        return sampling.SamplingRow(
+            temperature=self.temperature, top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=seed,
+            frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
+            repetition_penalty=float(self.repetition_penalty), min_new_tokens=int(self.min_new_tokens),
+            logit_bias=tuple((self.logit_bias or {}).items()), stop_ids=stops,
+            logprobs=bool(self.return_logprob))
 
 
 @dataclasses.dataclass
@@ -109,6 +144,11 @@ class Request:
     finish_reason: dict | None = None
     abort_requested: bool = False
     first_token_time: float | None = None
+    # Logprobs (when params.return_logprob): per output token (logprob, id) and its top (logprob, id) pairs;
+    # prompt tokens from logprob_start_len on as (logprob or None for position 0, id).
+    output_logprobs: list = dataclasses.field(default_factory=list)
+    output_top_logprobs: list = dataclasses.field(default_factory=list)
+    input_logprobs: list = dataclasses.field(default_factory=list)
     # Detokenization state.
     text: str = ""  # visible output text so far (stop strings removed)
     sent_chars: int = 0  # text[:sent_chars] has been streamed
@@ -149,18 +189,31 @@ class Request:
             return delta
         return ""
 
-    def append_tokens(self, tokens, tokenizer, eos_ids: frozenset[int], context_left: int) -> None:
-        """Add newly generated tokens one by one, stopping at the first stop condition (the rest are dropped)."""
+    def _record_logprob(self, logprobs, j: int, tok: int) -> None:
+        if logprobs is None or not self.params.return_logprob:
+            return
+        lp, ids, vals = logprobs
+        k = self.params.top_logprobs_num
+        self.output_logprobs.append((float(lp[j]), tok))
+        self.output_top_logprobs.append([(float(v), int(i)) for v, i in zip(vals[j, :k], ids[j, :k])])
+
+    def append_tokens(self, tokens, tokenizer, eos_ids: frozenset[int], context_left: int, logprobs=None) -> None:
+        """Add newly generated tokens one by one, stopping at the first stop condition (the rest are dropped).
+        ``logprobs``: (f32[W], i32[W, K], f32[W, K]) of these tokens (``sampling.read_logprobs`` of the slot)."""
         sp = self.params
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
         max_stop = max((len(s) for s in sp.stop), default=0)
-        for tok in tokens:
+        for j, tok in enumerate(tokens):
             tok = int(tok)
             if self.first_token_time is None:
                 self.first_token_time = time.perf_counter()
             self.output_ids.append(tok)
+            self._record_logprob(logprobs, j, tok)
             if tok in stop_ids:
                 self.finish_reason = {"type": "stop", "matched": tok}
+                if sp.no_stop_trim:  # the stop token stays in the text (unless skip_special_tokens hides it)
+                    self._detok_ids.append(tok)
+                    self.text += self._decode_delta(tokenizer, final=True)
                 return
             self._detok_ids.append(tok)
             old_len = len(self.text)
@@ -171,7 +224,7 @@ class Request:
                 hits = [(i, s) for i, s in hits if i >= 0]
                 if hits:
                     i, s = min(hits)
-                    self.text = self.text[:i]
+                    self.text = self.text[:i + (len(s) if sp.no_stop_trim else 0)]
                     self.finish_reason = {"type": "stop", "matched": s}
                     return
             if len(self.output_ids) >= sp.max_new_tokens or len(self.output_ids) >= context_left:
@@ -200,7 +253,17 @@ class Request:
         self.sent_chars, self.sent_ids = end, len(self.output_ids)
         return text, ids
 
-    def meta_info(self, spec: bool) -> dict:
+    def logprob_meta(self, tokenizer=None) -> dict:
+        """SGLang's meta_info logprob fields: lists of (logprob, token_id, text or None) tuples."""
+        text = (lambda t: tokenizer.decode([t])) if tokenizer is not None and self.params.return_text_in_logprobs \
+            else (lambda t: None)
+        triple = lambda lp, t: (lp, t, text(t))
+        return {"input_token_logprobs": [triple(lp, t) for lp, t in self.input_logprobs],
+                "output_token_logprobs": [triple(lp, t) for lp, t in self.output_logprobs],
+                "input_top_logprobs": [None for _ in self.input_logprobs],
+                "output_top_logprobs": [[triple(lp, t) for lp, t in top] for top in self.output_top_logprobs]}
+
+    def meta_info(self, spec: bool, tokenizer=None) -> dict:
         now = time.perf_counter()
         m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
              "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens,
@@ -208,4 +271,6 @@ class Request:
         if spec:
             m["spec_verify_ct"] = self.spec_verify_ct
             m["spec_accept_length"] = (len(self.output_ids) / self.spec_verify_ct) if self.spec_verify_ct else 0.0
+        if self.params.return_logprob:
+            m.update(self.logprob_meta(tokenizer))
         return m

@@ -117,7 +117,8 @@ def _prompt_bucket(n: int, page_size: int) -> int:
 
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
-             page_size: int = 16, cache_attention=None, mesh=None) -> list[list[int]]:
+             page_size: int = 16, cache_attention=None, mesh=None,
+             rows: Sequence[sampling.SamplingRow] | None = None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
 
     ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0
@@ -127,6 +128,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     Shapes are bucketed (prompt length to a power of two, budget to 16) so that similar calls share one compile.
     With ``mesh`` (a (dp, tp) mesh the params are sharded on, e.g. by ``weights.load_target_params``), the KV cache
     is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
+    ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
+    scalar sampling arguments.
     """
     if not prompts:
         return []
@@ -148,7 +151,12 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     capacity = _round_up(int(limit.max()), 16)
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, t_pad + capacity,
                                 page_size=page_size, dtype=jnp.dtype(cfg.dtype))
-    sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
+    if rows is not None:
+        for r in rows:
+            r.validate(cfg.vocab_size)
+        sb = sampling.SamplingBatch.from_rows(rows, cfg.vocab_size, prompts)
+    else:
+        sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
     inputs = (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb, stop_ids)
     if mesh is not None:
         cache, inputs = _place_on_mesh(mesh, cache, inputs)

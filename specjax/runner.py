@@ -16,6 +16,8 @@ from typing import Any, Protocol
 
 import numpy as np
 
+from specjax.sampling import SamplingRow
+
 
 class Runner(Protocol):
     max_batch: int  # number of slots B
@@ -27,11 +29,12 @@ class Runner(Protocol):
     def init_state(self) -> Any:
         """Device state: caches (all pages free), per-slot lengths 0, slots inactive."""
 
-    def prefill(self, state: Any, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
+    def prefill(self, state: Any, slot: int, tokens: np.ndarray, page_row: np.ndarray, row: SamplingRow,
                 cached: int = 0) -> tuple[Any, int]:
         """Run the prompt ``tokens`` (i32[n]) into ``slot``, whose page-table row becomes ``page_row`` (i32[pps]).
         The first ``cached`` tokens are already in the cache pages (prefix reuse) and are not recomputed.
-        ``sampling``: {temperature, top_k, top_p, min_p, seed}. Returns (state, first generated token)."""
+        ``row``: the request's ``sampling.SamplingRow`` (a mapping of its fields is coerced). Returns (state, first
+        generated token)."""
 
     def step(self, state: Any, active: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
         """One decode step for all slots with ``active`` (bool[B]) set.

@@ -1,40 +1,209 @@
 """Per-request sampling on device: one definition of the target distribution used by plain generation,
 speculative verification and the server, so that "lossless" means the same thing everywhere.
 
-Order (as in SGLang / HF): temperature -> top_k -> top_p -> min_p. temperature == 0 means greedy.
+A request's parameters travel as ONE typed host row (``SamplingRow``); rows are batched into device arrays
+(``SamplingBatch``) that also carry each row's penalty state (output token counts, prompt tokens, tokens generated)
+and the log-probabilities of the tokens it emitted last. Every parameter is data, never a static argument: a batch
+mixes greedy, sampled, penalised and logprob rows in ONE compiled program; ``lax.cond`` skips the penalty and logprob
+work when no row of the batch asks for it (so a plain batch costs what it did before these parameters existed).
+
+Order (as vLLM / SGLang / HF): the raw logits get
+  1. repetition_penalty (HF/CTRL: over prompt + output tokens, positive logits divided, negative multiplied),
+  2. frequency_penalty * count + presence_penalty * [count > 0] subtracted (OpenAI: over output tokens only),
+  3. logit_bias added,
+  4. min_new_tokens: the row's stop tokens (eos unless ignore_eos, plus stop_token_ids) set to -inf while fewer than
+     min_new_tokens tokens were generated;
+then temperature -> top_k -> top_p -> min_p. temperature == 0 means greedy (argmax of the penalised logits).
+Log-probabilities (SGLang's definition): log_softmax(penalised logits / temperature), temperature 1 for greedy rows,
+before top_k / top_p / min_p filtering.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
+MAX_STOP_IDS = 64  # stop token ids per request that min_new_tokens can hold back
+TOP_LOGPROBS = 20  # most top logprobs per emitted token (OpenAI's limit); every logprob batch computes this many
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingRow:
+    """One request's sampling parameters, as the runners take them (SGLang's names and defaults).
+    ``stop_ids``: the tokens min_new_tokens holds back (eos unless ignore_eos, plus stop_token_ids).
+    ``seed`` None: the runner draws one."""
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    min_p: float = 0.0
+    seed: int | None = None
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_new_tokens: int = 0
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    stop_ids: tuple[int, ...] = ()
+    logprobs: bool = False
+
+    @classmethod
+    def coerce(cls, x: "SamplingRow | Mapping[str, Any] | None") -> "SamplingRow":
+        """A SamplingRow from itself or a mapping with its field names (unknown names are refused)."""
+        if isinstance(x, SamplingRow):
+            return x
+        d = dict(x or {})
+        unknown = sorted(set(d) - {f.name for f in dataclasses.fields(cls)})
+        if unknown:
+            raise ValueError(f"unknown sampling field(s) {unknown}")
+        if isinstance(d.get("logit_bias"), Mapping):
+            d["logit_bias"] = tuple((int(k), float(v)) for k, v in d["logit_bias"].items())
+        for k in ("logit_bias", "stop_ids"):
+            if k in d:
+                d[k] = tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in d[k])
+        return cls(**d)
+
+    @property
+    def penalised(self) -> bool:
+        return bool(self.frequency_penalty or self.presence_penalty or self.repetition_penalty != 1.0
+                    or self.min_new_tokens > 0 or self.logit_bias)
+
+    def validate(self, vocab_size: int | None = None) -> None:
+        """ValueError with a clear message for an out-of-range parameter."""
+        validate(self.temperature, self.top_k, self.top_p, self.min_p)
+        for name in ("frequency_penalty", "presence_penalty"):
+            v = getattr(self, name)
+            if not (math.isfinite(v) and -2.0 <= v <= 2.0):
+                raise ValueError(f"{name} must be in [-2, 2], got {v}")
+        if not (math.isfinite(self.repetition_penalty) and 0.0 < self.repetition_penalty <= 2.0):
+            raise ValueError(f"repetition_penalty must be in (0, 2], got {self.repetition_penalty}")
+        if self.min_new_tokens < 0:
+            raise ValueError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}")
+        if len(self.logit_bias) > MAX_LOGIT_BIAS:
+            raise ValueError(f"logit_bias has {len(self.logit_bias)} entries; at most {MAX_LOGIT_BIAS}")
+        for t, b in self.logit_bias:
+            if not (math.isfinite(b) and -100.0 <= b <= 100.0):
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
+            if t < 0 or (vocab_size is not None and t >= vocab_size):
+                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+        if self.min_new_tokens > 0 and len(set(self.stop_ids)) > MAX_STOP_IDS:
+            raise ValueError(f"min_new_tokens can hold back at most {MAX_STOP_IDS} stop token ids, got "
+                             f"{len(set(self.stop_ids))}")
+
+
+class Seeds:
+    """Seeds for rows that bring none (``SamplingRow.seed`` None): a different stream for every request."""
+
+    def __init__(self):
+        self._n = 0
+
+    def next(self, row: SamplingRow) -> int:
+        if row.seed is not None:
+            return int(row.seed)
+        self._n += 1
+        return hash((id(self), self._n)) & 0x7FFFFFFF
+
+
+def _key_data(seed: int) -> np.ndarray:
+    """u32[2]: ``jax.random.key_data(jax.random.PRNGKey(seed % 2**32))`` (threefry), without a device call."""
+    return np.asarray([0, int(seed) % (1 << 32)], np.uint32)
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class SamplingBatch:
-    """Sampling parameters of B rows (requests / slots), as device arrays."""
+    """Sampling parameters and per-row state of B rows (requests / slots), as device arrays."""
     temperature: jax.Array  # f32[B]  0 = greedy
     top_k: jax.Array  # i32[B]  <= 0 = off
     top_p: jax.Array  # f32[B]  1 = off
     min_p: jax.Array  # f32[B]  0 = off
     key: jax.Array  # u32[B, 2] per-row PRNG key (a per-request seed gives reproducible output)
+    frequency_penalty: jax.Array  # f32[B]  0 = off
+    presence_penalty: jax.Array  # f32[B]  0 = off
+    repetition_penalty: jax.Array  # f32[B]  1 = off
+    min_new: jax.Array  # i32[B]  min_new_tokens
+    bias_ids: jax.Array  # i32[B, MAX_LOGIT_BIAS] logit_bias token ids, -1 = unused
+    bias_vals: jax.Array  # f32[B, MAX_LOGIT_BIAS]
+    stop_ids: jax.Array  # i32[B, MAX_STOP_IDS] tokens min_new_tokens holds back, -1 = unused
+    want_logprobs: jax.Array  # bool[B]
+    # Per-row state.
+    generated: jax.Array  # i32[B] tokens emitted so far
+    counts: jax.Array  # i32[B, V] how often each token was emitted (V = 1 in a batch built without a vocab)
+    prompt_seen: jax.Array  # bool[B, V] tokens of the prompt (repetition_penalty)
+    # Log-probabilities of the tokens the row emitted in its latest step (W = tokens per step).
+    logprob: jax.Array  # f32[B, W]
+    top_ids: jax.Array  # i32[B, W, TOP_LOGPROBS]
+    top_logprobs: jax.Array  # f32[B, W, TOP_LOGPROBS]
 
     @classmethod
-    def make(cls, batch: int, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0) -> "SamplingBatch":
+    def make(cls, batch: int, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, *, vocab: int = 1,
+             width: int = 1) -> "SamplingBatch":
+        """Unpenalised rows (scalars or one value per row). ``vocab``: the size of the penalty state (1 = a batch
+        that never penalises); ``width``: tokens per step (logprob buffers)."""
         def col(v, dt):
-            return jnp.asarray(np.broadcast_to(np.asarray(v, dt), (batch,)).copy())
-        seeds = np.broadcast_to(np.asarray(seed, np.uint32), (batch,))
-        keys = jnp.stack([jax.random.key_data(jax.random.PRNGKey(int(s))) for s in seeds])
-        return cls(temperature=col(temperature, np.float32), top_k=col(top_k, np.int32), top_p=col(top_p, np.float32),
-                   min_p=col(min_p, np.float32), key=keys)
+            return np.broadcast_to(np.asarray(v, dt), (batch,)).copy()
+        seeds = np.broadcast_to(np.asarray(seed), (batch,))
+        return cls.from_arrays(
+            dict(temperature=col(temperature, np.float32), top_k=col(top_k, np.int32), top_p=col(top_p, np.float32),
+                 min_p=col(min_p, np.float32), key=np.stack([_key_data(int(s)) for s in seeds])),
+            batch, vocab, width)
+
+    @classmethod
+    def from_rows(cls, rows: Sequence[SamplingRow], vocab: int, prompts: Sequence[Sequence[int]] | None = None,
+                  width: int = 1, seeds: Sequence[int] | None = None) -> "SamplingBatch":
+        """Device batch of ``rows``; ``prompts`` (token ids per row) for repetition_penalty; ``seeds`` override
+        each row's seed (None: row.seed, else 0)."""
+        b = len(rows)
+        a = {f: np.asarray([getattr(r, f) for r in rows], dt) for f, dt in (
+            ("temperature", np.float32), ("top_k", np.int32), ("top_p", np.float32), ("min_p", np.float32),
+            ("frequency_penalty", np.float32), ("presence_penalty", np.float32),
+            ("repetition_penalty", np.float32))}
+        a["min_new"] = np.asarray([r.min_new_tokens for r in rows], np.int32)
+        a["want_logprobs"] = np.asarray([r.logprobs for r in rows], bool)
+        seeds = [r.seed or 0 for r in rows] if seeds is None else seeds
+        a["key"] = np.stack([_key_data(int(s)) for s in seeds])
+        a["bias_ids"] = np.full((b, MAX_LOGIT_BIAS), -1, np.int32)
+        a["bias_vals"] = np.zeros((b, MAX_LOGIT_BIAS), np.float32)
+        a["stop_ids"] = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        a["prompt_seen"] = np.zeros((b, vocab), bool)
+        for i, r in enumerate(rows):
+            if r.logit_bias:
+                ids, vals = zip(*r.logit_bias)
+                a["bias_ids"][i, :len(ids)], a["bias_vals"][i, :len(ids)] = ids, vals
+            stops = sorted(set(r.stop_ids))[:MAX_STOP_IDS]
+            a["stop_ids"][i, :len(stops)] = stops
+            if prompts is not None and r.repetition_penalty != 1.0:
+                a["prompt_seen"][i, np.asarray(prompts[i], np.int64)] = True
+        return cls.from_arrays(a, b, vocab, width)
+
+    @classmethod
+    def from_arrays(cls, a: dict, batch: int, vocab: int, width: int) -> "SamplingBatch":
+        defaults = dict(
+            frequency_penalty=np.zeros((batch,), np.float32), presence_penalty=np.zeros((batch,), np.float32),
+            repetition_penalty=np.ones((batch,), np.float32), min_new=np.zeros((batch,), np.int32),
+            bias_ids=np.full((batch, MAX_LOGIT_BIAS), -1, np.int32),
+            bias_vals=np.zeros((batch, MAX_LOGIT_BIAS), np.float32),
+            stop_ids=np.full((batch, MAX_STOP_IDS), -1, np.int32), want_logprobs=np.zeros((batch,), bool),
+            generated=np.zeros((batch,), np.int32), counts=np.zeros((batch, vocab), np.int32),
+            prompt_seen=np.zeros((batch, vocab), bool), logprob=np.zeros((batch, width), np.float32),
+            top_ids=np.zeros((batch, width, TOP_LOGPROBS), np.int32),
+            top_logprobs=np.zeros((batch, width, TOP_LOGPROBS), np.float32))
+        defaults.update(a)
+        return cls(**{k: jnp.asarray(v) for k, v in defaults.items()})
 
     @property
     def greedy(self):
         return self.temperature <= 0.0  # bool[B]
+
+    @property
+    def penalised(self):
+        """bool[B]: rows whose logits the penalties / bias / min_new_tokens change (at this step)."""
+        return ((self.frequency_penalty != 0) | (self.presence_penalty != 0) | (self.repetition_penalty != 1)
+                | (self.bias_vals != 0).any(-1) | (self.generated < self.min_new))
 
 
 def validate(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
@@ -49,11 +218,56 @@ def validate(temperature: float, top_k: int, top_p: float, min_p: float) -> None
         raise ValueError(f"min_p must be in [0, 1], got {min_p}")
 
 
+def _expand(a, ndim: int):
+    return a.reshape(a.shape + (1,) * (ndim - a.ndim))
+
+
+def _penalise(logits, sb: SamplingBatch, tree=None):
+    """Steps 1-4 of the module docstring on f32[B, V], or on f32[B, M, V] tree nodes with ``tree`` = (tokens
+    i32[B, M], ancestor-or-self mask bool[B, M, M], depth i32[B, M]): a node's penalties also count the tokens
+    drafted on its path, and its successor is generated after ``depth`` more tokens."""
+    x = logits.astype(jnp.float32)
+    v, nd = x.shape[-1], x.ndim
+    counts = sb.counts.astype(jnp.float32)
+    generated, seen = sb.generated, sb.prompt_seen
+    if tree is not None:
+        tokens, mask, depth = tree
+        counts = counts[:, None, :] + tree_counts(tokens, mask, v)
+        generated, seen = generated[:, None] + depth, seen[:, None, :]
+    rows = jnp.arange(x.shape[0])[:, None]
+    seen = seen | (counts > 0)
+    rp = _expand(sb.repetition_penalty, nd)
+    x = jnp.where(seen, jnp.where(x > 0, x / rp, x * rp), x)
+    x = x - _expand(sb.frequency_penalty, nd) * counts - _expand(sb.presence_penalty, nd) * (counts > 0)
+    bias = jnp.zeros((x.shape[0], v), jnp.float32).at[rows, jnp.where(sb.bias_ids < 0, v, sb.bias_ids)].add(
+        sb.bias_vals, mode="drop")
+    stops = jnp.zeros((x.shape[0], v), bool).at[rows, jnp.where(sb.stop_ids < 0, v, sb.stop_ids)].set(
+        True, mode="drop")
+    if tree is not None:
+        bias, stops = bias[:, None, :], stops[:, None, :]
+    x = x + bias
+    return jnp.where(stops & (generated < _expand(sb.min_new, generated.ndim))[..., None], -jnp.inf, x)
+
+
+def process_logits(logits, sb: SamplingBatch, tree=None):
+    """The penalised logits f32[B, (M,) V] (the raw ones, as f32, when no row of the batch is penalised)."""
+    if sb.counts.shape[-1] != logits.shape[-1]:  # a batch built without a vocab never penalises
+        return logits.astype(jnp.float32)
+    return jax.lax.cond(sb.penalised.any(), lambda: _penalise(logits, sb, tree), lambda: logits.astype(jnp.float32))
+
+
+def tree_counts(tokens, mask, vocab: int):
+    """f32[B, M, V]: per tree node, how often each token occurs among its drafted ancestors and itself (the root,
+    node 0, is already emitted and counted). tokens i32[B, M]; mask bool[B, M, M] ancestor-or-self."""
+    drafted = mask & (jnp.arange(mask.shape[-1]) > 0)[None, None, :]
+    return jnp.einsum("bma,bav->bmv", drafted.astype(jnp.float32), jax.nn.one_hot(tokens, vocab, dtype=jnp.float32))
+
+
 def target_probs(logits, temperature, top_k, top_p, min_p):
-    """Processed distribution f32[..., V] from logits f32[..., V]; params broadcast over the leading axes ([B] ->
-    [B, ...] via explicit expand by the caller). Greedy rows (temperature 0) get a one-hot on the argmax."""
+    """Processed distribution f32[..., V] from (penalised) logits f32[..., V]; params broadcast over the leading
+    axes ([B] -> [B, ...]). Greedy rows (temperature 0) get a one-hot on the argmax."""
     v = logits.shape[-1]
-    expand = lambda a: a.reshape(a.shape + (1,) * (logits.ndim - a.ndim))
+    expand = lambda a: _expand(a, logits.ndim)
     t = expand(temperature)
     greedy = t <= 0
     x = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
@@ -93,16 +307,71 @@ def sample_rows(probs, subkeys):
     return jax.vmap(one)(probs, subkeys).astype(jnp.int32)
 
 
-def sample_next(logits, sb: SamplingBatch):
-    """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys)."""
-    keys, sub = split_keys(sb.key)
-    greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)  # i32[B]
+def token_logprobs(x, sb: SamplingBatch, tokens):
+    """SGLang's logprobs of ``tokens`` i32[B, W] under penalised logits x f32[B, W, V]: (f32[B, W], top ids
+    i32[B, W, TOP_LOGPROBS], top logprobs f32[B, W, TOP_LOGPROBS]); computed only when a row asks for them."""
+    b, w, _ = x.shape
+    k = min(TOP_LOGPROBS, x.shape[-1])
 
-    def sampled(_):
-        probs = target_probs(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+    def compute():
+        t = jnp.where(sb.greedy, 1.0, sb.temperature)[:, None, None]
+        lp = jax.nn.log_softmax(x / t, axis=-1)
+        lp = jnp.maximum(lp, jnp.finfo(jnp.float32).min)  # -inf (min_new_tokens, bias) -> finite, as SGLang
+        top_lp, top_ids = jax.lax.top_k(lp, k)
+        pad = TOP_LOGPROBS - k
+        return (jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0],
+                jnp.pad(top_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, pad))),
+                jnp.pad(top_lp, ((0, 0), (0, 0), (0, pad))))
+
+    def skip():
+        return (jnp.zeros((b, w), jnp.float32), jnp.zeros((b, w, TOP_LOGPROBS), jnp.int32),
+                jnp.zeros((b, w, TOP_LOGPROBS), jnp.float32))
+
+    return jax.lax.cond(sb.want_logprobs.any(), compute, skip)
+
+
+def record(sb: SamplingBatch, tokens, n, x=None, active=None) -> SamplingBatch:
+    """The row state after emitting ``tokens`` i32[B, W] (the first ``n`` i32[B] of each row): counts, generated and,
+    from the penalised logits ``x`` f32[B, W, V] that produced them, their logprobs. Inactive rows keep theirs."""
+    w = tokens.shape[1]
+    take = jnp.arange(w)[None, :] < n[:, None]
+    if active is not None:
+        take = take & active[:, None]
+    rows = jnp.arange(tokens.shape[0])[:, None]
+    counts = sb.counts
+    if counts.shape[-1] > 1:
+        counts = counts.at[rows, jnp.where(take, tokens, counts.shape[-1])].add(1, mode="drop")
+    new = dataclasses.replace(sb, counts=counts, generated=sb.generated + take.sum(-1).astype(jnp.int32))
+    if x is not None:
+        pad = sb.logprob.shape[1] - w  # a speculative row's prefill emits 1 of its W tokens per step
+        lp, ids, top = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+                        for a in token_logprobs(x, sb, tokens))
+        keep = lambda a, b: jnp.where(_expand(active, a.ndim), a, b) if active is not None else a
+        new = dataclasses.replace(new, logprob=keep(lp, sb.logprob), top_ids=keep(ids, sb.top_ids),
+                                  top_logprobs=keep(top, sb.top_logprobs))
+    return new
+
+
+def sample_next(logits, sb: SamplingBatch, active=None):
+    """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys and recorded token).
+    ``active`` bool[B] (default all): rows outside it advance their keys only. When every active row is greedy only
+    the argmax runs (the sampling path sorts the vocabulary twice per row, which dominates a small model's decode
+    step on CPU); keys advance either way, so every row's random stream is unchanged."""
+    keys, sub = split_keys(sb.key)
+    x = process_logits(logits, sb)
+    greedy_tok = jnp.argmax(x, -1).astype(jnp.int32)  # i32[B]
+    greedy = sb.greedy if active is None else sb.greedy | ~active
+
+    def sampled():
+        probs = target_probs(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
         return jnp.where(sb.greedy, greedy_tok, sample_rows(probs, sub))
 
-    # An all-greedy batch skips the two sorts over V per row (3x the cost of a SmolLM2 batch-8 decode step on CPU);
-    # keys advance either way, so every row's random stream is unchanged.
-    tok = jax.lax.cond(sb.greedy.all(), lambda _: greedy_tok, sampled, None)
-    return tok, dataclasses.replace(sb, key=keys)
+    tok = jax.lax.cond(greedy.all(), lambda: greedy_tok, sampled)
+    sb = record(dataclasses.replace(sb, key=keys), tok[:, None], jnp.ones_like(tok), x[:, None], active)
+    return tok, sb
+
+
+def read_logprobs(sb: SamplingBatch):
+    """Host copies (f32[B, W], i32[B, W, TOP_LOGPROBS], f32[B, W, TOP_LOGPROBS]) of the logprobs of the tokens each
+    row emitted in its latest step (prefill: column 0)."""
+    return np.asarray(sb.logprob), np.asarray(sb.top_ids), np.asarray(sb.top_logprobs)

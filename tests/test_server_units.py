@@ -152,8 +152,24 @@ def test_length_and_stop_tokens(tokenizer):
     assert req.output_ids == [7, 0, 9] and req.finish_reason["matched"] == 9
 
 
+def test_no_stop_trim_keeps_the_stop(tokenizer):
+    text = "The capital of France is Paris. The capital of Italy is Rome."
+    req, streamed = run_request(tokenizer, text, stop=["Italy is"], max_new_tokens=100, no_stop_trim=True)
+    assert req.text == streamed == "The capital of France is Paris. The capital of Italy is"
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    stop_id = tokenizer(" Paris", add_special_tokens=False)["input_ids"][0]
+    k = ids.index(stop_id)
+    req, _ = run_request(tokenizer, text, stop_token_ids=[stop_id], max_new_tokens=100, no_stop_trim=True)
+    assert req.finish_reason["matched"] == stop_id and req.text == tokenizer.decode(ids[:k + 1])
+    req, _ = run_request(tokenizer, text, stop_token_ids=[stop_id], max_new_tokens=100)
+    assert req.text == tokenizer.decode(ids[:k]) == "The capital of France is"
+
+
 @pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
-                                 {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1}])
+                                 {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1},
+                                 {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
+                                 {"min_new_tokens": -1}, {"logit_bias": {"a": 1}}, {"logit_bias": {"3": 101}},
+                                 {"top_logprobs_num": 21}, {"logprob_start_len": -2}])
 def test_sampling_params_validation(bad):
     with pytest.raises(RequestError):
         SamplingParams.from_dict(bad)

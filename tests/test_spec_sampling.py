@@ -35,12 +35,18 @@ def setup():
     return cfg, tp, {"agreeing": b_e1, "agreeing3": b_e3, "random3": r_e3}
 
 
-def exact_joint(cfg, tp):
-    """{(x1, x2, x3): probability} under the target with the test's sampling parameters."""
+def exact_joint(cfg, tp, row=None):
+    """{(x1, x2, x3): probability} under the target with the test's sampling parameters (and ``row``'s penalties,
+    applied by the independent numpy formulas of test_sampling_params)."""
+    from test_sampling_params import numpy_penalised
+
     def probs(seqs):
         seqs = jnp.asarray(seqs, jnp.int32)
         pos = jnp.broadcast_to(jnp.arange(seqs.shape[1], dtype=jnp.int32), seqs.shape)
         logits = target.forward(tp, cfg, seqs, pos, logits_at=jnp.full((seqs.shape[0], 1), seqs.shape[1] - 1)).logits
+        if row is not None:
+            logits = jnp.asarray(np.stack([numpy_penalised(lg, row, PROMPT, list(np.asarray(sq)[len(PROMPT):]))
+                                           for lg, sq in zip(np.asarray(logits[:, 0]), seqs)])[:, None], jnp.float32)
         n = seqs.shape[0]
         return np.asarray(sampling.target_probs(logits[:, 0], jnp.full((n,), TEMP), jnp.full((n,), TOP_K),
                                                 jnp.full((n,), TOP_P), jnp.zeros((n,))), np.float64)
@@ -74,13 +80,16 @@ def chi_square(samples, joint):
     return pval, tv
 
 
-def run(cfg, tp, head, alg, sample_accept_fn=None):
+def run(cfg, tp, head, alg, sample_accept_fn=None, row=None):
     rows = N + N_GREEDY
     temps = [TEMP] * N + [0.0] * N_GREEDY
+    kw = dict(temperature=temps, top_k=TOP_K, top_p=TOP_P, seed=list(range(rows)))
+    if row is not None:  # penalised rows: the same sampling parameters plus the row's penalties
+        kw = dict(rows=[sampling.dataclasses.replace(row, temperature=t, top_k=TOP_K, top_p=TOP_P, seed=i)
+                        for i, t in enumerate(temps)])
     out, stats = speculative_generate(tp, cfg, head, [PROMPT] * rows, algorithm=alg, num_steps=CONF[0],
-                                      topk=CONF[1], num_draft_tokens=CONF[2], max_new_tokens=3, temperature=temps,
-                                      top_k=TOP_K, top_p=TOP_P, seed=list(range(rows)), stop_token_ids=(),
-                                      sample_accept_fn=sample_accept_fn, compiler_options=FAST_COMPILE)
+                                      topk=CONF[1], num_draft_tokens=CONF[2], max_new_tokens=3, stop_token_ids=(),
+                                      sample_accept_fn=sample_accept_fn, compiler_options=FAST_COMPILE, **kw)
     return [tuple(o) for o in out[:N]], out[N:], stats
 
 
@@ -128,3 +137,28 @@ def test_broken_verifiers_fail_the_same_check(setup, joint, broken):
     pval, tv = chi_square(samples, joint)
     print(f"\n{broken.__name__}: chi-square p={pval:.3g} TV={tv:.3f}")
     assert pval < 1e-3, (pval, tv)
+
+
+PENALTIES = sampling.SamplingRow(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,
+                                 logit_bias=((4, 1.5), (9, -2.0)), min_new_tokens=2, stop_ids=(11, 23))
+
+
+def test_speculative_sampling_with_penalties_matches_target(setup):
+    """Penalties follow each tree path (a drafted node counts the tokens drafted above it), so the joint of the first
+    three tokens is the penalised target's; the greedy rows of the batch equal plain greedy with the penalties."""
+    cfg, tp, heads = setup
+    joint = exact_joint(cfg, tp, PENALTIES)
+    assert tv_distance(joint, exact_joint(cfg, tp)) > 0.1  # the penalties really change the distribution
+    samples, greedy_rows, stats = run(cfg, tp, heads["agreeing3"], "EAGLE3", row=PENALTIES)
+    pval, tv = chi_square(samples, joint)
+    print(f"\npenalised agreeing3/EAGLE3: chi-square p={pval:.3g} TV={tv:.3f} tau={stats['tau']:.2f}")
+    assert pval > 1e-3, (pval, tv)
+    from specjax.generate import generate
+    ref = generate(tp, cfg, [PROMPT], max_new_tokens=3, stop_token_ids=(),
+                   rows=[sampling.dataclasses.replace(PENALTIES, temperature=0.0)])[0]
+    assert all(g == ref for g in greedy_rows)
+    assert stats["tau"] > 1.2, stats["tau"]
+
+
+def tv_distance(p, q):
+    return 0.5 * sum(abs(p.get(c, 0.0) - q.get(c, 0.0)) for c in set(p) | set(q))

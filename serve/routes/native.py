@@ -18,9 +18,6 @@ async def generate(request: Request):
     body = await parse(request, P.GenerateRequest)
     if (body.text is None) == (body.input_ids is None):
         raise APIError(400, "give exactly one of 'text' or 'input_ids'", param="text")
-    if body.return_logprob is True or (isinstance(body.return_logprob, list) and any(body.return_logprob)):
-        raise APIError(400, "return_logprob is not supported by specjax", param="return_logprob",
-                       code="unsupported_parameter")
     if body.text is not None:
         batch = isinstance(body.text, list)
         texts = body.text if batch else [body.text]
@@ -36,7 +33,7 @@ async def generate(request: Request):
             raise APIError(400, f"{len(sps)} sampling_params for {len(prompts)} prompts", param="sampling_params")
     else:
         sps = [sps or P.GenerateSamplingParams()] * len(prompts)
-    params = [P.to_sampling(s) for s in sps]
+    params = body.with_logprobs([P.to_sampling(s) for s in sps])
     for ids, s in zip(prompts, sps):
         if "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None:
             backend.check_output_budget(len(ids), s.max_new_tokens, "max_new_tokens")

@@ -67,16 +67,19 @@ async def completions(request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def gen():
-            echoed = set()
+            echoed, sent = set(), {}
             async for i, ev in fan.events():
                 text = ev["text"]
+                lps = P.completion_logprobs(ev["meta_info"], backend.tokenizer, sp.top_logprobs_num, body.echo,
+                                            start=sent.get(i, 0))
+                sent[i] = len(ev["meta_info"].get("output_token_logprobs", ()))
                 if body.echo and i not in echoed:
                     text, _ = echo_text[i // sp.n] + text, echoed.add(i)
                 fr = P.finish_reason_openai(ev["meta_info"]["finish_reason"]) if ev["finished"] else None
                 if not text and fr is None:
                     continue
                 yield sse(P.CompletionStreamResponse(id=cid, created=created, model=served, choices=[
-                    P.CompletionStreamChoice(index=i, text=text, finish_reason=fr)]))
+                    P.CompletionStreamChoice(index=i, text=text, finish_reason=fr, logprobs=lps)]))
             if include_usage:
                 yield sse(P.CompletionStreamResponse(id=cid, created=created, model=served, choices=[],
                                                      usage=usage()))
@@ -84,6 +87,8 @@ async def completions(request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
     await fan.wait(request)
     choices = [P.CompletionChoice(index=i, text=echo_text[i // sp.n] + fan.text[i],
+                                  logprobs=P.completion_logprobs(fan.meta[i], backend.tokenizer,
+                                                                 sp.top_logprobs_num, body.echo),
                                   finish_reason=P.finish_reason_openai(fan.meta[i]["finish_reason"]),
                                   matched_stop=(fan.meta[i]["finish_reason"] or {}).get("matched"))
                for i in range(len(fan.reqs))]
@@ -113,17 +118,21 @@ async def chat_completions(request: Request):
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
-        def chunk(i, delta, fr=None, usage_=None):
-            choices = [] if i is None else [P.ChatStreamChoice(index=i, delta=delta, finish_reason=fr)]
+        def chunk(i, delta, fr=None, usage_=None, lps=None):
+            choices = [] if i is None else [P.ChatStreamChoice(index=i, delta=delta, finish_reason=fr,
+                                                               logprobs=lps)]
             return sse(P.ChatCompletionStreamResponse(id=cid, created=created, model=served, choices=choices,
                                                       usage=usage_))
 
         async def gen():
             for j in range(sp.n):
                 yield chunk(j, P.DeltaMessage(role="assistant", content=""))
+            sent = {}
             async for i, ev in fan.events():
-                if ev["text"]:
-                    yield chunk(i, P.DeltaMessage(content=ev["text"]))
+                lps = P.chat_logprobs(ev["meta_info"], backend.tokenizer, sp.top_logprobs_num, sent.get(i, 0))
+                sent[i] = len(ev["meta_info"].get("output_token_logprobs", ()))
+                if ev["text"] or (lps and lps["content"]):
+                    yield chunk(i, P.DeltaMessage(content=ev["text"]), lps=lps)
                 if ev["finished"]:
                     yield chunk(i, P.DeltaMessage(), P.finish_reason_openai(ev["meta_info"]["finish_reason"]))
             if include_usage:
@@ -132,6 +141,7 @@ async def chat_completions(request: Request):
         return StreamingResponse(gen(), media_type="text/event-stream")
     await fan.wait(request)
     choices = [P.ChatChoice(index=i, message=P.ChatMessageOut(content=fan.text[i]),
+                            logprobs=P.chat_logprobs(fan.meta[i], backend.tokenizer, sp.top_logprobs_num),
                             finish_reason=P.finish_reason_openai(fan.meta[i]["finish_reason"]),
                             matched_stop=(fan.meta[i]["finish_reason"] or {}).get("matched"))
                for i in range(len(fan.reqs))]

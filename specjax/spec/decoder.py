@@ -19,6 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from specjax import prompt_logprobs
 from specjax import sampling as sampling_lib
 from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, validate_requests
 from specjax.config import ModelConfig
@@ -59,7 +60,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                          algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
                          max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
                          stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
-                         attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None):
+                         attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None,
+                         rows: Sequence[sampling_lib.SamplingRow] | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
     draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
@@ -70,12 +72,16 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     ``completion_tokens`` counts the first token (from prefill) too, as SGLang's spec_accept_length does.
     ``compiler_options``: XLA options for the jitted calls (tests use {"xla_backend_optimization_level": 0} to
     compile faster on CPU). ``sample_accept_fn``: tests only, replaces the sampling acceptance rule.
+    ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
+    scalar sampling arguments.
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
     target_params = target.unstack_layers(target_params)  # one copy per call; pass unstacked params to skip it
     d = _as_draft(draft, algorithm, target_params)
     b = len(prompts)
+    if rows is not None:
+        temperature = [r.temperature for r in rows]
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
     scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, make_cache_attention(attention_impl, target_cfg.sliding_window),
                                may_sample, sample_accept_fn)
@@ -92,8 +98,14 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // bucket) * bucket
     max_len = -(-max_len // page_size) * page_size
     state = step_lib.init_state(target_cfg, d, scfg, b, max_len, page_size=page_size)
-    state = dataclasses.replace(state, sampling=sampling_lib.SamplingBatch.make(
-        b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed))
+    if rows is not None:
+        for r in rows:
+            r.validate(target_cfg.vocab_size)
+        sb = sampling_lib.SamplingBatch.from_rows(rows, target_cfg.vocab_size, prompts, width=scfg.tokens_per_step)
+    else:
+        sb = sampling_lib.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
+                                             seed=seed, vocab=target_cfg.vocab_size, width=scfg.tokens_per_step)
+    state = dataclasses.replace(state, sampling=sb)
 
     chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
     n_chunks = -(-int(lengths.max()) // chunk)
@@ -224,7 +236,7 @@ class SpecRunner:
             num_pages
         self.tokens_per_step = num_steps + 1
         self.prefill_chunk = prefill_chunk
-        self._seed_counter = 0
+        self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
         # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
         # replicated, the KV pools are split over kv heads on tp like the attention weights.
@@ -248,7 +260,7 @@ class SpecRunner:
         cache = dataclasses.replace(state.cache, k=put(state.cache.k), v=put(state.cache.v))
         return dataclasses.replace(state, cache=cache, draft_k=put(state.draft_k), draft_v=put(state.draft_v))
 
-    def prefill(self, state, slot: int, tokens: np.ndarray, page_row: np.ndarray, sampling: dict,
+    def prefill(self, state, slot: int, tokens: np.ndarray, page_row: np.ndarray, row: sampling_lib.SamplingRow,
                 cached: int = 0) -> tuple[Any, int]:
         tokens = np.asarray(tokens, np.int32)
         n = len(tokens)
@@ -260,14 +272,10 @@ class SpecRunner:
         # With a reused prefix, recompute its last token for its features (the draft pair at cached-1 needs the
         # next token, which differs between requests) without rewriting its target K/V.
         start = max(int(cached) - 1, 0) if cached else 0
-        seed = sampling.get("seed")
-        if seed is None:
-            self._seed_counter += 1
-            seed = (hash((id(self), self._seed_counter)) & 0x7FFFFFFF)
-        row = sampling_lib.SamplingBatch.make(1, temperature=sampling.get("temperature", 0.0),
-                                              top_k=sampling.get("top_k", -1), top_p=sampling.get("top_p", 1.0),
-                                              min_p=sampling.get("min_p", 0.0), seed=int(seed))
-        state = _begin_slot(state, jnp.int32(slot), jnp.asarray(page_row, jnp.int32), jnp.int32(start), row)
+        row = sampling_lib.SamplingRow.coerce(row)
+        batch = sampling_lib.SamplingBatch.from_rows([row], self.target_cfg.vocab_size, [tokens],
+                                                     width=self.tokens_per_step, seeds=[self._seeds.next(row)])
+        state = _begin_slot(state, jnp.int32(slot), jnp.asarray(page_row, jnp.int32), jnp.int32(start), batch)
         rest = tokens[start:]
         nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
         first = 0
@@ -310,6 +318,14 @@ class SpecRunner:
         tokens[:nb], num[:nb] = np.asarray(toks), np.asarray(counts)
         self._lengths += num
         return state, tokens, num
+
+    def logprobs(self, state):
+        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
+        return sampling_lib.read_logprobs(state.sampling)
+
+    def prompt_logprobs(self, tokens, temperature: float):
+        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
+        return prompt_logprobs.prompt_logprobs(self.target_params, self.target_cfg, tokens, temperature, self.mesh)
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

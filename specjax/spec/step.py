@@ -96,7 +96,8 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
                      root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),
                      root_p=jnp.zeros((batch, scfg.topk), jnp.float32),
                      root_ids=jnp.zeros((batch, scfg.topk), jnp.int32),
-                     sampling=sampling_lib.SamplingBatch.make(batch))
+                     sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size,
+                                                              width=scfg.tokens_per_step))
 
 
 def _root(draft: Draft, h, topk: int):

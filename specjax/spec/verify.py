@@ -109,16 +109,19 @@ def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Ac
 
 def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None,
            may_sample: bool = True):
-    """Acceptance for a batch mixing greedy and sampling rows. logits: f32[B, M, V] target logits after each node.
-    ``may_sample=False`` (static) promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced
-    keys)."""
-    argmax = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    """Acceptance for a batch mixing greedy, sampling and penalised rows. logits: f32[B, M, V] target logits after
+    each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
+    distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
+    promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
+    counted and their logprobs recorded)."""
+    x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
+    argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
     greedy = greedy_accept(tree, argmax, num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
     fn = sample_accept_fn or sample_accept
 
     def sampled():
-        probs = sampling_lib.target_probs(logits, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
+        probs = sampling_lib.target_probs(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
 
         def row_draws(k):
             kc, kr = jax.random.split(jax.random.wrap_key_data(k))
@@ -129,7 +132,6 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
         g = sb.greedy
         return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
 
-    if not may_sample:
-        return greedy, dataclasses.replace(sb, key=keys)
-    acc = jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
-    return acc, dataclasses.replace(sb, key=keys)
+    acc = greedy if not may_sample else jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
+    x_path = jnp.take_along_axis(x, acc.path[:, :, None], axis=1)  # f32[B, S+1, V] the logits of each emitted token
+    return acc, sampling_lib.record(dataclasses.replace(sb, key=keys), acc.tokens, acc.accept_len + 1, x_path)

@@ -1,0 +1,165 @@
+"""Penalties, logit_bias, min_new_tokens and logprobs (issue 13), exact under speculative decoding.
+
+Tiny closed-form "bigram" models (tests/spec_models.py: the heads usually agree with the target, so drafted paths
+of several tokens are verified) check that speculative greedy output with penalties equals plain greedy output with
+the same penalties, token for token, for EAGLE3 and EAGLE trees (each tree node's penalties count the tokens drafted
+above it), and that the logprobs the runners report under speculation equal the plain runner's. A numpy rendering of
+the penalty formulas checks ``sampling.process_logits`` itself.
+"""
+
+import numpy as np
+import pytest
+
+from specjax import sampling
+from specjax.generate import generate
+from specjax.spec.decoder import SpecRunner, speculative_generate
+from specjax.serve.model_runner import PlainRunner
+from spec_models import bigram_models, tiny_config
+
+R = sampling.SamplingRow
+MAX_NEW = 24
+FAST_COMPILE = {"xla_backend_optimization_level": 0}
+
+
+@pytest.fixture(scope="module")
+def models():
+    cfg = tiny_config()
+    tp, _, e3, e1 = bigram_models(cfg, seed=0, draft_vocab=48, beta=0.25)  # margins that penalties can flip
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(0, cfg.vocab_size, size=n).tolist() for n in (5, 17, 3, 30)]
+    base = generate(tp, cfg, prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
+    return cfg, tp, {"EAGLE3": e3, "EAGLE": e1}, prompts, base
+
+
+def penalised_rows(base):
+    stop = base[2][3]  # row 2 would emit it as its 4th token: min_new_tokens holds it back
+    return stop, [R(temperature=0, repetition_penalty=1.5),
+                  R(temperature=0, frequency_penalty=0.8, presence_penalty=0.5,
+                    logit_bias=((base[1][2], -100.0), (5, 1.0))),
+                  R(temperature=0, min_new_tokens=10, stop_ids=(stop,)),
+                  R(temperature=0)]
+
+
+def numpy_penalised(logits, row: R, prompt, output):
+    """The penalty formulas, written independently of specjax (module docstring of specjax.sampling)."""
+    x = np.asarray(logits, np.float64).copy()
+    seen = set(prompt) | set(output)
+    for t in seen:
+        x[t] = x[t] / row.repetition_penalty if x[t] > 0 else x[t] * row.repetition_penalty
+    for t in set(output):
+        x[t] -= row.frequency_penalty * output.count(t) + row.presence_penalty
+    for t, b in row.logit_bias:
+        x[t] += b
+    if len(output) < row.min_new_tokens:
+        x[list(row.stop_ids)] = -np.inf
+    return x
+
+
+def test_process_logits_matches_the_formulas():
+    rng = np.random.default_rng(1)
+    v = 16
+    logits = rng.normal(size=(2, v)).astype(np.float32) * 3
+    prompts = [[1, 2, 3, 3], [4]]
+    outputs = [[3, 5, 5, 7], [4, 4, 9]]
+    rows = [R(repetition_penalty=1.5, frequency_penalty=0.5, presence_penalty=-0.25, logit_bias=((0, 2.0),),
+              min_new_tokens=5, stop_ids=(7, 8)),
+            R(repetition_penalty=0.8, frequency_penalty=-1.0, logit_bias=((9, -3.0), (10, 1.0)), min_new_tokens=3,
+              stop_ids=(11,))]
+    sb = sampling.SamplingBatch.from_rows(rows, v, prompts)
+    for i, out in enumerate(outputs):
+        for t in out:
+            sb = sampling.record(sb, np.asarray([[t if r == i else 0] for r in range(2)], np.int32),
+                                 np.asarray([1 if r == i else 0 for r in range(2)], np.int32))
+    got = np.asarray(sampling.process_logits(logits, sb))
+    for i in range(2):
+        want = numpy_penalised(logits[i], rows[i], prompts[i], outputs[i])
+        np.testing.assert_allclose(got[i], want, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("alg,conf", [("EAGLE3", (5, 8, 32)), ("EAGLE", (3, 1, 4))])
+def test_speculative_greedy_with_penalties_equals_plain(models, alg, conf):
+    cfg, tp, heads, prompts, base = models
+    stop, rows = penalised_rows(base)
+    ref = generate(tp, cfg, prompts, max_new_tokens=MAX_NEW, stop_token_ids=(stop,), rows=rows)
+    free = generate(tp, cfg, prompts, max_new_tokens=MAX_NEW, stop_token_ids=(stop,))
+    assert ref[3] == free[3]  # the unpenalised row is unchanged
+    assert all(r != f for r, f in zip(ref[:3], free))  # the penalties changed the others
+    assert len(free[2]) == 4 and len(ref[2]) > 10 and stop not in ref[2][:10]  # min_new_tokens held the stop back
+    assert base[1][2] not in ref[1]  # logit_bias -100
+    s, k, m = conf
+    out, stats = speculative_generate(tp, cfg, heads[alg], prompts, algorithm=alg, num_steps=s, topk=k,
+                                      num_draft_tokens=m, max_new_tokens=MAX_NEW, stop_token_ids=(stop,), rows=rows,
+                                      compiler_options=FAST_COMPILE)
+    assert out == ref
+    assert stats["tau"] > 1.15, stats  # drafted paths were accepted: the tree-path penalty state was exercised
+
+
+PAGE, PPS = 8, 8
+
+
+def run_runner(runner, prompts, rows, max_new):
+    """Every prompt in its own slot, stepped together; returns per prompt (tokens, logprobs, top ids, top logprobs)
+    of the first ``max_new`` tokens."""
+    state = runner.init_state()
+    out = [dict(tok=[], lp=[], ids=[], top=[]) for _ in prompts]
+
+    def take(i, toks, lps, w):
+        lp, ids, top = lps
+        for j in range(w):
+            out[i]["tok"].append(int(toks[j]))
+            out[i]["lp"].append(float(lp[i, j]))
+            out[i]["ids"].append(ids[i, j].tolist())
+            out[i]["top"].append(top[i, j].tolist())
+
+    for i, (p, r) in enumerate(zip(prompts, rows)):
+        pages = np.arange(1 + i * PPS, 1 + (i + 1) * PPS)
+        state, first = runner.prefill(state, i, np.asarray(p), pages, r)
+        take(i, [first], runner.logprobs(state), 1)
+    active = np.ones(len(prompts), bool)
+    while min(len(o["tok"]) for o in out) < max_new:
+        state, toks, counts = runner.step(state, active)
+        lps = runner.logprobs(state)
+        for i in range(len(prompts)):
+            take(i, toks[i], lps, int(counts[i]))
+    return [{k: v[:max_new] for k, v in o.items()} for o in out]
+
+
+@pytest.fixture(scope="module")
+def runner_outputs(models):
+    cfg, tp, heads, prompts, base = models
+    stop, rows = penalised_rows(base)
+    rows = [sampling.dataclasses.replace(r, logprobs=True, seed=7) for r in rows[:3]] + [R(temperature=0)]
+    kw = dict(max_batch=4, pages_per_seq=PPS, page_size=PAGE, num_pages=1 + 4 * PPS, attention_impl="xla")
+    plain = run_runner(PlainRunner(cfg, tp, **kw), prompts, rows, 16)
+    spec = {alg: run_runner(SpecRunner(cfg, tp, alg, *heads[alg], num_steps=3, topk=2, num_draft_tokens=5,
+                                       prefill_chunk=16, **kw), prompts, rows, 16) for alg in heads}
+    return prompts, rows, plain, spec, base
+
+
+def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):
+    """The plain runner's logprobs: log_softmax of the penalised target logits at each emitted token (target
+    forward over prompt + output, penalties by the numpy formulas)."""
+    import jax.numpy as jnp
+    from specjax.models import target
+    cfg, tp, _, _, _ = models
+    prompts, rows, plain, _, _ = runner_outputs
+    for i in range(3):
+        p, o = prompts[i], plain[i]["tok"]
+        seq = jnp.asarray([p + o], jnp.int32)
+        pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+        logits = np.asarray(target.forward(tp, cfg, seq, pos).logits[0], np.float64)
+        for j in range(len(o)):
+            x = numpy_penalised(logits[len(p) - 1 + j], rows[i], p, o[:j])
+            lse = np.log(np.exp(x - x[np.isfinite(x)].max()).sum()) + x[np.isfinite(x)].max()
+            assert plain[i]["lp"][j] == pytest.approx(x[o[j]] - lse, abs=1e-4)
+            order = np.argsort(-x, kind="stable")[:sampling.TOP_LOGPROBS]
+            np.testing.assert_allclose(plain[i]["top"][j], x[order] - lse, atol=1e-4)
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+def test_speculative_runner_tokens_and_logprobs_equal_plain(runner_outputs, alg):
+    _, _, plain, spec, _ = runner_outputs
+    for p, s in zip(plain, spec[alg]):
+        assert s["tok"] == p["tok"]
+        np.testing.assert_allclose(s["lp"], p["lp"], atol=1e-4)
+        np.testing.assert_allclose(s["top"], p["top"], atol=1e-4)

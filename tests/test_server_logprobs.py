@@ -1,0 +1,145 @@
+"""Logprobs and penalties through the HTTP API of a live server (tiny random Llama, CPU): SGLang's native
+``return_logprob`` layout, OpenAI chat ``logprobs``/``top_logprobs`` and completions ``logprobs``/``echo`` read by
+the official ``openai`` client, values equal to HF transformers' log_softmax, and penalties / logit_bias /
+min_new_tokens equal to the offline plain decoder with the same typed rows."""
+
+from __future__ import annotations
+
+import httpx
+import numpy as np
+import openai
+import pytest
+
+from specjax import sampling
+from test_server_helpers import SHARED_NAME, shared_server, tiny_model_dir
+
+PROMPT = "The capital of France is"
+
+
+@pytest.fixture(scope="module")
+def model_dir():
+    return tiny_model_dir()
+
+
+@pytest.fixture(scope="module")
+def server(model_dir):
+    return shared_server()
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=server.url + "/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+@pytest.fixture(scope="module")
+def hf(model_dir):
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir), AutoModelForCausalLM.from_pretrained(
+        model_dir, dtype=torch.float32).eval()
+
+
+def hf_logprobs(hf, ids):
+    """f64[len(ids), V] log_softmax of HF's logits after each token."""
+    import torch
+    with torch.no_grad():
+        logits = hf[1](torch.tensor([ids])).logits[0].double()
+    return torch.log_softmax(logits, -1).numpy()
+
+
+def gen(server, **body):
+    r = httpx.post(server.url + "/generate", json=body, timeout=120)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_native_logprob_layout_matches_hf(server, hf):
+    tok = hf[0]
+    ids = tok(PROMPT)["input_ids"]
+    out = gen(server, input_ids=ids, return_logprob=True, top_logprobs_num=3, logprob_start_len=0,
+              return_text_in_logprobs=True, sampling_params={"temperature": 0, "max_new_tokens": 6,
+                                                             "ignore_eos": True})
+    meta, oids = out["meta_info"], out["output_ids"]
+    ref = hf_logprobs(hf, ids + oids)
+    inp = meta["input_token_logprobs"]
+    assert [t for _, t, _ in inp] == ids and inp[0][0] is None  # (logprob, token_id, text); the first has no context
+    np.testing.assert_allclose([lp for lp, _, _ in inp[1:]], [ref[i - 1, ids[i]] for i in range(1, len(ids))],
+                               atol=1e-4)
+    assert all(text == tok.decode([t]) for _, t, text in inp)
+    outp = meta["output_token_logprobs"]
+    assert [t for _, t, _ in outp] == oids
+    np.testing.assert_allclose([lp for lp, _, _ in outp], [ref[len(ids) - 1 + j, t] for j, t in enumerate(oids)],
+                               atol=1e-4)
+    top = meta["output_top_logprobs"]
+    assert len(top) == len(oids) and all(len(e) == 3 for e in top)
+    for j, e in enumerate(top):
+        row = ref[len(ids) - 1 + j]
+        assert e[0][1] == oids[j]  # greedy: the chosen token is the most likely one
+        np.testing.assert_allclose([lp for lp, _, _ in e], np.sort(row)[::-1][:3], atol=1e-4)
+    # Without return_logprob the fields are absent; without logprob_start_len the prompt part is empty.
+    assert "output_token_logprobs" not in gen(server, input_ids=ids, sampling_params={"max_new_tokens": 2})[
+        "meta_info"]
+    assert gen(server, input_ids=ids, return_logprob=True, sampling_params={"max_new_tokens": 2})[
+        "meta_info"]["input_token_logprobs"] == []
+
+
+def test_openai_chat_logprobs_parse_and_match_native(client, server):
+    msgs = [{"role": "user", "content": "Name a colour."}]
+    kw = dict(model=SHARED_NAME, messages=msgs, max_tokens=5, temperature=0, extra_body={"ignore_eos": True})
+    r = client.chat.completions.create(logprobs=True, top_logprobs=2, **kw)
+    content = r.choices[0].logprobs.content
+    assert len(content) == 5
+    for e in content:
+        assert isinstance(e.token, str) and isinstance(e.logprob, float) and e.bytes == list(e.token.encode())
+        assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
+    assert client.chat.completions.create(**kw).choices[0].logprobs is None
+    streamed = [c for ch in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw)
+                for c in ch.choices if c.logprobs is not None for c in c.logprobs.content]
+    assert [e.token for e in streamed] == [e.token for e in content]
+    assert [e.logprob for e in streamed] == pytest.approx([e.logprob for e in content], abs=1e-4)
+
+
+def test_openai_completions_logprobs_and_echo(client, hf):
+    tok = hf[0]
+    n_prompt = len(tok(PROMPT)["input_ids"])
+    r = client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2,
+                                  echo=True, extra_body={"ignore_eos": True})
+    lp = r.choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
+    assert lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:])
+    assert all(len(t) <= 2 for t in lp.top_logprobs[n_prompt:]) and lp.top_logprobs[0] is None
+    plain = client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
+                                      extra_body={"ignore_eos": True})
+    assert len(plain.choices[0].logprobs.tokens) == 4
+    assert plain.choices[0].logprobs.token_logprobs == pytest.approx(lp.token_logprobs[n_prompt:], abs=1e-5)
+
+
+def test_penalties_over_http_equal_the_offline_decoder(server, model_dir, hf):
+    from specjax.generate import generate
+    from specjax.weights import load_model
+    tok = hf[0]
+    ids = tok(PROMPT)["input_ids"]
+    sp = {"temperature": 0, "max_new_tokens": 12, "repetition_penalty": 1.4, "frequency_penalty": 0.5,
+          "presence_penalty": 0.3, "logit_bias": {"7": 2.5, "11": -100}, "min_new_tokens": 4, "stop_token_ids": [9],
+          "ignore_eos": True}
+    out = gen(server, input_ids=ids, sampling_params=sp)["output_ids"]
+    cfg, params = load_model(model_dir, dtype="float32")
+    row = sampling.SamplingRow(temperature=0.0, repetition_penalty=1.4, frequency_penalty=0.5, presence_penalty=0.3,
+                               logit_bias=((7, 2.5), (11, -100.0)), min_new_tokens=4, stop_ids=(9,))
+    ref = generate(params, cfg, [ids], max_new_tokens=12, stop_token_ids=(9,), rows=[row])[0]
+    assert out == ref
+    assert out != gen(server, input_ids=ids, sampling_params={"temperature": 0, "max_new_tokens": 12,
+                                                              "ignore_eos": True})["output_ids"]
+    assert 11 not in out
+
+
+@pytest.mark.parametrize("body,param", [
+    ({"top_logprobs": 21, "logprobs": True}, "top_logprobs"), ({"top_logprobs": 2}, "top_logprobs"),
+    ({"frequency_penalty": 2.5}, "frequency_penalty"), ({"logit_bias": {"x": 1}}, "logit_bias"),
+    ({"logit_bias": {"5": 500}}, "logit_bias"), ({"repetition_penalty": 0}, "repetition_penalty"),
+    ({"min_tokens": -1}, "min_tokens")])
+def test_bad_values_are_400(server, body, param):
+    r = httpx.post(server.url + "/v1/chat/completions", json=dict(
+        model=SHARED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **body), timeout=60)
+    assert r.status_code == 400, r.text
+    assert r.json()["error"]["param"] == param, r.text
