@@ -11,19 +11,9 @@ import openai
 import pytest
 
 from specjax import sampling
-from test_server_helpers import SHARED_NAME, shared_server, tiny_model_dir
+from server_helpers import SHARED_NAME, model_dir, server  # noqa: F401 (fixtures)
 
 PROMPT = "The capital of France is"
-
-
-@pytest.fixture(scope="module")
-def model_dir():
-    return tiny_model_dir()
-
-
-@pytest.fixture(scope="module")
-def server(model_dir):
-    return shared_server()
 
 
 @pytest.fixture(scope="module")
