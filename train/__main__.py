@@ -305,8 +305,12 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
 
     ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     optimizer = make_optimizer(cfg, total_steps)
-    head_cfg, state, vocab_map, vocab_source, resume_step = init_head(
-        cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches)
+    try:
+        head_cfg, state, vocab_map, vocab_source, resume_step = init_head(
+            cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches)
+    except Stop:
+        ckpt.close()  # now, not at interpreter exit (orbax's background threads would report errors then)
+        raise
     make = step_lib.make_train_step_offline if offline_train else step_lib.make_train_step
     train_step = make(target_cfg, head_cfg, optimizer, mesh, ttt_length=cfg.training.ttt_length,
                       decay=cfg.training.decay, grad_accum=cfg.training.grad_accum)
