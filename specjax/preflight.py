@@ -384,16 +384,19 @@ def _abstract_state(setup: ServeSetup, init_state, kv_fields):
     return jax.tree_util.tree_map_with_path(place, jax.eval_shape(init_state))
 
 
-def _attention_used(cfg, page_size):
+def _attention_used(setup: ServeSetup, tokens: int):
     """describe(): which attention the compiled program runs — the Pallas kernel (a Mosaic custom call in the HLO)
-    or the XLA path, with the kernel's reason when it cannot serve the shape."""
+    or the XLA path, with the kernel's reason (for one chip's heads, ``tokens`` queries per sequence)."""
     import jax.numpy as jnp
-    from specjax.kernels.tree_attention import tpu_unsupported_reason
+    from specjax.kernels.tree_attention import head_split, tpu_unsupported_reason
+    cfg = setup.tcfg
+    split = head_split(setup.mesh, cfg.num_heads, cfg.num_kv_heads)
 
     def describe(hlo_text: str) -> str:
         if "tpu_custom_call" in hlo_text:
             return "attention: Pallas kernel"
-        why = tpu_unsupported_reason(cfg.num_heads, cfg.num_kv_heads, cfg.head_dim, page_size, jnp.dtype(cfg.dtype))
+        why = tpu_unsupported_reason(cfg.num_heads // split, cfg.num_kv_heads // split, cfg.head_dim,
+                                     setup.args.page_size, jnp.dtype(cfg.dtype), tree_tokens=tokens)
         return f"attention: XLA fallback ({why})" if why else "attention: XLA"
     return describe
 
@@ -406,15 +409,18 @@ def _compile(setup: ServeSetup, name: str, describe, fn, *args, **kwargs) -> Rep
     try:
         with use_mesh(setup.mesh):
             lowered = fn.lower(*args, **kwargs)
-    except Exception as e:  # noqa: BLE001 - e.g. a Mosaic call XLA cannot partition: the lowering's message is the report
+    except Exception as e:  # noqa: BLE001 - e.g. a Mosaic call XLA cannot partition: its message is the report
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
         return Report(name, time.perf_counter() - t0, 0, 0, 0, setup.topo.hbm_bytes, {},
                       error=f"lowering fails: {type(e).__name__}: {' '.join(lines[:2])[:500]}")
     try:
-        return compile_report(name, lowered, setup.topo.hbm_bytes, describe=describe)
+        report = compile_report(name, lowered, setup.topo.hbm_bytes, describe=describe)
     except PreflightError as e:
-        return Report(name, time.perf_counter() - t0, 0, 0, 0, setup.topo.hbm_bytes, {},
-                      error=str(e).removeprefix(f"{name} does not compile: "))
+        report = Report(name, time.perf_counter() - t0, 0, 0, 0, setup.topo.hbm_bytes, {},
+                        error=str(e).removeprefix(f"{name} does not compile: "))
+    print(f"preflight: {name}: {'does not compile' if report.error else 'compiled'} in "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # progress: 8B programs take minutes
+    return report
 
 
 def _pool_note(setup: ServeSetup, plan) -> str:
@@ -441,15 +447,15 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
-    describe = _attention_used(cfg, args.page_size)
     npages, nb = runner.page_buckets[-1], runner.batch_buckets[-1]
     reports = []
     for t in (runner.prefill_buckets if all_buckets else runner.prefill_buckets[-1:]):
-        reports.append(_compile(setup, f"plain prefill T={t}", describe, runner._prefill_jit, runner.params, state,
-                                s(()), s((t,)), s(()), s(()), s((plan.pages_per_seq,)), s((), jnp.float32), s(()),
-                                s((), jnp.float32), s((), jnp.float32), s((), jnp.uint32), npages=npages))
-    reports.append(_compile(setup, f"plain decode step B={nb}", describe, runner._step_jit, runner.params, state,
-                            s((plan.max_running,), jnp.bool_), nb=nb, npages=npages))
+        reports.append(_compile(setup, f"plain prefill T={t}", _attention_used(setup, t), runner._prefill_jit,
+                                runner.params, state, s(()), s((t,)), s(()), s(()), s((plan.pages_per_seq,)),
+                                s((), jnp.float32), s(()), s((), jnp.float32), s((), jnp.float32), s((), jnp.uint32),
+                                npages=npages))
+    reports.append(_compile(setup, f"plain decode step B={nb}", _attention_used(setup, 1), runner._step_jit,
+                            runner.params, state, s((plan.max_running,), jnp.bool_), nb=nb, npages=npages))
     return reports
 
 
@@ -474,17 +480,18 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
-    describe = _attention_used(cfg, args.page_size)
     buckets = sorted({decoder._bucket(t, hi=plan.prefill_chunk)
                       for t in pow2_buckets(MIN_PREFILL_BUCKET, plan.prefill_chunk)})
     reports = []
     for t in (buckets if all_buckets else buckets[-1:]):
-        reports.append(_compile(setup, f"{algorithm} prefill T={t}", describe, decoder._prefill_slot,
-                                runner.target_params, cfg, runner.draft, runner.scfg.for_prefill(), state, s(()),
-                                s((1, t)), s((1, t)), s((1, t), jnp.bool_), s((1,), jnp.bool_), s((1,))))
+        reports.append(_compile(setup, f"{algorithm} prefill T={t}", _attention_used(setup, t),
+                                decoder._prefill_slot, runner.target_params, cfg, runner.draft,
+                                runner.scfg.for_prefill(), state, s(()), s((1, t)), s((1, t)), s((1, t), jnp.bool_),
+                                s((1,), jnp.bool_), s((1,))))
     sc = runner.scfg
     reports.append(_compile(setup, f"{algorithm} step B={plan.max_running} S={sc.num_steps} k={sc.topk} "
-                                   f"M={sc.num_draft_tokens}", describe, decoder._step_rows, runner.target_params,
+                                   f"M={sc.num_draft_tokens}", _attention_used(setup, sc.num_draft_tokens),
+                            decoder._step_rows, runner.target_params,
                             cfg, runner.draft, sc, state, s((plan.max_running,), jnp.bool_), nb=plan.max_running,
                             npages=plan.pages_per_seq))
     return reports

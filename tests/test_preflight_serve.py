@@ -132,3 +132,44 @@ def test_serve_preflight_smollm2_with_its_head(v5e, capsys):
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "EAGLE3 step" in out and "plain decode step" in out
+
+
+def test_kernel_query_block_limit_routes_long_prefill_chunks_to_xla():
+    """A 512-token prefill chunk of Llama-8B's heads on one of 4 chips (8 q / 2 kv heads x 128, bf16) would put 1 MiB
+    of queries in VMEM, which Mosaic refuses (slow test below); the hook runs the XLA path for it. Trees and
+    256-token chunks stay on the kernel."""
+    from specjax.kernels.tree_attention import tpu_unsupported_reason
+    assert "VMEM" in tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=512)
+    assert tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=256) is None
+    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=256) is None  # SmolLM2, fp32
+    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t, compiles", [(256, True), (512, False)])
+def test_kernel_query_block_limit_is_mosaics(v5e, t, compiles):
+    """The limit is measured: at Llama-8B's per-chip heads the kernel compiles at T=256 and exceeds the scoped VMEM
+    at T=512 (about 15 s of CPU each)."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from specjax.kernels.tree_attention import tree_attention
+    sh = NamedSharding(Mesh([v5e.devices[0]], ("x",)), P())
+    s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    args = (s((1, t, 8, 128)), s((1, t, 2, 128)), s((1, t, 2, 128)), s((1, t, t), jnp.bool_), s((1000, 16, 2, 128)),
+            s((1000, 16, 2, 128)), s((1, 8192), jnp.int32), s((1,), jnp.int32))
+    fn = jax.jit(functools.partial(tree_attention, sm_scale=128 ** -0.5))
+    if compiles:
+        fn.lower(*args).compile()
+    else:
+        with pytest.raises(Exception, match="(?i)vmem"):
+            fn.lower(*args).compile()
+
+
+def test_hub_ids_name_their_shipped_shape():
+    from specjax import configs
+    assert configs.model_shape("meta-llama/Llama-3.1-8B-Instruct").endswith("llama-3.1-8b.json")
+    assert configs.model_shape("Qwen/Qwen2.5-7B-Instruct").endswith("qwen2.5-7b.json")
+    assert configs.model_shape("someone/unknown-model") is None

@@ -13,7 +13,7 @@ from specjax.kernels.tree_attention.kernel import ref_tree_attention, tpu_unsupp
 from specjax.models.target import xla_cache_attention
 from specjax.sharding import active_mesh
 
-__all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason"]
+__all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason", "head_split"]
 
 log = logging.getLogger("specjax")
 
@@ -51,10 +51,10 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
 
     def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale):
         mesh = active_mesh()
-        split = _head_split(mesh, q.shape[2], k_pages.shape[2])
+        split = head_split(mesh, q.shape[2], k_pages.shape[2])
         if on_tpu:  # the kernel sees one shard's heads
             reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[1],
-                                            k_pages.dtype)
+                                            k_pages.dtype, tree_tokens=q.shape[1])
             if reason is not None:
                 if reason not in _warned:
                     _warned.add(reason)
@@ -68,7 +68,7 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
     return cache_attention
 
 
-def _head_split(mesh, num_heads: int, num_kv_heads: int) -> int:
+def head_split(mesh, num_heads: int, num_kv_heads: int) -> int:
     """How many ways the heads are split on a mesh's tp axis (as the weights and the KV pool are): tp when the
     query and kv heads divide, else 1 (the pool is then replicated)."""
     tp = mesh.shape.get("tp", 1) if mesh is not None else 1
