@@ -584,8 +584,12 @@ def _serve_main(argv) -> int:
     for r in bad:
         why = f"does not compile ({r.error})" if r.error else \
             f"needs {r.total / GIB:.2f} GiB per chip, {topo.name} chips have {r.hbm / GIB:.0f} GiB"
-        memory = not r.error or "RESOURCE_EXHAUSTED" in r.error
-        hint = "; lower --mem-fraction-static or --max-total-tokens, or raise --tp-size" if memory else ""
+        if not r.error or "on HBM" in r.error:
+            hint = "; lower --mem-fraction-static or --max-total-tokens, or raise --tp-size"
+        elif "smem" in r.error.lower():  # the kernel's scalar-prefetched page table [slots, pages per sequence]
+            hint = "; lower --context-length or --max-running-requests"
+        else:
+            hint = ""
         print(f"preflight: error: {r.program} {why}{hint}", file=sys.stderr)
     return 1 if bad else 0
 
