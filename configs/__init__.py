@@ -37,12 +37,19 @@ def resolve(name: str) -> str:
 
 
 def model_shape(name: str) -> str | None:
-    """The shipped HF config.json of a model shape (``qwen2.5-7b``, ``llama-3.1-8b``, ``smollm2-135m``), or None."""
-    stem = os.path.basename(name)
+    """The shipped HF config.json of a model shape (``qwen2.5-7b``, ``llama-3.1-8b``, ``smollm2-135m``; a hub id such
+    as ``meta-llama/Llama-3.1-8B-Instruct`` names the same shape), or None."""
+    stem = os.path.basename(name.rstrip("/"))
     for suffix in (".yaml", ".json"):
         stem = stem[:-len(suffix)] if stem.endswith(suffix) else stem
-    path = os.path.join(MODELS_DIR, stem + ".json")
-    return path if os.path.isfile(path) else None
+    base = stem.lower()
+    for suffix in ("-instruct", "-chat"):  # a hub id's base model has the same shape
+        base = base[:-len(suffix)] if base.endswith(suffix) else base
+    for cand in (stem, base):
+        path = os.path.join(MODELS_DIR, cand + ".json")
+        if os.path.isfile(path):
+            return path
+    return None
 
 
 def help_text() -> str:

@@ -66,19 +66,21 @@ def _resolve_chat_template(args: ServerArgs, tokenizer) -> str:
     return CHATML
 
 
-def _kv_budget_tokens(args: ServerArgs, cfg, params, page_bytes_per_device: int, max_running: int,
-                      context_length: int) -> int:
-    if args.max_total_tokens:
-        return args.max_total_tokens
-    dev = jax.devices()[0]
-    stats = None
+def device_bytes_limit() -> int | None:
+    """Memory of one device as the runtime reports it (None on CPU, which has no device limit)."""
     try:
-        stats = dev.memory_stats()
+        stats = jax.devices()[0].memory_stats()
     except Exception:  # noqa: BLE001 - CPU backends may raise instead of returning None
         stats = None
-    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) // max(1, args.tp_size)
-    if stats and stats.get("bytes_limit"):
-        avail = args.mem_fraction_static * stats["bytes_limit"] - param_bytes
+    return (stats or {}).get("bytes_limit") or None
+
+
+def _kv_budget_tokens(args: ServerArgs, param_bytes: int, page_bytes_per_device: int, max_running: int,
+                      context_length: int, bytes_limit: int | None) -> int:
+    if args.max_total_tokens:
+        return args.max_total_tokens
+    if bytes_limit:
+        avail = args.mem_fraction_static * bytes_limit - param_bytes
         tokens = int(max(avail, 0) // page_bytes_per_device) * args.page_size
     else:
         try:
@@ -92,6 +94,38 @@ def _kv_budget_tokens(args: ServerArgs, cfg, params, page_bytes_per_device: int,
         raise MemoryError(f"no room for KV pages: --mem-fraction-static {args.mem_fraction_static} leaves "
                           f"{tokens} tokens after the weights; raise it or set --max-total-tokens")
     return tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolPlan:
+    """The KV pool and slot shapes the server allocates (``build``; ``specjax.preflight serve`` checks them)."""
+    context_length: int
+    pages_per_seq: int
+    max_running: int
+    num_pages: int  # incl. the scratch page
+    prefill_chunk: int  # largest prompt chunk per prefill call
+    page_bytes: int  # one page of K and V over every layer, on one device
+    kv_layers: int
+
+
+def plan_pool(args: ServerArgs, cfg, draft_layers: int | None, param_bytes: int, bytes_limit: int | None) -> PoolPlan:
+    """Size the KV pool: ``draft_layers`` is the draft's cache layers when speculating (None: plain decoding),
+    ``param_bytes`` the weights on one device, ``bytes_limit`` one device's memory (None: CPU, host RAM)."""
+    context_length = args.context_length or cfg.max_position_embeddings
+    w = args.speculative_num_steps + 1 if draft_layers is not None else 1
+    z = args.page_size
+    pages_per_seq = -(-(context_length + w) // z)
+    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
+    kv_layers = cfg.num_layers + (draft_layers or 0)
+    kv_shard = args.tp_size if cfg.num_kv_heads % args.tp_size == 0 else 1
+    page_bytes = 2 * kv_layers * z * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize // kv_shard
+    tokens = _kv_budget_tokens(args, param_bytes, page_bytes, max_running, context_length, bytes_limit)
+    num_pages = tokens // z + 1  # + the scratch page
+    if args.max_running_requests is None:
+        max_running = max(1, min(max_running, num_pages - 1))
+    chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else \
+        context_length
+    return PoolPlan(context_length, pages_per_seq, max_running, num_pages, chunk, page_bytes, kv_layers)
 
 
 @dataclasses.dataclass
@@ -189,30 +223,20 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         cfg, params = model
     else:
         cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
-    context_length = args.context_length or cfg.max_position_embeddings
     spec = args.speculative_algorithm is not None and not args.speculation_off_reason
     if args.speculative_algorithm and not spec:
         log.warning("serving plain decoding: %s; give --speculative-num-steps/-eagle-topk/-num-draft-tokens to "
                     "speculate anyway", args.speculation_off_reason)
-    w = args.speculative_num_steps + 1 if spec else 1
-    z = args.page_size
-    pages_per_seq = -(-(context_length + w) // z)
-    max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
-    kv_layers = cfg.num_layers
     if spec and draft is None:
         from specjax.head_weights import load_draft
         draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
                            token_map=args.speculative_token_map)
-    if spec:
-        kv_layers += getattr(draft[0], "num_layers", 1)
-    kv_shard = args.tp_size if cfg.num_kv_heads % args.tp_size == 0 else 1
-    page_bytes = 2 * kv_layers * z * cfg.num_kv_heads * cfg.head_dim * np.dtype(cfg.dtype).itemsize // kv_shard
-    tokens = _kv_budget_tokens(args, cfg, params, page_bytes, max_running, context_length)
-    num_pages = tokens // z + 1  # + the scratch page
-    if args.max_running_requests is None:
-        max_running = max(1, min(max_running, num_pages - 1))
-    chunk = args.chunked_prefill_size if args.chunked_prefill_size and args.chunked_prefill_size > 0 else \
-        context_length
+    param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) // max(1, args.tp_size)
+    plan = plan_pool(args, cfg, getattr(draft[0], "num_layers", 1) if spec else None, param_bytes,
+                     device_bytes_limit())
+    context_length, pages_per_seq, max_running, num_pages, chunk = (
+        plan.context_length, plan.pages_per_seq, plan.max_running, plan.num_pages, plan.prefill_chunk)
+    z = args.page_size
     if spec:
         from specjax.spec.decoder import SpecRunner
         draft_cfg, draft_params, vmap = draft

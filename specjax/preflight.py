@@ -1,6 +1,9 @@
-"""TPU preflight on any machine: compile the training step for a real TPU topology and report whether it fits.
+"""TPU preflight on any machine: compile the training step, or every program the server runs, for a real TPU
+topology and report whether it fits.
 
     python -m specjax.preflight train --config qwen2.5-7b.yaml --topology v4-32 [--section.key VALUE ...]
+    python -m specjax.preflight serve --model-path llama-3.1-8b --tp-size 4 --speculative-algorithm EAGLE3 \
+        --topology v5e-4 [any server flag]
 
 With libtpu installed (``pip install "specjax[tpu]"``, the same jax version), JAX compiles for TPU chips that are
 not there: the devices come from ``jax.experimental.topologies``, the program is built through the code the
@@ -17,6 +20,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
+import math
 import os
 import re
 import sys
@@ -103,10 +108,11 @@ class Report:
     hbm: int
     collectives: dict
     note: str = ""
+    error: str = ""  # the compiler's refusal, when the program does not compile
 
     @property
     def fits(self) -> bool:
-        return self.total <= self.hbm
+        return not self.error and self.total <= self.hbm
 
 
 _COLLECTIVES = ("all-reduce", "all-gather", "reduce-scatter", "all-to-all", "collective-permute")
@@ -121,18 +127,23 @@ def count_collectives(hlo_text: str) -> dict:
     return out
 
 
-def compile_report(program: str, lowered, hbm: int, note: str = "") -> Report:
-    """Compile a lowered program for the topology and read its per-chip footprint."""
+def compile_report(program: str, lowered, hbm: int, note: str = "", describe=None) -> Report:
+    """Compile a lowered program for the topology and read its per-chip footprint. ``describe(hlo_text)``, when
+    given, adds to the note what the compiled program holds (e.g. which attention it runs)."""
     t0 = time.perf_counter()
     try:
         compiled = lowered.compile()
     except Exception as e:  # noqa: BLE001 - the compiler's message is the report
-        raise PreflightError(f"{program} does not compile: {type(e).__name__}: {str(e).splitlines()[0][:500]}") from None
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        raise PreflightError(f"{program} does not compile: {type(e).__name__}: {' '.join(lines[:4])[:800]}") from None
     dt = time.perf_counter() - t0
     ma = compiled.memory_analysis()
     total = ma.argument_size_in_bytes + ma.output_size_in_bytes - ma.alias_size_in_bytes + ma.temp_size_in_bytes
+    text = compiled.as_text()
+    if describe is not None:
+        note = "; ".join(n for n in (note, describe(text)) if n)
     return Report(program, dt, ma.argument_size_in_bytes, ma.temp_size_in_bytes, total, hbm,
-                  count_collectives(compiled.as_text()), note)
+                  count_collectives(text), note)
 
 
 def print_table(title: str, reports: list[Report], file=None) -> None:
@@ -143,6 +154,11 @@ def print_table(title: str, reports: list[Report], file=None) -> None:
     print(head, file=file)
     print("-" * len(head), file=file)
     for r in reports:
+        if r.error:
+            print(f"{r.program:<44} {r.compile_s:>9.1f} {'-':>9} {'-':>9} {'-':>10} {r.hbm / GIB:>8.0f}  NO    "
+                  f"does not compile", file=file)
+            print(f"  {r.error}", file=file)
+            continue
         coll = ", ".join(f"{k} x{v}" for k, v in r.collectives.items()) or "none"
         print(f"{r.program:<44} {r.compile_s:>9.1f} {r.arguments / GIB:>9.2f} {r.temporaries / GIB:>9.2f} "
               f"{r.total / GIB:>10.2f} {r.hbm / GIB:>8.0f}  {'yes' if r.fits else 'NO':<4}  {coll}", file=file)
@@ -151,16 +167,30 @@ def print_table(title: str, reports: list[Report], file=None) -> None:
 
 
 # ---- train ---------------------------------------------------------------------------------------------------------
-def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_buckets: bool = False,
-                   model_config: str | None = None, num_layers: int | None = None) -> list[Report]:
-    """Compile the run config's train step (the largest length bucket, or every bucket) for the topology."""
+def abstract_train_inputs(tcfg, hcfg, mesh, grad_accum: int, batch_size: int, seq: int):
+    """(target params, vocab map, batch) of the train step as sharded abstract shapes (nothing allocated): the
+    target sharded as ``weights.load_model`` places it, the batch [A, B, T] split over dp."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax import weights
-    from specjax.config import ModelConfig
     from specjax.models import eagle3, target
+    tparams = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
+                           target.param_shapes(tcfg), weights.param_shardings(tcfg, mesh))
+    rep = NamedSharding(mesh, P())
+    vmap = eagle3.VocabMap(d2t=jax.ShapeDtypeStruct((hcfg.draft_vocab_size,), jnp.int32, sharding=rep),
+                           t2d=jax.ShapeDtypeStruct((tcfg.vocab_size,), jnp.bool_, sharding=rep))
+    bsh = NamedSharding(mesh, P(None, "dp"))
+    batch = {k: jax.ShapeDtypeStruct((grad_accum, batch_size, seq), jnp.int32, sharding=bsh)
+             for k in ("input_ids", "loss_mask", "attention_mask")}
+    return tparams, vmap, batch
+
+
+def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_buckets: bool = False,
+                   model_config: str | None = None, num_layers: int | None = None) -> list[Report]:
+    """Compile the run config's train step (the largest length bucket, or every bucket) for the topology."""
+    from specjax.config import ModelConfig
     from specjax.sharding import ShardingError, make_mesh
     from specjax.train import step as step_lib
     from specjax.train.__main__ import head_config, make_optimizer
@@ -185,19 +215,11 @@ def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_bucket
     step = step_lib.make_train_step(tcfg, hcfg, opt, mesh, ttt_length=cfg.training.ttt_length,
                                     decay=cfg.training.decay, grad_accum=cfg.training.grad_accum)
     state = step_lib.abstract_train_state(hcfg, opt, mesh)
-    tparams = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           target.param_shapes(tcfg), weights.param_shardings(tcfg, mesh))
-    rep = NamedSharding(mesh, P())
-    vmap = eagle3.VocabMap(d2t=jax.ShapeDtypeStruct((hcfg.draft_vocab_size,), jnp.int32, sharding=rep),
-                           t2d=jax.ShapeDtypeStruct((tcfg.vocab_size,), jnp.bool_, sharding=rep))
-    bsh = NamedSharding(mesh, P(None, "dp"))
     buckets = sorted({min(b, cfg.data.max_length) for b in cfg.data.buckets})
     reports = []
     for seq in (buckets if all_buckets else buckets[-1:]):
         a, b = cfg.training.grad_accum, cfg.training.batch_size
-        batch = {k: jax.ShapeDtypeStruct((a, b, seq), jnp.int32, sharding=bsh)
-                 for k in ("input_ids", "loss_mask", "attention_mask")}
-        lowered = step.lower(state, tparams, vmap, batch)
+        lowered = step.lower(state, *abstract_train_inputs(tcfg, hcfg, mesh, a, b, seq))
         name = f"train step A={a} x B={b} x T={seq}, TTT {cfg.training.ttt_length}"
         reports.append(compile_report(name, lowered, topo.hbm_bytes,
                                       note=f"{tcfg.architecture} {tcfg.num_layers} layers {tcfg.dtype}, head "
@@ -233,14 +255,354 @@ def _train_main(argv) -> int:
     return 1 if bad else 0
 
 
+# ---- serve ---------------------------------------------------------------------------------------------------------
+SERVE_PROGRAMS = ("plain", "EAGLE3", "EAGLE")
+
+
+@dataclasses.dataclass
+class ServeSetup:
+    """The server's model on the topology, as abstract shapes (nothing is allocated)."""
+    args: object  # serve.args.ServerArgs
+    tcfg: object
+    mesh: object  # the server's mesh (None on one chip, as the server runs it)
+    shard_mesh: object  # the mesh the abstract arrays are placed on (one chip when ``mesh`` is None)
+    params: object  # the target's unstacked params (the decode layout), ShapeDtypeStructs
+    param_bytes: int  # weights per chip, as the server counts them for its KV budget
+    topo: Topology
+
+
+def _sds(shape, dtype, sharding):
+    import jax
+    return jax.ShapeDtypeStruct(tuple(shape), dtype, sharding=sharding)
+
+
+def _unstacked_shapes(cfg, mesh):
+    """``target.unstack_layers`` of the server's sharded params, abstractly: one set of per-layer shapes per layer,
+    each keeping its stacked sharding without the layer axis."""
+    import jax
+    from jax.sharding import NamedSharding
+
+    from specjax import weights
+    from specjax.models import target
+    stacked = jax.tree.map(lambda s, sh: _sds(s.shape, s.dtype, sh), target.param_shapes(cfg),
+                           weights.param_shardings(cfg, mesh))
+    layer = jax.tree.map(lambda a: _sds(a.shape[1:], a.dtype, NamedSharding(mesh, type(a.sharding.spec)(
+        *tuple(a.sharding.spec)[1:]))), stacked.layers)
+    return dataclasses.replace(stacked, layers=tuple(layer for _ in range(cfg.num_layers)))
+
+
+def serve_setup(args, topo: Topology, *, model_config: str | None = None, num_layers: int | None = None) -> ServeSetup:
+    """Target config, mesh and abstract params for the server's flags (``--model-path`` a folder, a config.json or a
+    shipped shape name; ``--tp-size`` x ``--dp-size`` chips of the topology)."""
+    import jax
+
+    from specjax.config import ConfigError, ModelConfig
+    from specjax.sharding import ShardingError, make_mesh
+
+    shape_json = model_config or configs.model_config_json(args.model_path)
+    if shape_json is None:
+        raise PreflightError(f"no model shape for --model-path {args.model_path!r}: give a folder or config.json, or "
+                             f"one of the shipped shapes ({', '.join(configs.model_shapes())})")
+    try:
+        tcfg = ModelConfig.from_pretrained(shape_json, dtype=None if args.dtype == "auto" else args.dtype)
+    except ConfigError as e:
+        raise PreflightError(str(e)) from None
+    if num_layers is not None:  # tests: the same programs with fewer target layers
+        tcfg = dataclasses.replace(tcfg, num_layers=num_layers)
+    n = args.tp_size * args.dp_size
+    if n > topo.chips:
+        raise PreflightError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} needs {n} chips; {topo.name} has "
+                             f"{topo.chips}")
+    try:
+        shard_mesh = make_mesh(dp=args.dp_size, tp=args.tp_size, devices=topo.devices[:n])
+    except ShardingError as e:
+        raise PreflightError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} on {topo.name}: {e}") from None
+    params = _unstacked_shapes(tcfg, shard_mesh)
+    param_bytes = sum(a.dtype.itemsize * math.prod(a.shape) for a in jax.tree.leaves(params)) // args.tp_size
+    return ServeSetup(args, tcfg, shard_mesh if n > 1 else None, shard_mesh, params, param_bytes, topo)
+
+
+def _draft_config(setup: ServeSetup, algorithm: str):
+    """(head config, where it came from): the head folder's config.json when ``--speculative-draft-model-path``
+    belongs to this algorithm, else the one-layer head ``specjax.train`` makes for this target."""
+    from specjax.convert.head import HeadFormatError, check_head_matches_target
+    from specjax.models import eagle, eagle3
+    args, tcfg = setup.args, setup.tcfg
+    path = args.speculative_draft_model_path if args.speculative_algorithm == algorithm else None
+    if path:
+        cfg_json = os.path.join(os.path.expanduser(path), "config.json")
+        try:
+            with open(cfg_json) as f:
+                hf = json.load(f)
+            if algorithm == "EAGLE3":
+                dcfg = eagle3.config_from_hf(hf, tcfg.num_layers, dtype=tcfg.dtype)
+                check_head_matches_target(dcfg, tcfg)
+            else:
+                dcfg = eagle.config_from_hf(hf, dtype=tcfg.dtype)
+        except (OSError, KeyError, ValueError, HeadFormatError) as e:
+            raise PreflightError(f"--speculative-draft-model-path {path}: {type(e).__name__}: {e}") from None
+        return dcfg, f"head {path}"
+    if algorithm == "EAGLE3":
+        return eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=32000, dtype=tcfg.dtype), \
+            "1-layer head shaped from the target, draft vocab 32000"
+    return eagle.EagleConfig.from_target(tcfg, dtype=tcfg.dtype), "1-layer head shaped from the target"
+
+
+def _abstract_draft(setup: ServeSetup, algorithm: str, dcfg):
+    """``spec.draft.make_draft`` on abstract params, replicated over the mesh as ``SpecRunner`` places it."""
+    import jax
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax.models import eagle, eagle3
+    from specjax.spec import draft as draft_lib
+    token_map = setup.args.speculative_token_map if algorithm == "EAGLE" else None
+    ids = eagle.load_token_map(token_map, setup.tcfg.vocab_size) if token_map else None
+    if algorithm == "EAGLE3":
+        vocab = eagle3.VocabMap(d2t=jax.ShapeDtypeStruct((dcfg.draft_vocab_size,), jnp.int32),
+                                t2d=jax.ShapeDtypeStruct((setup.tcfg.vocab_size,), jnp.bool_))
+        make = lambda p, t, v: draft_lib.make_draft(algorithm, dcfg, p, t, v)
+        draft = jax.eval_shape(make, eagle3.param_shapes(dcfg), setup.params, vocab)
+    else:
+        make = lambda p, t: draft_lib.make_draft(algorithm, dcfg, p, t, ids)
+        draft = jax.eval_shape(make, eagle.param_shapes(dcfg), setup.params)
+    rep = NamedSharding(setup.shard_mesh, P())
+    return jax.tree.map(lambda a: _sds(a.shape, a.dtype, rep), draft)
+
+
+def _abstract_state(setup: ServeSetup, init_state, kv_fields):
+    """The runner's ``init_state`` as abstract shapes: KV pools (``kv_fields``) split over kv heads on tp where they
+    divide, as the runners place them; everything else replicated."""
+    import jax
+    from jax.sharding import NamedSharding, PartitionSpec as P
+    mesh = setup.shard_mesh
+    tp = mesh.shape["tp"]
+
+    def place(path, a):
+        kv = jax.tree_util.keystr(path) in kv_fields and a.shape[3] % tp == 0
+        return _sds(a.shape, a.dtype, NamedSharding(mesh, P(None, None, None, "tp", None) if kv else P()))
+    return jax.tree_util.tree_map_with_path(place, jax.eval_shape(init_state))
+
+
+def _attention_used(setup: ServeSetup, tokens: int):
+    """describe(): which attention the compiled program runs — the Pallas kernel (a Mosaic custom call in the HLO)
+    or the XLA path, with the kernel's reason (for one chip's heads, ``tokens`` queries per sequence)."""
+    import jax.numpy as jnp
+    from specjax.kernels.tree_attention import head_split, tpu_unsupported_reason
+    cfg = setup.tcfg
+    split = head_split(setup.mesh, cfg.num_heads, cfg.num_kv_heads)
+
+    def describe(hlo_text: str) -> str:
+        if "tpu_custom_call" in hlo_text:
+            return "attention: Pallas kernel"
+        why = tpu_unsupported_reason(cfg.num_heads // split, cfg.num_kv_heads // split, cfg.head_dim,
+                                     setup.args.page_size, jnp.dtype(cfg.dtype), tree_tokens=tokens)
+        return f"attention: XLA fallback ({why})" if why else "attention: XLA"
+    return describe
+
+
+def _compile(setup: ServeSetup, name: str, describe, fn, *args, **kwargs) -> Report:
+    """Lower ``fn`` as the runner calls it (under its mesh) and compile it for the topology; a program the compiler
+    refuses becomes a report row with the reason (the other programs are still checked)."""
+    from specjax.sharding import use_mesh
+    t0 = time.perf_counter()
+    try:
+        with use_mesh(setup.mesh):
+            lowered = fn.lower(*args, **kwargs)
+    except Exception as e:  # noqa: BLE001 - e.g. a Mosaic call XLA cannot partition: its message is the report
+        lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]
+        return Report(name, time.perf_counter() - t0, 0, 0, 0, setup.topo.hbm_bytes, {},
+                      error=f"lowering fails: {type(e).__name__}: {' '.join(lines[:2])[:500]}")
+    try:
+        report = compile_report(name, lowered, setup.topo.hbm_bytes, describe=describe)
+    except PreflightError as e:
+        report = Report(name, time.perf_counter() - t0, 0, 0, 0, setup.topo.hbm_bytes, {},
+                        error=str(e).removeprefix(f"{name} does not compile: "))
+    print(f"preflight: {name}: {'does not compile' if report.error else 'compiled'} in "
+          f"{time.perf_counter() - t0:.0f} s", file=sys.stderr, flush=True)  # progress: 8B programs take minutes
+    return report
+
+
+def _pool_note(setup: ServeSetup, plan) -> str:
+    z = setup.args.page_size
+    pool = (plan.num_pages - 1) * z
+    return (f"KV pool {plan.num_pages - 1} pages x {z} tokens = {pool} tokens ({plan.kv_layers} layers, "
+            f"{(plan.num_pages * plan.page_bytes) / GIB:.2f} GiB per chip), {plan.max_running} slots, context "
+            f"{plan.context_length}, weights {setup.param_bytes / GIB:.2f} GiB per chip")
+
+
+def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list[Report]:
+    """The plain runner's programs (``serve.model_runner.PlainRunner``): every prefill bucket and the decode step, at
+    the largest page bucket and batch bucket (the most memory)."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax.kernels.tree_attention import make_cache_attention
+    from specjax.serve.model_runner import PlainRunner
+    args, cfg = setup.args, setup.tcfg
+    runner = PlainRunner(cfg, setup.params, max_batch=plan.max_running, pages_per_seq=plan.pages_per_seq,
+                         page_size=args.page_size, num_pages=plan.num_pages, max_prefill_tokens=plan.prefill_chunk,
+                         attention_impl=args.attention_impl, mesh=setup.mesh)
+    runner.cache_attention = make_cache_attention(args.attention_impl, cfg.sliding_window, "tpu")  # as on a TPU
+    state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v"))
+    rep = NamedSharding(setup.shard_mesh, P())
+    s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
+    npages, nb = runner.page_buckets[-1], runner.batch_buckets[-1]
+    reports = []
+    for t in (runner.prefill_buckets if all_buckets else runner.prefill_buckets[-1:]):
+        reports.append(_compile(setup, f"plain prefill T={t}", _attention_used(setup, t), runner._prefill_jit,
+                                runner.params, state, s(()), s((t,)), s(()), s(()), s((plan.pages_per_seq,)),
+                                s((), jnp.float32), s(()), s((), jnp.float32), s((), jnp.float32), s((), jnp.uint32),
+                                npages=npages))
+    reports.append(_compile(setup, f"plain decode step B={nb}", _attention_used(setup, 1), runner._step_jit,
+                            runner.params, state, s((plan.max_running,), jnp.bool_), nb=nb, npages=npages))
+    return reports
+
+
+def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets: bool = True) -> list[Report]:
+    """``spec.decoder.SpecRunner``'s programs for ``algorithm``: every prefill bucket (target + draft caches) and
+    the fused speculative step (draft rollout, tree verify, commit) at the largest batch and page buckets."""
+    import jax.numpy as jnp
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax.kernels.tree_attention import make_cache_attention
+    from specjax.serve.model_runner import MIN_PREFILL_BUCKET, pow2_buckets
+    from specjax.spec import decoder
+    args, cfg = setup.args, setup.tcfg
+    runner = decoder.SpecRunner(
+        cfg, setup.params, algorithm, _abstract_draft(setup, algorithm, dcfg), None, None,
+        num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
+        num_draft_tokens=args.speculative_num_draft_tokens, max_batch=plan.max_running,
+        pages_per_seq=plan.pages_per_seq, page_size=args.page_size, num_pages=plan.num_pages,
+        attention_impl=args.attention_impl, prefill_chunk=plan.prefill_chunk, mesh=setup.mesh)
+    runner.scfg = dataclasses.replace(runner.scfg, cache_attention=make_cache_attention(
+        args.attention_impl, cfg.sliding_window, "tpu"))  # as on a TPU
+    state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
+    rep = NamedSharding(setup.shard_mesh, P())
+    s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
+    buckets = sorted({decoder._bucket(t, hi=plan.prefill_chunk)
+                      for t in pow2_buckets(MIN_PREFILL_BUCKET, plan.prefill_chunk)})
+    reports = []
+    for t in (buckets if all_buckets else buckets[-1:]):
+        reports.append(_compile(setup, f"{algorithm} prefill T={t}", _attention_used(setup, t),
+                                decoder._prefill_slot, runner.target_params, cfg, runner.draft,
+                                runner.scfg.for_prefill(), state, s(()), s((1, t)), s((1, t)), s((1, t), jnp.bool_),
+                                s((1,), jnp.bool_), s((1,))))
+    sc = runner.scfg
+    reports.append(_compile(setup, f"{algorithm} step B={plan.max_running} S={sc.num_steps} k={sc.topk} "
+                                   f"M={sc.num_draft_tokens}", _attention_used(setup, sc.num_draft_tokens),
+                            decoder._step_rows, runner.target_params,
+                            cfg, runner.draft, sc, state, s((plan.max_running,), jnp.bool_), nb=plan.max_running,
+                            npages=plan.pages_per_seq))
+    return reports
+
+
+def serve_programs(setup: ServeSetup, programs, *, all_buckets: bool = True):
+    """[(title, pool note, reports)] for each program set (``plain``, ``EAGLE3``, ``EAGLE``), each with the KV pool
+    the server would allocate for it on the topology's HBM (``serve.launch.plan_pool``)."""
+    from specjax.serve.launch import plan_pool
+    out = []
+    for name in programs:
+        dcfg, origin = _draft_config(setup, name) if name != "plain" else (None, "")
+        try:
+            plan = plan_pool(setup.args, setup.tcfg, None if dcfg is None else dcfg.num_layers, setup.param_bytes,
+                             setup.topo.hbm_bytes)
+        except MemoryError as e:
+            raise PreflightError(f"{name}: {e}") from None
+        reports = plain_programs(setup, plan, all_buckets=all_buckets) if dcfg is None else \
+            spec_programs(setup, plan, name, dcfg, all_buckets=all_buckets)
+        title = "plain decoding" if dcfg is None else f"{name} ({origin})"
+        out.append((title, _pool_note(setup, plan), reports))
+    return out
+
+
+def _serve_parser():
+    from specjax.serve.args import build_parser
+    p = build_parser()
+    p.prog = "python -m specjax.preflight serve"
+    p.description = ("Compile every program the server runs with these flags (the server's own) for a TPU "
+                     "topology: each prefill bucket, the decode step, the speculative step; no weights needed.")
+    g = p.add_argument_group("preflight")
+    g.add_argument("--topology", required=True, help="TPU accelerator type: " + ", ".join(topology_names()))
+    g.add_argument("--programs", default=None,
+                   help="comma-separated program sets among plain, EAGLE3, EAGLE (default: plain, plus "
+                        "--speculative-algorithm's)")
+    g.add_argument("--largest-bucket-only", action="store_true",
+                   help="compile only the largest prefill bucket (it needs the most memory)")
+    g.add_argument("--model-config", default=None, help="HF config.json giving the model shape (default: "
+                                                        "--model-path's own, or the shipped shape of that name)")
+    g.add_argument("--num-layers", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer target layers
+    return p
+
+
+_PREFLIGHT_ONLY = ("topology", "programs", "largest_bucket_only", "model_config", "num_layers")
+
+
+def _serve_args(ns):
+    """(ServerArgs validated by the server's own rules, program sets). A speculative algorithm without a head folder
+    is allowed here: the head's shape then comes from the target."""
+    from specjax.serve.args import ArgsError, ServerArgs
+    kw = {k: v for k, v in vars(ns).items() if k not in _PREFLIGHT_ONLY}
+    programs = [p.strip() for p in (ns.programs or "").split(",") if p.strip()]
+    canon = {p.lower(): p for p in SERVE_PROGRAMS}
+    bad = [p for p in programs if p.lower() not in canon]
+    if bad:
+        raise PreflightError(f"--programs: unknown {bad}; choose among {', '.join(SERVE_PROGRAMS)}")
+    programs = [canon[p.lower()] for p in programs] or ["plain"] + (
+        [kw["speculative_algorithm"]] if kw.get("speculative_algorithm") else [])
+    spec = next((p for p in programs if p != "plain"), None)
+    if kw.get("speculative_algorithm") is None and spec:
+        kw["speculative_algorithm"] = spec  # the tree flags' defaults apply
+    args = ServerArgs(**kw)
+    try:
+        placeholder = "(shape from the target)" if args.speculative_algorithm else None
+        dataclasses.replace(args, speculative_draft_model_path=args.speculative_draft_model_path or
+                            placeholder).validate()
+    except ArgsError as e:
+        raise PreflightError(str(e)) from None
+    return args, programs
+
+
+def _serve_main(argv) -> int:
+    ns = _serve_parser().parse_args(argv)
+    try:
+        args, programs = _serve_args(ns)
+        topo = get_topology(ns.topology)
+        setup = serve_setup(args, topo, model_config=ns.model_config, num_layers=ns.num_layers)
+        results = serve_programs(setup, programs, all_buckets=not ns.largest_bucket_only)
+    except PreflightError as e:
+        print(f"preflight: error: {e}", file=sys.stderr)
+        return 1
+    c = setup.tcfg
+    print(f"preflight serve: {args.model_path} ({c.architecture}, {c.num_layers} layers, {c.dtype}, "
+          f"{c.num_heads}/{c.num_kv_heads} heads x {c.head_dim}) on {topo}, tp={args.tp_size} x dp={args.dp_size}")
+    bad = []
+    for title, pool, reports in results:
+        print()
+        print_table(f"{title}: {pool}", reports)
+        bad += [r for r in reports if not r.fits]
+    for r in bad:
+        why = f"does not compile ({r.error})" if r.error else \
+            f"needs {r.total / GIB:.2f} GiB per chip, {topo.name} chips have {r.hbm / GIB:.0f} GiB"
+        if not r.error or "on HBM" in r.error:
+            hint = "; lower --mem-fraction-static or --max-total-tokens, or raise --tp-size"
+        elif "smem" in r.error.lower():  # the kernel's scalar-prefetched page table [slots, pages per sequence]
+            hint = "; lower --context-length or --max-running-requests"
+        else:
+            hint = ""
+        print(f"preflight: error: {r.program} {why}{hint}", file=sys.stderr)
+    return 1 if bad else 0
+
+
 def main(argv=None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] not in ("train",):
+    if not argv or argv[0] not in ("train", "serve"):
         print("usage: python -m specjax.preflight train --config CONFIG --topology TPU_TYPE [--section.key VALUE]\n"
-              f"  {configs.help_text()}\n  topologies: {', '.join(topology_names())}",
+              "       python -m specjax.preflight serve --model-path DIR_OR_SHAPE --topology TPU_TYPE [server flags]"
+              f"\n  {configs.help_text()}\n  topologies: {', '.join(topology_names())}",
               file=sys.stderr if argv and argv[0] not in ("-h", "--help") else sys.stdout)
         return 0 if argv and argv[0] in ("-h", "--help") else 2
-    return _train_main(argv[1:])
+    return _train_main(argv[1:]) if argv[0] == "train" else _serve_main(argv[1:])
 
 
 if __name__ == "__main__":

@@ -92,6 +92,13 @@ def use_mesh(mesh: Mesh | None, rules: dict[str, str | None] | None = None):
         _ACTIVE.reset(token)
 
 
+def active_mesh() -> Mesh | None:
+    """The mesh of the enclosing ``use_mesh`` (None outside one): hooks that must place their own work (the
+    tree-attention kernel's shard_map) read it here."""
+    active = _ACTIVE.get()
+    return None if active is None else active[0]
+
+
 def constrain(x, axes: Sequence[str | None]):
     active = _ACTIVE.get()
     if active is None:

@@ -9,14 +9,11 @@ figure overstates what a TPU needs. Takes about 20 s of CPU (about a minute of w
 
 import time
 
-import jax
-import jax.numpy as jnp
 import pytest
-from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import weights
 from specjax.config import ModelConfig
-from specjax.models import eagle3, target
+from specjax.models import eagle3
+from specjax.preflight import abstract_train_inputs
 from specjax.sharding import make_mesh
 from specjax.train import step as S
 
@@ -35,14 +32,7 @@ def test_qwen25_7b_train_step_compiles_and_fits_tpu_v4():
     step = S.make_train_step(tcfg, hcfg, opt, mesh, ttt_length=7, decay=0.8, grad_accum=4)
 
     state = S.abstract_train_state(hcfg, opt, mesh)
-    tparams = jax.tree.map(lambda s, sh: jax.ShapeDtypeStruct(s.shape, s.dtype, sharding=sh),
-                           target.param_shapes(tcfg), weights.param_shardings(tcfg, mesh))
-    rep = NamedSharding(mesh, P())
-    vmap = eagle3.VocabMap(d2t=jax.ShapeDtypeStruct((hcfg.draft_vocab_size,), jnp.int32, sharding=rep),
-                           t2d=jax.ShapeDtypeStruct((tcfg.vocab_size,), jnp.bool_, sharding=rep))
-    bsh = NamedSharding(mesh, P(None, "dp"))
-    batch = {k: jax.ShapeDtypeStruct((4, 4, 1024), jnp.int32, sharding=bsh)
-             for k in ("input_ids", "loss_mask", "attention_mask")}
+    tparams, vmap, batch = abstract_train_inputs(tcfg, hcfg, mesh, grad_accum=4, batch_size=4, seq=1024)
 
     compiled = step.lower(state, tparams, vmap, batch).compile()
     ma = compiled.memory_analysis()

@@ -202,3 +202,24 @@ def test_forward_with_pallas_cache_attention_matches_xla_path():
     np.testing.assert_allclose(np.asarray(pallas_verify), np.asarray(xla_verify), atol=1e-5, rtol=0)
     written = np.isfinite(np.asarray(xla_cache.k))
     np.testing.assert_allclose(np.asarray(pallas_cache.k)[written], np.asarray(xla_cache.k)[written], atol=1e-5)
+
+
+@pytest.mark.parametrize("kv_heads, tp", [(2, 2), (3, 2)])
+def test_pallas_hook_on_a_tp_mesh_matches_reference(kv_heads, tp):
+    """Under a (dp, tp) mesh the hook runs the kernel per shard (shard_map: XLA cannot partition a Mosaic call):
+    each tp shard over its own heads and its slice of the pool when the heads divide (K=2), every head on every
+    device when they do not (K=3, the pool replicated); both equal the reference."""
+    from jax.sharding import NamedSharding, PartitionSpec as P
+
+    from specjax.sharding import make_mesh, use_mesh
+    mesh = make_mesh(dp=1, tp=tp, devices=jax.devices()[:tp])
+    args = make_case(3, t=5, kv_heads=kv_heads, groups=2, head_dim=64, page_size=4, pages_per_seq=3,
+                     lengths=[5, 12, 0])
+    heads = P(None, None, "tp", None) if kv_heads % tp == 0 else P()
+    specs = (heads, heads, heads, P(), heads, heads, P(), P())
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
+    hook = make_cache_attention("pallas")
+    with use_mesh(mesh):
+        got = jax.jit(lambda *a: hook(*a, 0.125))(*args)
+    want = ref_attention(*args, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), atol=2e-5, rtol=0)

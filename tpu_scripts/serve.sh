@@ -18,6 +18,18 @@ TP="${TP:-4}"
 NUM_STEPS="${NUM_STEPS:-5}"; TOPK="${TOPK:-4}"; DRAFT_TOKENS="${DRAFT_TOKENS:-8}"
 ARGS="$(quote_args "$@")"
 
+# Preflight here first (no TPU needed): every program the server runs (prefill buckets, the EAGLE3 step) must compile
+# for one host's chips (SERVE_TOPOLOGY, default v4-8 = the 4 chips of worker 0) and fit their HBM. The model's shape
+# comes from TARGET (a local folder, or a hub id with a shipped shape) or PREFLIGHT_MODEL; SKIP_PREFLIGHT=1 skips.
+if [[ "${SKIP_PREFLIGHT:-0}" != 1 ]]; then
+  HEAD_FLAG=(); [[ -d "${HEAD}" ]] && HEAD_FLAG=(--speculative-draft-model-path "${HEAD}")
+  echo "preflight: compiling the server's programs for ${SERVE_TOPOLOGY:-v4-8} (SKIP_PREFLIGHT=1 skips)"
+  JAX_PLATFORMS=cpu python -m specjax.preflight serve --model-path "${PREFLIGHT_MODEL:-${TARGET}}" \
+    --speculative-algorithm EAGLE3 ${HEAD_FLAG[@]+"${HEAD_FLAG[@]}"} --speculative-num-steps "${NUM_STEPS}" \
+    --speculative-eagle-topk "${TOPK}" --speculative-num-draft-tokens "${DRAFT_TOKENS}" --tp "${TP}" \
+    --topology "${SERVE_TOPOLOGY:-v4-8}" --largest-bucket-only "$@"
+fi
+
 tpu_ssh 0 "set -euo pipefail
   . ~/specjax-venv/bin/activate; cd ~/${REMOTE_DIR}
   nohup python -m specjax.serve --model-path $(remote_path "${TARGET}") \

@@ -227,8 +227,9 @@ class SpecRunner:
         # Per-layer weights (one copy at start-up): every verify forward reads them in place.
         self.target_params = target_params = target.unstack_layers(target_params)
         self.algorithm = algorithm.upper()
-        self.draft = draft_lib.make_draft(self.algorithm, draft_cfg, draft_params, target_params,
-                                          vocab_map_or_token_map)
+        # draft_cfg may be a built Draft (``specjax.preflight`` passes abstract shapes), else the head's parts.
+        self.draft = _as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
+                               (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
         self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
                                         make_cache_attention(attention_impl, target_cfg.sliding_window))
         step_lib.check_compatible(target_cfg, self.draft, self.scfg)

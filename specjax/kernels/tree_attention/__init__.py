@@ -7,11 +7,13 @@ import logging
 
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.tree_attention.kernel import ref_tree_attention, tpu_unsupported_reason, tree_attention
 from specjax.layers import xla_cache_attention
+from specjax.sharding import active_mesh
 
-__all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason"]
+__all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason", "head_split"]
 
 log = logging.getLogger("specjax")
 
@@ -48,14 +50,34 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
         return None
 
     def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale):
-        if on_tpu:
-            reason = tpu_unsupported_reason(q.shape[2], k.shape[2], q.shape[3], k_pages.shape[1], k_pages.dtype)
+        mesh = active_mesh()
+        split = head_split(mesh, q.shape[2], k_pages.shape[2])
+        if on_tpu:  # the kernel sees one shard's heads
+            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[1],
+                                            k_pages.dtype, tree_tokens=q.shape[1])
             if reason is not None:
                 if reason not in _warned:
                     _warned.add(reason)
                     log.warning("tree-attention kernel cannot serve %s on TPU; using the XLA attention path", reason)
                 return _xla_fallback(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale)
-        return tree_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=float(sm_scale),
-                              interpret=not on_tpu)
+        kernel = functools.partial(tree_attention, sm_scale=float(sm_scale), interpret=not on_tpu)
+        if mesh is None or mesh.size == 1:
+            return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths)
+        return _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths)
 
     return cache_attention
+
+
+def head_split(mesh, num_heads: int, num_kv_heads: int) -> int:
+    """How many ways the heads are split on a mesh's tp axis (as the weights and the KV pool are): tp when the
+    query and kv heads divide, else 1 (the pool is then replicated)."""
+    tp = mesh.shape.get("tp", 1) if mesh is not None else 1
+    return tp if num_heads % tp == 0 and num_kv_heads % tp == 0 else 1
+
+
+def _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths):
+    """The kernel per device under ``shard_map`` (XLA cannot partition a Mosaic call): each tp shard attends over
+    its own heads and its own slice of the KV pool; with ``split`` 1 every device computes all heads."""
+    heads = P(None, None, "tp" if split > 1 else None, None)
+    return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(), heads, heads, P(), P()),
+                         out_specs=heads, check_vma=False)(q, k, v, mask, k_pages, v_pages, page_table, lengths)

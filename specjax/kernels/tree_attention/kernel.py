@@ -296,12 +296,24 @@ def _per_head_pages(pool_dtype, num_kv: int) -> bool:
     return jnp.dtype(pool_dtype).itemsize == 4
 
 
-def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype) -> str | None:
-    """Why the kernel cannot be compiled for a TPU at these shapes (Mosaic's tiling rules), or None if it can.
+# A sequence's queries [N, T, H] sit in VMEM whole, with the scores and accumulators they need: measured with
+# `python -m specjax.preflight` on v5e and v4 (2026-11-23), blocks of 512 KiB (Llama-8B heads per chip at T=256) and
+# 576 KiB (SmolLM2, fp32, T=256) compile, blocks of 1 MiB and more (the same at T=512) exceed the scoped VMEM.
+MAX_QUERY_BLOCK_BYTES = 640 * 1024
+
+
+def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
+                           tree_tokens: int = 1) -> str | None:
+    """Why the kernel cannot be compiled for a TPU at these shapes (Mosaic's tiling rules, scoped VMEM), or None if
+    it can. ``tree_tokens``: the query tokens per sequence (a tree, or a prefill chunk).
     The matrix of tests/test_preflight.py compiles every supported kind of shape for v4, v5e, v5p and v6e."""
     dt = jnp.dtype(dtype)
     if dt not in _DTYPES:
         return f"dtype {dt.name} (the kernel takes float32 or bfloat16)"
+    block = num_heads * tree_tokens * head_dim * dt.itemsize
+    if block > MAX_QUERY_BLOCK_BYTES:
+        return (f"{tree_tokens} query tokens x {num_heads} heads x {head_dim} ({block >> 10} KiB per sequence; the "
+                f"kernel keeps a sequence's queries in VMEM, at most {MAX_QUERY_BLOCK_BYTES >> 10} KiB)")
     if head_dim % 64:
         return f"head_dim {head_dim} (the kernel needs a multiple of 64 lanes)"
     sublanes = 8 * (4 // dt.itemsize)

@@ -1,0 +1,175 @@
+"""TPU preflight of the server's programs (`python -m specjax.preflight serve`): every prefill bucket, the decode step
+and the EAGLE3 / EAGLE steps compiled by the real TPU compiler for abstract TPU chips (libtpu, from the `tpu` extra),
+with their per-chip memory. Small Llama-shaped configs keep it fast; the full 8B programs are marked slow. Skipped
+with a reason when libtpu is not installed."""
+
+import json
+import os
+import re
+
+import jax
+import pytest
+
+from specjax.models import target
+from specjax.serve.launch import plan_pool
+
+preflight = pytest.importorskip("specjax.preflight")
+
+GIB = 2 ** 30
+SMOLLM2 = os.path.expanduser("~/.cache/specjax/SmolLM2-135M-Instruct")
+HEAD = os.path.join(os.path.dirname(preflight.__file__), "heads", "smollm2-135m-instruct-eagle3")
+
+
+@pytest.fixture(scope="module")
+def v5e():
+    try:
+        return preflight.get_topology("v5e-4")
+    except preflight.PreflightError as e:
+        pytest.skip(str(e))
+
+
+def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=3):
+    """A Llama shaped like a small slice of a real one (head dim 64), so each program compiles in seconds."""
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=heads * 64,
+               intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads,
+               num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
+               rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype, bos_token_id=1, eos_token_id=2)
+    path = tmp_path / f"config-{heads}-{kv_heads}-{dtype}.json"
+    path.write_text(json.dumps(cfg))
+    return str(path)
+
+
+# The server's flags, small: 4 slots, a 4096-token pool, one prefill bucket (16), a 3-step tree.
+SMALL_FLAGS = ["--max-running-requests", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
+               "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
+
+
+def rows(out: str) -> dict:
+    """{program: (args GiB, temp GiB, total GiB, fits)} from the printed tables."""
+    pat = re.compile(r"^(\S.*?)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+\s+(yes|NO)\s", re.M)
+    return {m[0].strip(): (float(m[1]), float(m[2]), float(m[3]), m[4] == "yes") for m in pat.findall(out)}
+
+
+def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
+    """plain prefill + decode, EAGLE3 prefill + step, EAGLE prefill + step, over tp=2 of a v5e-4: each compiles with
+    the Pallas kernel (run per shard under shard_map: XLA cannot partition a Mosaic call), fits, all-reduces the
+    row-parallel matmuls, and holds the KV pool the server would allocate."""
+    rc = preflight.main(["serve", "--model-path", small_config(tmp_path), "--tp-size", "2", "--topology", "v5e-4",
+                         "--programs", "plain,EAGLE3,EAGLE", *SMALL_FLAGS])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    got = rows(out)
+    names = ["plain prefill T=16", "plain decode step B=4", "EAGLE3 prefill T=16", "EAGLE3 step B=4 S=2 k=2 M=4",
+             "EAGLE prefill T=16", "EAGLE step B=4 S=2 k=2 M=4"]
+    assert sorted(got) == sorted(names), out
+    assert all(fits for *_, fits in got.values())
+    assert out.count("attention: Pallas kernel") == 6 and "all-reduce" in out
+    # the pool: 256 pages x 16 tokens of 3 target layers (+1 draft layer), K/V split over tp=2, fp32
+    assert "KV pool 256 pages x 16 tokens = 4096 tokens (3 layers" in out
+    assert "KV pool 256 pages x 16 tokens = 4096 tokens (4 layers" in out
+    pool = 2 * 4 * 257 * 16 * 1 * 64 * 4  # K and V, 4 layers, 257 pages (scratch incl.), 1 kv head per chip
+    assert got["EAGLE3 step B=4 S=2 k=2 M=4"][0] * GIB >= pool - 0.01 * GIB
+
+
+def test_serve_preflight_reports_the_xla_fallback(v5e, tmp_path, capsys):
+    """bf16 pages with an odd kv-head count per chip (SmolLM2's 3): the kernel cannot serve it on TPU, the program
+    compiles on the XLA path, and the table says so with the reason."""
+    rc = preflight.main(["serve", "--model-path", small_config(tmp_path, heads=6, kv_heads=3, dtype="bfloat16"),
+                         "--topology", "v5e-1", "--programs", "plain", *SMALL_FLAGS])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert out.count("attention: XLA fallback (") == 2 and "kv head" in out
+
+
+def test_serve_preflight_fails_clearly_when_a_program_does_not_fit(v5e, tmp_path, capsys):
+    """The whole HBM for the KV pool (--mem-fraction-static 1.0) leaves no room for the step's temporaries: exit 1,
+    naming the program and what to change."""
+    rc = preflight.main(["serve", "--model-path", small_config(tmp_path), "--topology", "v5e-1", "--programs",
+                         "plain", "--mem-fraction-static", "1.0", "--max-running-requests", "4",
+                         "--chunked-prefill-size", "16"])
+    err = capsys.readouterr().err
+    assert rc == 1
+    assert "preflight: error: plain prefill T=16" in err and "--mem-fraction-static" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--tp-size", "8", "--topology", "v5e-4"], "needs 8 chips"),
+    (["--topology", "v5e-4", "--programs", "plain,MEDUSA"], "unknown ['MEDUSA']"),
+    (["--topology", "v9-4"], "unknown topology"),
+    (["--topology", "v5e-4", "--speculative-algorithm", "EAGLE3", "--speculative-eagle-topk", "1",
+      "--speculative-num-steps", "3", "--speculative-num-draft-tokens", "8"], "--speculative-num-steps"),
+])
+def test_serve_preflight_bad_input(v5e, tmp_path, capsys, argv, message):
+    assert preflight.main(["serve", "--model-path", small_config(tmp_path), *argv]) == 1
+    assert message in capsys.readouterr().err
+
+
+def test_abstract_setup_matches_what_the_server_builds(v5e, tmp_path):
+    """The abstract params are the server's decode layout (``target.unstack_layers`` of the tp-sharded params) and
+    the pool plan is the server's own (``serve.launch.plan_pool`` against the chip's HBM)."""
+    ns = preflight._serve_parser().parse_args(["--model-path", small_config(tmp_path), "--tp-size", "2",
+                                               "--topology", "v5e-4"])
+    args, programs = preflight._serve_args(ns)
+    assert programs == ["plain"]
+    setup = preflight.serve_setup(args, v5e)
+    want = jax.eval_shape(target.unstack_layers, target.param_shapes(setup.tcfg))
+    assert jax.tree.map(lambda a: (a.shape, a.dtype), setup.params) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
+    assert tuple(setup.params.layers[0].wq.sharding.spec) == (None, "tp", None)  # heads split over tp
+    plan = plan_pool(args, setup.tcfg, None, setup.param_bytes, v5e.hbm_bytes)
+    page = 2 * 3 * 16 * 1 * 64 * 4  # K and V, 3 layers, 16 tokens, 1 of 2 kv heads per chip, fp32
+    assert plan.page_bytes == page
+    assert plan.num_pages - 1 == int(0.85 * v5e.hbm_bytes - setup.param_bytes) // page
+
+
+@pytest.mark.slow
+def test_serve_preflight_smollm2_with_its_head(v5e, capsys):
+    """SmolLM2-135M with the packaged EAGLE3 head on one v5e chip, every prefill bucket (minutes of CPU)."""
+    if not os.path.isdir(SMOLLM2):
+        pytest.skip(f"{SMOLLM2} not fetched (python -m specjax.convert fetch-smollm2)")
+    rc = preflight.main(["serve", "--model-path", SMOLLM2, "--speculative-algorithm", "EAGLE3",
+                         "--speculative-draft-model-path", HEAD, "--topology", "v5e-1", "--max-total-tokens",
+                         "262144"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "EAGLE3 step" in out and "plain decode step" in out
+
+
+def test_kernel_query_block_limit_routes_long_prefill_chunks_to_xla():
+    """A 512-token prefill chunk of Llama-8B's heads on one of 4 chips (8 q / 2 kv heads x 128, bf16) would put 1 MiB
+    of queries in VMEM, which Mosaic refuses (slow test below); the hook runs the XLA path for it. Trees and
+    256-token chunks stay on the kernel."""
+    from specjax.kernels.tree_attention import tpu_unsupported_reason
+    assert "VMEM" in tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=512)
+    assert tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=256) is None
+    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=256) is None  # SmolLM2, fp32
+    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=8) is None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("t, compiles", [(256, True), (512, False)])
+def test_kernel_query_block_limit_is_mosaics(v5e, t, compiles):
+    """The limit is measured: at Llama-8B's per-chip heads the kernel compiles at T=256 and exceeds the scoped VMEM
+    at T=512 (about 15 s of CPU each)."""
+    import functools
+
+    import jax.numpy as jnp
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    from specjax.kernels.tree_attention import tree_attention
+    sh = NamedSharding(Mesh([v5e.devices[0]], ("x",)), P())
+    s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    args = (s((1, t, 8, 128)), s((1, t, 2, 128)), s((1, t, 2, 128)), s((1, t, t), jnp.bool_), s((1000, 16, 2, 128)),
+            s((1000, 16, 2, 128)), s((1, 8192), jnp.int32), s((1,), jnp.int32))
+    fn = jax.jit(functools.partial(tree_attention, sm_scale=128 ** -0.5))
+    if compiles:
+        fn.lower(*args).compile()
+    else:
+        with pytest.raises(Exception, match="(?i)vmem"):
+            fn.lower(*args).compile()
+
+
+def test_hub_ids_name_their_shipped_shape():
+    from specjax import configs
+    assert configs.model_shape("meta-llama/Llama-3.1-8B-Instruct").endswith("llama-3.1-8b.json")
+    assert configs.model_shape("Qwen/Qwen2.5-7B-Instruct").endswith("qwen2.5-7b.json")
+    assert configs.model_shape("someone/unknown-model") is None
