@@ -8,7 +8,7 @@ Modules: args (ServerArgs + CLI), launch (load + budget + runner), engine (sched
 
 def __getattr__(name):
     if name == "Engine":
-        from .offline import Engine
+        from specjax.serve.engine import Engine
         return Engine
     if name == "ServerArgs":
         from .args import ServerArgs

@@ -10,9 +10,10 @@ import logging
 
 from specjax.cli import add_options, option
 from specjax.config import ConfigError
-from specjax.hub import default_smollm2_path
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
-from specjax.spec.tune import TuneError, load_tune, shape_for
+from specjax.hub import default_smollm2_path
+from specjax.speculative.tree import validate as validate_tree
+from specjax.speculative.tune import TuneError, load_tune, shape_for
 
 log = logging.getLogger("specjax.serve")
 
@@ -189,7 +190,6 @@ class ServerArgs:
         if not self.speculative_draft_model_path:
             raise ArgsError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH "
                             "(the draft head's folder)")
-        from specjax.spec.tree import validate as validate_tree
         try:
             validate_tree(self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens)
         except ValueError as e:

@@ -21,10 +21,15 @@ import time
 import jax
 import numpy as np
 
+from specjax.head_weights import load_draft
 from specjax.hub import default_smollm2_path, fetch_smollm2
+from specjax.serve.runners.plain import PlainRunner
+from specjax.serve.runners.spec import SpecRunner
+from specjax.serve.scheduler import Scheduler
+from specjax.sharding import make_mesh
+from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 from .args import ServerArgs
-from .engine import Scheduler
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
 
@@ -189,7 +194,6 @@ class Backend:
 def make_mesh_for(args: ServerArgs):
     if args.tp_size * args.dp_size == 1:
         return None
-    from specjax.sharding import make_mesh
     devs = jax.devices()
     n = args.tp_size * args.dp_size
     if len(devs) < n:
@@ -203,7 +207,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
     from transformers import AutoTokenizer
 
-    from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
     t0 = time.perf_counter()
     for line in args.notices():
@@ -228,7 +231,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         log.warning("serving plain decoding: %s; give --speculative-num-steps/-eagle-topk/-num-draft-tokens to "
                     "speculate anyway", args.speculation_off_reason)
     if spec and draft is None:
-        from specjax.head_weights import load_draft
         draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
                            token_map=args.speculative_token_map)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) // max(1, args.tp_size)
@@ -238,7 +240,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         plan.context_length, plan.pages_per_seq, plan.max_running, plan.num_pages, plan.prefill_chunk)
     z = args.page_size
     if spec:
-        from specjax.spec.decoder import SpecRunner
         draft_cfg, draft_params, vmap = draft
         runner = SpecRunner(cfg, params, args.speculative_algorithm, draft_cfg, draft_params, vmap,
                             num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
@@ -246,7 +247,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                             pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
                             attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh)
     else:
-        from .model_runner import PlainRunner
         runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,
                              num_pages=num_pages, max_prefill_tokens=chunk, attention_impl=args.attention_impl,
                              mesh=mesh)

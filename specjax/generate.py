@@ -24,19 +24,20 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import decode, kv_cache, sampling
+from specjax import kv_cache, plain_step as decode, sampling
 from specjax.batching import validate_requests
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
-from specjax.hub import FetchError
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
+from specjax.hub import FetchError, default_smollm2_path, fetch_smollm2
 from specjax.models import target
 from specjax.safetensors_io import SafetensorsError
 from specjax.sharding import put_kv_pool, use_mesh
-from specjax.spec.decoder import make_draft, speculative_generate
-from specjax.spec.tree import validate as validate_tree
-from specjax.spec.tune import TuneError, load_tune, shape_for
+from specjax.speculative.draft import make_draft
+from specjax.speculative.spec_generate import speculative_generate
+from specjax.speculative.tree import validate as validate_tree
+from specjax.speculative.tune import TuneError, load_tune, shape_for
 from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
 
@@ -174,7 +175,6 @@ def load_tokenizer(folder: str):
     try:
         return AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001 - transformers raises many types for a folder without a tokenizer
-        from specjax.weights import WeightsError
         raise WeightsError(f"could not load a tokenizer from {folder} ({type(e).__name__}: "
                            f"{str(e).splitlines()[0][:200] if str(e) else ''}); the model folder needs "
                            f"tokenizer.json / tokenizer_config.json") from None
@@ -202,7 +202,6 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
     top_k, top_p, min_p, seed, stop_token_ids). Stop tokens default to the eos ids of config.json,
     generation_config.json and the tokenizer. Special tokens (the stop token included) are dropped from the text.
     """
-    from specjax.weights import load_model, resolve_model_path
     folder = resolve_model_path(model_dir)
     cfg, params = model if model is not None else load_model(folder, dtype=dtype)
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
@@ -257,7 +256,6 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
     """(model folder, algorithm or None, head folder, tree shape) from the flags and the defaults."""
     model, algo, head = args.model, args.speculative_algorithm, args.speculative_draft_model_path
     if model is None:
-        from specjax.hub import default_smollm2_path, fetch_smollm2
         model = default_smollm2_path()
         if not os.path.isdir(model):
             print(f"first use: fetching and converting SmolLM2-135M-Instruct into {model}", file=sys.stderr)

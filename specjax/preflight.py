@@ -7,7 +7,7 @@ topology and report whether it fits.
 
 With libtpu installed (``pip install "specjax[tpu]"``, the same jax version), JAX compiles for TPU chips that are
 not there: the devices come from ``jax.experimental.topologies``, the program is built through the code the
-training CLI runs (``train.__main__.head_config`` / ``make_optimizer``, ``train.step.make_train_step``) from
+training CLI runs (``train.__main__.head_config`` / ``make_optimizer``, ``train.train_step.make_train_step``) from
 abstract shapes only (the model's config.json, no weights), and the real TPU compiler (XLA:TPU, Mosaic for Pallas
 kernels) compiles it. Works under ``JAX_PLATFORMS=cpu``.
 
@@ -192,7 +192,7 @@ def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_bucket
     """Compile the run config's train step (the largest length bucket, or every bucket) for the topology."""
     from specjax.config import ModelConfig
     from specjax.sharding import ShardingError, make_mesh
-    from specjax.train import step as step_lib
+    from specjax.train import train_step as step_lib
     from specjax.train.__main__ import head_config, make_optimizer
 
     shape_json = model_config or configs.model_config_json(cfg.model.path, recipe)
@@ -355,7 +355,7 @@ def _abstract_draft(setup: ServeSetup, algorithm: str, dcfg):
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax.models import eagle, eagle3
-    from specjax.spec import draft as draft_lib
+    from specjax.speculative import draft as draft_lib
     token_map = setup.args.speculative_token_map if algorithm == "EAGLE" else None
     ids = eagle.load_token_map(token_map, setup.tcfg.vocab_size) if token_map else None
     if algorithm == "EAGLE3":
@@ -388,6 +388,7 @@ def _attention_used(setup: ServeSetup, tokens: int):
     """describe(): which attention the compiled program runs — the Pallas kernel (a Mosaic custom call in the HLO)
     or the XLA path, with the kernel's reason (for one chip's heads, ``tokens`` queries per sequence)."""
     import jax.numpy as jnp
+
     from specjax.kernels.tree_attention import head_split, tpu_unsupported_reason
     cfg = setup.tcfg
     split = head_split(setup.mesh, cfg.num_heads, cfg.num_kv_heads)
@@ -432,13 +433,13 @@ def _pool_note(setup: ServeSetup, plan) -> str:
 
 
 def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list[Report]:
-    """The plain runner's programs (``serve.model_runner.PlainRunner``): every prefill bucket and the decode step, at
+    """The plain runner's programs (``serve.runners.plain.PlainRunner``): every prefill bucket and the decode step, at
     the largest page bucket and batch bucket (the most memory)."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax.kernels.tree_attention import make_cache_attention
-    from specjax.serve.model_runner import PlainRunner
+    from specjax.serve.runners.plain import PlainRunner
     args, cfg = setup.args, setup.tcfg
     runner = PlainRunner(cfg, setup.params, max_batch=plan.max_running, pages_per_seq=plan.pages_per_seq,
                          page_size=args.page_size, num_pages=plan.num_pages, max_prefill_tokens=plan.prefill_chunk,
@@ -460,16 +461,16 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
 
 
 def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets: bool = True) -> list[Report]:
-    """``spec.decoder.SpecRunner``'s programs for ``algorithm``: every prefill bucket (target + draft caches) and
+    """``serve.runners.spec.SpecRunner``'s programs for ``algorithm``: every prefill bucket (target + draft caches) and
     the fused speculative step (draft rollout, tree verify, commit) at the largest batch and page buckets."""
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, pow2_buckets
     from specjax.kernels.tree_attention import make_cache_attention
-    from specjax.serve.model_runner import MIN_PREFILL_BUCKET, pow2_buckets
-    from specjax.spec import decoder
+    from specjax.serve.runners import spec as spec_runner
     args, cfg = setup.args, setup.tcfg
-    runner = decoder.SpecRunner(
+    runner = spec_runner.SpecRunner(
         cfg, setup.params, algorithm, _abstract_draft(setup, algorithm, dcfg), None, None,
         num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
         num_draft_tokens=args.speculative_num_draft_tokens, max_batch=plan.max_running,
@@ -480,18 +481,18 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
-    buckets = sorted({decoder._bucket(t, hi=plan.prefill_chunk)
+    buckets = sorted({pow2_bucket(t, MIN_PREFILL_BUCKET, plan.prefill_chunk)
                       for t in pow2_buckets(MIN_PREFILL_BUCKET, plan.prefill_chunk)})
     reports = []
     for t in (buckets if all_buckets else buckets[-1:]):
         reports.append(_compile(setup, f"{algorithm} prefill T={t}", _attention_used(setup, t),
-                                decoder._prefill_slot, runner.target_params, cfg, runner.draft,
+                                spec_runner._prefill_slot, runner.target_params, cfg, runner.draft,
                                 runner.scfg.for_prefill(), state, s(()), s((1, t)), s((1, t)), s((1, t), jnp.bool_),
                                 s((1,), jnp.bool_), s((1,))))
     sc = runner.scfg
     reports.append(_compile(setup, f"{algorithm} step B={plan.max_running} S={sc.num_steps} k={sc.topk} "
                                    f"M={sc.num_draft_tokens}", _attention_used(setup, sc.num_draft_tokens),
-                            decoder._step_rows, runner.target_params,
+                            spec_runner._step_rows, runner.target_params,
                             cfg, runner.draft, sc, state, s((plan.max_running,), jnp.bool_), nb=plan.max_running,
                             npages=plan.pages_per_seq))
     return reports

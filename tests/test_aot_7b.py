@@ -15,7 +15,7 @@ from specjax.config import ModelConfig
 from specjax.models import eagle3
 from specjax.preflight import abstract_train_inputs
 from specjax.sharding import make_mesh
-from specjax.train import step as S
+from specjax.train import train_step as S
 
 GIB = 2 ** 30
 

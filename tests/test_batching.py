@@ -6,7 +6,7 @@ from specjax.batching import pick, pow2_bucket, pow2_buckets, validate_requests
 
 
 def doubling(n: int, lo: int, hi: int) -> int:
-    """Power-of-two chunk >= n from lo, bounded by hi (spec/decoder.py's former _bucket / _pow2_at_least)."""
+    """Power-of-two chunk >= n from lo, bounded by hi (speculative/spec_generate.py's former _bucket / _pow2_at_least)."""
     t = lo
     while t < n and t < hi:
         t *= 2

@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decode, generate as gen, kv_cache, layers, sampling
+from specjax import generate as gen, kv_cache, layers, plain_step as decode, sampling
 from specjax.config import ModelConfig
 from specjax.models import target
 

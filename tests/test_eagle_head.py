@@ -10,12 +10,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
+from spec_models import np_init, tiny_config
 
 from specjax import head_weights, layers
 from specjax.models import eagle, eagle3, target
 from specjax.safetensors_io import save_file
-from specjax.spec import draft as draft_lib
-from spec_models import np_init, tiny_config
+from specjax.speculative import draft as draft_lib
 
 H, F, N, K, V, T = 64, 128, 4, 2, 64, 7
 

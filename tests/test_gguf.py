@@ -13,8 +13,8 @@ import torch
 from gguf import GGMLQuantizationType as QT
 from gguf.quants import dequantize, quantize
 
-from specjax.convert.gguf import permute_qk, unpermute_qk
-from specjax.convert import gguf as gguf_convert
+from specjax import gguf_io as gguf_convert
+from specjax.gguf_io import permute_qk, unpermute_qk
 from specjax.models import target
 from specjax.weights import load_model
 

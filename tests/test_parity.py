@@ -6,9 +6,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 import torch
-
 from hf_tiny_models import TINY, VOCAB, build, hf_config
-from specjax import decode, kv_cache
+
+from specjax import kv_cache, plain_step as decode
 from specjax.config import ConfigError, ModelConfig, default_aux_layer_ids
 from specjax.generate import generate
 from specjax.models import target

@@ -7,10 +7,10 @@ import os
 
 import numpy as np
 import pytest
+from test_sampling_params import run_runner
 
 from specjax import sampling
 from specjax.convert.fetch import default_smollm2_path
-from test_sampling_params import run_runner
 
 R = sampling.SamplingRow
 PROMPTS = ["What is the capital of France? One word.", "Hi"]  # both end (eos) within 10 tokens
@@ -24,6 +24,7 @@ def smollm2():
         pytest.skip(f"SmolLM2 cache not found at {path}; run python -m specjax.convert fetch-smollm2")
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
     from specjax.generate import encode_prompts
     from specjax.weights import load_model
     cfg, params = load_model(path, dtype="float32")
@@ -34,6 +35,7 @@ def smollm2():
 
 def test_repetition_penalty_and_min_new_tokens_match_hf_generate(smollm2):
     import torch
+
     from specjax.generate import generate
     cfg, params, hf, ids = smollm2
     eos = cfg.eos_token_ids
@@ -53,11 +55,13 @@ def test_repetition_penalty_and_min_new_tokens_match_hf_generate(smollm2):
 
 
 def run_all(smollm2, algorithms):
-    from specjax.serve.model_runner import PlainRunner
+    from spec_models import np_init
+
+    from specjax.head_weights import load_draft
     from specjax.heads import DEFAULT_HEAD
     from specjax.models import eagle
-    from specjax.spec.decoder import SpecRunner, load_draft
-    from spec_models import np_init
+    from specjax.serve.runners.plain import PlainRunner
+    from specjax.serve.runners.spec import SpecRunner
     cfg, params, _, ids = smollm2
     rows = [R(temperature=0.0, logprobs=True), R(temperature=0.0, logprobs=True, repetition_penalty=1.2,
                                                  frequency_penalty=0.3, logit_bias=((13, 1.0),))]

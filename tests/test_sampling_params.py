@@ -9,12 +9,13 @@ the penalty formulas checks ``sampling.process_logits`` itself.
 
 import numpy as np
 import pytest
+from spec_models import bigram_models, tiny_config
 
 from specjax import sampling
 from specjax.generate import generate
-from specjax.spec.decoder import SpecRunner, speculative_generate
-from specjax.serve.model_runner import PlainRunner
-from spec_models import bigram_models, tiny_config
+from specjax.serve.runners.plain import PlainRunner
+from specjax.serve.runners.spec import SpecRunner
+from specjax.speculative.spec_generate import speculative_generate
 
 R = sampling.SamplingRow
 MAX_NEW = 24
@@ -140,6 +141,7 @@ def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):
     """The plain runner's logprobs: log_softmax of the penalised target logits at each emitted token (target
     forward over prompt + output, penalties by the numpy formulas)."""
     import jax.numpy as jnp
+
     from specjax.models import target
     cfg, tp, _, _, _ = models
     prompts, rows, plain, _, _ = runner_outputs

@@ -11,8 +11,8 @@ import threading
 import numpy as np
 import pytest
 
-from specjax.serve.engine import Scheduler
 from specjax.serve.request import RequestError, SamplingParams
+from specjax.serve.scheduler import Scheduler
 
 V = 50
 BAD_TOKEN = 49  # the fake tokenizer fails on it; random prompts stay below 30

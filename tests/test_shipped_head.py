@@ -8,11 +8,11 @@ import os
 
 import numpy as np
 import pytest
-
 from real_model import smollm2_path
+
 from specjax.heads import DEFAULT_HEAD
 from specjax.safetensors_io import SafetensorsFile
-from specjax.spec import tune as tune_lib
+from specjax.speculative import tune as tune_lib
 
 # SmolLM2-135M-Instruct: hidden 576, 9 heads x 64, 3 kv heads, FFN 1536, vocab 49,152, 30 layers
 H, NQ, NKV, HD, FF, V = 576, 9, 3, 64, 1536, 49152
@@ -53,7 +53,7 @@ def smollm2_pair():
     path = smollm2_path()
     from specjax.generate import load_tokenizer
     from specjax.head_weights import load_draft
-    from specjax.spec.decoder import make_draft
+    from specjax.speculative.draft import make_draft
     from specjax.weights import load_model
     cfg, params = load_model(path, dtype="float32")
     dcfg, dparams, vocab = load_draft(DEFAULT_HEAD, "EAGLE3", cfg)
@@ -63,8 +63,8 @@ def smollm2_pair():
 def test_shipped_head_is_lossless_and_accepted_on_mtbench(smollm2_pair):
     from specjax.bench.spec import load_prompts
     from specjax.generate import generate
+    from specjax.speculative.spec_generate import speculative_generate
     from specjax.weights import stop_token_ids
-    from specjax.spec.decoder import speculative_generate
     path, cfg, params, draft, tok = smollm2_pair
     try:
         prompts, _ = load_prompts("mtbench", tok, 3, cfg.vocab_size)

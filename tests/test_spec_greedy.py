@@ -8,10 +8,10 @@ map, EAGLE FR-Spec hot ids), so the vocab mapping is on the tested path.
 
 import numpy as np
 import pytest
+from spec_models import bigram_models, random_models, tiny_config
 
 from specjax.generate import generate
-from specjax.spec.decoder import speculative_generate
-from spec_models import bigram_models, random_models, tiny_config
+from specjax.speculative.spec_generate import speculative_generate
 
 CONFIGS = [(3, 4, 16), (5, 8, 64), (5, 8, 32), (1, 1, 2), (3, 1, 4)]
 MAX_NEW = 24

@@ -5,10 +5,10 @@ hook in the speculative step."""
 
 import numpy as np
 import pytest
+from spec_models import bigram_models, tiny_config
 
 from specjax.generate import generate
-from specjax.spec.decoder import SpecRunner
-from spec_models import bigram_models, tiny_config
+from specjax.serve.runners.spec import SpecRunner
 
 PAGE, PPS, PAGES = 8, 8, 40
 MAX_NEW = 16
@@ -75,7 +75,7 @@ def test_slots_join_between_steps_and_match_plain(setup):
 def test_pallas_tree_attention_hook_is_exact(setup):
     """attention_impl='pallas' routes the verify forward (tree mask) and the draft extends through the tree-attention
     kernel (interpreted on CPU); output still equals plain greedy."""
-    from specjax.spec.decoder import speculative_generate
+    from specjax.speculative.spec_generate import speculative_generate
     cfg, tp, runner = setup
     _, _, e3, _ = bigram_models(cfg, seed=3)
     prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7]]

@@ -12,12 +12,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_models import bigram_models, random_models, tiny_config
 
 from specjax import sampling
 from specjax.models import target
-from specjax.spec import verify
-from specjax.spec.decoder import speculative_generate
-from spec_models import bigram_models, random_models, tiny_config
+from specjax.speculative import verify
+from specjax.speculative.spec_generate import speculative_generate
 
 N = 4000  # sampled rows per run
 N_GREEDY = 4  # extra greedy rows in the same batch (mixed batches take the per-row path)

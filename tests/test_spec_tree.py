@@ -5,9 +5,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax.spec import tree as tree_lib
-from specjax.spec import verify
-from specjax.spec.step import SpecConfig
+from specjax.speculative import tree as tree_lib, verify
+from specjax.speculative.spec_step import SpecConfig
 
 V = 8
 ROOT_TOKEN = 0

@@ -1,4 +1,4 @@
-"""The jitted EAGLE3 train step (train/step.py) on a tiny random target: it learns, gradient accumulation is exact,
+"""The jitted EAGLE3 train step (train/train_step.py) on a tiny random target: it learns, gradient accumulation is exact,
 a 4x4 (dp x tp) mesh of fake CPU devices matches one device, the offline step matches the online one, and a run
 is reproducible from its seed."""
 
@@ -12,7 +12,7 @@ import pytest
 from specjax.config import ModelConfig
 from specjax.models import eagle3, target
 from specjax.sharding import make_mesh
-from specjax.train import step as S
+from specjax.train import train_step as S
 
 V, T, TTT = 256, 32, 3
 

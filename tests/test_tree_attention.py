@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import decode, kv_cache, layers
+from specjax import kv_cache, layers, plain_step as decode
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention, ref_tree_attention, tree_attention
 from specjax.models import target

@@ -6,11 +6,10 @@ import json
 import os
 
 import pytest
-
-from specjax.spec import tune as tune_lib
-
 from hf_tiny_models import build
 from spec_models import random_models
+
+from specjax.speculative import tune as tune_lib
 
 
 def test_shape_for_picks_the_largest_tuned_size_not_above():

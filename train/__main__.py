@@ -28,7 +28,7 @@ from specjax.config import ModelConfig
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 from specjax.sharding import make_mesh
-from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, step as step_lib
+from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, train_step as step_lib
 from specjax.train.config import RunConfig, add_override_options, config_from_command_line
 from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
 

@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from specjax.hub import ParseProblem, default_cache_dir as cache_root, fetch_sharegpt, parse_truncated_json_array
 from specjax.train.config import DataConfig
 
 _log = logging.getLogger("specjax.train.data")
@@ -69,7 +70,6 @@ def _problem(path: str, exc, log: Callable[[str], None]) -> BadRecord:
 def _read_json_array(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     """Items of a top-level JSON array; an unparseable item or a cut-off tail is logged with its place and
     counted, the items after a bad one are still read."""
-    from specjax.hub import ParseProblem, parse_truncated_json_array
     with _open_binary(path) as f:
         text = f.read().decode("utf-8", errors="surrogatepass")
     for item in parse_truncated_json_array(text):
@@ -126,10 +126,6 @@ def resolve_paths(paths: Iterable[str]) -> list[str]:
     out = []
     for p in paths:
         if p == "sharegpt":
-            try:
-                from specjax.hub import fetch_sharegpt
-            except ImportError as e:
-                raise FileNotFoundError(f"data.paths names 'sharegpt' but the fetcher is unavailable ({e})") from None
             out.append(str(fetch_sharegpt()))
             continue
         p = os.path.expanduser(p)
@@ -437,7 +433,6 @@ def fingerprint(cfg: DataConfig, tok) -> str:
 
 
 def default_cache_dir() -> str:
-    from specjax.hub import default_cache_dir as cache_root
     return os.path.join(cache_root(), "data")
 
 

@@ -22,7 +22,10 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from specjax import weights
+from specjax.safetensors_io import CheckpointIndex
 from specjax.train import data as data_lib
+from specjax.train.train_step import TargetEmbeddings, make_feature_fn
 
 
 def _np_dtype(name: str):
@@ -58,7 +61,6 @@ class FeatureCache:
 def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg, target_params, mesh, *,
                 fingerprint: str, batch_size: int, buckets, max_length: int, pad_id: int = 0, log=print) -> None:
     """Run the target over every example of ``data`` (all of it: train and eval) and write the cache."""
-    from specjax.train.step import make_feature_fn
     primary = jax.process_index() == 0
     n_tok = len(data.tokens)
     d = target_cfg.hidden_size
@@ -111,9 +113,6 @@ def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg,
 
 def load_target_embeddings(model_dir: str, target_cfg, mesh):
     """Only the embedding and lm_head of the target (what the offline step needs), sharded like the full load."""
-    from specjax import weights
-    from specjax.safetensors_io import CheckpointIndex
-    from specjax.train.step import TargetEmbeddings
     ckpt = CheckpointIndex(model_dir)
     prefix = "model." if "model.embed_tokens.weight" in ckpt else ""
     sh = weights.param_shardings(target_cfg, mesh)

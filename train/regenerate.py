@@ -38,6 +38,7 @@ from specjax import generate as gen
 from specjax.cli import option, options_parser, parse_into
 from specjax.train import data as data_lib
 from specjax.train.config import DataConfig
+from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 
 @dataclasses.dataclass
@@ -131,7 +132,6 @@ class Regenerator:
     """Holds the loaded target and answers rounds of prompts in length-sorted batches."""
 
     def __init__(self, cfg: RegenConfig):
-        from specjax.weights import load_model, resolve_model_path, stop_token_ids
         self.cfg = cfg
         folder = resolve_model_path(cfg.model)
         self.model_cfg, self.params = load_model(folder, dtype=cfg.dtype)

@@ -20,6 +20,7 @@ import numpy as np
 from specjax.cli import from_namespace, option, options_parser
 from specjax.config import ModelConfig
 from specjax.models.eagle3 import VocabMap
+from specjax.train import data as data_lib
 from specjax.train.config import add_override_options, config_from_command_line
 from specjax.weights import resolve_model_path
 
@@ -97,7 +98,6 @@ def load_vocab_map(path: str) -> VocabMap:
 
 def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.ndarray]:
     """Tokenize the run config's data (same split as training) and build the map."""
-    from specjax.train import data as data_lib
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     full = data_lib.load_dataset(cfg.data, tok, log=log)
     train, _ = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)

@@ -24,8 +24,9 @@ import numpy as np
 from specjax.cli import from_namespace, option, options_parser
 from specjax.head_weights import load_eagle3_head
 from specjax.sharding import make_mesh
-from specjax.spec.decoder import make_draft, speculative_generate
-from specjax.train import data as data_lib, step as step_lib
+from specjax.speculative.draft import make_draft
+from specjax.speculative.spec_generate import speculative_generate
+from specjax.train import data as data_lib, train_step as step_lib
 from specjax.train.config import add_override_options, config_from_command_line
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 

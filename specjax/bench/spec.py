@@ -81,6 +81,7 @@ def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[li
 
 def random_draft(algorithm: str, tcfg, seed: int = 1):
     import jax
+
     from specjax.models import eagle, eagle3
     if algorithm == "EAGLE3":
         cfg = eagle3.Eagle3Config.from_target(tcfg)
@@ -123,9 +124,9 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     import jax
     import jax.numpy as jnp
     import numpy as np
-    from specjax import decode
-    from specjax.spec import step as step_lib
-    from specjax.spec import verify as verify_lib
+
+    from specjax import plain_step as decode
+    from specjax.speculative import spec_step as step_lib, verify as verify_lib
 
     n = len(prompt)
     page = 16
@@ -162,10 +163,11 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 
 
 def bench_spec(args) -> dict:
+    from specjax import head_weights
     from specjax.generate import generate
     from specjax.kernels.tree_attention import make_cache_attention
-    from specjax import head_weights
-    from specjax.spec import decoder, step as step_lib
+    from specjax.speculative import draft as draft_lib, spec_step as step_lib
+    from specjax.speculative.spec_generate import speculative_generate
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
     alg = args.algorithm.upper()
@@ -177,7 +179,7 @@ def bench_spec(args) -> dict:
     else:
         dcfg, dparams, vocab = head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
         draft_note = f"{args.draft} ({alg})"
-    draft = decoder.make_draft(alg, dcfg, dparams, tparams, vocab)
+    draft = draft_lib.make_draft(alg, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
     stop = tuple(tcfg.eos_token_ids)
     conf = dict(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
@@ -187,7 +189,7 @@ def bench_spec(args) -> dict:
         return generate(tparams, tcfg, [p], **kw)[0]
 
     def run_spec(p):
-        return decoder.speculative_generate(tparams, tcfg, draft, [p], algorithm=alg,
+        return speculative_generate(tparams, tcfg, draft, [p], algorithm=alg,
                                             attention_impl=args.attention_impl, **conf, **kw)
 
     print(f"warming up (compiling every prompt shape) on {len(prompts)} prompts ...", file=sys.stderr, flush=True)
@@ -233,9 +235,10 @@ def print_spec_table(r: dict) -> None:
 def bench_verify_sweep(args) -> dict:
     import jax
     import jax.numpy as jnp
-    from specjax import decode, kv_cache, layers
-    from specjax.kernels.tree_attention import make_cache_attention
+
+    from specjax import kv_cache, layers, plain_step as decode
     from specjax.config import default_aux_layer_ids
+    from specjax.kernels.tree_attention import make_cache_attention
     from specjax.models import target
 
     tcfg, tparams, _, model_note = load_target(args)

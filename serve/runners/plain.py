@@ -1,4 +1,4 @@
-"""PlainRunner: the ``specjax.runner.Runner`` protocol for plain decoding (one token per slot per step).
+"""PlainRunner: the ``specjax.serve.runners.base.Runner`` protocol for plain decoding (one token per slot per step).
 
 Shapes are bucketed so that a handful of compiled programs cover every request mix:
 - prefill runs one slot at a time on a B=1 view of the shared page pool, its new tokens padded to a power of two
@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specjax import decode, kv_cache, prompt_logprobs, sampling
+from specjax import kv_cache, plain_step as decode, prompt_logprobs, sampling
 from specjax.batching import MIN_PREFILL_BUCKET, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
-from specjax.spec.tree import Tree
+from specjax.speculative.tree import Tree
 
 
 @jax.tree_util.register_dataclass

@@ -1,4 +1,4 @@
-"""The slot-level decoding interface between the server's scheduler (serve/engine.py) and the model.
+"""The slot-level decoding interface between the server's scheduler (serve/scheduler.py) and the model.
 
 A runner owns a fixed number of slots (the running batch, ``max_batch``). Requests join a free slot (``prefill``)
 and leave it between steps; ``step`` advances every active slot by one plain decode step or one speculative
@@ -6,8 +6,8 @@ draft-verify-commit step, entirely on device. The target and draft KV caches sha
 out by the scheduler index both pools.
 
 Implementations:
-- ``serve.model_runner.PlainRunner``: plain decoding (one token per step).
-- ``specjax.spec.decoder.SpecRunner``: EAGLE3 / EAGLE speculative decoding (1..num_steps+1 tokens per step).
+- ``serve.runners.plain.PlainRunner``: plain decoding (one token per step).
+- ``specjax.serve.runners.spec.SpecRunner``: EAGLE3 / EAGLE speculative decoding (1..num_steps+1 tokens per step).
 """
 
 from __future__ import annotations

@@ -98,3 +98,11 @@ def logits(draft: Draft, h):
 def draft_head_dims(cfg) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of the head's KV cache."""
     return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+
+
+def as_draft(draft, algorithm: str, target_params) -> Draft:
+    """``draft`` itself when it is a ``Draft``, else ``make_draft`` over its (cfg, params, vocab map or token map)."""
+    if isinstance(draft, Draft):
+        return draft
+    cfg, params, vocab = draft
+    return make_draft(algorithm, cfg, params, target_params, vocab)

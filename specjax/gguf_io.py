@@ -32,6 +32,7 @@ import time
 import numpy as np
 
 from specjax.cli import option, parse_options
+from specjax.safetensors_io import save_file
 
 GPT2_REGEX = r"""'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -156,8 +157,8 @@ def hf_config(md: _Metadata, has_output: bool, dtype: str) -> dict:
 
 def convert_weights(reader, cfg: dict, dtype: str, log=print) -> dict[str, np.ndarray]:
     """HF-named, dequantised tensors ([out, in] like torch Linear) with q/k rows in rotate-half order."""
-    from gguf.quants import dequantize
     import ml_dtypes
+    from gguf.quants import dequantize
 
     out_dt = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16}[dtype]
     heads, kv_heads = cfg["num_attention_heads"], cfg["num_key_value_heads"]
@@ -285,7 +286,6 @@ def build_tokenizer(md: _Metadata):
 def convert(src: str, out_dir: str, dtype: str = "float32", log=print) -> str:
     """Convert ``src`` (.gguf) into the HF folder ``out_dir``; returns ``out_dir``."""
     from gguf import GGUFReader
-    from specjax.safetensors_io import save_file
 
     if dtype not in ("float32", "bfloat16"):
         raise GGUFConvertError(f"dtype must be float32 or bfloat16, not {dtype!r}")

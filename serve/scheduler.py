@@ -1,0 +1,401 @@
+"""The scheduler: one thread that owns the model runner, the KV pages and the radix cache.
+
+Every iteration it (1) takes new requests, aborts and control calls from its inbox, (2) admits waiting requests into
+free slots when their KV pages can be reserved (evicting unreferenced cached prefixes if needed), (3) spends up to
+``chunked_prefill_size`` prompt tokens on prefill, and (4) runs one decode step (plain or speculative) for every
+slot that has finished its prefill. Requests join and leave between steps (continuous batching). Output events go
+to each request's sink as they are produced. Nothing here raises out of the loop: a failing request is finished
+with an abort reason, and a failing batch step fails the running batch and resets the device state.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import logging
+import queue
+import threading
+import time
+import uuid
+from typing import Any, Callable
+
+import jax
+import numpy as np
+
+from .metrics import Metrics
+from .pages import PagePool, RadixCache
+from .request import Request, RequestError, SamplingParams
+
+log = logging.getLogger("specjax.serve")
+
+
+class Scheduler:
+    def __init__(self, runner, tokenizer, *, context_length: int, vocab_size: int, eos_ids=(),
+                 chunked_prefill_size: int | None = 512, enable_radix_cache: bool = True,
+                 schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
+                 metrics: Metrics | None = None):
+        self.runner, self.tokenizer = runner, tokenizer
+        self.context_length, self.vocab_size = context_length, vocab_size
+        self.eos_ids = frozenset(int(e) for e in eos_ids)
+        self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.policy, self.spec = schedule_policy, spec
+        self.page_size = runner.page_size
+        self.pool = PagePool(runner.num_pages)
+        self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
+        self.metrics = metrics or Metrics(enabled=False)
+        self._rng = np.random.default_rng(random_seed)
+        self._inbox: queue.Queue = queue.Queue()
+        self.waiting: list[Request] = []
+        self.slots: list[Request | None] = [None] * runner.max_batch
+        self.state = runner.init_state()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._snapshot: dict[str, Any] = {}
+        self._evictable = 0
+        self._dirty = True  # page ownership changed since the last snapshot
+        self.totals = {"requests": 0, "finished": 0, "aborted": 0, "prompt_tokens": 0, "generated_tokens": 0,
+                       "cached_tokens": 0, "spec_verify_ct": 0, "spec_tokens": 0}
+        self._update_snapshot(force=True)
+
+    # ---- thread-safe API -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self._thread = threading.Thread(target=self._loop, name="specjax-scheduler", daemon=True)
+        self._thread.start()
+
+    def shutdown(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._inbox.put(("wake",))
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def max_new_tokens_cap(self, prompt_len: int) -> int:
+        return self.context_length - prompt_len
+
+    def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
+               seed: int | None = None) -> Request:
+        """Validate and queue a request; raises RequestError when it can never be served as asked."""
+        ids = [int(t) for t in prompt_ids]
+        if not ids:
+            raise RequestError("the prompt is empty", param="prompt")
+        bad = [t for t in ids if not 0 <= t < self.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
+                               param="input_ids")
+        if len(ids) >= self.context_length:
+            raise RequestError(f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
+                               f"(prompt + output must fit); shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
+        try:
+            params.runner_row(0, self.eos_ids).validate(self.vocab_size)
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(" ")[0]) from None
+        params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
+        need = self._pages_needed(len(ids), params.max_new_tokens)
+        if need > self.pool.capacity:
+            raise RequestError(f"the request needs {need} KV pages ({need * self.page_size} tokens: prompt "
+                               f"{len(ids)} + max_new_tokens {params.max_new_tokens}) but the KV pool holds "
+                               f"{self.pool.capacity}; lower max_tokens or raise --max-total-tokens",
+                               param="max_tokens", code="kv_pool_too_small")
+        if seed is None:
+            seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 31 - 1))
+        req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed))
+        self._inbox.put(("req", req))
+        return req
+
+    def abort(self, rid: str) -> None:
+        self._inbox.put(("abort", rid))
+
+    def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
+        """Run ``fn`` on the scheduler thread between iterations and return its result."""
+        fut: concurrent.futures.Future = concurrent.futures.Future()
+        self._inbox.put(("call", fn, fut))
+        return fut.result(timeout)
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; refused (False) while requests are running or waiting."""
+        def do():
+            if self.waiting or any(self.slots):
+                return False
+            self.radix.evict(self.pool.capacity)
+            self._update_snapshot(force=True)
+            return True
+        return self.call(do)
+
+    def stats(self) -> dict[str, Any]:
+        return dict(self._snapshot)
+
+    # ---- the loop ------------------------------------------------------------------------------------------------
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                idle = not self.waiting and not any(self.slots)
+                self._drain(block=idle)
+                if self._stop.is_set():
+                    break
+                self._admit()
+                self._prefill_round()
+                self._decode_round()
+                self._update_snapshot()
+            except Exception:  # noqa: BLE001 - the scheduler must never die
+                log.exception("scheduler iteration failed; failing the running batch and resetting device state")
+                self._recover("internal error in the scheduler")
+
+    def _drain(self, block: bool) -> None:
+        try:
+            item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            if block:
+                self._update_snapshot(force=True)
+            return
+        while True:
+            self._handle(item)
+            try:
+                item = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, item) -> None:
+        kind = item[0]
+        if kind == "req":
+            req = item[1]
+            req.init_detok()
+            self.waiting.append(req)
+            self.totals["requests"] += 1
+            self.metrics.on_arrival()
+        elif kind == "abort":
+            rid = item[1]
+            for req in list(self.waiting):
+                if req.rid == rid:
+                    self.waiting.remove(req)
+                    self._finish(req, {"type": "abort", "message": "aborted by the client"})
+            for req in self.slots:
+                if req is not None and req.rid == rid:
+                    self._finish(req, {"type": "abort", "message": "aborted by the client"})
+        elif kind == "call":
+            _, fn, fut = item
+            try:
+                fut.set_result(fn())
+            except Exception as e:  # noqa: BLE001
+                fut.set_exception(e)
+
+    # ---- admission -----------------------------------------------------------------------------------------------
+    def _pages_needed(self, prompt_len: int, max_new: int) -> int:
+        tokens = prompt_len + max_new + self.runner.tokens_per_step
+        return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
+
+    def _admit(self) -> None:
+        if not self.waiting or all(s is not None for s in self.slots):
+            return
+        order = list(self.waiting)
+        if self.policy == "lpm" and self.radix.enabled:
+            z = self.page_size
+            order.sort(key=lambda r: -len(self.radix.match(r.prompt_ids, (len(r.prompt_ids) - 1) // z)))
+        for req in order:
+            free = [i for i, s in enumerate(self.slots) if s is None]
+            if not free:
+                return
+            nodes = self.radix.match(req.prompt_ids, (len(req.prompt_ids) - 1) // self.page_size)
+            self.radix.lock(nodes)
+            need = self._pages_needed(len(req.prompt_ids), req.params.max_new_tokens) - len(nodes)
+            if self.pool.num_free < need:
+                self.radix.evict(need - self.pool.num_free)
+            fresh = self.pool.alloc(need)
+            if fresh is None:
+                self.radix.unlock(nodes)
+                return  # wait for running requests to finish (no overtaking: keeps FCFS fair)
+            self.waiting.remove(req)
+            req.nodes = list(nodes)
+            req.pages = [n.page for n in nodes] + fresh
+            req.cached_tokens = req.prefilled = len(nodes) * self.page_size
+            self._dirty = True
+            req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
+            self.slots[req.slot] = req
+            self.totals["cached_tokens"] += req.cached_tokens
+
+    def _page_row(self, req: Request) -> np.ndarray:
+        row = np.zeros((self.runner.pages_per_seq,), np.int32)  # 0 = scratch page
+        row[:len(req.pages)] = req.pages
+        return row
+
+    # ---- prefill -------------------------------------------------------------------------------------------------
+    def _prefill_round(self) -> None:
+        budget = self.chunk if self.chunk else float("inf")
+        for req in [r for r in self.slots if r is not None and not r.prefill_done]:
+            if budget <= 0:
+                return
+            n = int(min(len(req.prompt_ids) - req.prefilled, budget))
+            try:
+                self.state, tok = self.runner.prefill(self.state, req.slot, np.asarray(
+                    req.prompt_ids[:req.prefilled + n], np.int32), self._page_row(req),
+                    req.params.runner_row(req.seed, self.eos_ids), cached=req.prefilled)
+            except Exception as e:  # noqa: BLE001
+                log.exception("prefill of request %s failed", req.rid)
+                if self._state_lost():
+                    self._recover(f"prefill failed: {type(e).__name__}: {e}")
+                    return
+                self._finish(req, {"type": "abort", "message": f"prefill failed: {type(e).__name__}: {e}"},
+                             cache_ok=False)
+                continue
+            budget -= n
+            req.prefilled += n
+            self.totals["prompt_tokens"] += n
+            if req.prefill_done:
+                self.metrics.on_prefill(n, req.cached_tokens)
+                self._cache_prefix(req)
+                self._first_token(req, tok)
+
+    # ---- decode --------------------------------------------------------------------------------------------------
+    def _decode_round(self) -> None:
+        active = np.array([r is not None and r.prefill_done and not r.finished for r in self.slots])
+        if not active.any():
+            return
+        t0 = time.perf_counter()
+        try:
+            self.state, tokens, counts = self.runner.step(self.state, active)
+        except Exception as e:  # noqa: BLE001
+            log.exception("decode step failed")
+            self._recover(f"decode step failed: {type(e).__name__}: {e}")
+            return
+        tokens, counts = np.asarray(tokens), np.asarray(counts)
+        lps = self._logprobs([self.slots[b] for b in np.nonzero(active)[0]])
+        n_out = 0
+        for b in np.nonzero(active)[0]:
+            req = self.slots[b]
+            req.spec_verify_ct += 1
+            c = int(counts[b])
+            n_out += c
+            self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
+        self.metrics.on_step(n_out, int(active.sum()), time.perf_counter() - t0)
+        if self.spec:
+            self.totals["spec_verify_ct"] += int(active.sum())
+            self.totals["spec_tokens"] += n_out
+
+    def _first_token(self, req: Request, tok: int) -> None:
+        """Emit the prefill's token (with the prompt's logprobs when asked for)."""
+        sp = req.params
+        try:
+            if sp.return_logprob and sp.logprob_start_len >= 0:
+                req.input_logprobs = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[
+                    sp.logprob_start_len:]
+            lps = self._logprobs([req])
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            log.exception("prompt logprobs of request %s failed", req.rid)
+            self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
+            return
+        self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
+
+    def _logprobs(self, reqs):
+        """The runner's logprobs of the latest step (host arrays), fetched only when one of ``reqs`` wants them."""
+        return self.runner.logprobs(self.state) if any(r.params.return_logprob for r in reqs) else None
+
+    def _emit_tokens(self, req: Request, tokens, logprobs=None) -> None:
+        try:
+            before = len(req.output_ids)
+            req.append_tokens(tokens, self.tokenizer, self.eos_ids, self.max_new_tokens_cap(len(req.prompt_ids)),
+                              logprobs)
+            self.totals["generated_tokens"] += len(req.output_ids) - before
+            if req.finished:
+                self._finish(req)
+            else:
+                text, ids = req.stream_delta()
+                if text or ids:
+                    self._send(req, {"text": text, "token_ids": ids, "finished": False,
+                                     "meta_info": req.meta_info(self.spec, self.tokenizer)})
+        except Exception as e:  # noqa: BLE001 - e.g. a tokenizer failure: fail this request only
+            log.exception("output processing of request %s failed", req.rid)
+            if not req.finished or req.slot is not None:
+                self._finish(req, {"type": "abort", "message": f"{type(e).__name__}: {e}"})
+
+    # ---- finishing -----------------------------------------------------------------------------------------------
+    def _cache_prefix(self, req: Request) -> None:
+        tokens = req.tokens_in_cache()
+        if self.spec:
+            tokens = tokens[:-1]  # the last position's draft KV depends on the token after it
+        full = len(tokens) // self.page_size
+        self._dirty = True
+        if full > len(req.nodes):
+            req.nodes += self.radix.insert(tokens[:full * self.page_size], req.pages, req.nodes)
+
+    def _finish(self, req: Request, reason: dict | None = None, cache_ok: bool = True) -> None:
+        if reason is not None and (req.finish_reason is None or reason["type"] == "abort"):
+            req.finish_reason = reason
+        try:
+            req.flush_text(self.tokenizer)
+        except Exception:  # noqa: BLE001
+            log.exception("final detokenization of %s failed", req.rid)
+        text, ids = req.stream_delta()
+        self._dirty = True
+        if req.slot is not None:
+            if cache_ok:
+                self._cache_prefix(req)
+            self.radix.unlock(req.nodes)
+            owned = {n.page for n in req.nodes}
+            self.pool.release([p for p in req.pages if p not in owned])
+            self.state = self.runner.release(self.state, req.slot)
+            self.slots[req.slot] = None
+            req.slot, req.nodes, req.pages = None, [], []
+        meta = req.meta_info(self.spec, self.tokenizer)
+        self.totals["finished"] += 1
+        if req.finish_reason.get("type") == "abort":
+            self.totals["aborted"] += 1
+        self.metrics.on_finish(req, meta)
+        self._send(req, {"text": text, "token_ids": ids, "finished": True, "meta_info": meta})
+
+    def _send(self, req: Request, event: dict) -> None:
+        try:
+            req.sink(event)
+        except Exception:  # noqa: BLE001 - a broken consumer must not hurt the others
+            log.exception("sink of request %s failed", req.rid)
+
+    def _state_lost(self) -> bool:
+        try:
+            return any(getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves(self.state))
+        except Exception:  # noqa: BLE001
+            return True
+
+    def _recover(self, message: str) -> None:
+        """Fail every running request and start over with fresh device state and an empty prefix cache."""
+        for req in list(self.slots):
+            if req is not None:
+                try:
+                    req.finish_reason = {"type": "abort", "message": message}
+                    self.radix.unlock(req.nodes)
+                    req.nodes, req.pages = [], []
+                    self.slots[req.slot] = None
+                    req.slot = None
+                    self._finish(req)
+                except Exception:  # noqa: BLE001
+                    log.exception("while failing request %s", req.rid)
+        self.slots = [None] * self.runner.max_batch
+        self.radix.reset()
+        self.pool.reset()
+        try:
+            self.state = self.runner.init_state()
+        except Exception:  # noqa: BLE001
+            log.exception("re-initialising the device state failed")
+        self._update_snapshot(force=True)
+
+    # ---- stats ---------------------------------------------------------------------------------------------------
+    def _update_snapshot(self, force: bool = False) -> None:
+        if self._dirty or force:  # the trie walk only when pages changed hands
+            self._evictable = self.radix.evictable_pages()
+            self._dirty = False
+        evictable = self._evictable
+        cap = self.pool.capacity
+        held = cap - self.pool.num_free - evictable
+        running = [r for r in self.slots if r is not None]
+        t = self.totals
+        snap = {
+            "num_running_reqs": len(running), "num_waiting_reqs": len(self.waiting),
+            "kv_pages_total": cap, "kv_pages_used": held, "kv_pages_cached": self.radix.cached_pages(),
+            "kv_pages_free": self.pool.num_free, "kv_usage": held / cap if cap else 0.0,
+            "page_size": self.page_size, "max_running_requests": self.runner.max_batch, **t,
+        }
+        if self.spec:
+            snap["avg_spec_accept_length"] = t["spec_tokens"] / t["spec_verify_ct"] if t["spec_verify_ct"] else 0.0
+        snap["gen_throughput"] = self.metrics.throughput()
+        self._snapshot = snap
+        self.metrics.set_gauges(snap)
