@@ -435,9 +435,12 @@ def _pool_note(setup: ServeSetup, plan) -> str:
 def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list[Report]:
     """The plain runner's programs (``serve.runners.plain.PlainRunner``): every prefill bucket and the decode step, at
     the largest page bucket and batch bucket (the most memory)."""
+    import jax
     import jax.numpy as jnp
+    import numpy as np
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from specjax import sampling
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.serve.runners.plain import PlainRunner
     args, cfg = setup.args, setup.tcfg
@@ -450,10 +453,13 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
     npages, nb = runner.page_buckets[-1], runner.batch_buckets[-1]
     reports = []
+    # one request's sampling row, as ``PlainRunner.prefill`` batches it (only its shapes matter)
+    row = sampling.SamplingBatch.from_rows([sampling.SamplingRow()], cfg.vocab_size, [np.zeros((1,), np.int32)],
+                                           seeds=[0])
+    row = jax.tree.map(lambda a: s(np.shape(a), np.asarray(a).dtype), row)
     for t in (runner.prefill_buckets if all_buckets else runner.prefill_buckets[-1:]):
         reports.append(_compile(setup, f"plain prefill T={t}", _attention_used(setup, t), runner._prefill_jit,
-                                runner.params, state, s(()), s((t,)), s(()), s(()), s((plan.pages_per_seq,)),
-                                s((), jnp.float32), s(()), s((), jnp.float32), s((), jnp.float32), s((), jnp.uint32),
+                                runner.params, state, s(()), s((t,)), s(()), s(()), s((plan.pages_per_seq,)), row,
                                 npages=npages))
     reports.append(_compile(setup, f"plain decode step B={nb}", _attention_used(setup, 1), runner._step_jit,
                             runner.params, state, s((plan.max_running,), jnp.bool_), nb=nb, npages=npages))

@@ -1,5 +1,5 @@
 """EAGLE3 head export (specjax/convert/head.py) and import (specjax/head_weights.py) against
-../shared/specs/eagle.md section 1."""
+docs/08-eagle-reference.md section 1."""
 
 import json
 import os

@@ -127,8 +127,8 @@ def test_serve_preflight_smollm2_with_its_head(v5e, capsys):
     if not os.path.isdir(SMOLLM2):
         pytest.skip(f"{SMOLLM2} not fetched (python -m specjax.convert fetch-smollm2)")
     rc = preflight.main(["serve", "--model-path", SMOLLM2, "--speculative-algorithm", "EAGLE3",
-                         "--speculative-draft-model-path", HEAD, "--topology", "v5e-1", "--max-total-tokens",
-                         "262144"])
+                         "--speculative-draft-model-path", HEAD, "--topology", "v5e-1", "--mem-fraction-static",
+                         "0.15"])  # the default pool does not fit yet: its update copies it (docs/07-preflight.md)
     out = capsys.readouterr().out
     assert rc == 0, out
     assert "EAGLE3 step" in out and "plain decode step" in out

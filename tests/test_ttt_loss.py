@@ -1,6 +1,6 @@
 """The TTT loss (train/loss.py) against an independent per-step numpy reference (float64).
 
-The reference follows ../shared/specs/eagle.md section 3 literally and SpecForge's way of writing it: token ids,
+The reference follows docs/08-eagle-reference.md section 3 literally and SpecForge's way of writing it: token ids,
 target logits and loss mask padded with zeros and shifted left by k+1, token 0 embedded past the end, target
 distribution selected with the boolean t2d, and at each step ONE explicit attention over the concatenated keys of
 all steps so far under an explicit [T, T*(k+1)] mask.

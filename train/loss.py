@@ -1,4 +1,4 @@
-"""EAGLE3 training-time-test (TTT) loss: ../shared/specs/eagle.md section 3.
+"""EAGLE3 training-time-test (TTT) loss: docs/08-eagle-reference.md section 3.
 
 For a micro-batch of sequences x_0 .. x_{T-1} with the frozen target's aux features ``aux[t]`` (which encode
 x_0..x_t) and logits ``z[t]`` (the target's prediction of x_{t+1}), the head is unrolled ``ttt_length`` times with

@@ -2,7 +2,7 @@
 
     python -m specjax.train.vocab --config configs/qwen2.5-7b.yaml --out vocab.npz [--dotted.overrides]
 
-Rule (../shared/specs/eagle.md section 3): count target ids where loss_mask == 1 over the WHOLE training split;
+Rule (docs/08-eagle-reference.md section 3): count target ids where loss_mask == 1 over the WHOLE training split;
 keep the Vd most frequent (ties: smaller id first); sort by id; ``d2t[i] = used[i] - i``; ``t2d[j] = j in used``;
 if fewer than Vd distinct ids occur, fill with the smallest unused ids. Saved as .npz (default) or .safetensors
 with ``d2t`` (i64[Vd]) and ``t2d`` (bool[V]), the same tensor names as published EAGLE3 heads.

@@ -1,4 +1,4 @@
-"""EAGLE3 heads in the HF ``LlamaForCausalLMEagle3`` format (../shared/specs/eagle.md section 1), both ways.
+"""EAGLE3 heads in the HF ``LlamaForCausalLMEagle3`` format (docs/08-eagle-reference.md section 1), both ways.
 
     python -m specjax.convert export-head CKPT OUT_DIR [--target MODEL] [--dtype bfloat16]
     python -m specjax.convert import-head SRC OUT [--target MODEL] [--format checkpoint|hf]

@@ -209,7 +209,7 @@ def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, att
 
 # ---- config.json (HF format) ------------------------------------------------------------------------------------
 def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dict[str, Any]:
-    """The ``LlamaForCausalLMEagle3`` config.json of ../shared/specs/eagle.md. Aux layer ids are written only when
+    """The ``LlamaForCausalLMEagle3`` config.json of docs/08-eagle-reference.md. Aux layer ids are written only when
     they differ from the default for ``target_num_layers`` (engines disagree on how to read them)."""
     out: dict[str, Any] = {
         "architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama",

@@ -1,4 +1,4 @@
-"""Draft-tree construction on device, with SGLang's EAGLE-2 semantics (../shared/specs/eagle.md section 4).
+"""Draft-tree construction on device, with SGLang's EAGLE-2 semantics (docs/08-eagle-reference.md section 4).
 
 Candidates are numbered in order of creation, exactly as SGLang's ``organize_draft_results`` flattens them:
 - step 0: the top ``topk`` tokens of the draft distribution at the last accepted position, ids ``[0, topk)``,
