@@ -1,4 +1,4 @@
-"""ONE decoder for every supported family (Llama, Mistral, Qwen2/2.5, Qwen3): pure functions over a param pytree.
+"""The target model, one forward for every family (Llama, Mistral, Qwen2/2.5, Qwen3): pure functions over params.
 
 ``forward`` serves every use:
 - training (frozen target): no cache, full sequence, logits at every position and the EAGLE3 aux features;
