@@ -96,7 +96,7 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
 
 
 class SpecRunner:
-    """EAGLE3 / EAGLE speculative decoding behind ``specjax.serve.runners.base.Runner`` (one draft-verify-commit step per call,
+    """EAGLE3 / EAGLE speculative decoding behind the ``Runner`` protocol (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
     index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step."""
 

@@ -316,10 +316,10 @@ def print_random_llama(res: dict) -> None:
 class DecodeOptions:
     model: str | None = option(None, metavar="PATH", help="HF folder (default: the SmolLM2 cache of `python -m "
                                                           "specjax.convert fetch-smollm2`)")
-    batch_sizes: tuple[int, ...] = option((1, 8))
-    new_tokens: int = option(128)
-    prompt_len: int = option(32)
-    dtype: str = option("float32", choices=("float32", "bfloat16"))
+    batch_sizes: tuple[int, ...] = option((1, 8), help="batch sizes to measure, one table row each")
+    new_tokens: int = option(128, help="tokens decoded per measurement")
+    prompt_len: int = option(32, help="prompt tokens per row")
+    dtype: str = option("float32", choices=("float32", "bfloat16"), help="weight and activation dtype of both engines")
     repeats: int = option(3, help="timed repeats per measurement (median reported)")
     no_hf: bool = option(False, help="skip the transformers baseline")
     random_llama_8b: bool = option(False, help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the "

@@ -73,11 +73,11 @@ def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:
 class HeldoutOptions:
     config: str = option("", required=True, help="the run config the head was trained with (name or path)")
     draft: str = option("", required=True, help="the exported head (HF EAGLE3 folder)")
-    num_steps: int = option(7)
-    topk: int = option(1)
-    num_draft_tokens: int = option(8)
+    num_steps: int = option(7, help="tree depth (--speculative-num-steps)")
+    topk: int = option(1, help="branching (--speculative-eagle-topk)")
+    num_draft_tokens: int = option(8, help="tree size incl. the root (--speculative-num-draft-tokens)")
     max_prompts: int = option(32, help="held-out conversations served (default 32; 0 = only the prediction)")
-    max_new_tokens: int = option(256)
+    max_new_tokens: int = option(256, help="tokens generated per held-out prompt")
 
 
 def main(argv=None) -> int:

@@ -275,20 +275,21 @@ class ServeBenchOptions:
     num_prompts: int = option(32, help="requests per concurrency level")
     max_tokens: int = option(128, help="max_tokens per request")
     prompts: str = option("mtbench", help="mtbench | builtin | FILE (JSONL or one prompt per line)")
-    temperature: float = option(0.0)
+    temperature: float = option(0.0, help="sampling temperature of every request (0 = greedy)")
     ignore_eos: bool = option(False, help="always generate max_tokens tokens")
-    api_key: str | None = option(None)
+    api_key: str | None = option(None, help="bearer key of the server, if it has one")
     warmup_requests: int = option(2, help="untimed requests before the sweep")
-    request_timeout: float = option(600.0)
+    request_timeout: float = option(600.0, help="seconds before a request counts as failed")
     json: str | None = option(None, help="also write the results here")
     launch: str | None = option(None, group=_LAUNCH, help="comma-separated configurations: plain, eagle3, eagle")
-    model_path: str | None = option(None, group=_LAUNCH)
+    model_path: str | None = option(None, group=_LAUNCH, help="target model the launched servers load")
     draft: str | None = option(None, group=_LAUNCH, help="draft head folder for eagle3 / eagle")
     server_args: str = option("", group=_LAUNCH, help="extra flags for every server, e.g. \"--context-length 2048\"")
     spec_args: str = option("", group=_LAUNCH, help="extra flags for speculative servers, e.g. "
                                                    "\"--speculative-num-steps 3 --speculative-eagle-topk 1 "
                                                    "--speculative-num-draft-tokens 4\"")
-    launch_timeout: float = option(1800.0, group=_LAUNCH)
+    launch_timeout: float = option(1800.0, group=_LAUNCH,
+                                   help="seconds to wait for a launched server to become healthy")
 
 
 def main(argv=None) -> int:

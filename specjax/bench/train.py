@@ -87,7 +87,8 @@ class TrainBenchOptions:
                                                "are fp32")
     dp: int | None = option(None, help="data-parallel size (default: all devices / tp)")
     tp: int | None = option(None, help="tensor-parallel size (default 1 or the YAML's)")
-    head_sharding: str = option("tp", choices=("tp", "replicated"))
+    head_sharding: str = option("tp", choices=("tp", "replicated"),
+                                help="split the head's matrices over tp, or replicate them")
     peak_tflops: float | None = option(None, help="peak TFLOP/s per device for MFU (overrides the table)")
     json: str | None = option(None, help="append the result as one JSON line to this file")
 

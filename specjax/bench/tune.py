@@ -131,18 +131,20 @@ def print_table(r: dict) -> None:
 class TuneOptions:
     draft: str = option("", required=True, help="draft head folder (HF format)")
     model: str | None = option(None, help="target folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
-    algorithm: str = option("EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"])
+    algorithm: str = option("EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"], help="draft head kind")
     speculative_token_map: str | None = option(None, help="FR-Spec hot-token list for EAGLE heads")
-    batch_sizes: tuple[int, ...] = option((1, 4, 16))
+    batch_sizes: tuple[int, ...] = option((1, 4, 16), help="batch sizes to tune, one table each")
     shapes: tuple[tuple[int, int, int], ...] = option(tuple(_parse_shape(s) for s in DEFAULT_SHAPES),
                                                       type=_parse_shape, metavar="STEPS,TOPK,DRAFT")
     prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
-    num_prompts: int = option(16)
-    max_new_tokens: int = option(128)
+    num_prompts: int = option(16, help="prompts per measurement")
+    max_new_tokens: int = option(128, help="tokens generated per prompt")
     temperature: float = option(0.0, help="0 = greedy (default)")
-    seed: int = option(0)
-    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"])
-    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"])
+    seed: int = option(0, help="sampling seed")
+    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"],
+                               help="target dtype (default: the checkpoint's)")
+    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
+                                 help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
     out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json)")
     no_write: bool = option(False, help="print only")
     json: str | None = option(None, help="also write the full results here")

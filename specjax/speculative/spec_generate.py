@@ -46,6 +46,26 @@ PREFILL_CHUNK = 512
 
 
 
+def _prefill_prompts(target_params, target_cfg: ModelConfig, d, scfg, state, prompts, lengths, options: tuple):
+    """Run the prompts through target and draft in power-of-two chunks; returns (state, first token per row)."""
+    b = len(prompts)
+    chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
+    n_chunks = -(-int(lengths.max()) // chunk)
+    full = np.zeros((b, n_chunks * chunk + 1), np.int32)
+    for i, p in enumerate(prompts):
+        full[i, :len(p)] = p
+    first = np.zeros((b,), np.int32)
+    prefill_fn = _jitted("prefill", options)
+    for c in range(n_chunks):
+        lo, hi = c * chunk, (c + 1) * chunk
+        valid = np.arange(lo, hi)[None, :] < lengths[:, None]
+        last = (lengths > lo) & (lengths <= hi)
+        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(full[:, lo:hi]),
+                              jnp.asarray(full[:, lo + 1:hi + 1]), jnp.asarray(valid), jnp.asarray(last))
+        first = np.where(last, np.asarray(f), first)
+    return state, first
+
+
 def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
                          algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
                          max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
@@ -54,7 +74,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                          rows: Sequence[sampling_lib.SamplingRow] | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
-    draft: a ``spec.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
+    draft: a ``speculative.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
     ``max_new_tokens``, the sampling parameters and ``seed`` are scalars or one value per prompt (temperature 0 =
     greedy); each row stops on its own at a stop token or its own token budget.
     Returns (outputs list[list[int]], stats) with stats = {verify_steps: per row, accept_lengths: per row the tokens
@@ -73,8 +93,9 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     if rows is not None:
         temperature = [r.temperature for r in rows]
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
-    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, make_cache_attention(attention_impl, target_cfg.sliding_window),
-                               may_sample, sample_accept_fn)
+    scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
+                               make_cache_attention(attention_impl, target_cfg.sliding_window), may_sample,
+                               sample_accept_fn)
     step_lib.check_compatible(target_cfg, d, scfg)
     budget = validate_requests(prompts, target_cfg.vocab_size, max_new_tokens, temperature, top_k, top_p,
                                min_p).astype(np.int32)
@@ -97,23 +118,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                                              seed=seed, vocab=target_cfg.vocab_size, width=scfg.tokens_per_step)
     state = dataclasses.replace(state, sampling=sb)
 
-    chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
-    n_chunks = -(-int(lengths.max()) // chunk)
-    full = np.zeros((b, n_chunks * chunk + 1), np.int32)
-    for i, p in enumerate(prompts):
-        full[i, :len(p)] = p
-    first = np.zeros((b,), np.int32)
-    prefill_fn = _jitted("prefill", _options(compiler_options))
-    for c in range(n_chunks):
-        lo, hi = c * chunk, (c + 1) * chunk
-        toks = full[:, lo:hi]
-        nxt = full[:, lo + 1:hi + 1]
-        valid = np.arange(lo, hi)[None, :] < lengths[:, None]
-        last = (lengths > lo) & (lengths <= hi)
-        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(toks),
-                              jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray(last))
-        first = np.where(last, np.asarray(f), first)
-
+    state, first = _prefill_prompts(target_params, target_cfg, d, scfg, state, prompts, lengths,
+                                    _options(compiler_options))
     stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
     cap = max_new_tokens
