@@ -116,18 +116,20 @@ CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this ma
 
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
-                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS):
+                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None):
     """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
     ``while_loop`` that runs ceil(max(lengths) / block) times: a step reads the KV the longest row holds, not the
     page table's capacity. Online softmax (running max and sum) across blocks, so no [S]-wide score row exists.
-    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H]; page_table:
-    i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window). Returns [B, T, N, H] in q's dtype.
+    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H], or [L, P, Z, K, H]
+    with ``layer`` (the pages are gathered from the stacked pool: slicing out the layer first can make XLA copy the
+    layer's whole pool); page_table: i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window).
+    Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
     kh = k.shape[2]
-    z = k_pages.shape[1]
+    z = k_pages.shape[-3]
     pps = page_table.shape[1]
     bp = max(1, min(pps, block_tokens // z))  # pages per block
     nblocks_max = -(-pps // bp)
@@ -149,8 +151,9 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
 
     def block(j, carry):
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
-        kb = k_pages[cols].reshape(b, bp * z, kh, h)
-        vb = v_pages[cols].reshape(b, bp * z, kh, h)
+        at = cols if layer is None else (layer, cols)
+        kb = k_pages[at].reshape(b, bp * z, kh, h)
+        vb = v_pages[at].reshape(b, bp * z, kh, h)
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
         if sliding_window is not None:
@@ -169,13 +172,14 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
 
 
 def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_table=None, lengths=None, *,
-           positions=None, sliding_window: int | None = None, kernel: Callable | None = None):
+           positions=None, sliding_window: int | None = None, kernel: Callable | None = None, layer=None):
     """THE attention of every model layer (target, both draft heads, the speculative step): T new queries over the
     paged cache prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     q: [B, T, N, H]; k, v: [B, Tk, K, H]; mask: bool[B, T, Tk]. Without ``k_pages`` there is no cache (training,
-    tests): plain ``attention``. With it: k_pages, v_pages [P, Z, K, H] (one layer's pool), page_table i32[B, pps],
-    lengths i32[B]; ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA
+    tests): plain ``attention``. With it: k_pages, v_pages [P, Z, K, H] (one layer's pool) or, with ``layer`` (an int
+    or traced scalar), every layer's [L, P, Z, K, H] (model layer loops pass the pool whole so that the kernel reads
+    it in place: a per-layer slice handed to a custom call is a copy), page_table i32[B, pps], lengths i32[B]; ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA
     ``paged_attention``; ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
     Returns [B, T, N, H] in q's dtype.
     """
@@ -184,9 +188,9 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
     if kernel is not None:
         if sliding_window is not None:
             raise ValueError("sliding-window models use the XLA attention path; do not pass a kernel")
-        return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale)
+        return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=layer)
     return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
-                           sliding_window=sliding_window)
+                           sliding_window=sliding_window, layer=layer)
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]
@@ -199,5 +203,5 @@ def cache_attend(mask, cache=None, kernel: Callable | None = None) -> AttendFn:
         scale = q.shape[-1] ** -0.5
         if cache is None:
             return attend(q, k, v, mask, scale)
-        return attend(q, k, v, mask, scale, cache.k[i], cache.v[i], cache.page_table, cache.lengths, kernel=kernel)
+        return attend(q, k, v, mask, scale, cache.k, cache.v, cache.page_table, cache.lengths, kernel=kernel, layer=i)
     return attend_layer

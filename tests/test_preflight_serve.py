@@ -28,13 +28,13 @@ def v5e():
         pytest.skip(str(e))
 
 
-def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=3):
+def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=3, head_dim=64, context=256):
     """A Llama shaped like a small slice of a real one (head dim 64), so each program compiles in seconds."""
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=heads * 64,
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=heads * head_dim,
                intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, head_dim=64, max_position_embeddings=256, rms_norm_eps=1e-5,
+               num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=context, rms_norm_eps=1e-5,
                rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype, bos_token_id=1, eos_token_id=2)
-    path = tmp_path / f"config-{heads}-{kv_heads}-{dtype}.json"
+    path = tmp_path / f"config-{heads}-{kv_heads}-{dtype}-{head_dim}-{context}.json"
     path.write_text(json.dumps(cfg))
     return str(path)
 
@@ -69,6 +69,25 @@ def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (4 layers" in out
     pool = 2 * 4 * 257 * 16 * 1 * 64 * 4  # K and V, 4 layers, 257 pages (scratch incl.), 1 kv head per chip
     assert got["EAGLE3 step B=4 S=2 k=2 M=4"][0] * GIB >= pool - 0.01 * GIB
+
+
+def test_kv_pool_is_read_and_written_in_place_at_long_context(v5e, tmp_path, capsys):
+    """Llama-8B's per-chip attention shape (2 kv heads x 128, bf16, tp=2) at a 128k context with 32 slots: the
+    programs hold no copy of the KV pool (the kernel reads the stacked pool at its layer, the XLA path gathers from
+    it, the scatter writes it in place) and the page table (32 x 8193 pages, over 1 MiB) needs no SMEM of that size
+    (the kernel fetches one sequence's row at a time)."""
+    path = small_config(tmp_path, heads=8, kv_heads=4, dtype="bfloat16", head_dim=128, context=131072)
+    rc = preflight.main(["serve", "--model-path", path, "--tp-size", "2", "--topology", "v5e-4", "--programs",
+                         "plain,EAGLE3", "--largest-bucket-only", "--max-running-requests", "32",
+                         "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    got = rows(out)
+    pool = float(re.search(r"KV pool .*?\(3 layers, ([\d.]+) GiB per chip\)", out)[1])
+    assert pool > 5 and "context 131072" in out, out
+    assert out.count("attention: Pallas kernel") == 4, out
+    for name, (_, temp, _, fits) in got.items():
+        assert fits and temp < 0.1 * pool, (name, temp, pool, out)
 
 
 def test_serve_preflight_reports_the_xla_fallback(v5e, tmp_path, capsys):

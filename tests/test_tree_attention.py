@@ -94,6 +94,31 @@ def test_kernel_matches_reference_and_layers_attention(name):
         np.testing.assert_allclose(got, np.asarray(ref_attention(*f32, sm_scale=scale)), atol=3e-2, rtol=0)
 
 
+@pytest.mark.parametrize("name", ["T=5, odd K", "bf16, N=4K"])
+def test_kernel_reads_one_layer_of_a_stacked_pool(name):
+    """Model layer loops hand the kernel every layer's pool [L, P, Z, K, H] and the layer to read (a per-layer slice
+    passed to a custom call is a copy of the layer's pool on every step): the other layers (NaN here) are never
+    read, with the layer a Python int or a traced scalar."""
+    t, kh, g, h, z, pps, lengths, pb, dtype = CASES[name]
+    args = make_case(11, t=t, kv_heads=kh, groups=g, head_dim=h, page_size=z, pages_per_seq=pps, lengths=lengths,
+                     dtype=dtype)
+    one = tree_attention(*args, sm_scale=h ** -0.5, interpret=INTERPRET, pages_per_block=pb)
+    junk = jnp.full_like(args[4], jnp.nan)
+    stacked = [jnp.stack([junk, pool, junk]) for pool in args[4:6]]
+    args = args[:4] + stacked + args[6:]
+    got = tree_attention(*args, sm_scale=h ** -0.5, interpret=INTERPRET, pages_per_block=pb, layer=1)
+    np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(one, np.float32))
+    traced = jax.jit(lambda i, *a: tree_attention(*a, sm_scale=h ** -0.5, interpret=INTERPRET, pages_per_block=pb,
+                                                  layer=i))(jnp.int32(1), *args)
+    np.testing.assert_array_equal(np.asarray(traced, np.float32), np.asarray(one, np.float32))
+    ref = ref_tree_attention(*args, sm_scale=h ** -0.5, layer=1)
+    np.testing.assert_allclose(np.asarray(ref, np.float32), np.asarray(one, np.float32), atol=2e-2, rtol=0)
+    with pytest.raises(ValueError, match="need the layer"):
+        tree_attention(*args, sm_scale=h ** -0.5, interpret=INTERPRET)
+    with pytest.raises(ValueError, match="outside the pool"):  # the kernel itself clamps a traced layer
+        ref_tree_attention(*args, sm_scale=h ** -0.5, layer=3)
+
+
 def test_reference_and_layers_attention_agree_on_a_full_cache():
     """Lengths at full capacity (every slot visible) through both oracles; the kernel is covered above."""
     args = make_case(7, t=5, kv_heads=2, groups=2, head_dim=64, page_size=4, pages_per_seq=2, lengths=[8, 8])

@@ -189,8 +189,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         if not 0 <= lid < cfg.num_layers:
             raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
 
-    def layer(h, lp, k_pages, v_pages):
-        return _layer(cfg, lp, h, positions, mask, cache, k_pages, v_pages, cache_attention)
+    def layer(h, lp, index):
+        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
     run = _run_unrolled if is_unstacked(params) else _run_scanned
@@ -209,8 +209,9 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
                       k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None)
 
 
-def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, k_pages, v_pages, cache_attention):
-    """One decoder layer over h [B, T, D] -> (h, k, v) with k, v [B, T, K, H] the new tokens' keys and values."""
+def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention):
+    """Decoder layer ``index`` over h [B, T, D] -> (h, k, v) with k, v [B, T, K, H] the new tokens' keys and values
+    (``index`` is traced under the layer scan; the cache pools are read whole, at that layer)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     sm_scale = cfg.head_dim ** -0.5
     y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
@@ -225,9 +226,9 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, k_pages
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
-    pt, lengths = (None, None) if cache is None else (cache.page_table, cache.lengths)
-    o = layers.attend(q, k, v, mask, sm_scale, k_pages, v_pages, pt, lengths, positions=positions,
-                      sliding_window=cfg.sliding_window, kernel=cache_attention)
+    kv = (None,) * 4 if cache is None else (cache.k, cache.v, cache.page_table, cache.lengths)
+    o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
+                      kernel=cache_attention, layer=None if cache is None else index)
     # Contract over one merged (heads x head_dim) axis: with "btnh,nhd" XLA:CPU chose to transpose wo (a copy of the
     # weight on every step) rather than the small attention output.
     b, t, n, hd = o.shape
@@ -243,7 +244,7 @@ def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, ret
         raise ValueError(f"params hold {len(layer_params)} layers; the config says {num_layers}")
     h, outs, ks, vs = x, {}, [], []
     for i, lp in enumerate(layer_params):
-        h, k, v = layer(h, lp, None if cache is None else cache.k[i], None if cache is None else cache.v[i])
+        h, k, v = layer(h, lp, i)
         outs[i] = h
         ks.append(k), vs.append(v)
     aux = jnp.stack([outs[lid] for lid in requested]) if requested else None
@@ -261,8 +262,8 @@ def _run_scanned(layer, layer_params, x, cache, requested, num_layers: int, retu
 
     def body(carry, xs):
         h, aux = carry
-        lp, slot, k_pages, v_pages = xs
-        h, k, v = layer(h, lp, k_pages, v_pages)
+        lp, slot, index = xs
+        h, k, v = layer(h, lp, index)
         if aux is not None:
             idx = jnp.maximum(slot, 0)
             upd = jnp.where(slot >= 0, h, aux[idx])
@@ -270,8 +271,7 @@ def _run_scanned(layer, layer_params, x, cache, requested, num_layers: int, retu
         return (h, aux), ((k, v) if return_kv else None)
 
     aux0 = jnp.zeros((len(unique),) + x.shape, x.dtype) if unique else None
-    xs = (layer_params, jnp.asarray(aux_slot),
-          cache.k if cache is not None else None, cache.v if cache is not None else None)
+    xs = (layer_params, jnp.asarray(aux_slot), jnp.arange(num_layers, dtype=jnp.int32))
     (h, aux), kv = jax.lax.scan(body, (x, aux0), xs)
     if unique and tuple(unique) != requested:
         aux = aux[np.asarray([unique.index(lid) for lid in requested])]  # [len(requested), B, T, D]

@@ -177,7 +177,7 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
             # "new" keys under the ancestor mask.
             return layers.attend(q, jnp.concatenate([bk[i], kk.astype(bk.dtype)], axis=1),
                                  jnp.concatenate([bv[i], vv.astype(bv.dtype)], axis=1), mask, q.shape[-1] ** -0.5,
-                                 dcache.k[i], dcache.v[i], dcache.page_table, lengths)
+                                 dcache.k, dcache.v, dcache.page_table, lengths, layer=i)
 
         h_out, ks, vs = draft_lib.forward(draft, target.embed_tokens(tparams, toks), h, positions, attend)
         bk = jax.lax.dynamic_update_slice_in_dim(bk, ks.astype(bk.dtype), slot0, axis=2)

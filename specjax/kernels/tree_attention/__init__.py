@@ -10,7 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.tree_attention.kernel import ref_tree_attention, tpu_unsupported_reason, tree_attention
-from specjax.layers import xla_cache_attention
+from specjax.layers import paged_attention
 from specjax.sharding import active_mesh
 
 __all__ = ["tree_attention", "ref_tree_attention", "make_cache_attention", "tpu_unsupported_reason", "head_split"]
@@ -21,11 +21,10 @@ _IMPLS = ("auto", "pallas", "xla")
 _warned: set = set()
 
 
-def _xla_fallback(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale):
-    """``target.forward``'s own XLA path (what ``cache_attention=None`` runs), for shapes the kernel cannot serve."""
-    s = page_table.shape[1] * k_pages.shape[1]
-    cache_valid = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (*mask.shape[:2], s))
-    return xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale)
+def _xla_fallback(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=None):
+    """``target.forward``'s own XLA path (what ``cache_attention=None`` runs), for shapes the kernel cannot serve
+    (the kernel's models have no sliding window, so no positions are needed)."""
+    return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, None, sm_scale, layer=layer)
 
 
 @functools.lru_cache(maxsize=None)
@@ -49,21 +48,24 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
     if impl == "xla" or (impl == "auto" and not on_tpu):
         return None
 
-    def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale):
+    def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=None):
+        # k_pages, v_pages: one layer's pool [P, Z, K, H], or every layer's [L, P, Z, K, H] with ``layer``
         mesh = active_mesh()
-        split = head_split(mesh, q.shape[2], k_pages.shape[2])
+        split = head_split(mesh, q.shape[2], k.shape[2])
         if on_tpu:  # the kernel sees one shard's heads
-            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[1],
+            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[-3],
                                             k_pages.dtype, tree_tokens=q.shape[1])
             if reason is not None:
                 if reason not in _warned:
                     _warned.add(reason)
                     log.warning("tree-attention kernel cannot serve %s on TPU; using the XLA attention path", reason)
-                return _xla_fallback(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale)
+                return _xla_fallback(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer)
         kernel = functools.partial(tree_attention, sm_scale=float(sm_scale), interpret=not on_tpu)
+        if layer is None:
+            k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
         if mesh is None or mesh.size == 1:
-            return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths)
-        return _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths)
+            return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer=layer)
+        return _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths, layer)
 
     return cache_attention
 
@@ -75,9 +77,15 @@ def head_split(mesh, num_heads: int, num_kv_heads: int) -> int:
     return tp if num_heads % tp == 0 and num_kv_heads % tp == 0 else 1
 
 
-def _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths):
+def _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths, layer):
     """The kernel per device under ``shard_map`` (XLA cannot partition a Mosaic call): each tp shard attends over
-    its own heads and its own slice of the KV pool; with ``split`` 1 every device computes all heads."""
-    heads = P(None, None, "tp" if split > 1 else None, None)
-    return jax.shard_map(kernel, mesh=mesh, in_specs=(heads, heads, heads, P(), heads, heads, P(), P()),
-                         out_specs=heads, check_vma=False)(q, k, v, mask, k_pages, v_pages, page_table, lengths)
+    its own heads and its own slice of the stacked KV pool [L, P, Z, K, H]; with ``split`` 1 every device computes
+    all heads."""
+    tp = "tp" if split > 1 else None
+    heads, pool = P(None, None, tp, None), P(None, None, None, tp, None)
+
+    def per_shard(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer):
+        return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer=layer)
+    return jax.shard_map(per_shard, mesh=mesh, in_specs=(heads, heads, heads, P(), pool, pool, P(), P(), P()),
+                         out_specs=heads, check_vma=False)(q, k, v, mask, k_pages, v_pages, page_table, lengths,
+                                                           jnp.asarray(layer, jnp.int32))

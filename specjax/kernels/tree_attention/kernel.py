@@ -39,8 +39,17 @@ def _round_up(a: int, b: int) -> int:
     return _cdiv(a, b) * b
 
 
-def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale=1.0, pages_per_block=None):
+def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale=1.0, pages_per_block=None,
+                    layer=None):
     """Raise ValueError unless the arguments fit the tree-attention contract (static checks: shapes, dtypes)."""
+    if layer is None and getattr(k_pages, "ndim", 4) == 5:
+        raise ValueError(f"stacked pools [L, P, Z, K, H] {k_pages.shape} need the layer to read (layer=...)")
+    if layer is not None:
+        if k_pages.ndim != 5:
+            raise ValueError(f"with layer=..., pools must be stacked [L, P, Z, K, H], got shape {k_pages.shape}")
+        if isinstance(layer, int) and not 0 <= layer < k_pages.shape[0]:
+            raise ValueError(f"layer {layer} is outside the pool's {k_pages.shape[0]} layers")
+        k_pages, v_pages = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (k_pages, v_pages))  # one layer
     if q.ndim != 4:
         raise ValueError(f"q must be [B, T, N, H], got shape {q.shape}")
     b, t, n, h = q.shape
@@ -89,12 +98,15 @@ def ref_tree_attention(q,  # [B, T, N, H]
                        v_pages,  # [P, Z, K, H]
                        page_table,  # i32[B, pps]
                        lengths,  # i32[B]
-                       *, sm_scale: float):
+                       *, sm_scale: float, layer=None):
     """Plain-jnp reference: gather the prefix, repeat kv heads, one masked softmax over [prefix | tree] keys.
 
     Slots at positions >= lengths[b] (and pages the table does not reach) may hold anything, NaN included.
+    With ``layer``, the pools are stacked [L, P, Z, K, H] and layer ``layer`` is read.
     """
-    validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale)
+    validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, layer=layer)
+    if layer is not None:
+        k_pages, v_pages = k_pages[layer], v_pages[layer]
     b, t, n, _ = q.shape
     g = n // k.shape[2]
     k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)  # [B, S, K, H]
@@ -160,29 +172,36 @@ def _head_keys(buf, h: int, num_kv: int, rows: int):
 
 
 def _tree_attention_kernel(
+        layer_ref,  # i32[1]  the layer of the stacked pools to read (SMEM, scalar prefetch)
         lengths_ref,  # i32[B]  (SMEM, scalar prefetch)
-        page_table_ref,  # i32[B * pps]  (SMEM, scalar prefetch)
         q_ref,  # [K, G*Tp, H]  this sequence's queries, grouped by kv head
         k_new_ref,  # [K, Tp, H]
         v_new_ref,  # [K, Tp, H]
         mask_ref,  # i32[Tp, W]  bit-packed tree mask
-        k_hbm,  # [P, Z, K, H]  key pool (HBM)
-        v_hbm,  # [P, Z, K, H]  value pool (HBM)
+        k_hbm,  # [L, P, Z, K, H]  key pool of every layer (HBM, read in place)
+        v_hbm,  # [L, P, Z, K, H]  value pool
+        page_table_hbm,  # i32[B, pps]  (HBM: the whole table can exceed SMEM at long contexts)
         o_ref,  # [K, G*Tp, H]
         k_buf,  # [2, pages_per_block, Z, K, H] VMEM double buffer, or [2, K, pages_per_block * Z, H] if per_head
         v_buf,
         sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
+        table_ref,  # i32[pps]  this sequence's row of the page table (SMEM)
+        table_sem,  # its DMA semaphore
         m_ref,  # f32[K, G*Tp, 128]  running max (lane-broadcast)
         l_ref,  # f32[K, G*Tp, 128]  running sum
         acc_ref,  # f32[K, G*Tp, H]  running numerator
         *, sm_scale: float, pages_per_block: int, pages_per_seq: int, per_head: bool):
     b = pl.program_id(0)
-    num_pages, page_size, num_kv, head_dim = k_hbm.shape
+    _, num_pages, page_size, num_kv, head_dim = k_hbm.shape
+    layer = jnp.clip(layer_ref[0], 0, k_hbm.shape[0] - 1)
     rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
     groups = rows // padded_t
     block_tokens = pages_per_block * page_size
     # Clamp what the tables say so that a bad entry can never move a DMA out of the pool.
     length = jnp.clip(lengths_ref[b], 0, pages_per_seq * page_size)
+    table_copy = pltpu.make_async_copy(page_table_hbm.at[b], table_ref, table_sem)
+    table_copy.start()  # one row per sequence: SMEM holds 32 slots x 8k pages of a 128k context only row by row
+    table_copy.wait()
     used_pages = _cdiv(length, page_size)
     num_blocks = _cdiv(length, block_tokens)
 
@@ -191,15 +210,15 @@ def _tree_attention_kernel(
         out = []
         for j in range(pages_per_block):
             idx = blk * pages_per_block + j
-            page = page_table_ref[b * pages_per_seq + jnp.minimum(idx, pages_per_seq - 1)]
+            page = table_ref[jnp.minimum(idx, pages_per_seq - 1)]
             page = jnp.clip(page, 0, num_pages - 1)
             if per_head:  # one strided DMA per kv head, into rows j*Z.. of that head's [pb*Z, H] buffer
                 rows = pl.ds(j * page_size, page_size)
-                copies = [pltpu.make_async_copy(src.at[page, :, h], buf.at[slot, h, rows], sems.at[i, slot])
+                copies = [pltpu.make_async_copy(src.at[layer, page, :, h], buf.at[slot, h, rows], sems.at[i, slot])
                           for h in range(num_kv) for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
             else:  # the page whole
-                copies = [pltpu.make_async_copy(k_hbm.at[page], k_buf.at[slot, j], sems.at[0, slot]),
-                          pltpu.make_async_copy(v_hbm.at[page], v_buf.at[slot, j], sems.at[1, slot])]
+                copies = [pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, j], sems.at[0, slot]),
+                          pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, j], sems.at[1, slot])]
             out.append((idx < used_pages, copies))
         return out
 
@@ -338,12 +357,16 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
                    k,  # [B, T, K, H]  keys of the tree tokens
                    v,  # [B, T, K, H]  values of the tree tokens
                    mask,  # bool[B, T, T]  query i sees tree key j (ancestors and itself)
-                   k_pages,  # [P, Z, K, H]  one layer's key pool
-                   v_pages,  # [P, Z, K, H]  one layer's value pool
+                   k_pages,  # [P, Z, K, H] one layer's key pool, or [L, P, Z, K, H] every layer's (with layer)
+                   v_pages,  # the value pool, shaped as k_pages
                    page_table,  # i32[B, pps]  pool page of each logical page
                    lengths,  # i32[B]  committed prefix length: positions < lengths[b] are visible
-                   *, sm_scale: float, interpret: bool = False, pages_per_block: int | None = None):
+                   *, sm_scale: float, interpret: bool = False, pages_per_block: int | None = None, layer=None):
     """Attention of the T tree tokens over (paged committed prefix) + (tree tokens under mask). Returns [B, T, N, H].
+
+    ``layer`` (an int or a traced i32 scalar) with stacked pools: the kernel reads that layer's pages straight from
+    the stacked pool, which a model's layer loop passes whole. (Passing ``pool[layer]`` instead makes XLA
+    materialise a copy of the layer's pool for the custom call on every step: the whole pool's bytes, per step.)
 
     Same math as ``ref_tree_attention`` (and ``layers.attention`` over ``gather_layer``). ``interpret=True`` runs the
     kernel in Pallas' interpreter (any backend; the CPU tests). ``pages_per_block`` pages are fetched per DMA block
@@ -351,11 +374,13 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     pool, so a bad table gives wrong numbers, never an out-of-bounds DMA.
     """
     validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
-                    pages_per_block=pages_per_block)
+                    pages_per_block=pages_per_block, layer=layer)
+    if layer is None:  # one layer's pool: a leading axis of 1 is a free reshape
+        k_pages, v_pages, layer = k_pages[None], v_pages[None], 0
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    _, z, _, _ = k_pages.shape
+    z = k_pages.shape[2]
     pps = page_table.shape[1]
     pb = _pages_per_block(pages_per_block, z, pps, kh, k_pages.dtype)
     # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
@@ -383,12 +408,15 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
             num_scalar_prefetch=2,
             grid=(b,),
             in_specs=[per_seq(kh, g * tp, h), per_seq(kh, tp, h), per_seq(kh, tp, h), per_seq(tp, words),
-                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY)],
+                      pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
+                      pl.BlockSpec(memory_space=pl.ANY)],
             out_specs=per_seq(kh, g * tp, h),
             scratch_shapes=[
                 pltpu.VMEM(buf_shape, k_pages.dtype),
                 pltpu.VMEM(buf_shape, v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
+                pltpu.SMEM((pps,), jnp.int32),
+                pltpu.SemaphoreType.DMA(()),
                 pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
                 pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
                 pltpu.VMEM((kh, g * tp, h), jnp.float32),
@@ -397,6 +425,7 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="tree_attention",
-    )(lengths, page_table.reshape(-1), qg, k_new, v_new, mask_bits, k_pages, v_pages)
+    )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, qg, k_new, v_new, mask_bits, k_pages, v_pages,
+      page_table)
     out = out.reshape(b, kh, g, tp, h).transpose(0, 3, 1, 2, 4)  # [B, Tp, K, G, H]
     return out[:, :t].reshape(b, t, n, h)
