@@ -321,6 +321,40 @@ def convert(src: str, out_dir: str, dtype: str = "float32", log=print) -> str:
     return out_dir
 
 
+def write_dequantized(src: str, dst: str, dtype: str = "float32", log=print) -> str:
+    """A GGUF of the same model with every tensor dequantised to float32 (or rounded to bfloat16), metadata copied:
+    llama.cpp then runs exactly the weights ``convert`` gives specjax (the comparison of ``bench decode --vs
+    llama.cpp``). Tensors keep llama.cpp's own layout (its q/k row order included). Written atomically."""
+    import gguf
+
+    qtype = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16}.get(dtype)
+    if qtype is None:
+        raise GGUFConvertError(f"dtype must be float32 or bfloat16, not {dtype!r}")
+    reader = gguf.GGUFReader(src)
+    arch = reader.fields["general.architecture"].contents()
+    tmp = dst + ".tmp"
+    writer = gguf.GGUFWriter(tmp, arch)
+    for name, field in reader.fields.items():
+        if name.startswith("GGUF.") or name in ("general.architecture", "general.file_type"):
+            continue  # the writer's own header fields; the file type changes below
+        sub = field.types[-1] if field.types[0] == gguf.GGUFValueType.ARRAY else None
+        writer.add_key_value(name, field.contents(), field.types[0], sub_type=sub)
+    writer.add_file_type(gguf.LlamaFileType.ALL_F32 if dtype == "float32" else gguf.LlamaFileType.MOSTLY_BF16)
+    for t in reader.tensors:
+        x = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)
+        if dtype == "bfloat16" and x.ndim > 1:  # llama.cpp keeps norms in f32
+            writer.add_tensor(t.name, gguf.quants.quantize(x, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(t.name, x)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(tmp, dst)
+    log(f"wrote {dst} ({dtype}, {len(reader.tensors)} tensors)")
+    return dst
+
+
 def _check_complete(tensors: dict, cfg: dict) -> None:
     need = ["model.embed_tokens.weight", "model.norm.weight"] + [
         f"model.layers.{i}.{v}" for i in range(cfg["num_hidden_layers"]) for v in LAYER_NAMES.values()]

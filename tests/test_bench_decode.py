@@ -1,7 +1,9 @@
 """The decode benchmark's code paths on tiny models (numbers are not checked, only that they are produced)."""
 
 import json
+import os
 
+import pytest
 import torch
 
 from specjax.bench import decode as bench
@@ -46,3 +48,21 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
     # every weight but the embedding table: lm_head + one layer + final norm, bf16
     d, f, v = 64, 128, 512
     assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d + 3 * d * f + d)
+
+
+def test_llamacpp_runner_decodes_specjax_greedy_tokens():
+    """`bench decode --vs llama.cpp`: llama.cpp's batched greedy decode on the F32 GGUF dequantised from SmolLM2's
+    published Q4_1 file gives the tokens specjax gives on its converted folder (the same weights)."""
+    pytest.importorskip("llama_cpp", reason="llama-cpp-python is optional (pip install llama-cpp-python)")
+    from specjax.hub import default_smollm2_path, fetch_smollm2_gguf
+    from specjax.models import target
+    from specjax.weights import load_model
+    if not os.path.isfile(os.path.join(default_smollm2_path(), "config.json")):
+        pytest.skip("SmolLM2 not fetched (python -m specjax.convert fetch-smollm2)")
+    cfg, params = load_model(default_smollm2_path(), dtype="float32")
+    prompts = bench.make_prompts(cfg.vocab_size, 3, 12, seed=3)
+    runner = bench.LlamaCppRunner(fetch_smollm2_gguf("float32"), prompts, threads=2, max_new_tokens=12)
+    theirs = runner(12)
+    runner.close()
+    ours = bench.specjax_runner(target.unstack_layers(params), cfg, prompts)(12)
+    assert bench._agreement(ours, theirs) == {"rows_identical": 3, "rows": 3, "mean_common_prefix": 12.0}

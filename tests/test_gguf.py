@@ -173,6 +173,31 @@ def test_weights_exactly_dequantised(converted):
         np.testing.assert_array_equal(got[k], v, err_msg=k)
 
 
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_write_dequantized_keeps_the_model(converted, tmp_path, dtype):
+    """The GGUF that `bench decode --vs llama.cpp` gives llama.cpp: same metadata, every tensor dequantised (F32) or
+    rounded to BF16 (norms stay F32), so it converts back to the same weights (bf16: to their bf16 rounding)."""
+    src = os.path.join(os.path.dirname(converted["out"]), "tiny.gguf")
+    dst = gguf_convert.write_dequantized(src, str(tmp_path / f"tiny-{dtype}.gguf"), dtype, log=lambda *_: None)
+    r = gguf.GGUFReader(dst)
+    want = QT.F32 if dtype == "float32" else QT.BF16
+    assert {t.tensor_type for t in r.tensors if len(t.shape) > 1} == {want}
+    assert {t.tensor_type for t in r.tensors if len(t.shape) == 1} == {QT.F32}
+    original = gguf.GGUFReader(src)
+    assert {k: f.contents() for k, f in r.fields.items() if not k.startswith(("GGUF.", "general.file_type"))} == \
+        {k: f.contents() for k, f in original.fields.items() if not k.startswith(("GGUF.", "general.file_type"))}
+    from specjax.safetensors_io import load_file
+    again = load_file(os.path.join(gguf_convert.convert(dst, str(tmp_path / "hf"), log=lambda *_: None),
+                                   "model.safetensors"))
+    for k, v in converted["stored"].items():
+        if dtype == "float32" or v.ndim == 1:
+            np.testing.assert_array_equal(again[k], v, err_msg=k)
+        else:
+            np.testing.assert_array_equal(again[k], np.asarray(jnp.asarray(v, jnp.bfloat16), np.float32), err_msg=k)
+    with pytest.raises(gguf_convert.GGUFConvertError, match="dtype"):
+        gguf_convert.write_dequantized(src, str(tmp_path / "x.gguf"), "float16")
+
+
 def test_logits_match_hf(converted):
     """specjax on the converted folder == HF on the GGUF's dequantised weights (fp32, 1e-4), and close to the
     original un-quantised model: the only difference is rounding to F16/BF16/Q8_0 (~0.4% per weight for Q8_0)."""

@@ -1,7 +1,7 @@
 """Plain greedy decode throughput: specjax (one jitted on-device loop) vs HF transformers (torch), same weights.
 
     python -m specjax.bench decode [--model PATH] [--batch-sizes 1 8] [--new-tokens 128] [--prompt-len 32]
-                                   [--dtype float32|bfloat16] [--repeats 3] [--no-hf] [--json OUT]
+                                   [--dtype float32|bfloat16] [--repeats 3] [--no-hf] [--vs llama.cpp] [--json OUT]
     python -m specjax.bench decode --random-llama-8b [--layers N] [--new-tokens 128] [--copy-mib 1024]
 
 Both engines generate exactly ``--new-tokens`` tokens per row from the same equal-length prompts (HF with
@@ -10,6 +10,10 @@ Both engines generate exactly ``--new-tokens`` tokens per row from the same equa
 - decode tok/s: B * (N - 1) / (t(N tokens) - t(1 token)), i.e. the per-token decode steps alone.
 Each time is the fastest of ``--repeats`` interleaved runs (robust to a shared machine's stalls).
 The first specjax call of each shape compiles and is not timed; HF gets one untimed warm-up call too.
+
+``--vs llama.cpp`` adds llama.cpp (``bench.llamacpp``) on a GGUF of the same weights (SmolLM2: the published Q4_1 file
+dequantised to the bench's dtype), with the same thread count, its batched decode included, and, at batch 1, the
+Q4_1 file itself (what a CPU user of llama.cpp runs). It also checks that its greedy tokens are specjax's.
 
 ``--random-llama-8b`` measures what a GPU/TPU can do on a Llama-3.1-8B-shaped model with random bf16 weights: batch-1
 decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
@@ -30,6 +34,7 @@ import time
 import numpy as np
 
 from specjax.bench.common import report
+from specjax.bench.llamacpp import LlamaCppRunner
 from specjax.cli import option, parse_options
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (architecture fields)
@@ -59,14 +64,16 @@ def make_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0, lo
 
 
 def specjax_runner(params, cfg, prompts):
-    """run(n): generate exactly n tokens per prompt with specjax (the jitted on-device loop), blocking."""
+    """run(n): generate exactly n tokens per prompt with specjax (the jitted on-device loop), blocking; returns
+    them."""
     import jax
     from specjax.generate import generate
 
-    def run(n: int) -> None:
+    def run(n: int) -> list[list[int]]:
         out = generate(params, cfg, prompts, max_new_tokens=n, stop_token_ids=())
         assert all(len(o) == n for o in out)
         jax.effects_barrier()
+        return [list(map(int, o)) for o in out]
 
     return run
 
@@ -140,17 +147,43 @@ def machine_description() -> str:
             f"{dev.platform.upper()}")
 
 
+def _resolve_model(args) -> str:
+    if args.model is not None:
+        return args.model
+    from specjax.hub import default_smollm2_path
+    path = default_smollm2_path()
+    if not os.path.isfile(os.path.join(path, "config.json")):
+        raise SystemExit(f"error: no model at {path}; run `python -m specjax.convert fetch-smollm2` or pass --model PATH")
+    return path
+
+
+def _llamacpp_ggufs(args) -> dict:
+    """{runner name: GGUF path} for --vs llama.cpp: the bench's weights, and the published Q4_1 file (batch 1)."""
+    if args.vs is None:
+        return {}
+    if args.gguf is not None:
+        return {"llama.cpp": args.gguf}
+    if args.model is not None:
+        raise SystemExit("error: --vs llama.cpp with --model needs --gguf PATH (a GGUF of the same weights)")
+    from specjax.hub import fetch_smollm2_gguf
+    return {"llama.cpp": fetch_smollm2_gguf(args.dtype), "llama.cpp Q4_1": fetch_smollm2_gguf("q4_1")}
+
+
+def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
+    """Greedy agreement of two engines: rows identical, and the mean common prefix in tokens."""
+    prefix = [next((i for i, (a, b) in enumerate(zip(x, y)) if a != b), min(len(x), len(y)))
+              for x, y in zip(ours, theirs)]
+    return {"rows_identical": sum(x == y for x, y in zip(ours, theirs)), "rows": len(ours),
+            "mean_common_prefix": float(np.mean(prefix))}
+
+
 def bench_model(args) -> dict:
     from specjax.models import target
     from specjax.weights import load_model
 
-    model_path = args.model
-    if model_path is None:
-        from specjax.hub import default_smollm2_path
-        model_path = default_smollm2_path()
-        if not os.path.isfile(os.path.join(model_path, "config.json")):
-            raise SystemExit(f"error: no model at {model_path}; run `python -m specjax.convert fetch-smollm2` "
-                             f"or pass --model PATH")
+    model_path = _resolve_model(args)
+    ggufs = _llamacpp_ggufs(args)
+    threads = args.threads or os.cpu_count()
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
     cfg, params = load_model(model_path, dtype=args.dtype)
@@ -171,44 +204,59 @@ def bench_model(args) -> dict:
         runners = {"specjax": specjax_runner(params, cfg, prompts)}
         if hf_model is not None:
             runners["hf"] = hf_runner(hf_model, prompts, pad)
-        print(f"batch {b}: {' and '.join(runners)} ...", file=sys.stderr, flush=True)
+        for name, path in ggufs.items():
+            if b == 1 or "Q4_1" not in name:
+                runners[name] = LlamaCppRunner(path, prompts, threads, args.new_tokens)
+        print(f"batch {b}: {', '.join(runners)} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
-        rows.append({"batch": b, **measure(runners, b, args.new_tokens, args.repeats),
-                     "load_avg_1min": os.getloadavg()[0]})
+        row = {"batch": b, **measure(runners, b, args.new_tokens, args.repeats), "load_avg_1min": os.getloadavg()[0]}
+        if "llama.cpp" in runners:
+            row["llama_agreement"] = _agreement(runners["specjax"](args.new_tokens), runners["llama.cpp"](args.new_tokens))
+        rows.append(row)
+        for run in runners.values():
+            getattr(run, "close", lambda: None)()
         print(f"  {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
     return {"mode": "model", "model": model_path, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
             "machine": machine_description(), "rows": rows, "read_bandwidth_Bps": bw, "read_mib": args.copy_mib or 256,
-            "weight_bytes_per_step": weight_bytes}
+            "weight_bytes_per_step": weight_bytes, "llamacpp_threads": threads if ggufs else None}
 
 
 def print_model_table(res: dict) -> None:
     name = os.path.basename(os.path.normpath(res["model"]))
     threads = "default threads" if res["threads"] is None else f"{res['threads']} thread(s) per engine"
+    if res.get("llamacpp_threads") and res["threads"] is None:
+        threads += f" (llama.cpp: {res['llamacpp_threads']})"
     loads = ", ".join(f"{r['load_avg_1min']:.1f}" for r in res["rows"])
     print(f"\nPlain greedy decode: {name} ({res['dtype']}), prompt {res['prompt_len']} tokens, "
           f"{res['new_tokens']} new tokens, fastest of {res['repeats']}, {threads}")
     bw, wb = res["read_bandwidth_Bps"], res["weight_bytes_per_step"]
     print(f"machine: {res['machine']}; 1-min load average after each batch size: {loads}")
     print(f"weight-read limit: {bw / 1e9:.1f} GB/s read bandwidth (one matrix-vector product over a "
-          f"{res['read_mib']} MiB f32 matrix, measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = {bw / wb:.1f} steps/s; "
-          f"'of limit' = decode steps/s / that\n")
-    has_hf = any("hf" in r for r in res["rows"])
-    head = ["batch", "specjax gen tok/s", "specjax decode tok/s", "specjax of limit"]
-    if has_hf:
-        head += ["HF gen tok/s", "HF decode tok/s", "gen ratio", "decode ratio"]
-    print("| " + " | ".join(head) + " |")
-    print("|" + "|".join("---:" for _ in head) + "|")
+          f"{res['read_mib']} MiB f32 matrix, measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = "
+          f"{bw / wb:.1f} steps/s; 'of limit' = decode steps/s / that\n")
+    of_limit = lambda r, e: f"{100 * r[e]['decode_tok_s'] / r['batch'] * wb / bw:.0f}%"
+    ratio = lambda r, e, key: f"{r['specjax'][key] / r[e][key]:.2f}x"
+    columns = [("batch", lambda r: str(r["batch"])),
+               ("specjax gen tok/s", lambda r: f"{r['specjax']['generate_tok_s']:.1f}"),
+               ("specjax decode tok/s", lambda r: f"{r['specjax']['decode_tok_s']:.1f}"),
+               ("specjax of limit", lambda r: of_limit(r, "specjax"))]
+    if any("hf" in r for r in res["rows"]):
+        columns += [("HF gen tok/s", lambda r: f"{r['hf']['generate_tok_s']:.1f}"),
+                    ("HF decode tok/s", lambda r: f"{r['hf']['decode_tok_s']:.1f}"),
+                    ("gen ratio", lambda r: ratio(r, "hf", "generate_tok_s")),
+                    ("decode ratio", lambda r: ratio(r, "hf", "decode_tok_s"))]
+    if any("llama.cpp" in r for r in res["rows"]):
+        columns += [("llama.cpp decode tok/s", lambda r: f"{r['llama.cpp']['decode_tok_s']:.1f}"),
+                    ("llama.cpp of limit", lambda r: of_limit(r, "llama.cpp")),
+                    ("specjax / llama.cpp", lambda r: ratio(r, "llama.cpp", "decode_tok_s")),
+                    ("same tokens", lambda r: "{rows_identical}/{rows}".format(**r["llama_agreement"])),
+                    ("llama.cpp Q4_1 decode tok/s",
+                     lambda r: f"{r['llama.cpp Q4_1']['decode_tok_s']:.1f}" if "llama.cpp Q4_1" in r else "-")]
+    print("| " + " | ".join(c for c, _ in columns) + " |")
+    print("|" + "|".join("---:" for _ in columns) + "|")
     for r in res["rows"]:
-        s = r["specjax"]
-        frac = s["decode_tok_s"] / r["batch"] * wb / bw
-        cells = [str(r["batch"]), f"{s['generate_tok_s']:.1f}", f"{s['decode_tok_s']:.1f}", f"{100 * frac:.0f}%"]
-        if "hf" in r:
-            h = r["hf"]
-            cells += [f"{h['generate_tok_s']:.1f}", f"{h['decode_tok_s']:.1f}",
-                      f"{s['generate_tok_s'] / h['generate_tok_s']:.2f}x",
-                      f"{s['decode_tok_s'] / h['decode_tok_s']:.2f}x"]
-        print("| " + " | ".join(cells) + " |")
+        print("| " + " | ".join(cell(r) for _, cell in columns) + " |")
 
 
 # ---- Llama-3.1-8B-shaped random model ---------------------------------------------------------------------------
@@ -322,6 +370,10 @@ class DecodeOptions:
     dtype: str = option("float32", choices=("float32", "bfloat16"), help="weight and activation dtype of both engines")
     repeats: int = option(3, help="timed repeats per measurement (median reported)")
     no_hf: bool = option(False, help="skip the transformers baseline")
+    vs: str | None = option(None, choices=("llama.cpp",), help="also run llama.cpp on the same weights and threads "
+                                                               "(needs llama-cpp-python)")
+    gguf: str | None = option(None, metavar="PATH", help="with --vs llama.cpp and --model: a GGUF of the same weights "
+                                                         "(default: SmolLM2's, fetched and dequantised)")
     random_llama_8b: bool = option(False, help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the "
                                                "bandwidth limit")
     layers: int | None = option(None, help="with --random-llama-8b: override the 32 layers")
