@@ -2,8 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from typing import Any, Callable
+
+from specjax.cli import option
+
+
+@dataclasses.dataclass
+class TargetRunOptions:
+    """How the target runs in the speculative benches (spec, tune): its dtype and its cache attention."""
+    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"],
+                               help="target dtype (default: the checkpoint's)")
+    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
+                                 help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
 
 
 def write_json(path: str | None, results: Any, indent: int = 2) -> None:

@@ -27,7 +27,7 @@ import statistics
 import sys
 import time
 
-from specjax.bench.common import report
+from specjax.bench.common import TargetRunOptions, report
 from specjax.cli import option, parse_options
 
 
@@ -277,7 +277,7 @@ def print_sweep_table(r: dict) -> None:
 
 
 @dataclasses.dataclass
-class SpecOptions:
+class SpecOptions(TargetRunOptions):
     model: str | None = option(None, help="HF model folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
     draft: str | None = option(None, help="draft head folder (HF format)")
     random_draft: bool = option(False, help="a random head shaped like one target layer")
@@ -289,10 +289,6 @@ class SpecOptions:
     prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
     num_prompts: int = option(8, help="prompts decoded, one at a time")
     max_new_tokens: int = option(64, help="tokens generated per prompt")
-    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"],
-                               help="target dtype (default: the checkpoint's)")
-    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
-                                 help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
     phase_repeats: int = option(5, help="repeats of each timed phase (median reported)")
     verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
                                                  "step")

@@ -25,7 +25,7 @@ import platform
 import sys
 import time
 
-from specjax.bench.common import write_json
+from specjax.bench.common import TargetRunOptions, write_json
 from specjax.bench.spec import load_prompts, load_target
 from specjax.cli import option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
@@ -128,7 +128,7 @@ def print_table(r: dict) -> None:
 
 
 @dataclasses.dataclass
-class TuneOptions:
+class TuneOptions(TargetRunOptions):
     draft: str = option("", required=True, help="draft head folder (HF format)")
     model: str | None = option(None, help="target folder (default: the SmolLM2 cache of `convert fetch-smollm2`)")
     algorithm: str = option("EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"], help="draft head kind")
@@ -141,10 +141,6 @@ class TuneOptions:
     max_new_tokens: int = option(128, help="tokens generated per prompt")
     temperature: float = option(0.0, help="0 = greedy (default)")
     seed: int = option(0, help="sampling seed")
-    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"],
-                               help="target dtype (default: the checkpoint's)")
-    attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
-                                 help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
     out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json)")
     no_write: bool = option(False, help="print only")
     json: str | None = option(None, help="also write the full results here")
