@@ -234,20 +234,25 @@ def print_model_table(res: dict) -> None:
     print(f"machine: {res['machine']}; 1-min load average after each batch size: {loads}")
     print(f"weight-read limit: {bw / 1e9:.1f} GB/s read bandwidth (one matrix-vector product over a "
           f"{res['read_mib']} MiB f32 matrix, measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = "
-          f"{bw / wb:.1f} steps/s; 'of limit' = decode steps/s / that\n")
+          f"{bw / wb:.1f} steps/s; 'of limit' = decode steps/s / that; prefill tok/s = batch x prompt tokens / "
+          f"the time to the first new token\n")
     of_limit = lambda r, e: f"{100 * r[e]['decode_tok_s'] / r['batch'] * wb / bw:.0f}%"
     ratio = lambda r, e, key: f"{r['specjax'][key] / r[e][key]:.2f}x"
     columns = [("batch", lambda r: str(r["batch"])),
                ("specjax gen tok/s", lambda r: f"{r['specjax']['generate_tok_s']:.1f}"),
                ("specjax decode tok/s", lambda r: f"{r['specjax']['decode_tok_s']:.1f}"),
                ("specjax of limit", lambda r: of_limit(r, "specjax"))]
+    prefill = lambda r, e: f"{r['batch'] * res['prompt_len'] / r[e]['first_token_s']:.0f}"
+    columns += [("specjax prefill tok/s", lambda r: prefill(r, "specjax"))]
     if any("hf" in r for r in res["rows"]):
-        columns += [("HF gen tok/s", lambda r: f"{r['hf']['generate_tok_s']:.1f}"),
+        columns += [("HF prefill tok/s", lambda r: prefill(r, "hf")),
+                    ("HF gen tok/s", lambda r: f"{r['hf']['generate_tok_s']:.1f}"),
                     ("HF decode tok/s", lambda r: f"{r['hf']['decode_tok_s']:.1f}"),
                     ("gen ratio", lambda r: ratio(r, "hf", "generate_tok_s")),
                     ("decode ratio", lambda r: ratio(r, "hf", "decode_tok_s"))]
     if any("llama.cpp" in r for r in res["rows"]):
-        columns += [("llama.cpp decode tok/s", lambda r: f"{r['llama.cpp']['decode_tok_s']:.1f}"),
+        columns += [("llama.cpp prefill tok/s", lambda r: prefill(r, "llama.cpp")),
+                    ("llama.cpp decode tok/s", lambda r: f"{r['llama.cpp']['decode_tok_s']:.1f}"),
                     ("llama.cpp of limit", lambda r: of_limit(r, "llama.cpp")),
                     ("specjax / llama.cpp", lambda r: ratio(r, "llama.cpp", "decode_tok_s")),
                     ("same tokens", lambda r: "{rows_identical}/{rows}".format(**r["llama_agreement"])),
