@@ -122,51 +122,56 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
     ``while_loop`` that runs ceil(max(lengths) / block) times: a step reads the KV the longest row holds, not the
     page table's capacity. Online softmax (running max and sum) across blocks, so no [S]-wide score row exists.
-    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, Z, K, H], or [L, P, Z, K, H]
+    q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, K, Z, H], or [L, P, K, Z, H]
     with ``layer`` (the pages are gathered from the stacked pool: slicing out the layer first can make XLA copy the
     layer's whole pool); page_table: i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window).
     Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
     kh = k.shape[2]
-    z = k_pages.shape[-3]
+    z = k_pages.shape[-2]
     pps = page_table.shape[1]
     bp = max(1, min(pps, block_tokens // z))  # pages per block
     nblocks_max = -(-pps // bp)
     pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
 
-    def scores(keys, valid):  # keys [B, S, K, H], valid bool[B, T, S] -> f32[B, K, G, T, S]
-        s_ = jnp.einsum("btkgh,bskh->bkgts", qg, keys, preferred_element_type=jnp.float32) * sm_scale
-        return jnp.where(valid[:, None, None], s_, NEG_INF)
+    g = n // kh
 
-    def update(carry, s_, valid, vals):  # one online-softmax step over a block of keys
-        m, l, acc = carry
+    def update(carry, s_, valid, pv_of):  # one online-softmax step over a block of keys
+        m, l, acc = carry  # s_ f32[B, K, G, T, S] raw scores; valid bool[B, T, S]; pv_of(p) -> f32[B, K, G, T, H]
+        s_ = jnp.where(valid[:, None, None], s_ * sm_scale, NEG_INF)
         m_new = jnp.maximum(m, s_.max(-1))  # [B, K, G, T]
         p = jnp.where(valid[:, None, None], jnp.exp(s_ - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        vals = jnp.where(valid.any(1)[:, :, None, None], vals, 0)  # garbage (even NaN) slots never reach the sum
-        pv = jnp.einsum("bkgts,bskh->bkgth", p.astype(vals.dtype), vals, preferred_element_type=jnp.float32)
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv
+        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv_of(p)
 
     def block(j, carry):
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
         at = cols if layer is None else (layer, cols)
-        kb = k_pages[at].reshape(b, bp * z, kh, h)
-        vb = v_pages[at].reshape(b, bp * z, kh, h)
+        kb, vb = k_pages[at], v_pages[at]  # [B, bp, K, Z, H], used in this layout (no transpose of the pages)
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
         if sliding_window is not None:
             valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
         valid = jnp.broadcast_to(valid, (b, t, bp * z))
-        return update(carry, scores(kb, valid), valid, vb)
+        seen = valid.any(1).reshape(b, bp, 1, z, 1)
+        vb = jnp.where(seen, vb, 0)  # garbage (even NaN) slots never reach the sum
 
-    g = n // kh
+        def pv_of(p):
+            p = p.reshape(b, kh, g, t, bp, z).astype(vb.dtype)
+            return jnp.einsum("bkgtpz,bpkzh->bkgth", p, vb, preferred_element_type=jnp.float32)
+        s_ = jnp.einsum("btkgh,bpkzh->bkgtpz", qg, kb, preferred_element_type=jnp.float32)
+        return update(carry, s_.reshape(b, kh, g, t, bp * z), valid, pv_of)
+
     carry = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
              jnp.zeros((b, kh, g, t, h), jnp.float32))
     nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
     carry = jax.lax.fori_loop(0, nblocks, block, carry)
-    m, l, acc = update(carry, scores(k, mask), mask, v)
+    vn = jnp.where(mask.any(1)[:, :, None, None], v, 0)  # the new tokens [B, T, K, H]
+    m, l, acc = update(carry, jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32), mask,
+                       lambda p: jnp.einsum("bkgts,bskh->bkgth", p.astype(vn.dtype), vn,
+                                            preferred_element_type=jnp.float32))
     out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that see nothing (padding) give 0, never read
     return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
 
@@ -177,8 +182,8 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
     paged cache prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     q: [B, T, N, H]; k, v: [B, Tk, K, H]; mask: bool[B, T, Tk]. Without ``k_pages`` there is no cache (training,
-    tests): plain ``attention``. With it: k_pages, v_pages [P, Z, K, H] (one layer's pool) or, with ``layer`` (an int
-    or traced scalar), every layer's [L, P, Z, K, H] (model layer loops pass the pool whole so that the kernel reads
+    tests): plain ``attention``. With it: k_pages, v_pages [P, K, Z, H] (one layer's pool) or, with ``layer`` (an int
+    or traced scalar), every layer's [L, P, K, Z, H] (model layer loops pass the pool whole so that the kernel reads
     it in place: a per-layer slice handed to a custom call is a copy), page_table i32[B, pps], lengths i32[B]; ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA
     ``paged_attention``; ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
     Returns [B, T, N, H] in q's dtype.

@@ -379,8 +379,8 @@ def _abstract_state(setup: ServeSetup, init_state, kv_fields):
     tp = mesh.shape["tp"]
 
     def place(path, a):
-        kv = jax.tree_util.keystr(path) in kv_fields and a.shape[3] % tp == 0
-        return _sds(a.shape, a.dtype, NamedSharding(mesh, P(None, None, None, "tp", None) if kv else P()))
+        kv = jax.tree_util.keystr(path) in kv_fields and a.shape[2] % tp == 0
+        return _sds(a.shape, a.dtype, NamedSharding(mesh, P(None, None, "tp", None, None) if kv else P()))
     return jax.tree_util.tree_map_with_path(place, jax.eval_shape(init_state))
 
 

@@ -112,11 +112,11 @@ def constrain(x, axes: Sequence[str | None]):
 
 
 # ---- KV page pools ------------------------------------------------------------------------------------------------
-KV_POOL_AXES = ("layers", "pages", None, "kv_heads", "head_dim")  # [L, P, Z, K, H]
+KV_POOL_AXES = ("layers", "pages", "kv_heads", None, "head_dim")  # [L, P, K, Z, H]
 
 
 def kv_pool_sharding(mesh: Mesh, pool_shape) -> NamedSharding:
-    """Where a KV page pool [L, P, Z, K, H] lives on the mesh: split over kv heads on tp, as the attention weights
+    """Where a KV page pool [L, P, K, Z, H] lives on the mesh: split over kv heads on tp, as the attention weights
     are; replicated when the kv heads do not divide by tp."""
     return NamedSharding(mesh, spec_for_shape(pool_shape, KV_POOL_AXES, mesh, replicate_indivisible=("kv_heads",)))
 

@@ -97,7 +97,7 @@ def test_paged_attention_matches_whole_table_reference(window, block_tokens):
     rng = np.random.default_rng(0)
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     q, kn, vn = f(b, t, n, h), f(b, t, k, h), f(b, t, k, h)
-    k_pages, v_pages = f(pool, z, k, h), f(pool, z, k, h)
+    k_pages, v_pages = f(pool, k, z, h), f(pool, k, z, h)
     page_table = jnp.asarray(rng.permutation(pool)[:b * pps].reshape(b, pps), jnp.int32)
     lengths = jnp.asarray([0, 7, 61], jnp.int32)
     # Garbage (NaN) in pages no row may read: past row 0's length 0 and in row 1's unused tail.

@@ -34,16 +34,19 @@ def compile_kernel(chip, *, groups, kv_heads, head_dim, t, page_size, dtype, fn=
     s = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
     n = groups * kv_heads
     args = (s((b, t, n, head_dim)), s((b, t, kv_heads, head_dim)), s((b, t, kv_heads, head_dim)),
-            s((b, t, t), jnp.bool_), s((num_pages, page_size, kv_heads, head_dim)),
-            s((num_pages, page_size, kv_heads, head_dim)), s((b, pps), jnp.int32), s((b,), jnp.int32))
+            s((b, t, t), jnp.bool_), s((num_pages, kv_heads, page_size, head_dim)),
+            s((num_pages, kv_heads, page_size, head_dim)), s((b, pps), jnp.int32), s((b,), jnp.int32))
     return jax.jit(functools.partial(fn, sm_scale=head_dim ** -0.5)).lower(*args).compile()
 
 
 # (G, K, H, T, Z, dtype): each generation gets head dims 64 and 128, odd and even GQA groups, tree sizes 1 and 64+,
-# page sizes 16 and 128, bf16 and fp32; SmolLM2-135M (9 heads / 3 kv heads, H 64) in fp32 everywhere.
+# page sizes 16 and 128, bf16 and fp32; SmolLM2-135M (9 heads / 3 kv heads, H 64) in fp32 everywhere and in bf16 on
+# v4; one kv head per chip in bf16 (Qwen2.5-7B's 28/4 heads at tp 4) on v5e.
 MATRIX = {
-    "v4": [(3, 3, 64, 8, 16, "float32"), (4, 8, 128, 1, 128, "bfloat16"), (7, 2, 64, 80, 16, "bfloat16")],
-    "v5e": [(3, 3, 64, 64, 128, "float32"), (1, 8, 128, 80, 16, "bfloat16"), (5, 4, 64, 1, 16, "bfloat16")],
+    "v4": [(3, 3, 64, 8, 16, "float32"), (4, 8, 128, 1, 128, "bfloat16"), (7, 2, 64, 80, 16, "bfloat16"),
+           (3, 3, 64, 8, 16, "bfloat16")],
+    "v5e": [(3, 3, 64, 64, 128, "float32"), (1, 8, 128, 80, 16, "bfloat16"), (5, 4, 64, 1, 16, "bfloat16"),
+            (7, 1, 128, 8, 16, "bfloat16")],
     "v5p": [(3, 3, 64, 1, 16, "float32"), (8, 1, 128, 64, 128, "float32"), (3, 2, 128, 8, 16, "bfloat16")],
     "v6e": [(3, 3, 64, 80, 16, "float32"), (4, 2, 64, 8, 128, "bfloat16"), (2, 6, 128, 64, 16, "float32")],
 }
@@ -59,41 +62,35 @@ def test_kernel_compiles_for_tpu_matrix(generation):
 
 
 def test_preflight_catches_a_tpu_only_error_that_interpret_mode_passes():
-    """The kernel as it was before per-head page DMAs (whole [Z, K, H] pages re-viewed as rows) runs correctly in
-    interpret mode at SmolLM2's 3 kv heads in fp32, but Mosaic rejects it; the shipped kernel compiles."""
+    """A 512-token prefill chunk at SmolLM2's heads (9 x 64, fp32) runs correctly in interpret mode, but its query
+    block exceeds the TPU's scoped VMEM, which only Mosaic checks: preflight sees the error, and the hook's limit
+    (``tpu_unsupported_reason``) routes such chunks to the XLA path."""
     chip = one_chip("v5e")
-    shape = dict(groups=3, kv_heads=3, head_dim=64, t=8, page_size=16, dtype=jnp.float32)
-    original = kernel_lib._per_head_pages
-    tree_attention.clear_cache()  # the jitted kernel wrapper caches its trace; the layout is not part of its key
-    try:
-        kernel_lib._per_head_pages = lambda dtype, num_kv: False  # the old page layout
-        rng = np.random.default_rng(0)
-        b, t, z, pps, num_pages = 2, 8, 16, 2, 4
-        f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
-        args = (f(b, t, 9, 64), f(b, t, 3, 64), f(b, t, 3, 64), jnp.asarray(np.tril(np.ones((b, t, t), bool))),
-                f(num_pages, z, 3, 64), f(num_pages, z, 3, 64), jnp.asarray([[0, 1], [2, 3]], jnp.int32),
-                jnp.asarray([20, 5], jnp.int32))
-        got = tree_attention(*args, sm_scale=0.125, interpret=True)
-        ref = kernel_lib.ref_tree_attention(*args, sm_scale=0.125)
-        np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)  # interpret mode: fine
-        with pytest.raises(Exception) as err:
-            compile_kernel(chip, **shape)
-        assert "Mosaic" in type(err.value).__name__ + str(err.value) and "reshape" in str(err.value)
-    finally:
-        kernel_lib._per_head_pages = original
-        tree_attention.clear_cache()
-    compile_kernel(chip, **shape)
+    rng = np.random.default_rng(0)
+    b, t, z = 1, 512, 16
+    f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
+    args = (f(b, t, 9, 64), f(b, t, 3, 64), f(b, t, 3, 64), jnp.asarray(np.tril(np.ones((b, t, t), bool))),
+            f(4, 3, z, 64), f(4, 3, z, 64), jnp.asarray([[2, 0]], jnp.int32), jnp.asarray([20], jnp.int32))
+    got = tree_attention(*args, sm_scale=0.125, interpret=True)
+    ref = kernel_lib.ref_tree_attention(*args, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)  # interpret mode: fine
+    with pytest.raises(Exception) as err:
+        compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=t, page_size=z, dtype=jnp.float32, b=1)
+    assert "vmem" in str(err.value).lower()
+    assert "VMEM" in tpu_unsupported_reason(9, 3, 64, z, jnp.float32, tree_tokens=t)
+    compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=256, page_size=z, dtype=jnp.float32, b=1)
 
 
 def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
-    """bf16 pages with an odd kv-head count: the TPU hook runs the XLA path (and says why) instead of failing."""
+    """A head dim the kernel's lanes do not fit (32): the TPU hook runs the XLA path (and says why) instead of
+    failing."""
     chip = one_chip("v5e")
-    reason = tpu_unsupported_reason(9, 3, 64, 16, jnp.bfloat16)
-    assert reason and "kv head" in reason
+    reason = tpu_unsupported_reason(6, 3, 32, 16, jnp.bfloat16)
+    assert reason and "head_dim 32" in reason
     hook = make_cache_attention("auto", None, "tpu")
     hook_pkg._warned.clear()
     with caplog.at_level("WARNING", logger="specjax"):
-        compiled = compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=8, page_size=16, dtype=jnp.bfloat16,
+        compiled = compile_kernel(chip, groups=2, kv_heads=3, head_dim=32, t=8, page_size=16, dtype=jnp.bfloat16,
                                   fn=lambda *a, sm_scale: hook(*a, sm_scale))
     assert "tpu_custom_call" not in compiled.as_text()
     assert any("XLA attention path" in r.getMessage() and reason in r.getMessage() for r in caplog.records)

@@ -92,11 +92,11 @@ def test_indivisible_vocab_raises():
 
 
 def test_kv_pool_split_over_kv_heads_on_tp():
-    """[L, P, Z, K, H] pools: split over K on tp when it divides (as the attention weights), else replicated."""
-    assert kv_pool_sharding(make_mesh(4, 4), (2, 8, 4, 4, 16)).spec == P(None, None, None, "tp", None)
+    """[L, P, K, Z, H] pools: split over K on tp when it divides (as the attention weights), else replicated."""
+    assert kv_pool_sharding(make_mesh(4, 4), (2, 8, 4, 4, 16)).spec == P(None, None, "tp", None, None)
     assert kv_pool_sharding(make_mesh(2, 8), (2, 8, 4, 4, 16)).spec == P(None, None, None, None, None)
     pool = put_kv_pool(jnp.zeros((2, 8, 4, 4, 16)), make_mesh(8, 2))
-    assert {s.data.shape for s in pool.addressable_shards} == {(2, 8, 4, 2, 16)}
+    assert {s.data.shape for s in pool.addressable_shards} == {(2, 8, 2, 4, 16)}
 
 
 def test_generate_on_mesh_matches_single_device(model):

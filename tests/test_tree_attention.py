@@ -36,7 +36,7 @@ def make_case(seed, *, t, kv_heads, groups, head_dim, page_size, pages_per_seq, 
     normal = lambda *shape: rng.standard_normal(shape).astype(np.float32)
     q, k, v = normal(b, t, n, head_dim), normal(b, t, kv_heads, head_dim), normal(b, t, kv_heads, head_dim)
     mask = np.stack([random_tree_mask(rng, t) for _ in range(b)])
-    k_pages = np.full((num_pages, page_size, kv_heads, head_dim), np.nan, np.float32)
+    k_pages = np.full((num_pages, kv_heads, page_size, head_dim), np.nan, np.float32)  # head-major pages
     v_pages = k_pages.copy()
     page_table = rng.permutation(num_pages)[:b * pages_per_seq].reshape(b, pages_per_seq).astype(np.int32)
     for i, length in enumerate(lengths):
@@ -45,8 +45,8 @@ def make_case(seed, *, t, kv_heads, groups, head_dim, page_size, pages_per_seq, 
             if live == 0:
                 page_table[i, p] = rng.choice([-1, num_pages + 5])  # never dereferenced
                 continue
-            k_pages[page_table[i, p], :live] = normal(live, kv_heads, head_dim)
-            v_pages[page_table[i, p], :live] = normal(live, kv_heads, head_dim)
+            k_pages[page_table[i, p], :, :live] = normal(live, kv_heads, head_dim).transpose(1, 0, 2)
+            v_pages[page_table[i, p], :, :live] = normal(live, kv_heads, head_dim).transpose(1, 0, 2)
     arrays = [jnp.asarray(x, dtype) for x in (q, k, v)]
     arrays += [jnp.asarray(mask)] + [jnp.asarray(x, dtype) for x in (k_pages, v_pages)]
     return arrays + [jnp.asarray(page_table), jnp.asarray(lengths, jnp.int32)]
@@ -55,7 +55,7 @@ def make_case(seed, *, t, kv_heads, groups, head_dim, page_size, pages_per_seq, 
 @functools.partial(jax.jit, static_argnames="sm_scale")
 def layers_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_scale):
     """target.forward's XLA path: layers.attention over the gathered pages."""
-    s = page_table.shape[1] * k_pages.shape[1]
+    s = page_table.shape[1] * k_pages.shape[2]
     cache_valid = jnp.broadcast_to(jnp.arange(s)[None, None, :] < lengths[:, None, None], (*mask.shape[:2], s))
     return layers.xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale)
 
@@ -96,7 +96,7 @@ def test_kernel_matches_reference_and_layers_attention(name):
 
 @pytest.mark.parametrize("name", ["T=5, odd K", "bf16, N=4K"])
 def test_kernel_reads_one_layer_of_a_stacked_pool(name):
-    """Model layer loops hand the kernel every layer's pool [L, P, Z, K, H] and the layer to read (a per-layer slice
+    """Model layer loops hand the kernel every layer's pool [L, P, K, Z, H] and the layer to read (a per-layer slice
     passed to a custom call is a copy of the layer's pool on every step): the other layers (NaN here) are never
     read, with the layer a Python int or a traced scalar."""
     t, kh, g, h, z, pps, lengths, pb, dtype = CASES[name]
@@ -130,7 +130,7 @@ def _validation_args():
     b, t, n, kh, h, p, z, pps = 2, 3, 4, 2, 64, 6, 4, 2
     f = lambda *s, dtype=jnp.float32: jnp.zeros(s, dtype)
     return dict(q=f(b, t, n, h), k=f(b, t, kh, h), v=f(b, t, kh, h), mask=f(b, t, t, dtype=bool),
-                k_pages=f(p, z, kh, h), v_pages=f(p, z, kh, h), page_table=f(b, pps, dtype=jnp.int32),
+                k_pages=f(p, kh, z, h), v_pages=f(p, kh, z, h), page_table=f(b, pps, dtype=jnp.int32),
                 lengths=f(b, dtype=jnp.int32))
 
 
@@ -140,12 +140,12 @@ BAD_INPUTS = {
     "v shape": (dict(v=jnp.zeros((2, 3, 1, 64))), "v must have"),
     "GQA": (dict(q=jnp.zeros((2, 3, 3, 64))), "GQA"),
     "dtypes": (dict(q=jnp.zeros((2, 3, 4, 64), jnp.bfloat16)), "share one dtype"),
-    "pool dtype": (dict(k_pages=jnp.zeros((6, 4, 2, 64), jnp.float16), v_pages=jnp.zeros((6, 4, 2, 64), jnp.float16)),
+    "pool dtype": (dict(k_pages=jnp.zeros((6, 2, 4, 64), jnp.float16), v_pages=jnp.zeros((6, 2, 4, 64), jnp.float16)),
                    "float32 or bfloat16"),
     "mask vs T": (dict(mask=jnp.zeros((2, 3, 4), bool)), r"mask must be \[B, T, T\]"),
     "mask dtype": (dict(mask=jnp.zeros((2, 3, 3), jnp.float32)), "mask must be bool"),
-    "pool heads": (dict(k_pages=jnp.zeros((6, 4, 1, 64)), v_pages=jnp.zeros((6, 4, 1, 64))), "pages must be"),
-    "pool mismatch": (dict(v_pages=jnp.zeros((6, 4, 2, 64), jnp.bfloat16)), "must match k_pages"),
+    "pool heads": (dict(k_pages=jnp.zeros((6, 1, 4, 64)), v_pages=jnp.zeros((6, 1, 4, 64))), "pages must be"),
+    "pool mismatch": (dict(v_pages=jnp.zeros((6, 2, 4, 64), jnp.bfloat16)), "must match k_pages"),
     "table batch": (dict(page_table=jnp.zeros((3, 2), jnp.int32)), "page_table must be"),
     "table dtype": (dict(page_table=jnp.zeros((2, 2), jnp.float32)), "int32"),
     "lengths shape": (dict(lengths=jnp.zeros((2, 1), jnp.int32)), "lengths must be"),
@@ -185,7 +185,7 @@ def test_kernel_lowers_for_tpu(dtype, t, kv_heads):
     b, g, h, p, z, pps = 2, 4, 128, 64, 16, 16
     s = jax.ShapeDtypeStruct
     args = (s((b, t, kv_heads * g, h), dtype), s((b, t, kv_heads, h), dtype), s((b, t, kv_heads, h), dtype),
-            s((b, t, t), bool), s((p, z, kv_heads, h), dtype), s((p, z, kv_heads, h), dtype),
+            s((b, t, t), bool), s((p, kv_heads, z, h), dtype), s((p, kv_heads, z, h), dtype),
             s((b, pps), jnp.int32), s((b,), jnp.int32))
     fn = jax.jit(functools.partial(tree_attention, sm_scale=h ** -0.5))
     exported = jax.export.export(fn, platforms=["tpu"])(*args)
@@ -241,7 +241,8 @@ def test_pallas_hook_on_a_tp_mesh_matches_reference(kv_heads, tp):
     args = make_case(3, t=5, kv_heads=kv_heads, groups=2, head_dim=64, page_size=4, pages_per_seq=3,
                      lengths=[5, 12, 0])
     heads = P(None, None, "tp", None) if kv_heads % tp == 0 else P()
-    specs = (heads, heads, heads, P(), heads, heads, P(), P())
+    pool = P(None, "tp", None, None) if kv_heads % tp == 0 else P()
+    specs = (heads, heads, heads, P(), pool, pool, P(), P())
     args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip(args, specs)]
     hook = make_cache_attention("pallas")
     with use_mesh(mesh):

@@ -37,7 +37,7 @@ MIN_PAGE_BUCKET_TOKENS = 256
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PlainState:
-    cache: kv_cache.KVCache  # pool [L, P, Z, K, H]; page_table i32[B, pps]; lengths i32[B]
+    cache: kv_cache.KVCache  # pool [L, P, K, Z, H]; page_table i32[B, pps]; lengths i32[B]
     sampling: sampling.SamplingBatch  # per-slot sampling parameters and PRNG keys, [B]
     last: jax.Array  # i32[B] last emitted token of each slot (the next decode input)
 
@@ -69,7 +69,7 @@ class PlainRunner:
     # ---- device state --------------------------------------------------------------------------------------------
     def init_state(self) -> PlainState:
         c = self.cfg
-        shape = (c.num_layers, self.num_pages, self.page_size, c.num_kv_heads, c.head_dim)
+        shape = kv_cache.pool_shape(c.num_layers, self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         dt = jnp.dtype(c.dtype)
         k = jnp.zeros(shape, dt)
         v = jnp.zeros(shape, dt)

@@ -67,8 +67,8 @@ def check_compatible(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig) -> None:
 @dataclasses.dataclass
 class SpecState:
     cache: KVCache  # target cache; its page_table and lengths are the draft cache's too
-    draft_k: jax.Array  # [Ld, P, Z, Kd, Hd] draft key pages
-    draft_v: jax.Array  # [Ld, P, Z, Kd, Hd]
+    draft_k: jax.Array  # [Ld, P, Kd, Z, Hd] draft key pages
+    draft_v: jax.Array  # [Ld, P, Kd, Z, Hd]
     last_token: jax.Array  # i32[B] newest emitted token = next tree root (not yet in the target cache)
     root_h: jax.Array  # [B, H] draft output at position lengths-1
     root_p: jax.Array  # f32[B, topk] top draft probs there
@@ -87,7 +87,7 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
     cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, batch, max_len,
                                 page_size=page_size, dtype=dtype, num_pages=num_pages)
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
-    shape = (nl,) + cache.k.shape[1:3] + (kh, hd)
+    shape = kv_cache.pool_shape(nl, cache.k.shape[1], kh, cache.page_size, hd)
     return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
                      last_token=jnp.zeros((batch,), jnp.int32),
                      root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),

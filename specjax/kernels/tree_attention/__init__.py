@@ -49,11 +49,11 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
         return None
 
     def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=None):
-        # k_pages, v_pages: one layer's pool [P, Z, K, H], or every layer's [L, P, Z, K, H] with ``layer``
+        # k_pages, v_pages: one layer's pool [P, K, Z, H], or every layer's [L, P, K, Z, H] with ``layer``
         mesh = active_mesh()
         split = head_split(mesh, q.shape[2], k.shape[2])
         if on_tpu:  # the kernel sees one shard's heads
-            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[-3],
+            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[-2],
                                             k_pages.dtype, tree_tokens=q.shape[1])
             if reason is not None:
                 if reason not in _warned:
@@ -79,10 +79,10 @@ def head_split(mesh, num_heads: int, num_kv_heads: int) -> int:
 
 def _on_shards(kernel, mesh, split, q, k, v, mask, k_pages, v_pages, page_table, lengths, layer):
     """The kernel per device under ``shard_map`` (XLA cannot partition a Mosaic call): each tp shard attends over
-    its own heads and its own slice of the stacked KV pool [L, P, Z, K, H]; with ``split`` 1 every device computes
+    its own heads and its own slice of the stacked KV pool [L, P, K, Z, H]; with ``split`` 1 every device computes
     all heads."""
     tp = "tp" if split > 1 else None
-    heads, pool = P(None, None, tp, None), P(None, None, None, tp, None)
+    heads, pool = P(None, None, tp, None), P(None, None, tp, None, None)
 
     def per_shard(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer):
         return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer=layer)

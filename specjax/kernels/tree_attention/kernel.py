@@ -9,7 +9,8 @@ Kernel layout, per grid step (one sequence b):
 - queries are regrouped to [K, G*Tp, H] so that the G query heads sharing a kv head form one matmul operand;
 - the T new keys/values arrive as [K, Tp, H] blocks and the tree mask as bits (i32[Tp, ceil(Tp/32)]);
 - cache pages are DMA'd from HBM ``pages_per_block`` at a time into a double buffer (the next block streams in
-  while the current one is used), each page whole ([Z, K, H], contiguous) and only if it holds committed tokens;
+  while the current one is used), each page whole ([K, Z, H]: head-major, so each head's rows land contiguous in a
+  [K, block, H] buffer) and only if it holds committed tokens;
 - flash-style online softmax in fp32 across the tree block and the page blocks, state kept in VMEM scratch.
 """
 
@@ -43,10 +44,10 @@ def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_
                     layer=None):
     """Raise ValueError unless the arguments fit the tree-attention contract (static checks: shapes, dtypes)."""
     if layer is None and getattr(k_pages, "ndim", 4) == 5:
-        raise ValueError(f"stacked pools [L, P, Z, K, H] {k_pages.shape} need the layer to read (layer=...)")
+        raise ValueError(f"stacked pools [L, P, K, Z, H] {k_pages.shape} need the layer to read (layer=...)")
     if layer is not None:
         if k_pages.ndim != 5:
-            raise ValueError(f"with layer=..., pools must be stacked [L, P, Z, K, H], got shape {k_pages.shape}")
+            raise ValueError(f"with layer=..., pools must be stacked [L, P, K, Z, H], got shape {k_pages.shape}")
         if isinstance(layer, int) and not 0 <= layer < k_pages.shape[0]:
             raise ValueError(f"layer {layer} is outside the pool's {k_pages.shape[0]} layers")
         k_pages, v_pages = (jax.ShapeDtypeStruct(a.shape[1:], a.dtype) for a in (k_pages, v_pages))  # one layer
@@ -69,14 +70,14 @@ def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_
     if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
         raise ValueError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
     if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, Z, K, H], got shape {k_pages.shape}")
+        raise ValueError(f"k_pages must be [P, K, Z, H], got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages {k_pages.shape} {k_pages.dtype}")
-    if k_pages.shape[2:] != (kh, h):
-        raise ValueError(f"pages must be [P, Z, K={kh}, H={h}], got {k_pages.shape}")
+    if (k_pages.shape[1], k_pages.shape[3]) != (kh, h):
+        raise ValueError(f"pages must be [P, K={kh}, Z, H={h}], got {k_pages.shape}")
     if k_pages.dtype not in _DTYPES:
         raise ValueError(f"cache pages must be float32 or bfloat16, got {k_pages.dtype}")
-    if k_pages.shape[0] < 1 or k_pages.shape[1] < 1:
+    if k_pages.shape[0] < 1 or k_pages.shape[2] < 1:
         raise ValueError(f"the pool needs at least one page of at least one slot, got {k_pages.shape}")
     if page_table.ndim != 2 or page_table.shape[0] != b or page_table.shape[1] < 1:
         raise ValueError(f"page_table must be [B={b}, pages_per_seq >= 1], got {page_table.shape}")
@@ -94,15 +95,15 @@ def ref_tree_attention(q,  # [B, T, N, H]
                        k,  # [B, T, K, H]
                        v,  # [B, T, K, H]
                        mask,  # bool[B, T, T]
-                       k_pages,  # [P, Z, K, H]
-                       v_pages,  # [P, Z, K, H]
+                       k_pages,  # [P, K, Z, H]
+                       v_pages,  # [P, K, Z, H]
                        page_table,  # i32[B, pps]
                        lengths,  # i32[B]
                        *, sm_scale: float, layer=None):
     """Plain-jnp reference: gather the prefix, repeat kv heads, one masked softmax over [prefix | tree] keys.
 
     Slots at positions >= lengths[b] (and pages the table does not reach) may hold anything, NaN included.
-    With ``layer``, the pools are stacked [L, P, Z, K, H] and layer ``layer`` is read.
+    With ``layer``, the pools are stacked [L, P, K, Z, H] and layer ``layer`` is read.
     """
     validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale, layer=layer)
     if layer is not None:
@@ -146,31 +147,6 @@ def _unpack_tree_mask(words, padded_t: int):  # i32[R, W] -> bool[R, Tp]
     return (lax.shift_right_logical(word, col & 31) & 1) == 1
 
 
-def _head_keys(buf, h: int, num_kv: int, rows: int):
-    """The rows of kv head h in one VMEM block buf [rows * K, H] (token-major, heads interleaved).
-
-    Returns [(x [n, H] f32-or-pool dtype, first, step)]: x[i] holds token first + step * i of the block. 32-bit pools
-    use one sublane-strided load. 16-bit pools pack two consecutive rows per 32-bit word, so we load 32-bit words
-    with stride K/2 (or K for odd K, once for even and once for odd tokens) and take the low or high half; a bf16
-    value placed in the high half of an f32 is exactly that value.
-    """
-    if num_kv == 1:
-        return [(buf[...], 0, 1)]
-    itemsize = jnp.dtype(buf.dtype).itemsize
-    if itemsize == 4:
-        return [(buf[pl.ds(h, rows, stride=num_kv), :], 0, 1)]
-    words = buf.bitcast(jnp.uint32)  # [rows * K / 2, H]
-
-    def half(first_row: int, count: int, stride: int):
-        w = words[pl.ds(first_row // 2, count, stride=stride), :]
-        w = w << 16 if first_row % 2 == 0 else w & jnp.uint32(0xFFFF0000)
-        return pltpu.bitcast(w, jnp.float32)
-
-    if num_kv % 2 == 0:
-        return [(half(h, rows, num_kv // 2), 0, 1)]
-    return [(half(h, rows // 2, num_kv), 0, 2), (half(h + num_kv, rows // 2, num_kv), 1, 2)]
-
-
 def _tree_attention_kernel(
         layer_ref,  # i32[1]  the layer of the stacked pools to read (SMEM, scalar prefetch)
         lengths_ref,  # i32[B]  (SMEM, scalar prefetch)
@@ -178,11 +154,11 @@ def _tree_attention_kernel(
         k_new_ref,  # [K, Tp, H]
         v_new_ref,  # [K, Tp, H]
         mask_ref,  # i32[Tp, W]  bit-packed tree mask
-        k_hbm,  # [L, P, Z, K, H]  key pool of every layer (HBM, read in place)
-        v_hbm,  # [L, P, Z, K, H]  value pool
+        k_hbm,  # [L, P, K, Z, H]  key pool of every layer (HBM, read in place)
+        v_hbm,  # [L, P, K, Z, H]  value pool
         page_table_hbm,  # i32[B, pps]  (HBM: the whole table can exceed SMEM at long contexts)
         o_ref,  # [K, G*Tp, H]
-        k_buf,  # [2, pages_per_block, Z, K, H] VMEM double buffer, or [2, K, pages_per_block * Z, H] if per_head
+        k_buf,  # [2, K, pages_per_block * Z, H] VMEM double buffer, head-major
         v_buf,
         sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
         table_ref,  # i32[pps]  this sequence's row of the page table (SMEM)
@@ -190,9 +166,9 @@ def _tree_attention_kernel(
         m_ref,  # f32[K, G*Tp, 128]  running max (lane-broadcast)
         l_ref,  # f32[K, G*Tp, 128]  running sum
         acc_ref,  # f32[K, G*Tp, H]  running numerator
-        *, sm_scale: float, pages_per_block: int, pages_per_seq: int, per_head: bool):
+        *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
     b = pl.program_id(0)
-    _, num_pages, page_size, num_kv, head_dim = k_hbm.shape
+    _, num_pages, num_kv, page_size, _ = k_hbm.shape
     layer = jnp.clip(layer_ref[0], 0, k_hbm.shape[0] - 1)
     rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
     groups = rows // padded_t
@@ -212,13 +188,9 @@ def _tree_attention_kernel(
             idx = blk * pages_per_block + j
             page = table_ref[jnp.minimum(idx, pages_per_seq - 1)]
             page = jnp.clip(page, 0, num_pages - 1)
-            if per_head:  # one strided DMA per kv head, into rows j*Z.. of that head's [pb*Z, H] buffer
-                rows = pl.ds(j * page_size, page_size)
-                copies = [pltpu.make_async_copy(src.at[layer, page, :, h], buf.at[slot, h, rows], sems.at[i, slot])
-                          for h in range(num_kv) for i, (src, buf) in enumerate(((k_hbm, k_buf), (v_hbm, v_buf)))]
-            else:  # the page whole
-                copies = [pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, j], sems.at[0, slot]),
-                          pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, j], sems.at[1, slot])]
+            rows = pl.ds(j * page_size, page_size)  # the page [K, Z, H] lands in rows j*Z.. of every head
+            copies = [pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, :, rows], sems.at[0, slot]),
+                      pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, :, rows], sems.at[1, slot])]
             out.append((idx < used_pages, copies))
         return out
 
@@ -235,15 +207,6 @@ def _tree_attention_kernel(
             def _():
                 for c in copies:
                     c.wait()
-
-    def head_blocks(slot, h):
-        """[(keys [n, H], values [n, H], first, step)]: row i holds token first + step * i of the block."""
-        if per_head:
-            return [(k_buf[slot, h], v_buf[slot, h], 0, 1)]
-        k_rows = k_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
-        v_rows = v_buf.at[slot].reshape(block_tokens * num_kv, head_dim)
-        return [(keys, values, first, step) for (keys, first, step), (values, _, _) in
-                zip(_head_keys(k_rows, h, num_kv, block_tokens), _head_keys(v_rows, h, num_kv, block_tokens))]
 
     def update(h, s, values, first):
         """Fold scores s f32[G*Tp, n] (already masked) and their values [n, H] into head h's running state."""
@@ -290,29 +253,18 @@ def _tree_attention_kernel(
             start_block(blk + 1, 1 - slot)
 
         wait_block(blk, slot)
+        # Slots past the committed length may hold anything (NaN): mask their scores and zero their values.
+        key_pos = blk * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
+        value_pos = blk * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
         for h in range(num_kv):
-            for keys, values, first, step in head_blocks(slot, h):
-                n = keys.shape[0]
-                # Slots past the committed length may hold anything (NaN): mask their scores and zero their values.
-                start = blk * block_tokens + first
-                key_pos = start + step * lax.broadcasted_iota(jnp.int32, (1, n), 1)
-                value_pos = start + step * lax.broadcasted_iota(jnp.int32, (n, 1), 0)
-                s = jnp.where(key_pos < length, scores(h, keys), MASK_VALUE)
-                values = jnp.where(value_pos < length, values.astype(jnp.float32), 0.0)
-                update(h, s, values.astype(v_new_ref.dtype), first=False)
+            s = jnp.where(key_pos < length, scores(h, k_buf[slot, h]), MASK_VALUE)
+            values = jnp.where(value_pos < length, v_buf[slot, h].astype(jnp.float32), 0.0)
+            update(h, s, values.astype(v_new_ref.dtype), first=False)
         return carry
 
     lax.fori_loop(0, num_blocks, page_block, 0)
     for h in range(num_kv):
         o_ref[h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
-
-
-def _per_head_pages(pool_dtype, num_kv: int) -> bool:
-    """32-bit pools are fetched one kv head at a time (strided DMAs into a head-major buffer): a
-    [Z, K, H] page in VMEM pads K to the sublane tile, so its heads cannot be re-viewed as rows when K is not a
-    multiple of 8. 16-bit pools cannot be sliced per head in HBM (K is a packed, tiled dimension there) and are
-    fetched whole, their heads read back with the packed-row loads of ``_head_keys``."""
-    return jnp.dtype(pool_dtype).itemsize == 4
 
 
 # A sequence's queries [N, T, H] sit in VMEM whole, with the scores and accumulators they need: measured with
@@ -338,18 +290,11 @@ def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, pag
     sublanes = 8 * (4 // dt.itemsize)
     if page_size % sublanes:
         return f"page size {page_size} with {dt.name} pages (needs a multiple of {sublanes})"
-    if dt.itemsize == 2 and num_kv_heads % 2:
-        return (f"{num_kv_heads} kv head(s) with bfloat16 pages (an odd kv-head count has no tile-aligned per-head "
-                f"view of a 16-bit page; float32 pages work)")
     return None
 
 
-def _pages_per_block(requested: int | None, page_size: int, pages_per_seq: int, num_kv: int, pool_dtype) -> int:
-    pb = requested or max(1, _TARGET_BLOCK_TOKENS // page_size)
-    pb = min(pb, pages_per_seq)
-    if jnp.dtype(pool_dtype).itemsize == 2 and num_kv % 2 and num_kv > 1 and pb * page_size % 2:
-        pb *= 2  # odd K with 16-bit pages loads even and odd tokens separately: the block needs an even length
-    return pb
+def _pages_per_block(requested: int | None, page_size: int, pages_per_seq: int) -> int:
+    return min(requested or max(1, _TARGET_BLOCK_TOKENS // page_size), pages_per_seq)
 
 
 @functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "pages_per_block"))
@@ -357,7 +302,7 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
                    k,  # [B, T, K, H]  keys of the tree tokens
                    v,  # [B, T, K, H]  values of the tree tokens
                    mask,  # bool[B, T, T]  query i sees tree key j (ancestors and itself)
-                   k_pages,  # [P, Z, K, H] one layer's key pool, or [L, P, Z, K, H] every layer's (with layer)
+                   k_pages,  # [P, K, Z, H] one layer's key pool, or [L, P, K, Z, H] every layer's (with layer)
                    v_pages,  # the value pool, shaped as k_pages
                    page_table,  # i32[B, pps]  pool page of each logical page
                    lengths,  # i32[B]  committed prefix length: positions < lengths[b] are visible
@@ -380,9 +325,9 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    z = k_pages.shape[2]
+    z = k_pages.shape[3]
     pps = page_table.shape[1]
-    pb = _pages_per_block(pages_per_block, z, pps, kh, k_pages.dtype)
+    pb = _pages_per_block(pages_per_block, z, pps)
     # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
     tp = _round_up(t, 8 * (4 // jnp.dtype(q.dtype).itemsize))
     pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
@@ -397,10 +342,9 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
             + 4 * kh * (g + 1) * tp * h * jnp.dtype(q.dtype).itemsize + kh * g * tp * (2 * _LANES + h) * 4)
     vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
 
-    per_head = _per_head_pages(k_pages.dtype, kh)
-    buf_shape = (2, kh, pb * z, h) if per_head else (2, pb, z, kh, h)
+    buf_shape = (2, kh, pb * z, h)
     kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
-                               pages_per_seq=pps, per_head=per_head)
+                               pages_per_seq=pps)
     per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))
     out = pl.pallas_call(
         kernel,
