@@ -5,9 +5,20 @@ The runner decodes greedily exactly n tokens for every prompt at once: one ``lla
 id per prompt (so batch 8 is llama.cpp's own batched decode), logits of each sequence's last token, argmax in numpy.
 Its weights are a GGUF of the same model (``hub.fetch_smollm2_gguf``: the published Q4_1 file, or that file
 dequantised to F32 / BF16, i.e. exactly the weights specjax loads), and it uses the same thread count.
+
+``LlamaServer`` runs llama.cpp's ``llama-server`` for ``bench spec --vs-llama-server``: llama.cpp's plain and EAGLE3
+decoding of the same prompts, on the same weights, with the head exported by specjax converted to GGUF.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import tempfile
+import time
+import urllib.request
 
 import numpy as np
 
@@ -71,3 +82,62 @@ class LlamaCppRunner:
         self.lib.llama_batch_free(self.batch)
         self.lib.llama_free(self.ctx)
         self.lib.llama_model_free(self.model)
+
+
+class LlamaServer:
+    """llama.cpp's own HTTP server (``llama-server``, built from llama.cpp's source) on a free local port, plain or
+    with an EAGLE3 draft (``-md HEAD.gguf --spec-type draft-eagle3``): the way a llama.cpp user runs speculative
+    decoding, since the Python bindings do not expose it. ``complete(ids, n)`` is one greedy request with the prompt
+    as token ids; it returns the tokens and llama.cpp's timings (``draft_n``, ``draft_n_accepted`` with a draft)."""
+
+    def __init__(self, binary: str, gguf: str, threads: int, draft_gguf: str | None = None, n_max: int = 3,
+                 p_min: float = 0.0, ctx: int = 4096, timeout_s: float = 180.0):
+        if not os.path.isfile(binary) or not os.access(binary, os.X_OK):
+            raise SystemExit(f"error: {binary} is not an executable llama-server (build it from llama.cpp's source: "
+                             "cmake -B build -DLLAMA_BUILD_SERVER=ON && cmake --build build --target llama-server)")
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        cmd = [binary, "-m", gguf, "-t", str(threads), "-tb", str(threads), "-c", str(ctx), "-np", "1",
+               "--host", "127.0.0.1", "--port", str(self.port)]
+        if draft_gguf:
+            cmd += ["-md", draft_gguf, "--spec-type", "draft-eagle3", "--spec-draft-n-max", str(n_max),
+                    "--spec-draft-p-min", str(p_min), "-td", str(threads), "-tbd", str(threads)]
+        self.log = tempfile.NamedTemporaryFile("w+", prefix="llama-server-", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT)
+        deadline = time.monotonic() + timeout_s
+        while not self._healthy():
+            if self.proc.poll() is not None or time.monotonic() > deadline:
+                self.close()
+                self.log.seek(0)
+                tail = "".join(self.log.readlines()[-15:])
+                raise SystemExit(f"error: llama-server did not start ({' '.join(cmd)}); its log ends:\n{tail}")
+            time.sleep(0.5)
+
+    def _request(self, path: str, body: dict | None = None) -> dict:
+        data = None if body is None else json.dumps(body).encode()
+        req = urllib.request.Request(f"http://127.0.0.1:{self.port}{path}", data=data,
+                                     headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(req, timeout=600) as r:
+            return json.loads(r.read())
+
+    def _healthy(self) -> bool:
+        try:
+            return self._request("/health").get("status") == "ok"
+        except (OSError, ValueError):
+            return False
+
+    def complete(self, ids: list[int], n: int) -> tuple[list[int], dict]:
+        r = self._request("/completion", {"prompt": ids, "n_predict": n, "temperature": 0.0, "top_k": 1,
+                                          "cache_prompt": False, "return_tokens": True, "stream": False})
+        return list(r["tokens"]), r.get("timings", {})
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+        os.unlink(self.log.name)

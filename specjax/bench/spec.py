@@ -3,6 +3,7 @@
     python -m specjax.bench spec --model PATH (--draft PATH | --random-draft) [--algorithm EAGLE3|EAGLE]
         [--num-steps 3 --topk 1 --num-draft-tokens 4] [--prompts mtbench|FILE] [--num-prompts 8]
         [--max-new-tokens 64] [--speculative-token-map FILE] [--attention-impl auto|xla|pallas] [--json OUT]
+        [--vs-llama-server BIN --draft-gguf HEAD.gguf [--gguf TARGET.gguf] [--llama-draft-n-max 3 5 7]]
     python -m specjax.bench spec --verify-sweep 1,8,16,32,64 [--model PATH | --random-llama-8b [--layers N]]
         [--context 512] [--batch 1]
 
@@ -13,6 +14,11 @@ generated tokens / wall time incl. prefill), the speedup, tau (= completion toke
 spec_accept_length) and per-phase step times: draft (tree growth + selection), verify (one target forward over the
 M tree tokens), accept, commit (KV write + draft extend), each jitted separately and timed on the same state, next to
 the fused step and a plain decode step. Prompts: MT-bench first turns, rendered with the chat template.
+
+``--vs-llama-server`` adds llama.cpp on the same prompts and weights: its ``llama-server`` plain, and with the same
+head converted to GGUF as an EAGLE3 draft (``--spec-type draft-eagle3``, a chain of up to ``n_max`` tokens, one
+server per setting), greedy, all cores for both; each prompt once untimed, then timed, wall time per request incl.
+prefill. tau for llama.cpp = generated / (generated - accepted draft tokens), one target step per emitted run.
 
 ``--verify-sweep`` times the target forward over M tree tokens (ancestor mask, logits for all M, aux features) at
 a ``--context``-token prefix against a plain decode step: what verifying a wider tree costs.
@@ -28,6 +34,7 @@ import sys
 import time
 
 from specjax.bench.common import TargetRunOptions, report
+from specjax.bench.llamacpp import LlamaServer
 from specjax.cli import option, parse_options
 
 
@@ -210,11 +217,57 @@ def bench_spec(args) -> dict:
     scfg = step_lib.SpecConfig(args.num_steps, args.topk, args.num_draft_tokens,
                                make_cache_attention(args.attention_impl), sampling=False)
     phases = phase_times(tparams, tcfg, draft, scfg, prompts[0], args.phase_repeats)
-    return dict(model=model_note, draft=draft_note, prompts=prompt_note, algorithm=alg, **conf,
+    llama = llama_server_rows(args, prompts, plain_out, stop) if args.vs_llama_server else []
+    return dict(llama_server=llama, model=model_note, draft=draft_note, prompts=prompt_note, algorithm=alg, **conf,
                 max_new_tokens=args.max_new_tokens, plain_tokens=n_plain, spec_tokens=n_spec,
                 plain_tok_s=n_plain / t_plain, spec_tok_s=n_spec / t_spec,
                 speedup=(n_spec / t_spec) / (n_plain / t_plain), tau=n_spec / max(steps, 1), verify_steps=steps,
                 identical_outputs=f"{same}/{len(prompts)}", phases_ms={k: v * 1e3 for k, v in phases.items()})
+
+
+def _trim(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
+    """The tokens up to (not including) the first stop token."""
+    for i, t in enumerate(tokens):
+        if t in stop:
+            return list(tokens[:i])
+    return list(tokens)
+
+
+def llama_server_rows(args, prompts, plain_out, stop) -> list[dict]:
+    """llama.cpp's plain and EAGLE3 decoding of the same prompts through llama-server, one server per setting."""
+    if not args.draft_gguf:
+        raise SystemExit("error: --vs-llama-server needs --draft-gguf HEAD.gguf (the head converted by llama.cpp's "
+                         "convert_hf_to_gguf.py HEAD --target-model-dir TARGET, see docs/04-export.md)")
+    gguf = args.gguf
+    if gguf is None:
+        if args.model is not None:
+            raise SystemExit("error: --vs-llama-server with --model needs --gguf PATH (a GGUF of the same weights)")
+        from specjax.hub import fetch_smollm2_gguf
+        gguf = fetch_smollm2_gguf(args.dtype or "float32")
+    threads = os.cpu_count() or 1
+    settings = [("llama.cpp plain", None, 0)] + [(f"llama.cpp EAGLE3 n_max={n}", args.draft_gguf, n)
+                                                  for n in args.llama_draft_n_max]
+    rows = []
+    for name, draft_gguf, n_max in settings:
+        print(f"llama-server: {name} ...", file=sys.stderr, flush=True)
+        server = LlamaServer(args.vs_llama_server, gguf, threads, draft_gguf, n_max=max(n_max, 1),
+                             p_min=args.llama_draft_p_min)
+        try:
+            for p in prompts:
+                server.complete(p, args.max_new_tokens)
+            t0 = time.perf_counter()
+            res = [server.complete(p, args.max_new_tokens) for p in prompts]
+            dt = time.perf_counter() - t0
+        finally:
+            server.close()
+        outs = [_trim(toks, stop) for toks, _ in res]
+        n_tok = sum(len(toks) for toks, _ in res)
+        accepted = sum(int(t.get("draft_n_accepted", 0)) for _, t in res)
+        drafted = sum(int(t.get("draft_n", 0)) for _, t in res)
+        same = sum(a == _trim(b, stop) for a, b in zip(outs, plain_out))
+        rows.append(dict(name=name, tokens=n_tok, tok_s=n_tok / dt, tau=n_tok / max(n_tok - accepted, 1),
+                         drafted=drafted, accepted=accepted, same_as_specjax_plain=f"{same}/{len(prompts)}"))
+    return rows
 
 
 def print_spec_table(r: dict) -> None:
@@ -226,6 +279,16 @@ def print_spec_table(r: dict) -> None:
     print(f"| plain | {r['plain_tokens']} | {r['plain_tok_s']:.1f} | 1.00 | 1.00 |")
     print(f"| {r['algorithm']} | {r['spec_tokens']} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | {r['tau']:.2f} |")
     print(f"\noutputs identical to plain greedy: {r['identical_outputs']}\n")
+    if r.get("llama_server"):
+        print(f"llama.cpp (llama-server, {os.cpu_count()} threads), same prompts and weights:\n")
+        print("| decoding | tokens | tok/s | vs specjax plain | vs specjax " + r["algorithm"] + " | tau | drafted / "
+              "accepted | tokens == specjax plain |")
+        print("|---|---|---|---|---|---|---|---|")
+        for x in r["llama_server"]:
+            print(f"| {x['name']} | {x['tokens']} | {x['tok_s']:.1f} | {x['tok_s'] / r['plain_tok_s']:.2f} | "
+                  f"{x['tok_s'] / r['spec_tok_s']:.2f} | {x['tau']:.2f} | {x['drafted']} / {x['accepted']} | "
+                  f"{x['same_as_specjax_plain']} |")
+        print()
     print("| phase (one step, batch 1) | ms |")
     print("|---|---|")
     for k, v in r["phases_ms"].items():
@@ -296,6 +359,14 @@ class SpecOptions(TargetRunOptions):
     batch: int = option(1, help="batch for --verify-sweep")
     random_llama_8b: bool = option(False, help="random Llama-3.1-8B-shaped bf16 target")
     layers: int | None = option(None, help="with --random-llama-8b: number of layers (CPU smoke runs)")
+    vs_llama_server: str | None = option(None, metavar="BIN", help="also run llama.cpp's llama-server binary (plain "
+                                                                   "and EAGLE3) on the same prompts and weights")
+    gguf: str | None = option(None, metavar="PATH", help="with --vs-llama-server: the target as GGUF (default: "
+                                                         "SmolLM2's, dequantised to --dtype)")
+    draft_gguf: str | None = option(None, metavar="PATH", help="with --vs-llama-server: the head as an EAGLE3 GGUF")
+    llama_draft_n_max: tuple[int, ...] = option((3, 5, 7), help="llama.cpp EAGLE3 chain lengths tried "
+                                                                "(--spec-draft-n-max)")
+    llama_draft_p_min: float = option(0.0, help="llama.cpp's --spec-draft-p-min (0 = draft every step)")
     json: str | None = option(None, help="also write the results as JSON here")
 
 
