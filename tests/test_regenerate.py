@@ -80,3 +80,14 @@ def test_regenerate_matches_plain_greedy_and_resumes(model_path, tmp_path):
 def test_regenerate_cli_rejects_bad_values(capsys):
     assert regen.main(["--model", "x", "--out", "y", "--batch-size", "0"]) == 2
     assert "--batch-size must be >= 1" in capsys.readouterr().err
+
+
+def test_first_conversation_selects_a_slice(tmp_path):
+    src = tmp_path / "in.jsonl"
+    src.write_text("\n".join(json.dumps({"id": str(i), "conversations": [{"from": "human", "value": f"q{i}"},
+                                                                     {"from": "gpt", "value": "a"}]})
+                             for i in range(6)) + "\n")
+    cfg = regen.RegenConfig(model="unused", data=[str(src)], out="unused", first_conversation=2, max_conversations=3)
+    convs = list(regen.iter_conversations(cfg, {3}, regen.collections.Counter()))
+    assert [c.source_index for c in convs] == [2, 4]  # records 2..4, minus the one already written
+    assert regen.main(["--model", "x", "--out", "y", "--first-conversation", "-1"]) == 2

@@ -51,6 +51,8 @@ class RegenConfig:
                                       "(default)")
     format: str = option("auto", choices=("auto", "sharegpt", "messages"), help="input record shape")
     max_conversations: int = option(0, help="read at most this many input records (0 = all) (default 0)")
+    first_conversation: int = option(0, help="skip the input records before this index, to regenerate a new slice of "
+                                             "a dataset (default 0)")
     max_turns: int = option(3, help="user turns answered per conversation (default 3)")
     max_prompt_tokens: int = option(1024, help="stop a conversation when its rendered prompt is longer (default 1024)")
     max_new_tokens: int = option(384, help="tokens per answer (default 384)")
@@ -101,8 +103,10 @@ def iter_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Coun
     """Usable conversations (human turns only), in file order, skipping those already written."""
     dcfg = DataConfig(paths=list(cfg.data), format=cfg.format)
     for i, rec in enumerate(data_lib.iter_records(dcfg)):
-        if cfg.max_conversations and i >= cfg.max_conversations:
+        if cfg.max_conversations and i >= cfg.first_conversation + cfg.max_conversations:
             return
+        if i < cfg.first_conversation:
+            continue
         if i in skip:
             stats["already_done"] += 1
             continue
@@ -242,8 +246,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         if getattr(cfg, name) < 1:
             print(f"error: --{name.replace('_', '-')} must be >= 1", file=sys.stderr)
             return 2
-    if cfg.max_conversations < 0 or cfg.temperature < 0:
-        print("error: --max-conversations and --temperature must be >= 0", file=sys.stderr)
+    if cfg.max_conversations < 0 or cfg.first_conversation < 0 or cfg.temperature < 0:
+        print("error: --max-conversations, --first-conversation and --temperature must be >= 0", file=sys.stderr)
         return 2
     try:
         regenerate(cfg)
