@@ -88,6 +88,11 @@ class ServerArgs:
     speculative_num_draft_tokens: int | None = option(None, group=_SPEC, help="tree size incl. root (default 8; "
                                                                              "with topk 1 it must be steps + 1)")
     speculative_token_map: str | None = option(None, group=_SPEC, help="FR-Spec hot-token list for EAGLE heads")
+    disable_adaptive_speculation: bool = option(False, group=_SPEC,
+                                                help="keep one tree shape at every batch size; by default, when no "
+                                                     "tree flag is given and the head has a speculative_tune.json, "
+                                                     "each step takes the shape tuned for the running batch size "
+                                                     "(plain steps where plain decoding measured faster)")
     speculative_accept_threshold_single: float = option(1.0, group=_SPEC,
                                                         help="SGLang's relaxed acceptance; 1.0 = lossless")
     speculative_accept_threshold_acc: float = option(1.0, group=_SPEC,
@@ -100,6 +105,8 @@ class ServerArgs:
 
     def __post_init__(self):
         self.speculation_off_reason: str | None = None  # set when the head's tuned table says plain is faster
+        # {batch size: tree shape or None (plain steps)} from the head's tune file, when no tree flag is given
+        self.speculative_batch_shapes: dict[int, tuple[int, int, int] | None] | None = None
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
             self._tree_from_tune_file()
@@ -125,12 +132,21 @@ class ServerArgs:
         if not table:
             return
         shape = shape_for(table, 1) or next((s for _, s in sorted(table.items()) if s is not None), None)
+        if shape is not None and not self.disable_adaptive_speculation and len(table) > 1:
+            self.speculative_batch_shapes = table
         if shape is None:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "
                                            f"({self.speculative_draft_model_path}/speculative_tune.json)")
             shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative"), 1)
         self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
+
+    @property
+    def speculative_tokens_per_step(self) -> int:
+        """Most tokens one step can emit per request (the page reserve ahead of each sequence)."""
+        shapes = [(self.speculative_num_steps, 0, 0)] + [s for s in (self.speculative_batch_shapes or {}).values()
+                                                         if s is not None]
+        return max(s[0] for s in shapes) + 1
 
     def use_default_pair(self) -> bool:
         """No model and no speculative flags: serve the default pair (SmolLM2-135M-Instruct with the EAGLE3 head

@@ -117,7 +117,7 @@ def plan_pool(args: ServerArgs, cfg, draft_layers: int | None, param_bytes: int,
     """Size the KV pool: ``draft_layers`` is the draft's cache layers when speculating (None: plain decoding),
     ``param_bytes`` the weights on one device, ``bytes_limit`` one device's memory (None: CPU, host RAM)."""
     context_length = args.context_length or cfg.max_position_embeddings
-    w = args.speculative_num_steps + 1 if draft_layers is not None else 1
+    w = args.speculative_tokens_per_step if draft_layers is not None else 1
     z = args.page_size
     pages_per_seq = -(-(context_length + w) // z)
     max_running = args.max_running_requests or DEFAULT_MAX_RUNNING
@@ -245,7 +245,13 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                             num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
                             num_draft_tokens=args.speculative_num_draft_tokens, max_batch=max_running,
                             pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
-                            attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh)
+                            attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh,
+                            batch_shapes=args.speculative_batch_shapes)
+        if args.speculative_batch_shapes:
+            log.info("tree shape per running batch size (from %s/speculative_tune.json; plain = target-only steps): "
+                     "%s", args.speculative_draft_model_path,
+                     ", ".join(f">={b}: {'plain' if s is None else s}"
+                               for b, s in sorted(args.speculative_batch_shapes.items())))
     else:
         runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,
                              num_pages=num_pages, max_prefill_tokens=chunk, attention_impl=args.attention_impl,

@@ -107,3 +107,42 @@ def test_runner_on_a_tp_dp_mesh_matches_one_device(setup):
         state, toks, counts = runner.step(state, np.array([False, True]))
         out += toks[1, :counts[1]].tolist()
     assert out[:MAX_NEW] == generate(tp, cfg, [prompt], max_new_tokens=MAX_NEW, stop_token_ids=())[0]
+
+
+def test_tree_shape_follows_the_running_batch(setup):
+    """batch_shapes (bench tune's table): 1 running -> (3,2,5), 2 -> a (2,1,3) chain, 3 -> target-only steps (one
+    token each, the draft kept in step); the draft drafts again once the batch shrinks, and every request's output
+    is still plain greedy."""
+    cfg, tp, _ = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=3,
+                        pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16,
+                        batch_shapes={1: (3, 2, 5), 2: (2, 1, 3), 3: None})
+    assert runner.tokens_per_step == 4
+    assert [runner.shape_for(n) and runner.shape_for(n).num_draft_tokens for n in (1, 2, 3, 9)] == [5, 3, None, None]
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (9, 14, 6)]
+    state = runner.init_state()
+    out, per_step = [[], [], []], {1: [], 2: [], 3: []}
+
+    def step(rows):
+        nonlocal state
+        active = np.isin(np.arange(3), rows)
+        state, toks, counts = runner.step(state, active)
+        for r in rows:
+            out[r] += toks[r, :counts[r]].tolist()
+        per_step[len(rows)].append(int(counts[rows].max()))
+
+    for r, p in enumerate(prompts):
+        state, first = runner.prefill(state, r, np.asarray(p), np.arange(r * PPS, (r + 1) * PPS), {"temperature": 0})
+        out[r].append(first)
+        for _ in range(3):
+            step(list(range(r + 1)))
+    state = runner.release(state, 2)
+    for _ in range(6):
+        step([0, 1])
+    ref = generate(tp, cfg, prompts, max_new_tokens=40, stop_token_ids=())
+    for r in range(3):
+        assert out[r] == ref[r][:len(out[r])], r
+    assert per_step[3] == [1, 1, 1]  # target-only steps emit one token per row
+    assert max(per_step[2][3:]) > 1  # after them the chain drafts again from a draft cache kept in step

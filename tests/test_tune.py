@@ -58,6 +58,19 @@ def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
     e = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
                    speculative_num_steps=2, speculative_eagle_topk=1, speculative_num_draft_tokens=3)
     assert e.speculation_off_reason is None  # explicit tree flags: speculate as asked
+    assert a.speculative_batch_shapes is None and e.speculative_batch_shapes is None  # one batch size / flags given
+    # a tree at batch 1, plain from batch 4 on: the shape follows the running batch (plain steps at 4+)
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME),
+                       {"format": 1, "batch_sizes": {"1": {"num_steps": 5, "eagle_topk": 4, "num_draft_tokens": 8},
+                                                     "2": {"num_steps": 7, "eagle_topk": 1, "num_draft_tokens": 8},
+                                                     "4": None}})
+    f = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert f.speculation_off_reason is None and (f.speculative_num_steps, f.speculative_eagle_topk) == (5, 4)
+    assert f.speculative_batch_shapes == {1: (5, 4, 8), 2: (7, 1, 8), 4: None}
+    assert f.speculative_tokens_per_step == 8  # the page reserve covers the deepest tree
+    g = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+                   disable_adaptive_speculation=True)
+    assert g.speculative_batch_shapes is None and g.speculative_tokens_per_step == 6
 
 
 @pytest.fixture(scope="module")

@@ -24,6 +24,7 @@ from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
 from specjax.speculative.spec_generate import PREFILL_CHUNK
+from specjax.speculative.tune import shape_for
 
 
 def _row(a, slot):
@@ -76,17 +77,20 @@ def _release_slot(state, slot):
                                                                 lengths=state.cache.lengths.at[slot].set(0)))
 
 
-@functools.partial(jax.jit, static_argnames=("tcfg", "scfg", "nb", "npages"), donate_argnames=("state",))
-def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: int):
-    """``spec_step`` on the first ``nb`` slots, reading the first ``npages`` page-table columns: the running batch is
-    packed at the front (the scheduler hands out the lowest free slot), so a step costs what is running, not what
-    could run. Returns (state, tokens i32[nb, S+1], counts i32[nb])."""
+@functools.partial(jax.jit, static_argnames=("tcfg", "scfg", "nb", "npages", "draft_tokens"),
+                   donate_argnames=("state",))
+def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: int, draft_tokens: bool = True):
+    """``spec_step`` (``target_step`` when not ``draft_tokens``) on the first ``nb`` slots, reading the first
+    ``npages`` page-table columns: the running batch is packed at the front (the scheduler hands out the lowest free
+    slot), so a step costs what is running, not what could run. Returns (state, tokens i32[nb, S+1], counts
+    i32[nb])."""
     c = state.cache
     view = step_lib.SpecState(
         cache=KVCache(k=c.k, v=c.v, page_table=c.page_table[:nb, :npages], lengths=c.lengths[:nb]),
         draft_k=state.draft_k, draft_v=state.draft_v, sampling=jax.tree.map(lambda a: a[:nb], state.sampling),
         **{f: getattr(state, f)[:nb] for f in _ROW_FIELDS})
-    view, toks, counts = step_lib.spec_step(tparams, tcfg, draft, scfg, view, active[:nb])
+    step = step_lib.spec_step if draft_tokens else step_lib.target_step
+    view, toks, counts = step(tparams, tcfg, draft, scfg, view, active[:nb])
     cache = KVCache(k=view.cache.k, v=view.cache.v, page_table=c.page_table,
                     lengths=c.lengths.at[:nb].set(view.cache.lengths))
     return step_lib.SpecState(
@@ -98,12 +102,19 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
 class SpecRunner:
     """EAGLE3 / EAGLE speculative decoding behind the ``Runner`` protocol (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
-    index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step."""
+    index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step.
+
+    ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table) makes the
+    tree follow the running batch: each step takes the entry of the largest listed size not above the number of
+    running requests (``tune.shape_for``), and None runs ``target_step`` (plain decoding that keeps the draft in
+    step), so a batch large enough to be compute-bound stops paying for trees it cannot use. Every shape runs on
+    one state sized for the widest of them; the output is the same token for token whatever shape a step takes."""
 
     def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,
                  draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
                  max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
-                 prefill_chunk: int = PREFILL_CHUNK, mesh=None):
+                 prefill_chunk: int = PREFILL_CHUNK, mesh=None,
+                 batch_shapes: dict[int, tuple[int, int, int] | None] | None = None):
         self.target_cfg = target_cfg
         # Per-layer weights (one copy at start-up): every verify forward reads them in place.
         self.target_params = target_params = target.unstack_layers(target_params)
@@ -111,12 +122,18 @@ class SpecRunner:
         # draft_cfg may be a built Draft (``specjax.preflight`` passes abstract shapes), else the head's parts.
         self.draft = draft_lib.as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
                                (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
-        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
-                                        make_cache_attention(attention_impl, target_cfg.sliding_window))
-        step_lib.check_compatible(target_cfg, self.draft, self.scfg)
+        attend = make_cache_attention(attention_impl, target_cfg.sliding_window)
+        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, attend)
+        # {batch size: SpecConfig, or None for a target-only step}; None: every step runs self.scfg
+        self.batch_shapes = None if not batch_shapes else {
+            int(b): None if shape is None else step_lib.SpecConfig(*shape, attend) for b, shape in batch_shapes.items()}
+        shapes = [self.scfg] + [c for c in (self.batch_shapes or {}).values() if c is not None]
+        for c in shapes:
+            step_lib.check_compatible(target_cfg, self.draft, c)
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages
-        self.tokens_per_step = num_steps + 1
+        self.tokens_per_step = max(c.tokens_per_step for c in shapes)
+        self._max_topk = max(c.topk for c in shapes)
         self.prefill_chunk = prefill_chunk
         self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
@@ -134,7 +151,7 @@ class SpecRunner:
     def init_state(self) -> step_lib.SpecState:
         state = step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
                                     self.pages_per_seq * self.page_size, page_size=self.page_size,
-                                    num_pages=self.num_pages)
+                                    num_pages=self.num_pages, topk=self._max_topk, width=self.tokens_per_step)
         if self.mesh is None:
             return state
         state = jax.tree.map(self._on_mesh, state)  # replicated, then the KV pools re-placed below
@@ -192,14 +209,23 @@ class SpecRunner:
         nb = pow2_bucket(int(idx[-1]) + 1, 1, b)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
         npages = pow2_bucket(-(-longest // self.page_size), 1, self.pages_per_seq)
+        scfg = self.shape_for(len(idx))
         with use_mesh(self.mesh):
-            state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, self.scfg, state,
-                                             jnp.asarray(active), nb=nb, npages=npages)
+            state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
+                                             state, jnp.asarray(active), nb=nb, npages=npages,
+                                             draft_tokens=scfg is not None)
         tokens = np.zeros((b, w), np.int32)
         num = np.zeros((b,), np.int32)
-        tokens[:nb], num[:nb] = np.asarray(toks), np.asarray(counts)
+        toks = np.asarray(toks)
+        tokens[:nb, :toks.shape[1]], num[:nb] = toks, np.asarray(counts)
         self._lengths += num
         return state, tokens, num
+
+    def shape_for(self, running: int) -> step_lib.SpecConfig | None:
+        """The tree shape of a step with ``running`` requests (None: a target-only step)."""
+        if self.batch_shapes is None:
+            return self.scfg
+        return shape_for(self.batch_shapes, running)
 
     def logprobs(self, state):
         """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""

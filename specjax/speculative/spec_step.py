@@ -81,9 +81,13 @@ def draft_cache(state: SpecState) -> KVCache:
 
 
 def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, max_len: int, *, page_size: int = 16,
-               num_pages: int | None = None, dtype=None) -> SpecState:
-    """Empty state: contiguous page table when ``num_pages`` covers the batch, else zeros (the server assigns)."""
+               num_pages: int | None = None, dtype=None, topk: int | None = None,
+               width: int | None = None) -> SpecState:
+    """Empty state: contiguous page table when ``num_pages`` covers the batch, else zeros (the server assigns).
+    ``topk`` / ``width`` (default: ``scfg``'s) size the stored root and the per-step buffers for the widest of several
+    tree shapes run on the same state (a step with a smaller topk reads the first entries of the root's top-k)."""
     dtype = jnp.dtype(dtype or tcfg.dtype)
+    topk, width = topk or scfg.topk, width or scfg.tokens_per_step
     cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, batch, max_len,
                                 page_size=page_size, dtype=dtype, num_pages=num_pages)
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
@@ -91,10 +95,9 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
     return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
                      last_token=jnp.zeros((batch,), jnp.int32),
                      root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),
-                     root_p=jnp.zeros((batch, scfg.topk), jnp.float32),
-                     root_ids=jnp.zeros((batch, scfg.topk), jnp.int32),
-                     sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size,
-                                                              width=scfg.tokens_per_step))
+                     root_p=jnp.zeros((batch, topk), jnp.float32),
+                     root_ids=jnp.zeros((batch, topk), jnp.int32),
+                     sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size, width=width))
 
 
 def _root(draft: Draft, h, topk: int):
@@ -142,7 +145,7 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
     h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
-    rp, rid = _root(draft, h_last, scfg.topk)
+    rp, rid = _root(draft, h_last, state.root_p.shape[1])
     roots = (first, h_last.astype(state.root_h.dtype), rp, rid)
     old = (state.last_token, state.root_h, state.root_p, state.root_ids)
     last_token, root_h, root_p, root_ids = _where_rows(last & (n > 0), roots, old)
@@ -185,8 +188,10 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
         probs = jax.nn.softmax(draft_lib.logits(draft, h_out), axis=-1)
         return (bk, bv), h_out.astype(h.dtype), probs
 
-    _, cands = tree_lib.grow(step_fn, buf, state.root_p, state.root_ids, state.root_h, num_steps=scfg.num_steps,
-                             topk=k, draft_ids=draft.ids)
+    # The stored root holds the top entries of the widest tree shape run on this state; lax.top_k sorts them, so
+    # the first k are this shape's.
+    _, cands = tree_lib.grow(step_fn, buf, state.root_p[:, :k], state.root_ids[:, :k], state.root_h,
+                             num_steps=scfg.num_steps, topk=k, draft_ids=draft.ids)
     return tree_lib.select(cands, state.last_token, lengths, num_steps=scfg.num_steps, topk=k,
                            num_draft_tokens=scfg.num_draft_tokens)
 
@@ -203,7 +208,7 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
                  sb) -> SpecState:
     """Write the accepted path's target K/V at consecutive positions (rejected nodes are dropped), run the draft
     over the a+1 new pairs (feature at path[j], token after it) to extend its cache and get the next root."""
-    s1 = scfg.num_steps + 1
+    s1 = acc.path.shape[1]  # num_steps + 1 (1 for a target-only step)
     cache = state.cache
     j = jnp.arange(s1, dtype=jnp.int32)
     valid = (j[None, :] <= acc.accept_len[:, None]) & active[:, None]  # bool[B, S+1]
@@ -219,7 +224,7 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
                                   layers.cache_attend(layers.causal_mask(valid), dcache, scfg.cache_attention))
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
-    rp, rid = _root(draft, h_last, scfg.topk)
+    rp, rid = _root(draft, h_last, state.root_p.shape[1])
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + jnp.where(active, acc.accept_len + 1, 0))
     roots = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), rp, rid, sb),
                         (state.last_token, state.root_h, state.root_p, state.root_ids, state.sampling))
@@ -238,6 +243,29 @@ def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scf
     state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
     counts = jnp.where(active, acc.accept_len + 1, 0).astype(jnp.int32)
     return state, acc.tokens, counts
+
+
+def root_tree(state: SpecState) -> tree_lib.Tree:
+    """The tree of a step that drafts nothing: the root alone (the last emitted token at the committed length)."""
+    b = state.last_token.shape[0]
+    none = jnp.full((b, 1), -1, jnp.int32)
+    return tree_lib.Tree(tokens=state.last_token[:, None], parent=none, depth=jnp.zeros((b, 1), jnp.int32),
+                         positions=state.cache.lengths[:, None], mask=jnp.ones((b, 1, 1), bool), first_child=none,
+                         next_sibling=none, scores=jnp.ones((b, 1), jnp.float32), candidate=none)
+
+
+def target_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
+                active):
+    """One token per active row with no drafting: ``spec_step`` over the root-only tree. The target forward is a
+    plain decode step (the token is the plain one: argmax or a draw from the same distribution); the commit still
+    runs the draft over the new pair, so the draft cache and root stay in step and the next step may draft again.
+    What a server runs when its running batch is large enough that verifying a tree costs more than it saves.
+    Returns (state, tokens i32[B, 1], counts i32[B])."""
+    tree = root_tree(state)
+    out = verify_phase(tparams, tcfg, draft, scfg, state, tree)
+    acc, sb = verify_lib.accept(tree, out.logits, state.sampling, 0, may_sample=scfg.sampling)
+    state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
+    return state, acc.tokens, active.astype(jnp.int32)
 
 
 # ---- the device loop ----------------------------------------------------------------------------------------------

@@ -63,6 +63,8 @@ def _walk(hit, b: int, num_steps: int):
 
     init = (jnp.zeros((b,), jnp.int32), jnp.zeros((b,), bool), jnp.zeros((b, num_steps + 1), jnp.int32),
             jnp.zeros((b,), jnp.int32))
+    if num_steps == 0:  # a root-only tree (``spec_step.target_step``): the body would index an empty axis
+        return init[0], init[2], init[3]
     cur, _, path, n = jax.lax.fori_loop(0, num_steps, body, init)
     return cur, path, n
 
