@@ -162,3 +162,27 @@ def test_speculative_sampling_with_penalties_matches_target(setup):
 
 def tv_distance(p, q):
     return 0.5 * sum(abs(p.get(c, 0.0) - q.get(c, 0.0)) for c in set(p) | set(q))
+
+
+def test_target_only_steps_sample_the_target(setup, joint):
+    """``spec_step.target_step`` (the server's step at batch sizes where plain decoding is faster: the root alone is
+    verified): tokens 2 and 3 drawn by two such steps after prefill follow the target's joint distribution."""
+    import dataclasses
+    from specjax.speculative import draft as draft_lib, spec_step
+    from specjax.speculative.spec_generate import _prefill_prompts
+    cfg, tp, heads = setup
+    d = draft_lib.as_draft(heads["agreeing3"], "EAGLE3", tp)
+    scfg = spec_step.SpecConfig(*CONF)
+    sb = sampling.SamplingBatch.make(N, temperature=[TEMP] * N, top_k=TOP_K, top_p=TOP_P, min_p=0.0,
+                                     seed=list(range(N)), vocab=cfg.vocab_size, width=scfg.tokens_per_step)
+    state = dataclasses.replace(spec_step.init_state(cfg, d, scfg, N, 16, page_size=16), sampling=sb)
+    state, first = _prefill_prompts(tp, cfg, d, scfg, state, [PROMPT] * N, np.full(N, len(PROMPT)), ())
+    step = jax.jit(spec_step.target_step, static_argnums=(1, 3))
+    cols = [np.asarray(first)]
+    for _ in range(2):
+        state, toks, counts = step(tp, cfg, d, scfg, state, jnp.ones((N,), bool))
+        assert np.all(np.asarray(counts) == 1)
+        cols.append(np.asarray(toks)[:, 0])
+    pval, tv = chi_square([tuple(int(x) for x in r) for r in zip(*cols)], joint)
+    print(f"\ntarget-only steps: chi-square p={pval:.3g} TV={tv:.3f}")
+    assert pval > 1e-3, (pval, tv)
