@@ -349,7 +349,7 @@ def _draft_config(setup: ServeSetup, algorithm: str):
 
 
 def _abstract_draft(setup: ServeSetup, algorithm: str, dcfg):
-    """``spec.draft.make_draft`` on abstract params, replicated over the mesh as ``SpecRunner`` places it."""
+    """``speculative.draft.make_draft`` on abstract params, replicated over the mesh as ``SpecRunner`` places it."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
