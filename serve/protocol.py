@@ -166,12 +166,6 @@ class GenerateRequest(_Body):
         return out
 
 
-class GenerateResponse(BaseModel):
-    text: str
-    output_ids: list[int]
-    meta_info: dict[str, Any]
-
-
 # ---- OpenAI ------------------------------------------------------------------------------------------------------
 class StreamOptions(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {"continuous_usage_stats": (False,)}

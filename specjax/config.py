@@ -50,6 +50,13 @@ def default_aux_layer_ids(num_layers: int) -> tuple[int, int, int]:
     return (1, num_layers // 2 - 1, num_layers - 4)
 
 
+def eos_ids(value) -> tuple[int, ...]:
+    """An HF ``eos_token_id`` field (config.json, generation_config.json): one id, a list of ids, or None."""
+    if value is None:
+        return ()
+    return tuple(int(e) for e in (value if isinstance(value, (list, tuple)) else [value]))
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -125,9 +132,6 @@ class ModelConfig:
         if family == "llama" and hf.get("attention_bias"):
             raise ConfigError(f"{arch}: attention_bias=true is not supported")
 
-        eos = hf.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else ((eos,) if eos is not None else ())
-
         if dtype is None:
             dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
         if dtype not in ("bfloat16", "float16", "float32"):
@@ -152,7 +156,7 @@ class ModelConfig:
             rope_scaling=tuple(sorted(rope_scaling.items())) if rope_scaling else None,
             sliding_window=sliding,
             bos_token_id=hf.get("bos_token_id"),
-            eos_token_ids=tuple(int(e) for e in eos_ids),
+            eos_token_ids=eos_ids(hf.get("eos_token_id")),
             dtype=dtype,
         )
 

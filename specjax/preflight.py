@@ -28,6 +28,7 @@ import sys
 import time
 
 from specjax import configs
+from specjax.cli import add_options, option, options_parser
 
 GIB = 2 ** 30
 
@@ -227,17 +228,23 @@ def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_bucket
     return reports
 
 
+@dataclasses.dataclass
+class TrainPreflightOptions:
+    """``python -m specjax.preflight train``'s own flags; the rest are the run config's ``--section.key``."""
+    config: str = option(required=True, help="run config: a path or a shipped name (qwen2.5-7b.yaml)")
+    topology: str = option(required=True, help="TPU accelerator type, e.g. v4-32")
+    model_config: str | None = option(None, help="HF config.json giving the model shape (default: model.path's own, "
+                                                  "else the shipped shape named like the config)")
+    all_buckets: bool = option(False, help="compile every length bucket, not only the largest")
+    num_layers: int | None = option(None, hidden=True)  # tests: fewer target layers
+
+
 def _train_main(argv) -> int:
     from specjax.train.config import ConfigError, load_config
-    p = argparse.ArgumentParser(prog="python -m specjax.preflight train",
-                                description="Compile the training step of a run config for a TPU topology.",
-                                epilog=configs.help_text() + "; topologies: " + ", ".join(topology_names()))
-    p.add_argument("--config", required=True, help="run config: a path or a shipped name (qwen2.5-7b.yaml)")
-    p.add_argument("--topology", required=True, help="TPU accelerator type, e.g. v4-32")
-    p.add_argument("--model-config", help="HF config.json giving the model shape (default: model.path's own, else "
-                                          "the shipped shape named like the config)")
-    p.add_argument("--all-buckets", action="store_true", help="compile every length bucket, not only the largest")
-    p.add_argument("--num-layers", type=int, help=argparse.SUPPRESS)  # tests: fewer target layers
+    p = options_parser(TrainPreflightOptions, "python -m specjax.preflight train",
+                       "Compile the training step of a run config for a TPU topology.",
+                       configs.help_text() + "; topologies: " + ", ".join(topology_names()),
+                       formatter_class=argparse.HelpFormatter)
     args, overrides = p.parse_known_args(argv)
     try:
         cfg = load_config(args.config, overrides)
@@ -349,7 +356,7 @@ def _draft_config(setup: ServeSetup, algorithm: str):
 
 
 def _abstract_draft(setup: ServeSetup, algorithm: str, dcfg):
-    """``spec.draft.make_draft`` on abstract params, replicated over the mesh as ``SpecRunner`` places it."""
+    """``speculative.draft.make_draft`` on abstract params, replicated over the mesh as ``SpecRunner`` places it."""
     import jax
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
@@ -523,26 +530,32 @@ def serve_programs(setup: ServeSetup, programs, *, all_buckets: bool = True):
     return out
 
 
+@dataclasses.dataclass
+class ServePreflightOptions:
+    """``python -m specjax.preflight serve``'s own flags, beside the server's (``serve.args.ServerArgs``)."""
+    topology: str = option(required=True, group="preflight",
+                           help="TPU accelerator type: " + ", ".join(topology_names()))
+    programs: str | None = option(None, group="preflight",
+                                  help="comma-separated program sets among plain, EAGLE3, EAGLE (default: plain, plus "
+                                       "--speculative-algorithm's)")
+    largest_bucket_only: bool = option(False, group="preflight",
+                                       help="compile only the largest prefill bucket (it needs the most memory)")
+    model_config: str | None = option(None, group="preflight",
+                                      help="HF config.json giving the model shape (default: --model-path's own, or "
+                                           "the shipped shape of that name)")
+    num_layers: int | None = option(None, hidden=True, group="preflight")  # tests: fewer target layers
+
+
 def _serve_parser():
     from specjax.serve.args import build_parser
     p = build_parser()
     p.prog = "python -m specjax.preflight serve"
     p.description = ("Compile every program the server runs with these flags (the server's own) for a TPU "
                      "topology: each prefill bucket, the decode step, the speculative step; no weights needed.")
-    g = p.add_argument_group("preflight")
-    g.add_argument("--topology", required=True, help="TPU accelerator type: " + ", ".join(topology_names()))
-    g.add_argument("--programs", default=None,
-                   help="comma-separated program sets among plain, EAGLE3, EAGLE (default: plain, plus "
-                        "--speculative-algorithm's)")
-    g.add_argument("--largest-bucket-only", action="store_true",
-                   help="compile only the largest prefill bucket (it needs the most memory)")
-    g.add_argument("--model-config", default=None, help="HF config.json giving the model shape (default: "
-                                                        "--model-path's own, or the shipped shape of that name)")
-    g.add_argument("--num-layers", type=int, default=None, help=argparse.SUPPRESS)  # tests: fewer target layers
-    return p
+    return add_options(p, ServePreflightOptions)
 
 
-_PREFLIGHT_ONLY = ("topology", "programs", "largest_bucket_only", "model_config", "num_layers")
+_PREFLIGHT_ONLY = tuple(f.name for f in dataclasses.fields(ServePreflightOptions))
 
 
 def _serve_args(ns):

@@ -17,7 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, eos_ids
 from specjax.models import target
 from specjax.safetensors_io import CheckpointIndex
 from specjax.sharding import spec_for_shape
@@ -193,12 +193,9 @@ def generation_eos_ids(folder: str) -> tuple[int, ...]:
         return ()
     try:
         with open(path) as f:
-            eos = json.load(f).get("eos_token_id")
+            return eos_ids(json.load(f).get("eos_token_id"))
     except (OSError, json.JSONDecodeError):
         return ()
-    if eos is None:
-        return ()
-    return tuple(int(e) for e in (eos if isinstance(eos, (list, tuple)) else [eos]))
 
 
 def stop_token_ids(folder: str, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:

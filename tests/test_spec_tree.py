@@ -1,4 +1,5 @@
-"""Draft trees and acceptance on literal, hand-made inputs (SGLang's EAGLE-2 semantics, eagle.md section 4)."""
+"""Draft trees and acceptance on literal, hand-made inputs (SGLang's EAGLE-2 semantics,
+docs/08-eagle-reference.md section 4)."""
 
 import jax
 import jax.numpy as jnp

@@ -15,10 +15,10 @@ x_0..x_t) and logits ``z[t]`` (the target's prediction of x_{t+1}), the head is 
 The diagonal part is an elementwise q.k per position (``[B, K, G, T, k]`` scores), so a step costs one [T, T]
 score matrix (its query against step 0's keys) plus k dot products per position, never a [T, T] per cached step.
 
-Normalisation (as SpecForge and the spec's ``.mean()``): ``loss_k = sum(position_mask * CE) / (B * T)``, a mean
-over ALL positions of the micro-batch, padding included. Micro-batches of equal shape therefore average exactly
-to the loss of their concatenation (gradient accumulation is exact), at the price of a loss scale that shrinks
-with the padding fraction. Total loss = sum_k decay**k * loss_k.
+Normalisation (the ``.mean()`` of docs/08-eagle-reference.md section 3):
+``loss_k = sum(position_mask * CE) / (B * T)``, a mean over ALL positions of the micro-batch, padding included.
+Micro-batches of equal shape therefore average exactly to the loss of their concatenation (gradient accumulation is
+exact), at the price of a loss scale that shrinks with the padding fraction. Total loss = sum_k decay**k * loss_k.
 
 Chain accept length: ``chain[k]`` counts the step-0-valid positions whose steps 0..k are all correct. Given correct
 steps 0..k-1, step k's inputs (the true tokens) are exactly what a chain draft would feed it when the verified text is

@@ -1,7 +1,7 @@
 """Offline mode: run the frozen target once over the dataset, cache what the head needs, train from the cache.
 
 Per token the cache holds the target's aux features (3*D) and its final hidden state after the final norm (D);
-the train step recomputes the logits with the target's lm_head (see ``make_train_step_offline`` in step.py for why
+the train step recomputes the logits with the target's lm_head (see ``make_train_step_offline`` in train_step.py for why
 not logits). Files in the cache folder:
     aux.bin     [N, 3*D] target dtype, row n = token n of the tokenized dataset (its offsets give the examples)
     hidden.bin  [N, D]

@@ -7,7 +7,7 @@ Library: ``export_head(head_params, head_cfg, vocab_map, out_dir, target_cfg)``;
 ``specjax.head_weights.load_eagle3_head(path, target_cfg, dtype=None) -> (head_cfg, head_params, vocab_map)``
 (core, with the key table both use); export -> load is exact.
 
-The folder holds ``config.json`` and one ``model.safetensors`` with the keys of the spec, stored ``[out, in]``:
+The folder holds ``config.json`` and one ``model.safetensors`` with the keys of docs/08 section 1, stored ``[out, in]``:
 ``fc.weight``, ``midlayer.*`` (the first layer), ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets)
 and ``t2d`` (bool), and no ``embed_tokens`` (engines copy the target's). Aux layer ids: the default
 {1, L//2-1, L-4} writes no ``eagle_aux_hidden_state_layer_ids``; other ids are written as

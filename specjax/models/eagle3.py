@@ -21,7 +21,7 @@ import numpy as np
 
 from specjax import layers
 from specjax.models import random_params
-from specjax.config import ModelConfig, default_aux_layer_ids
+from specjax.config import ModelConfig, default_aux_layer_ids, eos_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,8 +253,7 @@ def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None
         rope_scaling=tuple(sorted(rs.items())) if rs else None, num_layers=int(hf.get("num_hidden_layers", 1)),
         aux_layer_ids=tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_num_layers),
         bos_token_id=hf.get("bos_token_id"),
-        eos_token_ids=tuple(hf["eos_token_id"]) if isinstance(hf.get("eos_token_id"), list)
-        else ((hf["eos_token_id"],) if hf.get("eos_token_id") is not None else ()),
+        eos_token_ids=eos_ids(hf.get("eos_token_id")),
         dtype=dtype or hf.get("torch_dtype") or "bfloat16")
 
 

@@ -1,6 +1,6 @@
 """Draft-tree construction on device, with SGLang's EAGLE-2 semantics (docs/08-eagle-reference.md section 4).
 
-Candidates are numbered in order of creation, exactly as SGLang's ``organize_draft_results`` flattens them:
+Candidates are numbered in order of creation (docs/08-eagle-reference.md section 4):
 - step 0: the top ``topk`` tokens of the draft distribution at the last accepted position, ids ``[0, topk)``,
   score = draft prob, parent = the root;
 - step i (1 <= i < num_steps): each of the ``topk`` frontier nodes proposes its top ``topk`` children;

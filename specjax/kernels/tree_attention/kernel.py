@@ -194,19 +194,19 @@ def _tree_attention_kernel(
             out.append((idx < used_pages, copies))
         return out
 
-    def start_block(blk, slot):
+    def each_copy(blk, slot, op):
+        """``op(copy)`` (start it, or wait for it) on every copy of block blk that the sequence needs."""
         for needed, copies in page_copies(blk, slot):
             @pl.when(needed)
             def _():
                 for c in copies:
-                    c.start()
+                    op(c)
+
+    def start_block(blk, slot):
+        each_copy(blk, slot, lambda c: c.start())
 
     def wait_block(blk, slot):
-        for needed, copies in page_copies(blk, slot):
-            @pl.when(needed)
-            def _():
-                for c in copies:
-                    c.wait()
+        each_copy(blk, slot, lambda c: c.wait())
 
     def update(h, s, values, first):
         """Fold scores s f32[G*Tp, n] (already masked) and their values [n, H] into head h's running state."""
