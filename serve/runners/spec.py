@@ -35,7 +35,7 @@ def _put_row(full, row, slot):
     return jax.lax.dynamic_update_slice_in_dim(full, row.astype(full.dtype), slot, axis=0)
 
 
-_ROW_FIELDS = ("last_token", "root_h", "root_p", "root_ids")
+_ROW_FIELDS = ("last_token", "root_h")
 
 
 def _slot_view(state: step_lib.SpecState, slot) -> step_lib.SpecState:
@@ -133,7 +133,6 @@ class SpecRunner:
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
             num_pages
         self.tokens_per_step = max(c.tokens_per_step for c in shapes)
-        self._max_topk = max(c.topk for c in shapes)
         self.prefill_chunk = prefill_chunk
         self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
@@ -151,7 +150,7 @@ class SpecRunner:
     def init_state(self) -> step_lib.SpecState:
         state = step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
                                     self.pages_per_seq * self.page_size, page_size=self.page_size,
-                                    num_pages=self.num_pages, topk=self._max_topk, width=self.tokens_per_step)
+                                    num_pages=self.num_pages, width=self.tokens_per_step)
         if self.mesh is None:
             return state
         state = jax.tree.map(self._on_mesh, state)  # replicated, then the KV pools re-placed below

@@ -4,8 +4,8 @@ state donated, and a ``lax.while_loop`` over steps that never returns to Python.
 State invariant between steps, per row b (n = ``cache.lengths[b]``):
 - the target cache holds positions [0, n); ``last_token`` (x_n, already emitted) is not yet in it;
 - the draft cache holds the pairs (feature_t, x_{t+1}) for t in [0, n) at position t (same pages, same lengths);
-- ``root_h`` is the draft's output at position n-1 and ``root_p`` / ``root_ids`` its top-k (the depth-1
-  distribution of the next tree).
+- ``root_h`` is the draft's output at position n-1 (its top-k is the depth-1 distribution of the next tree, computed
+  when a step drafts: a target-only step does not pay for it).
 A step drafts a tree rooted at x_n (position n), verifies all M nodes in ONE target forward under the ancestor mask,
 accepts a path of a <= num_steps draft tokens plus a bonus, writes the path's target KV at n..n+a, runs the draft over
 the a+1 new pairs (extending its cache and producing the next root) and leaves n' = n + a + 1.
@@ -70,9 +70,7 @@ class SpecState:
     draft_k: jax.Array  # [Ld, P, Kd, Z, Hd] draft key pages
     draft_v: jax.Array  # [Ld, P, Kd, Z, Hd]
     last_token: jax.Array  # i32[B] newest emitted token = next tree root (not yet in the target cache)
-    root_h: jax.Array  # [B, H] draft output at position lengths-1
-    root_p: jax.Array  # f32[B, topk] top draft probs there
-    root_ids: jax.Array  # i32[B, topk] their target token ids
+    root_h: jax.Array  # [B, H] draft output at position lengths-1 (the next tree's depth-1 distribution)
     sampling: sampling_lib.SamplingBatch
 
 
@@ -81,13 +79,12 @@ def draft_cache(state: SpecState) -> KVCache:
 
 
 def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, max_len: int, *, page_size: int = 16,
-               num_pages: int | None = None, dtype=None, topk: int | None = None,
-               width: int | None = None) -> SpecState:
+               num_pages: int | None = None, dtype=None, width: int | None = None) -> SpecState:
     """Empty state: contiguous page table when ``num_pages`` covers the batch, else zeros (the server assigns).
-    ``topk`` / ``width`` (default: ``scfg``'s) size the stored root and the per-step buffers for the widest of several
-    tree shapes run on the same state (a step with a smaller topk reads the first entries of the root's top-k)."""
+    ``width`` (default: ``scfg.tokens_per_step``) sizes the per-step logprob buffers for the deepest of several tree
+    shapes run on the same state."""
     dtype = jnp.dtype(dtype or tcfg.dtype)
-    topk, width = topk or scfg.topk, width or scfg.tokens_per_step
+    width = width or scfg.tokens_per_step
     cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, batch, max_len,
                                 page_size=page_size, dtype=dtype, num_pages=num_pages)
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
@@ -95,8 +92,6 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
     return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
                      last_token=jnp.zeros((batch,), jnp.int32),
                      root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),
-                     root_p=jnp.zeros((batch, topk), jnp.float32),
-                     root_ids=jnp.zeros((batch, topk), jnp.int32),
                      sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size, width=width))
 
 
@@ -145,18 +140,16 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
     h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
-    rp, rid = _root(draft, h_last, state.root_p.shape[1])
-    roots = (first, h_last.astype(state.root_h.dtype), rp, rid)
-    old = (state.last_token, state.root_h, state.root_p, state.root_ids)
-    last_token, root_h, root_p, root_ids = _where_rows(last & (n > 0), roots, old)
+    last_token, root_h = _where_rows(last & (n > 0), (first, h_last.astype(state.root_h.dtype)),
+                                     (state.last_token, state.root_h))
     state = SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
-                      root_p=root_p, root_ids=root_ids, sampling=sb)
+                      sampling=sb)
     return state, first
 
 
 # ---- the step, by phases ----------------------------------------------------------------------------------------
 def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState) -> tree_lib.Tree:
-    """Grow the draft tree from the stored root distribution (num_steps - 1 draft forwards) and select it.
+    """Grow the draft tree from the root's draft distribution (num_steps - 1 draft forwards) and select it.
 
     Each frontier node attends to the committed draft cache plus, from a tree buffer, its TRUE ancestors' draft K/V
     (not SGLang's per-branch slots), so the draft sees exactly the context it would see on the real path."""
@@ -188,10 +181,9 @@ def draft_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, st
         probs = jax.nn.softmax(draft_lib.logits(draft, h_out), axis=-1)
         return (bk, bv), h_out.astype(h.dtype), probs
 
-    # The stored root holds the top entries of the widest tree shape run on this state; lax.top_k sorts them, so
-    # the first k are this shape's.
-    _, cands = tree_lib.grow(step_fn, buf, state.root_p[:, :k], state.root_ids[:, :k], state.root_h,
-                             num_steps=scfg.num_steps, topk=k, draft_ids=draft.ids)
+    root_p, root_ids = _root(draft, state.root_h, k)
+    _, cands = tree_lib.grow(step_fn, buf, root_p, root_ids, state.root_h, num_steps=scfg.num_steps, topk=k,
+                             draft_ids=draft.ids)
     return tree_lib.select(cands, state.last_token, lengths, num_steps=scfg.num_steps, topk=k,
                            num_draft_tokens=scfg.num_draft_tokens)
 
@@ -224,12 +216,11 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
                                   layers.cache_attend(layers.causal_mask(valid), dcache, scfg.cache_attention))
     dcache = kv_cache.write(dcache, dk, dv, positions, valid)
     h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
-    rp, rid = _root(draft, h_last, state.root_p.shape[1])
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + jnp.where(active, acc.accept_len + 1, 0))
-    roots = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), rp, rid, sb),
-                        (state.last_token, state.root_h, state.root_p, state.root_ids, state.sampling))
-    return SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=roots[0], root_h=roots[1],
-                     root_p=roots[2], root_ids=roots[3], sampling=roots[4])
+    last_token, root_h, sb = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), sb),
+                                         (state.last_token, state.root_h, state.sampling))
+    return SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
+                     sampling=sb)
 
 
 def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
