@@ -10,6 +10,7 @@ import numpy as np
 from specjax import sampling
 
 MIN_PREFILL_BUCKET = 16  # the shortest padded prefill chunk
+MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -28,6 +29,12 @@ def pick(buckets: list[int], need: int) -> int:
         if b >= need:
             return b
     raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
+
+
+def page_buckets(page_size: int, pages_per_seq: int) -> list[int]:
+    """Page-table widths a serving step is compiled for (powers of two from ``MIN_PAGE_BUCKET_TOKENS`` worth of
+    pages): attention reads only the pages a row holds, so a wider view costs little and saves compiles."""
+    return pow2_buckets(max(1, -(-MIN_PAGE_BUCKET_TOKENS // page_size)), pages_per_seq)
 
 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:

@@ -146,3 +146,24 @@ def test_tree_shape_follows_the_running_batch(setup):
         assert out[r] == ref[r][:len(out[r])], r
     assert per_step[3] == [1, 1, 1]  # target-only steps emit one token per row
     assert max(per_step[2][3:]) > 1  # after them the chain drafts again from a draft cache kept in step
+
+
+def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
+    """warmup: every prefill bucket, and per batch bucket each tree shape the running counts below it take (here
+    nb=1: (3,2,5); nb=2: (3,2,5) and (2,1,3); nb=3: those and target-only), leaving no slot in use."""
+    cfg, tp, _ = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=3,
+                        pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16,
+                        batch_shapes={1: (3, 2, 5), 2: (2, 1, 3), 3: None})
+    lines = []
+    state = runner.warmup(runner.init_state(), log_fn=lines.append)
+    assert "compiled 1 prefill and 6 speculative step shapes" in lines[0]
+    assert np.asarray(state.cache.lengths).tolist() == [0, 0, 0] and not runner._lengths.any()
+    prompt = [5, 9, 2, 7]
+    state, first = runner.prefill(state, 1, np.asarray(prompt), np.arange(PPS, 2 * PPS), {"temperature": 0.0})
+    out = [first]
+    while len(out) < 8:
+        state, toks, counts = runner.step(state, np.array([False, True, False]))
+        out += toks[1, :counts[1]].tolist()
+    assert out[:8] == generate(tp, cfg, [prompt], max_new_tokens=8, stop_token_ids=())[0]

@@ -21,17 +21,13 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax import kv_cache, plain_step as decode, prompt_logprobs, sampling
-from specjax.batching import MIN_PREFILL_BUCKET, pick, pow2_buckets
+from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
 from specjax.sharding import put_kv_pool, use_mesh
 
 log = logging.getLogger("specjax.serve")
-
-MIN_PAGE_BUCKET_TOKENS = 256
-
-
 
 
 @jax.tree_util.register_dataclass
@@ -58,7 +54,7 @@ class PlainRunner:
         max_tokens = pages_per_seq * page_size
         self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, min(max(max_prefill_tokens, 1), max_tokens))
         self.batch_buckets = pow2_buckets(1, max_batch)
-        self.page_buckets = pow2_buckets(max(1, -(-MIN_PAGE_BUCKET_TOKENS // page_size)), pages_per_seq)
+        self.page_buckets = page_buckets(page_size, pages_per_seq)
         self._lengths = np.zeros((max_batch,), np.int64)  # host mirror of cache lengths, for bucketing
         self._active = np.zeros((max_batch,), bool)
         self._compiled: set = set()

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import logging
+import time
 from typing import Any
 
 import jax
@@ -15,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import prompt_logprobs, sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket
+from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_bucket, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
@@ -26,6 +28,7 @@ from specjax.speculative.draft import Draft
 from specjax.speculative.spec_generate import PREFILL_CHUNK
 from specjax.speculative.tune import shape_for
 
+log = logging.getLogger("specjax.serve")
 
 def _row(a, slot):
     return jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0)
@@ -134,6 +137,8 @@ class SpecRunner:
             num_pages
         self.tokens_per_step = max(c.tokens_per_step for c in shapes)
         self.prefill_chunk = prefill_chunk
+        self.batch_buckets = pow2_buckets(1, max_batch)
+        self.page_buckets = page_buckets(page_size, pages_per_seq)
         self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
         # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
@@ -205,9 +210,9 @@ class SpecRunner:
         idx = np.nonzero(active)[0]
         if len(idx) == 0:
             return state, np.zeros((b, w), np.int32), np.zeros((b,), np.int32)
-        nb = pow2_bucket(int(idx[-1]) + 1, 1, b)
+        nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
-        npages = pow2_bucket(-(-longest // self.page_size), 1, self.pages_per_seq)
+        npages = pick(self.page_buckets, -(-longest // self.page_size))
         scfg = self.shape_for(len(idx))
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
@@ -219,6 +224,38 @@ class SpecRunner:
         tokens[:nb, :toks.shape[1]], num[:nb] = toks, np.asarray(counts)
         self._lengths += num
         return state, tokens, num
+
+    def warmup(self, state, log_fn=log.info):
+        """Compile every prefill bucket, and the step of every batch bucket at the shortest page bucket in each tree
+        shape that bucket can run (the shapes tuned for 1..nb running requests); returns the state."""
+        t0 = time.perf_counter()
+        row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
+        greedy = sampling_lib.SamplingRow(temperature=0.0)
+        buckets = pow2_buckets(MIN_PREFILL_BUCKET, self.prefill_chunk)
+        for t in buckets:
+            state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
+            state = self.release(state, 0)
+        steps = 0
+        for nb in self.batch_buckets:
+            fewest = {}  # tree shape -> the fewest running requests that take it
+            for n in range(1, nb + 1):
+                fewest.setdefault(self.shape_for(n), n)
+            for running in fewest.values():
+                active = np.zeros((self.max_batch,), bool)
+                active[nb - running:nb] = True  # the bucket's highest slot runs, so the step takes this bucket
+                state = self._step_at_zero(state, active)
+                steps += 1
+        log_fn(f"warmup: compiled {len(buckets)} prefill and {steps} speculative step shapes in "
+               f"{time.perf_counter() - t0:.1f}s")
+        return state
+
+    def _step_at_zero(self, state, active):
+        # A step at length 0 over the scratch page: compiles the shape without touching any live slot.
+        self._lengths[active] = 0
+        state, _, _ = self.step(state, active)
+        self._lengths[active] = 0
+        lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
+        return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
 
     def shape_for(self, running: int) -> step_lib.SpecConfig | None:
         """The tree shape of a step with ``running`` requests (None: a target-only step)."""
