@@ -418,21 +418,25 @@ def chat_logprobs(meta: dict, tokenizer, top_n: int, start: int = 0) -> dict | N
         text = _token_text(tokenizer, tok)
         return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
 
+    toks = meta["output_token_logprobs"]
+    tops = meta.get("output_top_logprobs") or [None] * len(toks)  # absent with top_logprobs_num 0, as SGLang
     content = []
-    for (lp, tok, _), top in list(zip(meta["output_token_logprobs"], meta["output_top_logprobs"]))[start:]:
-        content.append(dict(entry(lp, tok), top_logprobs=[entry(l, t) for l, t, _ in top[:top_n]]))
+    for (lp, tok, _), top in list(zip(toks, tops))[start:]:
+        content.append(dict(entry(lp, tok), top_logprobs=[entry(l, t) for l, t, _ in (top or [])[:top_n]]))
     return {"content": content}
 
 
 def completion_logprobs(meta: dict, tokenizer, top_n: int, echo: bool, start: int = 0,
                         text_offset: int = 0) -> dict | None:
     """OpenAI completions ``choices[i].logprobs`` ({tokens, token_logprobs, top_logprobs, text_offset}) from SGLang
-    meta_info; with ``echo`` the prompt's tokens come first (the first one's logprob None)."""
+    meta_info; with ``echo`` the prompt's tokens come first (the first one's logprob and top_logprobs None)."""
     if "output_token_logprobs" not in meta:
         return None
-    pairs = [(lp, t, None) for lp, t, _ in meta["input_token_logprobs"]] if echo and start == 0 else []
-    pairs += [(lp, t, top) for (lp, t, _), top in list(zip(meta["output_token_logprobs"],
-                                                               meta["output_top_logprobs"]))[start:]]
+    inp, out_ = meta["input_token_logprobs"], meta["output_token_logprobs"]
+    in_tops = meta.get("input_top_logprobs") or [None] * len(inp)  # absent with top_logprobs_num 0, as SGLang
+    out_tops = meta.get("output_top_logprobs") or [None] * len(out_)
+    pairs = [(lp, t, top) for (lp, t, _), top in zip(inp, in_tops)] if echo and start == 0 else []
+    pairs += [(lp, t, top or []) for (lp, t, _), top in list(zip(out_, out_tops))[start:]]
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
     for lp, t, top in pairs:

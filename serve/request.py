@@ -45,7 +45,7 @@ class SamplingParams:
     # Logprobs (SGLang's request fields; the OpenAI endpoints map theirs onto these).
     return_logprob: bool = False
     top_logprobs_num: int = 0
-    logprob_start_len: int = -1  # prompt logprobs from this position on (-1: none)
+    logprob_start_len: int = -1  # prompt logprobs from this position on (-1: the last prompt token only, as SGLang)
     return_text_in_logprobs: bool = False
 
     @classmethod
@@ -145,7 +145,7 @@ class Request:
     abort_requested: bool = False
     first_token_time: float | None = None
     # Logprobs (when params.return_logprob): per output token (logprob, id) and its top (logprob, id) pairs;
-    # prompt tokens from logprob_start_len on as (logprob or None for position 0, id).
+    # prompt tokens from logprob_start_len on as (logprob or None for the first, id, top pairs or None).
     output_logprobs: list = dataclasses.field(default_factory=list)
     output_top_logprobs: list = dataclasses.field(default_factory=list)
     input_logprobs: list = dataclasses.field(default_factory=list)
@@ -254,14 +254,19 @@ class Request:
         return text, ids
 
     def logprob_meta(self, tokenizer=None) -> dict:
-        """SGLang's meta_info logprob fields: lists of (logprob, token_id, text or None) tuples."""
+        """SGLang's meta_info logprob fields: lists of (logprob, token_id, text or None) tuples; the top-logprob
+        fields only with top_logprobs_num > 0, a position without them (the first prompt token) None."""
         text = (lambda t: tokenizer.decode([t])) if tokenizer is not None and self.params.return_text_in_logprobs \
             else (lambda t: None)
         triple = lambda lp, t: (lp, t, text(t))
-        return {"input_token_logprobs": [triple(lp, t) for lp, t in self.input_logprobs],
-                "output_token_logprobs": [triple(lp, t) for lp, t in self.output_logprobs],
-                "input_top_logprobs": [None for _ in self.input_logprobs],
-                "output_top_logprobs": [[triple(lp, t) for lp, t in top] for top in self.output_top_logprobs]}
+        k = self.params.top_logprobs_num
+        tops = lambda top: [triple(lp, t) for lp, t in top[:k]] if top else None
+        meta = {"input_token_logprobs": [triple(lp, t) for lp, t, _ in self.input_logprobs],
+                "output_token_logprobs": [triple(lp, t) for lp, t in self.output_logprobs]}
+        if k > 0:
+            meta["input_top_logprobs"] = [tops(top) for _, _, top in self.input_logprobs]
+            meta["output_top_logprobs"] = [tops(top) for top in self.output_top_logprobs]
+        return meta
 
     def meta_info(self, spec: bool, tokenizer=None) -> dict:
         now = time.perf_counter()

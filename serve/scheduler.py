@@ -274,12 +274,18 @@ class Scheduler:
             self.totals["spec_tokens"] += n_out
 
     def _first_token(self, req: Request, tok: int) -> None:
-        """Emit the prefill's token (with the prompt's logprobs when asked for)."""
+        """Emit the prefill's token (with the prompt's logprobs when asked for). As SGLang: prompt tokens from
+        ``logprob_start_len`` on (-1, the default: the last prompt token only, which runs no scoring program), the
+        first of them without a logprob (None)."""
         sp = req.params
         try:
-            if sp.return_logprob and sp.logprob_start_len >= 0:
-                req.input_logprobs = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[
-                    sp.logprob_start_len:]
+            if sp.return_logprob:
+                start = sp.logprob_start_len
+                if 0 <= start < len(req.prompt_ids) - 1:
+                    entries = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[start:]
+                else:
+                    entries = [(None, req.prompt_ids[-1], None)]
+                req.input_logprobs = [(None, entries[0][1], None)] + entries[1:]
             lps = self._logprobs([req])
         except Exception as e:  # noqa: BLE001 - fail this request only
             log.exception("prompt logprobs of request %s failed", req.rid)

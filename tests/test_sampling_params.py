@@ -3,7 +3,8 @@
 Tiny closed-form "bigram" models (tests/spec_models.py: the heads usually agree with the target, so drafted paths
 of several tokens are verified) check that speculative greedy output with penalties equals plain greedy output with
 the same penalties, token for token, for EAGLE3 and EAGLE trees (each tree node's penalties count the tokens drafted
-above it), and that the logprobs the runners report under speculation equal the plain runner's. A numpy rendering of
+above it), and that the logprobs the runners report under speculation equal the plain runner's (greedy rows) and
+are the target's temperature-adjusted, penalised log_softmax (a sampled row, plain and speculative). A numpy rendering of
 the penalty formulas checks ``sampling.process_logits`` itself.
 """
 
@@ -96,6 +97,7 @@ def test_speculative_greedy_with_penalties_equals_plain(models, alg, conf):
 
 
 PAGE, PPS = 8, 8
+SAMPLED = R(temperature=0.7, seed=11, frequency_penalty=0.5, presence_penalty=0.3, logprobs=True)
 
 
 def run_runner(runner, prompts, rows, max_new):
@@ -129,7 +131,8 @@ def run_runner(runner, prompts, rows, max_new):
 def runner_outputs(models):
     cfg, tp, heads, prompts, base = models
     stop, rows = penalised_rows(base)
-    rows = [sampling.dataclasses.replace(r, logprobs=True, seed=7) for r in rows[:3]] + [R(temperature=0)]
+    # Row 3 samples (temperature 0.7, penalties): its logprobs are the temperature-adjusted ones.
+    rows = [sampling.dataclasses.replace(r, logprobs=True, seed=7) for r in rows[:3]] + [SAMPLED]
     kw = dict(max_batch=4, pages_per_seq=PPS, page_size=PAGE, num_pages=1 + 4 * PPS, attention_impl="xla")
     plain = run_runner(PlainRunner(cfg, tp, **kw), prompts, rows, 16)
     spec = {alg: run_runner(SpecRunner(cfg, tp, alg, *heads[alg], num_steps=3, topk=2, num_draft_tokens=5,
@@ -137,31 +140,49 @@ def runner_outputs(models):
     return prompts, rows, plain, spec, base
 
 
-def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):
-    """The plain runner's logprobs: log_softmax of the penalised target logits at each emitted token (target
-    forward over prompt + output, penalties by the numpy formulas)."""
+def check_target_logprobs(cfg, tp, prompt, row: R, out):
+    """``out``'s logprobs are SGLang's: log_softmax(penalised target logits / temperature) (temperature 1 for greedy
+    rows) at each emitted token, from a target forward over prompt + output and the numpy penalty formulas."""
     import jax.numpy as jnp
 
     from specjax.models import target
+    o = out["tok"]
+    seq = jnp.asarray([prompt + o], jnp.int32)
+    pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
+    logits = np.asarray(target.forward(tp, cfg, seq, pos).logits[0], np.float64)
+    t = row.temperature if row.temperature > 0 else 1.0
+    for j in range(len(o)):
+        x = numpy_penalised(logits[len(prompt) - 1 + j], row, prompt, o[:j]) / t
+        m = x[np.isfinite(x)].max()
+        lse = np.log(np.exp(x - m).sum()) + m
+        assert out["lp"][j] == pytest.approx(x[o[j]] - lse, abs=1e-4)
+        order = np.argsort(-x, kind="stable")[:sampling.TOP_LOGPROBS]
+        np.testing.assert_allclose(out["top"][j], x[order] - lse, atol=1e-4)
+
+
+def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):
+    """The plain runner's logprobs, greedy and sampled rows: log_softmax of the penalised target logits (divided by
+    the temperature) at each emitted token."""
     cfg, tp, _, _, _ = models
     prompts, rows, plain, _, _ = runner_outputs
-    for i in range(3):
-        p, o = prompts[i], plain[i]["tok"]
-        seq = jnp.asarray([p + o], jnp.int32)
-        pos = jnp.arange(seq.shape[1], dtype=jnp.int32)[None]
-        logits = np.asarray(target.forward(tp, cfg, seq, pos).logits[0], np.float64)
-        for j in range(len(o)):
-            x = numpy_penalised(logits[len(p) - 1 + j], rows[i], p, o[:j])
-            lse = np.log(np.exp(x - x[np.isfinite(x)].max()).sum()) + x[np.isfinite(x)].max()
-            assert plain[i]["lp"][j] == pytest.approx(x[o[j]] - lse, abs=1e-4)
-            order = np.argsort(-x, kind="stable")[:sampling.TOP_LOGPROBS]
-            np.testing.assert_allclose(plain[i]["top"][j], x[order] - lse, atol=1e-4)
+    for i in range(4):
+        check_target_logprobs(cfg, tp, prompts[i], rows[i], plain[i])
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+def test_speculative_sampled_logprobs_are_the_targets(models, runner_outputs, alg):
+    """A sampled, penalised row under speculation (its tokens differ from plain's: other random draws): the logprobs
+    of the tokens it emitted are the target's temperature-adjusted, penalised ones, i.e. from the verify forward."""
+    cfg, tp, _, _, _ = models
+    prompts, rows, plain, spec, _ = runner_outputs
+    assert rows[3].temperature > 0 and len(set(spec[alg][3]["tok"])) > 1
+    check_target_logprobs(cfg, tp, prompts[3], rows[3], spec[alg][3])
 
 
 @pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
 def test_speculative_runner_tokens_and_logprobs_equal_plain(runner_outputs, alg):
     _, _, plain, spec, _ = runner_outputs
-    for p, s in zip(plain, spec[alg]):
+    for p, s in zip(plain[:3], spec[alg][:3]):  # the greedy rows (row 3 samples)
         assert s["tok"] == p["tok"]
         np.testing.assert_allclose(s["lp"], p["lp"], atol=1e-4)
         np.testing.assert_allclose(s["top"], p["top"], atol=1e-4)

@@ -66,11 +66,28 @@ def test_native_logprob_layout_matches_hf(server, hf):
         row = ref[len(ids) - 1 + j]
         assert e[0][1] == oids[j]  # greedy: the chosen token is the most likely one
         np.testing.assert_allclose([lp for lp, _, _ in e], np.sort(row)[::-1][:3], atol=1e-4)
-    # Without return_logprob the fields are absent; without logprob_start_len the prompt part is empty.
+        assert [text for _, _, text in e] == [tok.decode([t]) for _, t, _ in e]
+    itop = meta["input_top_logprobs"]  # SGLang: None where the token has no logprob (the first), else k triples
+    assert len(itop) == len(ids) and itop[0] is None and all(len(e) == 3 for e in itop[1:])
+    for i, e in enumerate(itop[1:], 1):
+        np.testing.assert_allclose([lp for lp, _, _ in e], np.sort(ref[i - 1])[::-1][:3], atol=1e-4)
+        assert [t for _, t, _ in e] == list(np.argsort(-ref[i - 1], kind="stable")[:3])
+    # Without return_logprob the fields are absent; without top_logprobs_num the top fields are absent; the default
+    # logprob_start_len (-1) gives the last prompt token without a logprob; a later start gives the prompt from there
+    # on, its first token without a logprob (all as SGLang).
     assert "output_token_logprobs" not in gen(server, input_ids=ids, sampling_params={"max_new_tokens": 2})[
         "meta_info"]
-    assert gen(server, input_ids=ids, return_logprob=True, sampling_params={"max_new_tokens": 2})[
-        "meta_info"]["input_token_logprobs"] == []
+    meta = gen(server, input_ids=ids, return_logprob=True, sampling_params={"max_new_tokens": 2})["meta_info"]
+    assert meta["input_token_logprobs"] == [[None, ids[-1], None]] and len(meta["output_token_logprobs"]) == 2
+    assert "output_top_logprobs" not in meta and "input_top_logprobs" not in meta
+    meta = gen(server, input_ids=ids, return_logprob=True, logprob_start_len=2,
+               sampling_params={"max_new_tokens": 2})["meta_info"]
+    assert [t for _, t, _ in meta["input_token_logprobs"]] == ids[2:] and meta["input_token_logprobs"][0][0] is None
+    np.testing.assert_allclose([lp for lp, _, _ in meta["input_token_logprobs"][1:]],
+                               [ref[i - 1, ids[i]] for i in range(3, len(ids))], atol=1e-4)
+    r = httpx.post(server.url + "/generate", json=dict(input_ids=ids, return_logprob=True,
+                                                       logprob_start_len=len(ids)), timeout=60)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprob_start_len", r.text
 
 
 def test_openai_chat_logprobs_parse_and_match_native(client, server):
@@ -98,6 +115,8 @@ def test_openai_completions_logprobs_and_echo(client, hf):
     assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(lp.text_offset) == n_prompt + 4
     assert lp.token_logprobs[0] is None and all(isinstance(x, float) for x in lp.token_logprobs[1:])
     assert all(len(t) <= 2 for t in lp.top_logprobs[n_prompt:]) and lp.top_logprobs[0] is None
+    assert all(isinstance(t, dict) and 1 <= len(t) <= 2 for t in lp.top_logprobs[1:n_prompt])  # prompt tops
+    assert all(max(t.values()) >= x - 1e-5 for t, x in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
     plain = client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
                                       extra_body={"ignore_eos": True})
     assert len(plain.choices[0].logprobs.tokens) == 4

@@ -1,6 +1,7 @@
 """The server with EAGLE3 / EAGLE speculative decoding (SpecRunner behind the same scheduler and HTTP front): greedy
 output equals the plain server's token for token (prompts across page and chunk boundaries, prefix reuse, concurrent
-requests, stops inside a multi-token step), and meta_info carries spec_verify_ct and spec_accept_length.
+requests, stops inside a multi-token step), penalised requests and their logprobs equal the plain server's, and
+meta_info carries spec_verify_ct and spec_accept_length.
 
 The target is a "bigram" model whose next token is usually a fixed permutation of the current one, with heads built
 in closed form to predict it (tests/spec_models.py), so several tokens are accepted per step; a random EAGLE3 head
@@ -155,6 +156,32 @@ def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models)
     assert events[-1]["output_ids"] == want[0]
     idle = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
     assert idle["kv_pages_used"] == 0 and idle["num_running_reqs"] == 0
+
+
+def test_eagle3_logprobs_and_penalties_over_http_equal_plain(plain, eagle3_server, models):
+    """Penalised greedy requests with native logprobs through the speculative server: the same tokens, output
+    logprobs (from the verify forward), top logprobs and prompt logprobs as the plain server (1e-4)."""
+    perm = models[2]
+    sp = dict(GREEDY, max_new_tokens=20, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2,
+              logit_bias={"7": 1.5}, min_new_tokens=6, stop_token_ids=[11])
+    body = dict(return_logprob=True, top_logprobs_num=3, logprob_start_len=0)
+    accept = []
+    for p in prompts(perm, n=4, seed=2):
+        want = plain.generate(input_ids=p, sampling_params=sp, **body)
+        got = eagle3_server.generate(input_ids=p, sampling_params=sp, **body)
+        assert got["output_ids"] == want["output_ids"], p
+        assert want["output_ids"] != plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=20))[
+            "output_ids"]  # the penalties changed the output
+        g, w = got["meta_info"], want["meta_info"]
+        assert g["input_token_logprobs"][0][0] is None and len(g["input_token_logprobs"]) == len(p)
+        for field in ("input_token_logprobs", "output_token_logprobs"):
+            assert [t for _, t, _ in g[field]] == [t for _, t, _ in w[field]]
+            np.testing.assert_allclose([x for x, _, _ in g[field] if x is not None],
+                                       [x for x, _, _ in w[field] if x is not None], atol=1e-4)
+        for gt, wt in zip(g["output_top_logprobs"], w["output_top_logprobs"]):
+            np.testing.assert_allclose([x for x, _, _ in gt], [x for x, _, _ in wt], atol=1e-4)
+        accept.append(g["spec_accept_length"])
+    assert np.mean(accept) > 1.2, accept  # drafted paths were accepted under the penalties
 
 
 def test_cli_server_with_a_random_eagle3_head_folder(tmp_path):

@@ -165,6 +165,26 @@ def test_no_stop_trim_keeps_the_stop(tokenizer):
     assert req.text == tokenizer.decode(ids[:k]) == "The capital of France is"
 
 
+def test_skip_special_tokens(tokenizer):
+    """A special token in the output (eos under ignore_eos) is hidden from the text by default and kept with
+    skip_special_tokens=False; the output ids carry it either way."""
+    ids = tokenizer("Paris is", add_special_tokens=False)["input_ids"]
+    eos = tokenizer.eos_token_id
+    out = ids[:1] + [eos] + ids[1:]
+    texts = {}
+    for skip in (True, False):
+        req = Request(rid="r", prompt_ids=[5], params=SamplingParams(ignore_eos=True, skip_special_tokens=skip,
+                                                                     max_new_tokens=100), sink=print)
+        req.init_detok()
+        req.append_tokens(out, tokenizer, frozenset({eos}), 10 ** 6)
+        req.finish_reason = {"type": "length", "length": len(out)}
+        req.flush_text(tokenizer)
+        assert req.output_ids == out and req.finish_reason["type"] == "length"
+        texts[skip] = req.text
+    assert texts[True] == tokenizer.decode(out, skip_special_tokens=True) == "Paris is"
+    assert texts[False] == tokenizer.decode(out, skip_special_tokens=False) and tokenizer.eos_token in texts[False]
+
+
 @pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
                                  {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1},
                                  {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},

@@ -34,9 +34,12 @@ async def generate(request: Request):
     else:
         sps = [sps or P.GenerateSamplingParams()] * len(prompts)
     params = body.with_logprobs([P.to_sampling(s) for s in sps])
-    for ids, s in zip(prompts, sps):
+    for ids, s, sp in zip(prompts, sps, params):
         if "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None:
             backend.check_output_budget(len(ids), s.max_new_tokens, "max_new_tokens")
+        if sp.return_logprob and sp.logprob_start_len >= len(ids):  # SGLang refuses it too
+            raise APIError(400, f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
+                                f"{len(ids)} tokens", param="logprob_start_len")
     rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
     fan = Fanout(backend)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
