@@ -160,6 +160,25 @@ def test_serve_preflight_smollm2_with_its_head(v5e, capsys):
     assert "EAGLE3 step" in out and "plain decode step" in out
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("model, topology", [("llama-3.1-8b", "v5e-4"), ("llama-3.1-8b", "v4-8"),
+                                             ("qwen2.5-7b", "v5e-4")])
+def test_serve_preflight_8b_at_the_server_defaults(capsys, model, topology):
+    """The full 7B/8B serve programs at the server's default flags, tp=4 (docs/07-preflight.md's tables; minutes of
+    CPU each): the plain decode step and the EAGLE3 step run the Pallas kernel, every program fits."""
+    try:
+        preflight.get_topology(topology)
+    except preflight.PreflightError as e:
+        pytest.skip(str(e))
+    rc = preflight.main(["serve", "--model-path", model, "--tp-size", "4", "--speculative-algorithm", "EAGLE3",
+                         "--programs", "plain,EAGLE3", "--largest-bucket-only", "--topology", topology])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    got = rows(out)
+    assert len(got) == 4 and all(fits for *_, fits in got.values()), out
+    assert out.count("attention: Pallas kernel") == 2, out
+
+
 def test_kernel_query_block_limit_routes_long_prefill_chunks_to_xla():
     """A 512-token prefill chunk of Llama-8B's heads on one of 4 chips (8 q / 2 kv heads x 128, bf16) would put 1 MiB
     of queries in VMEM, which Mosaic refuses (slow test below); the hook runs the XLA path for it. Trees and
