@@ -113,20 +113,27 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None) -> KVCache:
 
 
 def _write_packed(cache: KVCache, k_new, v_new, page, slot, f: int) -> KVCache:
-    """``write`` into a lane-packed pool [L, P, K, Z/f, f*H]: each (layer, page, kv head, slot) row of H lands at row
-    ``slot // f``, lanes ``(slot % f) * H``: still a scatter whose window is H lanes of the minor axis (in place on a
-    TPU; reshaping the pool to [.., Z, H] first would copy it)."""
-    nl, b, t, kh, h = k_new.shape
-    shape = (nl, b, t, kh)
-    idx = jnp.stack([jnp.broadcast_to(a, shape) for a in (
-        jnp.arange(nl, dtype=jnp.int32)[:, None, None, None], page[None, :, :, None],
-        jnp.arange(kh, dtype=jnp.int32)[None, None, None, :], (slot // f)[None, :, :, None],
-        ((slot % f) * h)[None, :, :, None])], axis=-1)  # i32[L, B, T, K, 5]
-    dnums = jax.lax.ScatterDimensionNumbers(update_window_dims=(4,), inserted_window_dims=(0, 1, 2, 3),
-                                            scatter_dims_to_operand_dims=(0, 1, 2, 3, 4))
-    put = lambda pool, new: jax.lax.scatter(pool, idx, new.astype(pool.dtype), dnums, indices_are_sorted=False,
-                                            unique_indices=False, mode=jax.lax.GatherScatterMode.FILL_OR_DROP)
-    return dataclasses.replace(cache, k=put(cache.k, k_new), v=put(cache.v, v_new))
+    """``write`` into a lane-packed pool [L, P, K, Z/f, f*H]: the row of H of (layer, page, kv head, slot) is lanes
+    ``(slot % f) * H`` onward of row ``slot // f``. A scatter of half-rows (a window at a dynamic lane offset) is no
+    native TPU scatter: XLA expands it into a serial loop over every (layer, token, head). So each lane group j is
+    written as whole 128-lane rows (a native in-place scatter, as for unpacked pools): the rows of the tokens whose
+    slot is j mod f are gathered, their group j replaced, and scattered back; the next group reads the result, so
+    two tokens sharing a row both land. Reshaping the pool to [.., Z, H] instead would copy it on a TPU."""
+    nl, _, _, kh, h = k_new.shape
+    layers = jnp.arange(nl)[:, None, None, None]
+    heads = jnp.arange(kh)[None, None, None, :]
+    row = (slot // f)[None, :, :, None]
+    out = []
+    for pool, new in ((cache.k, k_new), (cache.v, v_new)):
+        new = new.astype(pool.dtype)
+        for j in range(f):
+            page_j = jnp.where(slot % f == j, page, jnp.iinfo(jnp.int32).max)  # other groups' tokens are dropped
+            at = (layers, page_j[None, :, :, None], heads, row)  # each broadcasts to [L, B, T, K]
+            rows = pool.at[at].get(mode="clip")  # [L, B, T, K, f*H]; dropped tokens read any row
+            rows = rows.at[..., j * h:(j + 1) * h].set(new)
+            pool = pool.at[at].set(rows, mode="drop")
+        out.append(pool)
+    return dataclasses.replace(cache, k=out[0], v=out[1])
 
 
 def gather_layer(k_pages, v_pages, page_table, head_dim: int | None = None):
