@@ -98,6 +98,25 @@ def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
     assert any("XLA attention path" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
 
 
+def test_packed_pool_write_is_a_native_in_place_scatter():
+    """The K/V write into a lane-packed pool (head dim 64, fp32: [L, P, K, 8, 128]) compiles for TPU to native scatters
+    that update the donated pool in place: no serial loop (a half-row scatter at a dynamic lane offset was expanded
+    into a while loop over every layer x token x head) and no pool-sized temporary."""
+    chip = one_chip("v5e")
+    sh = NamedSharding(Mesh([chip], ("x",)), P())
+    s = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    shape = kv_cache.pool_shape(30, 4097, 3, 16, 64, jnp.float32)
+    assert shape[-2:] == (8, 128)
+    cache = kv_cache.KVCache(k=s(shape), v=s(shape), page_table=s((32, 513), jnp.int32), lengths=s((32,), jnp.int32))
+    write = jax.jit(kv_cache.write, donate_argnums=0)
+    compiled = write.lower(cache, s((30, 32, 8, 3, 64)), s((30, 32, 8, 3, 64)), s((32, 8), jnp.int32),
+                           s((32, 8), jnp.bool_)).compile()
+    text = compiled.as_text()
+    assert "while(" not in text and "scatter(" in text
+    pool_bytes = 2 * np.prod(shape) * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.01 * pool_bytes
+
+
 def test_topology_names():
     one_chip("v4")
     topo = preflight.get_topology("v4-32")
