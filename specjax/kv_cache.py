@@ -3,8 +3,13 @@
 Plain generation uses a contiguous page table (sequence b owns pages [b*pps, (b+1)*pps)); the server hands pages
 out from a free list. Pages are head-major, ``[L, P, K, Z, H]``: one kv head of one page is a contiguous ``[Z, H]``
 block, the shape a TPU tiles without padding for any number of kv heads (the tile covers the page's rows and the
-head dim; with kv heads minor to the slots, 1 or 3 heads would pad to 8 or 16 rows). Either way, a sequence's logical position p lives at page ``page_table[b, p // Z]``, slot
-``p % Z``. Entries past ``lengths[b]`` are garbage (rejected tree tokens, padding) and are never read: attention
+head dim; with kv heads minor to the slots, 1 or 3 heads would pad to 8 or 16 rows). A head dim under the TPU's
+128 lanes (64: SmolLM2) would still pad each row to 128 lanes, and the TPU compiler then stores the pool with the
+page axis minor, which the K/V scatter and the kernel cannot use in place (each step copied the pool twice). Such
+pools are lane-packed: ``[L, P, K, Z / f, f * H]`` with ``f = 128 // H`` slots side by side in one 128-lane row
+(``pack_factor``), the same bytes in the same order as ``[L, P, K, Z, H]`` (a row-major reshape), so only the
+readers change. A sequence's logical position p lives at page ``page_table[b, p // Z]``, slot ``p % Z`` (row
+``slot // f``, lanes ``(slot % f) * H`` onward). Entries past ``lengths[b]`` are garbage (rejected tree tokens, padding) and are never read: attention
 masks keys by ``position < lengths[b]``.
 """
 
@@ -24,18 +29,39 @@ class KVCache:
     page_table: jax.Array  # i32[B, pages_per_seq]  page index of each logical page of each sequence
     lengths: jax.Array  # i32[B]  committed tokens per sequence (positions [0, lengths) are valid)
 
-    @property
-    def page_size(self) -> int:
-        return self.k.shape[3]
 
-    @property
-    def max_len(self) -> int:
-        return self.page_table.shape[1] * self.page_size
+_LANES = 128
 
 
-def pool_shape(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int) -> tuple:
-    """The shape of one K (or V) page pool: [L, P, K, Z, H], head-major pages."""
-    return (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+def pack_factor(head_dim: int, page_size: int, dtype=jnp.float32) -> int:
+    """Slots per 128-lane row of a pool page: ``128 // head_dim`` for head dims under 128 that divide it, when the
+    page's packed rows stay a multiple of the dtype's sublane tile (8 rows fp32, 16 bf16); else 1 (unpacked)."""
+    if head_dim >= _LANES or _LANES % head_dim:
+        return 1
+    f = _LANES // head_dim
+    sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
+    return f if page_size % (f * sublanes) == 0 else 1
+
+
+def pool_shape(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
+               dtype=jnp.float32) -> tuple:
+    """The shape of one K (or V) page pool: [L, P, K, Z, H], head-major pages, lane-packed to
+    [L, P, K, Z / f, f * H] for small head dims (``pack_factor``)."""
+    f = pack_factor(head_dim, page_size, dtype)
+    return (num_layers, num_pages, num_kv_heads, page_size // f, f * head_dim)
+
+
+def page_size_of(pages, head_dim: int) -> int:
+    """The page size (slots per page) of a pool [..., R, W] holding head_dim-wide rows (packed or not)."""
+    return pages.shape[-2] * pages.shape[-1] // head_dim
+
+
+def unpack_pages(pages, head_dim: int):
+    """[..., R, W] pages (lane-packed or not) as [..., Z, H]: a row-major reshape. For gathered blocks only (on a
+    TPU it relayouts what it is given: never hand it the whole pool)."""
+    if pages.shape[-1] == head_dim:
+        return pages
+    return pages.reshape(*pages.shape[:-2], page_size_of(pages, head_dim), head_dim)
 
 
 def init_cache(num_layers: int, num_kv_heads: int, head_dim: int, batch: int, max_len: int, *,
@@ -48,7 +74,7 @@ def init_cache(num_layers: int, num_kv_heads: int, head_dim: int, batch: int, ma
         page_table = jnp.zeros((batch, pps), jnp.int32)  # the caller (server) assigns pages
     else:
         page_table = jnp.arange(batch * pps, dtype=jnp.int32).reshape(batch, pps)
-    shape = pool_shape(num_layers, num_pages, num_kv_heads, page_size, head_dim)
+    shape = pool_shape(num_layers, num_pages, num_kv_heads, page_size, head_dim, dtype)
     return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), page_table=page_table,
                    lengths=jnp.zeros((batch,), jnp.int32))
 
@@ -71,8 +97,11 @@ def slot_indices(page_table, positions, page_size: int, valid=None):
 
 def write(cache: KVCache, k_new, v_new, positions, valid=None) -> KVCache:
     """Scatter new entries into the pool. k_new, v_new: [L, B, T, K, H]; positions: i32[B, T]; valid: bool[B, T]."""
-    page, slot = slot_indices(cache.page_table, positions, cache.page_size, valid)
-    nl, _, _, kh, _ = k_new.shape
+    nl, _, _, kh, h = k_new.shape
+    f = cache.k.shape[-1] // h  # slots per row (lane-packed pools)
+    page, slot = slot_indices(cache.page_table, positions, cache.k.shape[-2] * f, valid)
+    if f > 1:
+        return _write_packed(cache, k_new, v_new, page, slot, f)
     # One row of H per (layer, page, kv head, slot): a scatter whose window is the minor (head_dim) axis, which a
     # TPU performs in the pool's own layout (a window over several axes made XLA scatter into a transposed copy of
     # the whole pool at one kv head per chip).
@@ -83,10 +112,36 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None) -> KVCache:
     return dataclasses.replace(cache, k=k, v=v)
 
 
-def gather_layer(k_pages, v_pages, page_table):
-    """Contiguous view of one layer's cache. k_pages: [P, K, Z, H]; page_table: i32[B, pps] -> [B, pps*Z, K, H] x2."""
+def _write_packed(cache: KVCache, k_new, v_new, page, slot, f: int) -> KVCache:
+    """``write`` into a lane-packed pool [L, P, K, Z/f, f*H]: the row of H of (layer, page, kv head, slot) is lanes
+    ``(slot % f) * H`` onward of row ``slot // f``. A scatter of half-rows (a window at a dynamic lane offset) is no
+    native TPU scatter: XLA expands it into a serial loop over every (layer, token, head). So each lane group j is
+    written as whole 128-lane rows (a native in-place scatter, as for unpacked pools): the rows of the tokens whose
+    slot is j mod f are gathered, their group j replaced, and scattered back; the next group reads the result, so
+    two tokens sharing a row both land. Reshaping the pool to [.., Z, H] instead would copy it on a TPU."""
+    nl, _, _, kh, h = k_new.shape
+    layers = jnp.arange(nl)[:, None, None, None]
+    heads = jnp.arange(kh)[None, None, None, :]
+    row = (slot // f)[None, :, :, None]
+    out = []
+    for pool, new in ((cache.k, k_new), (cache.v, v_new)):
+        new = new.astype(pool.dtype)
+        for j in range(f):
+            page_j = jnp.where(slot % f == j, page, jnp.iinfo(jnp.int32).max)  # other groups' tokens are dropped
+            at = (layers, page_j[None, :, :, None], heads, row)  # each broadcasts to [L, B, T, K]
+            rows = pool.at[at].get(mode="clip")  # [L, B, T, K, f*H]; dropped tokens read any row
+            rows = rows.at[..., j * h:(j + 1) * h].set(new)
+            pool = pool.at[at].set(rows, mode="drop")
+        out.append(pool)
+    return dataclasses.replace(cache, k=out[0], v=out[1])
+
+
+def gather_layer(k_pages, v_pages, page_table, head_dim: int | None = None):
+    """Contiguous view of one layer's cache. k_pages: [P, K, Z, H] (or lane-packed [P, K, Z/f, f*H], with
+    ``head_dim``); page_table: i32[B, pps] -> [B, pps*Z, K, H] x2."""
     b, pps = page_table.shape
-    _, kh, z, h = k_pages.shape
-    k = jnp.swapaxes(k_pages[page_table], 2, 3).reshape(b, pps * z, kh, h)
-    v = jnp.swapaxes(v_pages[page_table], 2, 3).reshape(b, pps * z, kh, h)
+    h = head_dim or k_pages.shape[-1]
+    kh, z = k_pages.shape[1], page_size_of(k_pages, h)
+    k = jnp.swapaxes(unpack_pages(k_pages[page_table], h), 2, 3).reshape(b, pps * z, kh, h)
+    v = jnp.swapaxes(unpack_pages(v_pages[page_table], h), 2, 3).reshape(b, pps * z, kh, h)
     return k, v

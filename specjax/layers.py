@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import gather_layer
+from specjax.kv_cache import gather_layer, page_size_of, unpack_pages
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
@@ -108,7 +108,7 @@ def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm
 def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid, sm_scale):
     """Reference (XLA) attention over the WHOLE gathered paged prefix plus the new tokens (see ``attention``).
     Reads every page of the page table; ``paged_attention`` is the same math over the pages in use."""
-    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)
+    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table, q.shape[-1])
     return attention(q, k, v, mask, k_cache=k_cache, v_cache=v_cache, cache_valid=cache_valid, sm_scale=sm_scale)
 
 
@@ -129,7 +129,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     """
     b, t, n, h = q.shape
     kh = k.shape[2]
-    z = k_pages.shape[-2]
+    z = page_size_of(k_pages, h)  # lane-packed pools [.., Z/f, f*H] (kv_cache.pack_factor) hold Z slots per page
     pps = page_table.shape[1]
     bp = max(1, min(pps, block_tokens // z))  # pages per block
     nblocks_max = -(-pps // bp)
@@ -149,7 +149,8 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     def block(j, carry):
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
         at = cols if layer is None else (layer, cols)
-        kb, vb = k_pages[at], v_pages[at]  # [B, bp, K, Z, H], used in this layout (no transpose of the pages)
+        # [B, bp, K, Z, H], used in this layout (no transpose of the pages; a packed block is unpacked, not the pool)
+        kb, vb = unpack_pages(k_pages[at], h), unpack_pages(v_pages[at], h)
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
         if sliding_window is not None:

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from specjax import configs
+from specjax import configs, kv_cache
 from specjax.kernels.tree_attention import make_cache_attention, tree_attention, tpu_unsupported_reason
 from specjax.kernels.tree_attention import kernel as kernel_lib
 import specjax.kernels.tree_attention as hook_pkg
@@ -33,18 +33,20 @@ def compile_kernel(chip, *, groups, kv_heads, head_dim, t, page_size, dtype, fn=
     sh = NamedSharding(Mesh([chip], ("x",)), P())
     s = lambda shape, dt=dtype: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
     n = groups * kv_heads
+    pool = kv_cache.pool_shape(1, num_pages, kv_heads, page_size, head_dim, dtype)[1:]  # as the server allocates it
     args = (s((b, t, n, head_dim)), s((b, t, kv_heads, head_dim)), s((b, t, kv_heads, head_dim)),
-            s((b, t, t), jnp.bool_), s((num_pages, kv_heads, page_size, head_dim)),
-            s((num_pages, kv_heads, page_size, head_dim)), s((b, pps), jnp.int32), s((b,), jnp.int32))
+            s((b, t, t), jnp.bool_), s(pool), s(pool), s((b, pps), jnp.int32), s((b,), jnp.int32))
     return jax.jit(functools.partial(fn, sm_scale=head_dim ** -0.5)).lower(*args).compile()
 
 
 # (G, K, H, T, Z, dtype): each generation gets head dims 64 and 128, odd and even GQA groups, tree sizes 1 and 64+,
 # page sizes 16 and 128, bf16 and fp32; SmolLM2-135M (9 heads / 3 kv heads, H 64) in fp32 everywhere and in bf16 on
-# v4; one kv head per chip in bf16 (Qwen2.5-7B's 28/4 heads at tp 4) on v5e.
+# v4; one kv head per chip in bf16 (Qwen2.5-7B's 28/4 heads at tp 4) on v5e. Pools are shaped as the server
+# allocates them (kv_cache.pool_shape): head dim 64 is lane-packed (two slots per 128-lane row) in fp32 and in bf16
+# from 32-slot pages, unpacked in bf16 at 16-slot pages (v4's and v5e's bf16 cases at Z=16; v4's at Z=32 packed).
 MATRIX = {
     "v4": [(3, 3, 64, 8, 16, "float32"), (4, 8, 128, 1, 128, "bfloat16"), (7, 2, 64, 80, 16, "bfloat16"),
-           (3, 3, 64, 8, 16, "bfloat16")],
+           (3, 3, 64, 8, 16, "bfloat16"), (3, 3, 64, 8, 32, "bfloat16")],
     "v5e": [(3, 3, 64, 64, 128, "float32"), (1, 8, 128, 80, 16, "bfloat16"), (5, 4, 64, 1, 16, "bfloat16"),
             (7, 1, 128, 8, 16, "bfloat16")],
     "v5p": [(3, 3, 64, 1, 16, "float32"), (8, 1, 128, 64, 128, "float32"), (3, 2, 128, 8, 16, "bfloat16")],
@@ -94,6 +96,25 @@ def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):
                                   fn=lambda *a, sm_scale: hook(*a, sm_scale))
     assert "tpu_custom_call" not in compiled.as_text()
     assert any("XLA attention path" in r.getMessage() and reason in r.getMessage() for r in caplog.records)
+
+
+def test_packed_pool_write_is_a_native_in_place_scatter():
+    """The K/V write into a lane-packed pool (head dim 64, fp32: [L, P, K, 8, 128]) compiles for TPU to native scatters
+    that update the donated pool in place: no serial loop (a half-row scatter at a dynamic lane offset was expanded
+    into a while loop over every layer x token x head) and no pool-sized temporary."""
+    chip = one_chip("v5e")
+    sh = NamedSharding(Mesh([chip], ("x",)), P())
+    s = lambda shape, dt=jnp.float32: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
+    shape = kv_cache.pool_shape(30, 4097, 3, 16, 64, jnp.float32)
+    assert shape[-2:] == (8, 128)
+    cache = kv_cache.KVCache(k=s(shape), v=s(shape), page_table=s((32, 513), jnp.int32), lengths=s((32,), jnp.int32))
+    write = jax.jit(kv_cache.write, donate_argnums=0)
+    compiled = write.lower(cache, s((30, 32, 8, 3, 64)), s((30, 32, 8, 3, 64)), s((32, 8), jnp.int32),
+                           s((32, 8), jnp.bool_)).compile()
+    text = compiled.as_text()
+    assert "while(" not in text and "scatter(" in text
+    pool_bytes = 2 * np.prod(shape) * 4
+    assert compiled.memory_analysis().temp_size_in_bytes < 0.01 * pool_bytes
 
 
 def test_topology_names():

@@ -119,6 +119,51 @@ def test_kernel_reads_one_layer_of_a_stacked_pool(name):
         ref_tree_attention(*args, sm_scale=h ** -0.5, layer=3)
 
 
+@pytest.mark.parametrize("name", ["decode-like T=1, N=K", "T=5, odd K", "bf16, N=4K"])
+def test_lane_packed_pool_gives_the_same_attention(name):
+    """A pool of head dim 64 lane-packed as the server allocates it on any backend ([P, K, Z/2, 128]:
+    kv_cache.pack_factor; the same bytes, a row-major reshape): kernel, reference and the XLA path read it as the
+    unpacked pool (the kernel folds even and odd slots separately: equal up to rounding), NaN slots included, one
+    layer or the stacked pool at a layer."""
+    t, kh, g, h, z, pps, lengths, pb, dtype = CASES[name]
+    args = make_case(21, t=t, kv_heads=kh, groups=g, head_dim=h, page_size=z, pages_per_seq=pps, lengths=lengths,
+                     dtype=dtype)
+    scale = h ** -0.5
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    want = tree_attention(*args, sm_scale=scale, interpret=INTERPRET, pages_per_block=pb)
+    packed = [p.reshape(p.shape[0], kh, z // 2, 2 * h) for p in args[4:6]]
+    pargs = args[:4] + packed + args[6:]
+    assert kv_cache.page_size_of(packed[0], h) == z
+    got = tree_attention(*pargs, sm_scale=scale, interpret=INTERPRET, pages_per_block=pb)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
+    stacked = [jnp.stack([jnp.full_like(p, jnp.nan), p]) for p in packed]
+    got = tree_attention(*args[:4], *stacked, *args[6:], sm_scale=scale, interpret=INTERPRET, pages_per_block=pb,
+                         layer=1)
+    np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
+    for fn in (functools.partial(ref_attention, sm_scale=scale),
+               lambda *a: layers.paged_attention(*a, None, scale, block_tokens=2 * z)):
+        np.testing.assert_allclose(np.asarray(fn(*pargs), np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
+
+
+def test_write_into_a_lane_packed_pool():
+    """kv_cache.write scatters rows of head_dim into the packed pool where the unpacked pool has them (dropped
+    entries and out-of-table positions included)."""
+    rng = np.random.default_rng(3)
+    nl, kh, h, b, z = 2, 3, 64, 2, 16
+    assert kv_cache.pool_shape(nl, 12, kh, z, h, jnp.float32) == (nl, 12, kh, z // 2, 2 * h)
+    assert kv_cache.pool_shape(nl, 12, kh, z, h, jnp.bfloat16) == (nl, 12, kh, z, h)  # 8-row bf16 tiles: unpacked
+    assert kv_cache.pool_shape(nl, 12, kh, z, 128, jnp.float32) == (nl, 12, kh, z, 128)
+    packed = kv_cache.init_cache(nl, kh, h, b, 64, page_size=z, dtype=jnp.float32, num_pages=12)
+    assert packed.k.shape == (nl, 12, kh, z // 2, 2 * h)
+    plain = dataclasses.replace(packed, k=packed.k.reshape(nl, 12, kh, z, h), v=packed.v.reshape(nl, 12, kh, z, h))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((nl, b, 70, kh, h)), jnp.float32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32)[None], (b, 70))  # 64.. fall off the table
+    valid = jnp.asarray(rng.random((b, 70)) < 0.7)
+    got, want = (kv_cache.write(c, k_new, v_new, positions, valid) for c in (packed, plain))
+    np.testing.assert_array_equal(np.asarray(got.k).reshape(want.k.shape), np.asarray(want.k))
+    np.testing.assert_array_equal(np.asarray(got.v).reshape(want.v.shape), np.asarray(want.v))
+
+
 def test_reference_and_layers_attention_agree_on_a_full_cache():
     """Lengths at full capacity (every slot visible) through both oracles; the kernel is covered above."""
     args = make_case(7, t=5, kv_heads=2, groups=2, head_dim=64, page_size=4, pages_per_seq=2, lengths=[8, 8])

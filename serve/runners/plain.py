@@ -65,8 +65,8 @@ class PlainRunner:
     # ---- device state --------------------------------------------------------------------------------------------
     def init_state(self) -> PlainState:
         c = self.cfg
-        shape = kv_cache.pool_shape(c.num_layers, self.num_pages, c.num_kv_heads, self.page_size, c.head_dim)
         dt = jnp.dtype(c.dtype)
+        shape = kv_cache.pool_shape(c.num_layers, self.num_pages, c.num_kv_heads, self.page_size, c.head_dim, dt)
         k = jnp.zeros(shape, dt)
         v = jnp.zeros(shape, dt)
         if self.mesh is not None:

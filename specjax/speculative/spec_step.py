@@ -88,7 +88,7 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
     cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, batch, max_len,
                                 page_size=page_size, dtype=dtype, num_pages=num_pages)
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
-    shape = kv_cache.pool_shape(nl, cache.k.shape[1], kh, cache.page_size, hd)
+    shape = kv_cache.pool_shape(nl, cache.k.shape[1], kh, page_size, hd, dtype)
     return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
                      last_token=jnp.zeros((batch,), jnp.int32),
                      root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),

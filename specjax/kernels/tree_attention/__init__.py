@@ -10,6 +10,7 @@ import jax.numpy as jnp
 from jax.sharding import PartitionSpec as P
 
 from specjax.kernels.tree_attention.kernel import ref_tree_attention, tpu_unsupported_reason, tree_attention
+from specjax.kv_cache import page_size_of
 from specjax.layers import paged_attention
 from specjax.sharding import active_mesh
 
@@ -49,12 +50,13 @@ def make_cache_attention(impl: str = "auto", sliding_window: int | None = None, 
         return None
 
     def cache_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=None):
-        # k_pages, v_pages: one layer's pool [P, K, Z, H], or every layer's [L, P, K, Z, H] with ``layer``
+        # k_pages, v_pages: one layer's pool [P, K, Z, H], or every layer's [L, P, K, Z, H] with ``layer`` (either
+        # lane-packed [.., Z/f, f*H] for small head dims: kv_cache.pack_factor)
         mesh = active_mesh()
         split = head_split(mesh, q.shape[2], k.shape[2])
         if on_tpu:  # the kernel sees one shard's heads
-            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3], k_pages.shape[-2],
-                                            k_pages.dtype, tree_tokens=q.shape[1])
+            reason = tpu_unsupported_reason(q.shape[2] // split, k.shape[2] // split, q.shape[3],
+                                            page_size_of(k_pages, q.shape[3]), k_pages.dtype, tree_tokens=q.shape[1])
             if reason is not None:
                 if reason not in _warned:
                     _warned.add(reason)

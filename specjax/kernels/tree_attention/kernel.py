@@ -10,7 +10,9 @@ Kernel layout, per grid step (one sequence b):
 - the T new keys/values arrive as [K, Tp, H] blocks and the tree mask as bits (i32[Tp, ceil(Tp/32)]);
 - cache pages are DMA'd from HBM ``pages_per_block`` at a time into a double buffer (the next block streams in
   while the current one is used), each page whole ([K, Z, H]: head-major, so each head's rows land contiguous in a
-  [K, block, H] buffer) and only if it holds committed tokens;
+  [K, block, H] buffer) and only if it holds committed tokens; lane-packed pools ([K, Z/f, f*H], f slots per
+  128-lane row for small head dims: ``kv_cache.pack_factor``) are read as they are, each lane group j of the rows
+  being the keys of slots f*r + j;
 - flash-style online softmax in fp32 across the tree block and the page blocks, state kept in VMEM scratch.
 """
 
@@ -24,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from specjax.kv_cache import gather_layer
+from specjax.kv_cache import gather_layer, page_size_of
 
 MASK_VALUE = -1e30  # finite (like layers.NEG_INF): a row that sees nothing yet stays finite, never NaN
 _LANES = 128  # running max / sum are stored lane-broadcast, one full vreg row per query row
@@ -70,11 +72,11 @@ def validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, *, sm_
     if not (mask.dtype == jnp.bool_ or jnp.issubdtype(mask.dtype, jnp.integer)):
         raise ValueError(f"mask must be bool (or integer 0/1), got {mask.dtype}")
     if k_pages.ndim != 4:
-        raise ValueError(f"k_pages must be [P, K, Z, H], got shape {k_pages.shape}")
+        raise ValueError(f"k_pages must be [P, K, Z, H] (or lane-packed [P, K, Z/f, f*H]), got shape {k_pages.shape}")
     if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
         raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages {k_pages.shape} {k_pages.dtype}")
-    if (k_pages.shape[1], k_pages.shape[3]) != (kh, h):
-        raise ValueError(f"pages must be [P, K={kh}, Z, H={h}], got {k_pages.shape}")
+    if k_pages.shape[1] != kh or k_pages.shape[3] % h:
+        raise ValueError(f"pages must be [P, K={kh}, Z, H={h}] (or [P, K, Z/f, f*H]), got {k_pages.shape}")
     if k_pages.dtype not in _DTYPES:
         raise ValueError(f"cache pages must be float32 or bfloat16, got {k_pages.dtype}")
     if k_pages.shape[0] < 1 or k_pages.shape[2] < 1:
@@ -110,7 +112,7 @@ def ref_tree_attention(q,  # [B, T, N, H]
         k_pages, v_pages = k_pages[layer], v_pages[layer]
     b, t, n, _ = q.shape
     g = n // k.shape[2]
-    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table)  # [B, S, K, H]
+    k_cache, v_cache = gather_layer(k_pages, v_pages, page_table, q.shape[-1])  # [B, S, K, H]
     s = k_cache.shape[1]
     seen = jnp.arange(s)[None, :] < lengths[:, None]  # bool[B, S]
     keys = jnp.concatenate([k_cache.astype(q.dtype), k], axis=1)  # [B, S+T, K, H]
@@ -154,11 +156,11 @@ def _tree_attention_kernel(
         k_new_ref,  # [K, Tp, H]
         v_new_ref,  # [K, Tp, H]
         mask_ref,  # i32[Tp, W]  bit-packed tree mask
-        k_hbm,  # [L, P, K, Z, H]  key pool of every layer (HBM, read in place)
-        v_hbm,  # [L, P, K, Z, H]  value pool
+        k_hbm,  # [L, P, K, R, W]  key pool of every layer (HBM, read in place): R = Z / f rows of W = f * H lanes
+        v_hbm,  # [L, P, K, R, W]  value pool
         page_table_hbm,  # i32[B, pps]  (HBM: the whole table can exceed SMEM at long contexts)
         o_ref,  # [K, G*Tp, H]
-        k_buf,  # [2, K, pages_per_block * Z, H] VMEM double buffer, head-major
+        k_buf,  # [2, K, pages_per_block * R, W] VMEM double buffer, head-major
         v_buf,
         sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
         table_ref,  # i32[pps]  this sequence's row of the page table (SMEM)
@@ -168,7 +170,11 @@ def _tree_attention_kernel(
         acc_ref,  # f32[K, G*Tp, H]  running numerator
         *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
     b = pl.program_id(0)
-    _, num_pages, num_kv, page_size, _ = k_hbm.shape
+    _, num_pages, num_kv, page_rows, lanes = k_hbm.shape
+    head_dim = q_ref.shape[2]
+    pack = lanes // head_dim  # slots per pool row (1: unpacked)
+    page_size = page_rows * pack
+    block_rows = pages_per_block * page_rows
     layer = jnp.clip(layer_ref[0], 0, k_hbm.shape[0] - 1)
     rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
     groups = rows // padded_t
@@ -188,7 +194,7 @@ def _tree_attention_kernel(
             idx = blk * pages_per_block + j
             page = table_ref[jnp.minimum(idx, pages_per_seq - 1)]
             page = jnp.clip(page, 0, num_pages - 1)
-            rows = pl.ds(j * page_size, page_size)  # the page [K, Z, H] lands in rows j*Z.. of every head
+            rows = pl.ds(j * page_rows, page_rows)  # the page [K, R, W] lands in rows j*R.. of every head
             copies = [pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, :, rows], sems.at[0, slot]),
                       pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, :, rows], sems.at[1, slot])]
             out.append((idx < used_pages, copies))
@@ -253,13 +259,16 @@ def _tree_attention_kernel(
             start_block(blk + 1, 1 - slot)
 
         wait_block(blk, slot)
-        # Slots past the committed length may hold anything (NaN): mask their scores and zero their values.
-        key_pos = blk * block_tokens + lax.broadcasted_iota(jnp.int32, (1, block_tokens), 1)
-        value_pos = blk * block_tokens + lax.broadcasted_iota(jnp.int32, (block_tokens, 1), 0)
+        # Slots past the committed length may hold anything (NaN): mask their scores and zero their values. Row r of
+        # the block holds slots pack*r .. pack*r + pack-1, lane group j the slot pack*r + j.
+        key_pos = blk * block_tokens + pack * lax.broadcasted_iota(jnp.int32, (1, block_rows), 1)
+        value_pos = blk * block_tokens + pack * lax.broadcasted_iota(jnp.int32, (block_rows, 1), 0)
         for h in range(num_kv):
-            s = jnp.where(key_pos < length, scores(h, k_buf[slot, h]), MASK_VALUE)
-            values = jnp.where(value_pos < length, v_buf[slot, h].astype(jnp.float32), 0.0)
-            update(h, s, values.astype(v_new_ref.dtype), first=False)
+            for j in range(pack):
+                lanes_j = pl.ds(j * head_dim, head_dim)
+                s = jnp.where(key_pos + j < length, scores(h, k_buf[slot, h, :, lanes_j]), MASK_VALUE)
+                values = jnp.where(value_pos + j < length, v_buf[slot, h, :, lanes_j].astype(jnp.float32), 0.0)
+                update(h, s, values.astype(v_new_ref.dtype), first=False)
         return carry
 
     lax.fori_loop(0, num_blocks, page_block, 0)
@@ -325,7 +334,8 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     b, t, n, h = q.shape
     kh = k.shape[2]
     g = n // kh
-    z = k_pages.shape[3]
+    z = page_size_of(k_pages, h)  # slots per page (lane-packed pools: rows x slots per row)
+    page_rows, lanes = k_pages.shape[3:]
     pps = page_table.shape[1]
     pb = _pages_per_block(pages_per_block, z, pps)
     # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
@@ -342,7 +352,7 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
             + 4 * kh * (g + 1) * tp * h * jnp.dtype(q.dtype).itemsize + kh * g * tp * (2 * _LANES + h) * 4)
     vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
 
-    buf_shape = (2, kh, pb * z, h)
+    buf_shape = (2, kh, pb * page_rows, lanes)
     kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
                                pages_per_seq=pps)
     per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))
