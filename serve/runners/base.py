@@ -12,10 +12,13 @@ Implementations:
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any, Protocol
 
+import jax.numpy as jnp
 import numpy as np
 
+from specjax import prompt_logprobs as prompt_logprobs_lib, sampling
 from specjax.sampling import SamplingRow
 
 
@@ -42,3 +45,26 @@ class Runner(Protocol):
 
     def release(self, state: Any, slot: int) -> Any:
         """Mark the slot free (its pages are returned by the scheduler)."""
+
+
+class RunnerCommon:
+    """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh`` and ``_lengths`` (the host
+    mirror of the slots' committed lengths)."""
+
+    def step_at_zero(self, state, active: np.ndarray):
+        """A step of the ``active`` slots at length 0 over the scratch page (warmup): compiles the step's shape
+        without touching any live slot, and leaves those slots empty."""
+        self._lengths[active] = 0
+        state, _, _ = self.step(state, active)
+        self._lengths[active] = 0
+        lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
+        return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
+
+    def logprobs(self, state):
+        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
+        return sampling.read_logprobs(state.sampling)
+
+    def prompt_logprobs(self, tokens, temperature: float):
+        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
+        return prompt_logprobs_lib.prompt_logprobs(self.target_params, self.target_cfg, tokens, temperature,
+                                                   self.mesh)

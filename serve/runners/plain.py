@@ -20,11 +20,12 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh
 
-from specjax import kv_cache, plain_step as decode, prompt_logprobs, sampling
+from specjax import kv_cache, plain_step as decode, sampling
 from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
+from specjax.serve.runners.base import RunnerCommon
 from specjax.sharding import put_kv_pool, use_mesh
 
 log = logging.getLogger("specjax.serve")
@@ -38,7 +39,7 @@ class PlainState:
     last: jax.Array  # i32[B] last emitted token of each slot (the next decode input)
 
 
-class PlainRunner:
+class PlainRunner(RunnerCommon):
     """Plain decoding over a paged pool shared by ``max_batch`` slots."""
 
     tokens_per_step = 1
@@ -61,6 +62,14 @@ class PlainRunner:
         self._seeds = sampling.Seeds()
         self._prefill_jit = jax.jit(self._prefill, static_argnames=("npages",), donate_argnums=(1,))
         self._step_jit = jax.jit(self._step, static_argnames=("nb", "npages"), donate_argnums=(1,))
+
+    @property
+    def target_params(self):
+        return self.params
+
+    @property
+    def target_cfg(self) -> ModelConfig:
+        return self.cfg
 
     # ---- device state --------------------------------------------------------------------------------------------
     def init_state(self) -> PlainState:
@@ -156,14 +165,6 @@ class PlainRunner:
         self._lengths[idx] += 1
         return state, tokens, active.astype(np.int32)
 
-    def logprobs(self, state):
-        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
-        return sampling.read_logprobs(state.sampling)
-
-    def prompt_logprobs(self, tokens, temperature: float):
-        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
-        return prompt_logprobs.prompt_logprobs(self.params, self.cfg, tokens, temperature, self.mesh)
-
     def release(self, state, slot: int):
         self._lengths[slot] = 0
         self._active[slot] = False
@@ -180,16 +181,7 @@ class PlainRunner:
         for nb in self.batch_buckets:
             active = np.zeros((self.max_batch,), bool)
             active[nb - 1] = True
-            state = self._step_only(state, active)
+            state = self.step_at_zero(state, active)
         log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {len(self.batch_buckets)} decode shapes in "
                f"{time.perf_counter() - t0:.1f}s")
-        return state
-
-    def _step_only(self, state, active):
-        # Decode at length 0 over the scratch page: compiles the shape without touching any live slot.
-        self._lengths[active] = 0
-        state, _, _ = self.step(state, active)
-        self._lengths[active] = 0
-        state = dataclasses.replace(state, cache=dataclasses.replace(
-            state.cache, lengths=jnp.where(jnp.asarray(active), 0, state.cache.lengths)))
         return state

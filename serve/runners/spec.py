@@ -16,12 +16,13 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from specjax import prompt_logprobs, sampling as sampling_lib
+from specjax import sampling as sampling_lib
 from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_bucket, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
 from specjax.models import target
+from specjax.serve.runners.base import RunnerCommon
 from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
@@ -102,7 +103,7 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
         **{f: getattr(state, f).at[:nb].set(getattr(view, f)) for f in _ROW_FIELDS}), toks, counts
 
 
-class SpecRunner:
+class SpecRunner(RunnerCommon):
     """EAGLE3 / EAGLE speculative decoding behind the ``Runner`` protocol (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
     index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step.
@@ -243,33 +244,17 @@ class SpecRunner:
             for running in fewest.values():
                 active = np.zeros((self.max_batch,), bool)
                 active[nb - running:nb] = True  # the bucket's highest slot runs, so the step takes this bucket
-                state = self._step_at_zero(state, active)
+                state = self.step_at_zero(state, active)
                 steps += 1
         log_fn(f"warmup: compiled {len(buckets)} prefill and {steps} speculative step shapes in "
                f"{time.perf_counter() - t0:.1f}s")
         return state
-
-    def _step_at_zero(self, state, active):
-        # A step at length 0 over the scratch page: compiles the shape without touching any live slot.
-        self._lengths[active] = 0
-        state, _, _ = self.step(state, active)
-        self._lengths[active] = 0
-        lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
-        return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
 
     def shape_for(self, running: int) -> step_lib.SpecConfig | None:
         """The tree shape of a step with ``running`` requests (None: a target-only step)."""
         if self.batch_shapes is None:
             return self.scfg
         return shape_for(self.batch_shapes, running)
-
-    def logprobs(self, state):
-        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
-        return sampling_lib.read_logprobs(state.sampling)
-
-    def prompt_logprobs(self, tokens, temperature: float):
-        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
-        return prompt_logprobs.prompt_logprobs(self.target_params, self.target_cfg, tokens, temperature, self.mesh)
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0
