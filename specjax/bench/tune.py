@@ -135,7 +135,9 @@ class TuneOptions(TargetRunOptions):
     speculative_token_map: str | None = option(None, help="FR-Spec hot-token list for EAGLE heads")
     batch_sizes: tuple[int, ...] = option((1, 4, 16), help="batch sizes to tune, one table each")
     shapes: tuple[tuple[int, int, int], ...] = option(tuple(_parse_shape(s) for s in DEFAULT_SHAPES),
-                                                      type=_parse_shape, metavar="STEPS,TOPK,DRAFT")
+                                                      type=_parse_shape, metavar="STEPS,TOPK,DRAFT",
+                                                      help="tree shapes to measure (num_steps,eagle_topk,"
+                                                           "num_draft_tokens; default: the six of the issue table)")
     prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
     num_prompts: int = option(16, help="prompts per measurement")
     max_new_tokens: int = option(128, help="tokens generated per prompt")
