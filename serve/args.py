@@ -144,9 +144,8 @@ class ServerArgs:
     @property
     def speculative_tokens_per_step(self) -> int:
         """Most tokens one step can emit per request (the page reserve ahead of each sequence)."""
-        shapes = [(self.speculative_num_steps, 0, 0)] + [s for s in (self.speculative_batch_shapes or {}).values()
-                                                         if s is not None]
-        return max(s[0] for s in shapes) + 1
+        steps = [s[0] for s in (self.speculative_batch_shapes or {}).values() if s is not None]
+        return max([self.speculative_num_steps, *steps]) + 1
 
     def use_default_pair(self) -> bool:
         """No model and no speculative flags: serve the default pair (SmolLM2-135M-Instruct with the EAGLE3 head

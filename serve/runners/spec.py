@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_bucket, pow2_buckets
+from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
@@ -138,6 +138,7 @@ class SpecRunner(RunnerCommon):
             num_pages
         self.tokens_per_step = max(c.tokens_per_step for c in shapes)
         self.prefill_chunk = prefill_chunk
+        self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, prefill_chunk)
         self.batch_buckets = pow2_buckets(1, max_batch)
         self.page_buckets = page_buckets(page_size, pages_per_seq)
         self._seeds = sampling_lib.Seeds()
@@ -185,7 +186,7 @@ class SpecRunner(RunnerCommon):
         first = 0
         pos = 0
         while pos < len(rest):
-            t = pow2_bucket(len(rest) - pos, MIN_PREFILL_BUCKET, self.prefill_chunk)
+            t = pick(self.prefill_buckets, min(len(rest) - pos, self.prefill_chunk))
             seg = rest[pos:pos + t]
             m = len(seg)
             toks = np.zeros((1, t), np.int32)
@@ -232,8 +233,7 @@ class SpecRunner(RunnerCommon):
         t0 = time.perf_counter()
         row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
         greedy = sampling_lib.SamplingRow(temperature=0.0)
-        buckets = pow2_buckets(MIN_PREFILL_BUCKET, self.prefill_chunk)
-        for t in buckets:
+        for t in self.prefill_buckets:
             state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
             state = self.release(state, 0)
         steps = 0
@@ -246,7 +246,7 @@ class SpecRunner(RunnerCommon):
                 active[nb - running:nb] = True  # the bucket's highest slot runs, so the step takes this bucket
                 state = self.step_at_zero(state, active)
                 steps += 1
-        log_fn(f"warmup: compiled {len(buckets)} prefill and {steps} speculative step shapes in "
+        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {steps} speculative step shapes in "
                f"{time.perf_counter() - t0:.1f}s")
         return state
 
