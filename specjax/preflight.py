@@ -479,7 +479,6 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
-    from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, pow2_buckets
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.serve.runners import spec as spec_runner
     args, cfg = setup.args, setup.tcfg
@@ -494,8 +493,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
-    buckets = sorted({pow2_bucket(t, MIN_PREFILL_BUCKET, plan.prefill_chunk)
-                      for t in pow2_buckets(MIN_PREFILL_BUCKET, plan.prefill_chunk)})
+    buckets = runner.prefill_buckets
     reports = []
     for t in (buckets if all_buckets else buckets[-1:]):
         reports.append(_compile(setup, f"{algorithm} prefill T={t}", _attention_used(setup, t),
