@@ -95,32 +95,43 @@ def slot_indices(page_table, positions, page_size: int, valid=None):
     return page, positions % page_size
 
 
-def write(cache: KVCache, k_new, v_new, positions, valid=None) -> KVCache:
-    """Scatter new entries into the pool. k_new, v_new: [L, B, T, K, H]; positions: i32[B, T]; valid: bool[B, T]."""
-    nl, _, _, kh, h = k_new.shape
+def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) -> KVCache:
+    """Scatter new entries into the pool. k_new, v_new: [L, B, T, K, H], or one layer's [B, T, K, H] with ``layer``
+    (an int or traced scalar); positions: i32[B, T]; valid: bool[B, T].
+
+    A donated pool is updated in place only where every read of it comes before the scatter in the data flow.
+    Model layers therefore write their own K/V before their attention reads the pool (``layer``; see
+    ``target.forward(write_valid=...)``): a write of every layer after the forward does not follow the last layer's
+    reads, and XLA:CPU then copied the whole pool twice per step.
+    """
+    if layer is not None:
+        k_new, v_new = k_new[None], v_new[None]
+        layer_ids = jnp.reshape(jnp.asarray(layer, jnp.int32), (1, 1, 1, 1))
+    else:
+        layer_ids = jnp.arange(k_new.shape[0])[:, None, None, None]
+    kh, h = k_new.shape[3:]
     f = cache.k.shape[-1] // h  # slots per row (lane-packed pools)
     page, slot = slot_indices(cache.page_table, positions, cache.k.shape[-2] * f, valid)
     if f > 1:
-        return _write_packed(cache, k_new, v_new, page, slot, f)
+        return _write_packed(cache, k_new, v_new, layer_ids, page, slot, f)
     # One row of H per (layer, page, kv head, slot): a scatter whose window is the minor (head_dim) axis, which a
     # TPU performs in the pool's own layout (a window over several axes made XLA scatter into a transposed copy of
     # the whole pool at one kv head per chip).
-    at = (jnp.arange(nl)[:, None, None, None], page[None, :, :, None], jnp.arange(kh)[None, None, None, :],
+    at = (layer_ids, page[None, :, :, None], jnp.arange(kh)[None, None, None, :],
           slot[None, :, :, None])  # each broadcasts to [L, B, T, K]
     k = cache.k.at[at].set(k_new.astype(cache.k.dtype), mode="drop")
     v = cache.v.at[at].set(v_new.astype(cache.v.dtype), mode="drop")
     return dataclasses.replace(cache, k=k, v=v)
 
 
-def _write_packed(cache: KVCache, k_new, v_new, page, slot, f: int) -> KVCache:
+def _write_packed(cache: KVCache, k_new, v_new, layer_ids, page, slot, f: int) -> KVCache:
     """``write`` into a lane-packed pool [L, P, K, Z/f, f*H]: the row of H of (layer, page, kv head, slot) is lanes
     ``(slot % f) * H`` onward of row ``slot // f``. A scatter of half-rows (a window at a dynamic lane offset) is no
     native TPU scatter: XLA expands it into a serial loop over every (layer, token, head). So each lane group j is
     written as whole 128-lane rows (a native in-place scatter, as for unpacked pools): the rows of the tokens whose
     slot is j mod f are gathered, their group j replaced, and scattered back; the next group reads the result, so
     two tokens sharing a row both land. Reshaping the pool to [.., Z, H] instead would copy it on a TPU."""
-    nl, _, _, kh, h = k_new.shape
-    layers = jnp.arange(nl)[:, None, None, None]
+    kh, h = k_new.shape[3:]
     heads = jnp.arange(kh)[None, None, None, :]
     row = (slot // f)[None, :, :, None]
     out = []
@@ -128,7 +139,7 @@ def _write_packed(cache: KVCache, k_new, v_new, page, slot, f: int) -> KVCache:
         new = new.astype(pool.dtype)
         for j in range(f):
             page_j = jnp.where(slot % f == j, page, jnp.iinfo(jnp.int32).max)  # other groups' tokens are dropped
-            at = (layers, page_j[None, :, :, None], heads, row)  # each broadcasts to [L, B, T, K]
+            at = (layer_ids, page_j[None, :, :, None], heads, row)  # each broadcasts to [L, B, T, K]
             rows = pool.at[at].get(mode="clip")  # [L, B, T, K, f*H]; dropped tokens read any row
             rows = rows.at[..., j * h:(j + 1) * h].set(new)
             pool = pool.at[at].set(rows, mode="drop")

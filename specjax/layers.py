@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import gather_layer, page_size_of, unpack_pages
+from specjax.kv_cache import gather_layer, page_size_of, unpack_pages, write as kv_write
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
@@ -202,12 +202,24 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]
 
 
-def cache_attend(mask, cache=None, kernel: Callable | None = None) -> AttendFn:
-    """Per-layer ``attend`` of a draft head's layer loop: layer i reads ``cache.k[i]`` / ``cache.v[i]`` (a
-    ``kv_cache.KVCache``; None: no cache). sm_scale is head_dim ** -0.5."""
-    def attend_layer(i, q, k, v):
+class CacheAttend:
+    """Per-layer ``attend`` of a draft head's layer loop, an ``AttendFn``: layer i reads ``cache.k[i]`` /
+    ``cache.v[i]`` (a ``kv_cache.KVCache``; None: no cache). sm_scale is head_dim ** -0.5.
+
+    write: (positions i32[B, T], valid bool[B, T]): layer i first writes its new K/V there (``kv_cache.write``), so
+    that its reads follow the scatter and a donated pool is updated in place; ``.cache`` is then the written cache
+    (lengths unchanged)."""
+
+    def __init__(self, mask, cache=None, kernel: Callable | None = None, write=None):
+        if write is not None and cache is None:
+            raise ValueError("CacheAttend: write needs a cache")
+        self.mask, self.cache, self.kernel, self.write = mask, cache, kernel, write
+
+    def __call__(self, i, q, k, v):
         scale = q.shape[-1] ** -0.5
-        if cache is None:
-            return attend(q, k, v, mask, scale)
-        return attend(q, k, v, mask, scale, cache.k, cache.v, cache.page_table, cache.lengths, kernel=kernel, layer=i)
-    return attend_layer
+        c = self.cache
+        if c is None:
+            return attend(q, k, v, self.mask, scale)
+        if self.write is not None:
+            c = self.cache = kv_write(c, k, v, *self.write, layer=i)
+        return attend(q, k, v, self.mask, scale, c.k, c.v, c.page_table, c.lengths, kernel=self.kernel, layer=i)

@@ -27,11 +27,11 @@ def prefill(params: target.TargetParams, cfg: ModelConfig, cache: kv_cache.KVCac
     last = jnp.maximum(n - 1, 0)[:, None]  # i32[B, 1]
     out = target.forward(params, cfg, tokens, positions, cache=cache, valid=valid, mask=layers.causal_mask(valid),
                          aux_layers=aux_layers, logits_at=None if all_logits else last,
-                         return_hidden=return_hidden, return_kv=True, cache_attention=cache_attention)
-    cache = kv_cache.write(cache, out.k_new, out.v_new, positions, valid)
-    cache = dataclasses.replace(cache, lengths=cache.lengths + n)
+                         return_hidden=return_hidden, return_kv=False, cache_attention=cache_attention,
+                         write_valid=valid)
+    cache = dataclasses.replace(out.cache, lengths=cache.lengths + n)
     logits = out.logits if all_logits else out.logits[:, 0]
-    return cache, dataclasses.replace(out, logits=logits, k_new=None, v_new=None)
+    return cache, dataclasses.replace(out, logits=logits, cache=None)
 
 
 def decode(params: target.TargetParams, cfg: ModelConfig, cache: kv_cache.KVCache, tokens, active, *,

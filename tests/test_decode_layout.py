@@ -7,10 +7,13 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from spec_models import random_models, tiny_config
 
 from specjax import generate as gen, kv_cache, layers, plain_step as decode, sampling
 from specjax.config import ModelConfig
 from specjax.models import target
+from specjax.serve.runners import spec as spec_runner
+from specjax.serve.runners.plain import PlainRunner
 
 # Odd sizes so that every weight matrix has a shape no activation of a batch-1 step has.
 HF = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=80, intermediate_size=176,
@@ -119,3 +122,58 @@ def test_paged_attention_matches_whole_table_reference(window, block_tokens):
     rows = valid[:, :, None, None]  # padded queries are never read
     np.testing.assert_allclose(jnp.where(rows, out, 0), jnp.where(rows, ref, 0), rtol=2e-5, atol=2e-5)
     assert bool(jnp.isfinite(out).all())
+
+
+def pool_copies(hlo: str, *pools) -> list[str]:
+    """Instructions of an optimized HLO module that copy a whole KV pool (of one of the ``pools``' shapes)."""
+    shapes = {",".join(map(str, p.shape)) for p in pools}
+    out = []
+    for line in hlo.splitlines():
+        m = _INST.match(line)
+        if m and m.group(2) in shapes and m.group(3) == "copy":
+            out.append(line.strip()[:160])
+    return out
+
+
+def _write_after_forward(params, cfg, cache, tokens):
+    """The layout the runners had: the forward reads the pool, then every layer's K/V is scattered in after it."""
+    positions = cache.lengths[:, None]
+    out = target.forward(params, cfg, tokens[:, None], positions, cache=cache, return_kv=True,
+                         logits_at=jnp.zeros((1, 1), jnp.int32))
+    return kv_cache.write(cache, out.k_new, out.v_new, positions), out.logits
+
+
+def test_server_steps_write_the_kv_pool_in_place(model):
+    """The runners' programs update the donated pools in place: no copy of a whole pool per step (XLA:CPU copied
+    the pool twice per step when the K/V were written after the forward, so a step cost grew with the pool)."""
+    cfg, params = model
+    active = np.zeros((2,), bool)
+    active[0] = True
+    plain = PlainRunner(cfg, params, max_batch=2, pages_per_seq=8, page_size=16, num_pages=97, attention_impl="xla")
+    st = plain.init_state()
+    old = jax.jit(_write_after_forward, static_argnums=(1,), donate_argnums=(2,))
+    view = kv_cache.KVCache(k=st.cache.k, v=st.cache.v, page_table=st.cache.page_table[:1],
+                            lengths=st.cache.lengths[:1])
+    assert pool_copies(old.lower(plain.params, cfg, view, jnp.zeros((1,), jnp.int32)).compile().as_text(),
+                       st.cache.k), "the detector must see the copies of a write after the forward"
+    hlo = plain._step_jit.lower(plain.params, st, active, nb=1, npages=4).compile().as_text()
+    assert pool_copies(hlo, st.cache.k) == []
+    row = sampling.SamplingBatch.make(1, vocab=cfg.vocab_size)
+    hlo = plain._prefill_jit.lower(plain.params, st, np.int32(0), np.zeros((16,), np.int32), np.int32(3), np.int32(0),
+                                   np.zeros((8,), np.int32), row, npages=4).compile().as_text()
+    assert pool_copies(hlo, st.cache.k) == []
+
+    tcfg = tiny_config(vocab=96, hidden=48, layers=2)
+    tp, e3 = random_models(tcfg)[:2]
+    spec = spec_runner.SpecRunner(tcfg, tp, "EAGLE3", *e3, num_steps=2, topk=1, num_draft_tokens=3, max_batch=2,
+                                  pages_per_seq=8, page_size=16, num_pages=97, attention_impl="xla", prefill_chunk=16)
+    st = spec.init_state()
+    for draft_tokens in (True, False):  # a speculative step and a target-only step
+        hlo = spec_runner._step_rows.lower(spec.target_params, tcfg, spec.draft, spec.scfg, st, active, nb=1,
+                                           npages=4, draft_tokens=draft_tokens).compile().as_text()
+        assert pool_copies(hlo, st.cache.k, st.draft_k) == []
+    chunk = (np.int32(0), np.zeros((1, 16), np.int32), np.zeros((1, 16), np.int32), np.ones((1, 16), bool),
+             np.ones((1,), bool), np.zeros((1,), np.int32))
+    hlo = spec_runner._prefill_slot.lower(spec.target_params, tcfg, spec.draft, spec.scfg, st,
+                                          *chunk).compile().as_text()
+    assert pool_copies(hlo, st.cache.k, st.draft_k) == []

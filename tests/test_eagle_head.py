@@ -64,7 +64,7 @@ def test_forward_matches_torch_reference(reference):
     assert cfg.num_layers == 1 and params.layers[0].input_norm is None
     mask = jnp.tril(jnp.ones((T, T), bool))[None].repeat(2, 0)
     h, k, v = eagle.forward(params, cfg, jnp.asarray(reference["emb"]), jnp.asarray(reference["feat"]),
-                            jnp.asarray(reference["pos"], jnp.int32), layers.cache_attend(mask))
+                            jnp.asarray(reference["pos"], jnp.int32), layers.CacheAttend(mask))
     np.testing.assert_allclose(np.asarray(h), reference["out"], atol=1e-4, rtol=1e-4)
     assert k.shape == (1, 2, T, K, H // N)
     # The generic draft adapter computes the same thing.

@@ -194,7 +194,7 @@ def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):
 
 def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, attend: layers.AttendFn):
     """One draft step over T new tokens. emb: [B, T, H] target embeddings of the tokens; hidden: [B, T, H] incoming
-    hidden (fc(aux) or fed-back h); positions: i32[B, T]; attend: the per-layer attention (``layers.cache_attend``).
+    hidden (fc(aux) or fed-back h); positions: i32[B, T]; attend: the per-layer attention (``layers.CacheAttend``).
     Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd])."""
     h = hidden.astype(params.norm.dtype)
     emb = emb.astype(h.dtype)

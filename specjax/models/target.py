@@ -27,7 +27,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import layers
+from specjax import kv_cache, layers
 from specjax.models import random_params
 from specjax.config import ModelConfig, default_aux_layer_ids
 from specjax.kv_cache import KVCache
@@ -134,6 +134,7 @@ class ForwardOut:
     hidden: jax.Array | None  # [B, T, D] final hidden state after the final norm (input of lm_head)
     k_new: jax.Array | None  # [L, B, T, K, H] keys of the new tokens (to be written into the cache)
     v_new: jax.Array | None  # [L, B, T, K, H]
+    cache: KVCache | None = None  # with ``write_valid``: the cache holding the new tokens' K/V (lengths unchanged)
 
 
 AttentionFn = Callable[..., jax.Array]
@@ -158,7 +159,7 @@ def compute_logits(params: TargetParams, hidden):
 def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,
             mask=None, valid=None, aux_layers: tuple[int, ...] | None = None, logits_at=None,
             return_logits: bool = True, return_hidden: bool = False, return_kv: bool | None = None,
-            cache_attention: AttentionFn | None = None) -> ForwardOut:
+            cache_attention: AttentionFn | None = None, write_valid=None) -> ForwardOut:
     """Run the decoder over new tokens.
 
     tokens, positions: i32[B, T]. valid: bool[B, T] real tokens (default all). mask: bool[B, T, T] which new keys
@@ -169,6 +170,9 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     cache_attention: replaces the XLA cache attention, e.g. the Pallas tree-attention kernel on TPU. Contract:
       ``fn(q [B,T,N,H], k [B,T,K,H], v, mask bool[B,T,T], k_pages [P,Z,K,H], v_pages, page_table i32[B,pps],
       lengths i32[B], sm_scale) -> [B,T,N,H]``: queries see cached positions < lengths[b] plus new keys under mask.
+    write_valid: bool[B, T] with ``cache``: each layer writes the K/V of these tokens at ``positions`` into the pool
+      before its attention reads the pool (``ForwardOut.cache``; lengths are the caller's to advance). Every read
+      then follows the scatter, so a donated pool is written in place (``kv_cache.write``).
     params: stacked layers run under ``lax.scan``; unstacked ones (``unstack_layers``) run unrolled. Same outputs.
     """
     b, t = tokens.shape
@@ -189,12 +193,15 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         if not 0 <= lid < cfg.num_layers:
             raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
 
-    def layer(h, lp, index):
-        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention)
+    if write_valid is not None and cache is None:
+        raise ValueError("write_valid needs a cache")
+
+    def layer(h, lp, index, cache):
+        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
     run = _run_unrolled if is_unstacked(params) else _run_scanned
-    h, aux, kv = run(layer, params.layers, x, cache, requested, cfg.num_layers, return_kv)
+    h, aux, kv, cache = run(layer, params.layers, x, cache, requested, cfg.num_layers, return_kv)
 
     hidden = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps)  # [B, T, D]
     logits = None
@@ -206,12 +213,14 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     if requested:
         aux_out = jnp.moveaxis(aux, 0, 2).reshape(b, t, len(requested) * cfg.hidden_size)  # [B, T, 3*D]
     return ForwardOut(logits=logits, aux=aux_out, hidden=hidden if return_hidden else None,
-                      k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None)
+                      k_new=kv[0] if kv is not None else None, v_new=kv[1] if kv is not None else None,
+                      cache=cache if write_valid is not None else None)
 
 
-def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention):
-    """Decoder layer ``index`` over h [B, T, D] -> (h, k, v) with k, v [B, T, K, H] the new tokens' keys and values
-    (``index`` is traced under the layer scan; the cache pools are read whole, at that layer)."""
+def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention, write_valid):
+    """Decoder layer ``index`` over h [B, T, D] -> (h, k, v, cache) with k, v [B, T, K, H] the new tokens' keys and
+    values (``index`` is traced under the layer scan; the cache pools are read whole, at that layer; with
+    ``write_valid`` the layer's K/V are written into them first)."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     sm_scale = cfg.head_dim ** -0.5
     y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
@@ -226,6 +235,8 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     q = layers.apply_rope(q, positions, inv_freq)
     k = layers.apply_rope(k, positions, inv_freq)
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
+    if write_valid is not None:
+        cache = kv_cache.write(cache, k, v, positions, write_valid, layer=index)
     kv = (None,) * 4 if cache is None else (cache.k, cache.v, cache.page_table, cache.lengths)
     o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
                       kernel=cache_attention, layer=None if cache is None else index)
@@ -235,21 +246,21 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     h = h + jnp.einsum("btf,fd->btd", o.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
-    return constrain(h, ("batch", "seq", "embed")), k, v
+    return constrain(h, ("batch", "seq", "embed")), k, v, cache
 
 
 def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
-    """Layers one after another (per-layer weights read in place). Returns (h, aux [A, B, T, D] | None, kv)."""
+    """Layers one after another (per-layer weights read in place). Returns (h, aux [A, B, T, D] | None, kv, cache)."""
     if len(layer_params) != num_layers:
         raise ValueError(f"params hold {len(layer_params)} layers; the config says {num_layers}")
     h, outs, ks, vs = x, {}, [], []
     for i, lp in enumerate(layer_params):
-        h, k, v = layer(h, lp, i)
+        h, k, v, cache = layer(h, lp, i, cache)
         outs[i] = h
         ks.append(k), vs.append(v)
     aux = jnp.stack([outs[lid] for lid in requested]) if requested else None
     kv = (jnp.stack(ks), jnp.stack(vs)) if return_kv else None
-    return h, aux, kv
+    return h, aux, kv, cache
 
 
 def _run_scanned(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
@@ -261,18 +272,18 @@ def _run_scanned(layer, layer_params, x, cache, requested, num_layers: int, retu
         aux_slot[lid] = i
 
     def body(carry, xs):
-        h, aux = carry
+        h, aux, cache = carry  # the cache rides in the carry: layers that write it update it in place
         lp, slot, index = xs
-        h, k, v = layer(h, lp, index)
+        h, k, v, cache = layer(h, lp, index, cache)
         if aux is not None:
             idx = jnp.maximum(slot, 0)
             upd = jnp.where(slot >= 0, h, aux[idx])
             aux = jax.lax.dynamic_update_index_in_dim(aux, upd, idx, 0)
-        return (h, aux), ((k, v) if return_kv else None)
+        return (h, aux, cache), ((k, v) if return_kv else None)
 
     aux0 = jnp.zeros((len(unique),) + x.shape, x.dtype) if unique else None
     xs = (layer_params, jnp.asarray(aux_slot), jnp.arange(num_layers, dtype=jnp.int32))
-    (h, aux), kv = jax.lax.scan(body, (x, aux0), xs)
+    (h, aux, cache), kv = jax.lax.scan(body, (x, aux0, cache), xs)
     if unique and tuple(unique) != requested:
         aux = aux[np.asarray([unique.index(lid) for lid in requested])]  # [len(requested), B, T, D]
-    return h, aux, kv
+    return h, aux, kv, cache

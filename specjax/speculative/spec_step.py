@@ -123,11 +123,11 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # i32[B, T]
     lastidx = jnp.maximum(n - 1, 0)
     mask = layers.causal_mask(valid)
-    out = target.forward(tparams, tcfg, tokens, positions, cache=cache, valid=valid, mask=mask,
-                         logits_at=lastidx[:, None], return_kv=True, cache_attention=scfg.cache_attention,
-                         **draft_lib.target_kwargs(draft))
     wvalid = valid if write_from is None else valid & (positions >= write_from[:, None])
-    new_cache = kv_cache.write(cache, out.k_new, out.v_new, positions, wvalid)
+    out = target.forward(tparams, tcfg, tokens, positions, cache=cache, valid=valid, mask=mask,
+                         logits_at=lastidx[:, None], return_kv=False, cache_attention=scfg.cache_attention,
+                         write_valid=wvalid, **draft_lib.target_kwargs(draft))
+    new_cache = out.cache
     first, sb = sampling_lib.sample_next(out.logits[:, 0], state.sampling)
     sb = _where_rows(last, sb, state.sampling)
     at_last = (jnp.arange(t)[None, :] == lastidx[:, None]) & last[:, None]
@@ -135,9 +135,9 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     emb = target.embed_tokens(tparams, nxt)
     feat = draft_lib.target_features(draft, out)
     dcache = draft_cache(state)
-    h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
-                                  layers.cache_attend(mask, dcache, scfg.cache_attention))
-    dcache = kv_cache.write(dcache, dk, dv, positions, valid)
+    attend = layers.CacheAttend(mask, dcache, scfg.cache_attention, write=(positions, valid))
+    h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend)
+    dcache = attend.cache
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
     h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
     last_token, root_h = _where_rows(last & (n > 0), (first, h_last.astype(state.root_h.dtype)),
@@ -212,9 +212,9 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     feat = draft_lib.project(draft, raw)
     emb = target.embed_tokens(tparams, acc.tokens)
     dcache = draft_cache(state)
-    h, dk, dv = draft_lib.forward(draft, emb, feat, positions,
-                                  layers.cache_attend(layers.causal_mask(valid), dcache, scfg.cache_attention))
-    dcache = kv_cache.write(dcache, dk, dv, positions, valid)
+    attend = layers.CacheAttend(layers.causal_mask(valid), dcache, scfg.cache_attention, write=(positions, valid))
+    h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend)
+    dcache = attend.cache
     h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + jnp.where(active, acc.accept_len + 1, 0))
     last_token, root_h, sb = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), sb),
