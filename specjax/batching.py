@@ -31,9 +31,14 @@ def pick(buckets: list[int], need: int) -> int:
     raise ValueError(f"{need} exceeds the largest bucket {buckets[-1]}")
 
 
-def page_buckets(page_size: int, pages_per_seq: int) -> list[int]:
-    """Page-table widths a serving step is compiled for (powers of two from ``MIN_PAGE_BUCKET_TOKENS`` worth of
-    pages): attention reads only the pages a row holds, so a wider view costs little and saves compiles."""
+def page_buckets(page_size: int, pages_per_seq: int, xla_path: bool = False) -> list[int]:
+    """Page-table widths a serving step is compiled for. Attention reads only the pages a row holds, so a wider view
+    costs little. On the XLA path (``xla_path``: ``layers.paged_attention``, whose loop runs over the blocks the
+    longest row holds) one width, the whole table: a server then compiles every program at warmup and none while
+    serving (a SmolLM2 batch-1 decode step measured the same at 32 and 256 columns). The Pallas kernel copies each
+    row of the view into SMEM, so it gets powers of two from ``MIN_PAGE_BUCKET_TOKENS`` worth of pages."""
+    if xla_path:
+        return [pages_per_seq]
     return pow2_buckets(max(1, -(-MIN_PAGE_BUCKET_TOKENS // page_size)), pages_per_seq)
 
 

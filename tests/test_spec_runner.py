@@ -110,9 +110,9 @@ def test_runner_on_a_tp_dp_mesh_matches_one_device(setup):
 
 
 def test_tree_shape_follows_the_running_batch(setup):
-    """batch_shapes (bench tune's table): 1 running -> (3,2,5), 2 -> a (2,1,3) chain, 3 -> target-only steps (one
-    token each, the draft kept in step); the draft drafts again once the batch shrinks, and every request's output
-    is still plain greedy."""
+    """batch_shapes (bench tune's table), by the step's batch bucket (here the number of running slots, packed at
+    the front): 1 -> (3,2,5), 2 -> a (2,1,3) chain, 3 -> target-only steps (one token each, the draft kept in
+    step); the draft drafts again once the batch shrinks, and every request's output is still plain greedy."""
     cfg, tp, _ = setup
     _, _, e3, _ = bigram_models(cfg, seed=3)
     runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=3,
@@ -149,8 +149,8 @@ def test_tree_shape_follows_the_running_batch(setup):
 
 
 def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
-    """warmup: every prefill bucket, and per batch bucket each tree shape the running counts below it take (here
-    nb=1: (3,2,5); nb=2: (3,2,5) and (2,1,3); nb=3: those and target-only), leaving no slot in use."""
+    """warmup: every prefill bucket, and each batch bucket's step in its tree shape (nb=1: (3,2,5); nb=2: (2,1,3);
+    nb=3: target-only), leaving no slot in use."""
     cfg, tp, _ = setup
     _, _, e3, _ = bigram_models(cfg, seed=3)
     runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=3,
@@ -158,7 +158,7 @@ def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
                         batch_shapes={1: (3, 2, 5), 2: (2, 1, 3), 3: None})
     lines = []
     state = runner.warmup(runner.init_state(), log_fn=lines.append)
-    assert "compiled 1 prefill and 6 speculative step shapes" in lines[0]
+    assert "compiled 1 prefill and 3 step shapes" in lines[0]
     assert np.asarray(state.cache.lengths).tolist() == [0, 0, 0] and not runner._lengths.any()
     prompt = [5, 9, 2, 7]
     state, first = runner.prefill(state, 1, np.asarray(prompt), np.arange(PPS, 2 * PPS), {"temperature": 0.0})

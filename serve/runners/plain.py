@@ -5,8 +5,8 @@ Shapes are bucketed so that a handful of compiled programs cover every request m
   (16 .. max_prefill_tokens);
 - decode runs the first ``nb`` slots only (nb = power of two covering the highest active slot; the scheduler hands
   out the lowest free slot first, so the running batch stays packed at the front);
-- both read only the first ``np`` page-table columns (np = power of two covering the longest active sequence),
-  so attention over the XLA reference path costs what the sequences hold, not the context length.
+- both see ``np`` page-table columns (``batching.page_buckets``: the whole table on the XLA path, a power of two
+  covering the longest active sequence for the Pallas kernel); attention reads what the sequences hold either way.
 """
 
 from __future__ import annotations
@@ -55,7 +55,7 @@ class PlainRunner(RunnerCommon):
         max_tokens = pages_per_seq * page_size
         self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, min(max(max_prefill_tokens, 1), max_tokens))
         self.batch_buckets = pow2_buckets(1, max_batch)
-        self.page_buckets = page_buckets(page_size, pages_per_seq)
+        self.page_buckets = page_buckets(page_size, pages_per_seq, xla_path=self.cache_attention is None)
         self._lengths = np.zeros((max_batch,), np.int64)  # host mirror of cache lengths, for bucketing
         self._active = np.zeros((max_batch,), bool)
         self._compiled: set = set()
@@ -171,7 +171,8 @@ class PlainRunner(RunnerCommon):
         return state
 
     def warmup(self, state, log_fn=log.info):
-        """Compile every prefill bucket and every batch bucket at the shortest page bucket; returns the state."""
+        """Compile every prefill bucket and every batch bucket at the shortest page bucket (the only one on the XLA
+        path); returns the state."""
         t0 = time.perf_counter()
         row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
         greedy = sampling.SamplingRow(temperature=0.0)

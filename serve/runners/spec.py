@@ -109,10 +109,13 @@ class SpecRunner(RunnerCommon):
     index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step.
 
     ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table) makes the
-    tree follow the running batch: each step takes the entry of the largest listed size not above the number of
-    running requests (``tune.shape_for``), and None runs ``target_step`` (plain decoding that keeps the draft in
-    step), so a batch large enough to be compute-bound stops paying for trees it cannot use. Every shape runs on
-    one state sized for the widest of them; the output is the same token for token whatever shape a step takes."""
+    tree follow the running batch: each step takes the entry of the largest listed size not above the step's batch
+    bucket ``nb`` (``tune.shape_for``), and None runs ``target_step`` (plain decoding that keeps the draft in step),
+    so a batch large enough to be compute-bound stops paying for trees it cannot use. The bucket, not the number of
+    running requests, because a step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost
+    of an nb-row tree step, so the speedup over an nb-row plain step is the same for any r, and ``bench tune``
+    measured it with every row running. Every shape runs on one state sized for the widest of them; the output is
+    the same token for token whatever shape a step takes."""
 
     def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,
                  draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
@@ -140,7 +143,7 @@ class SpecRunner(RunnerCommon):
         self.prefill_chunk = prefill_chunk
         self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, prefill_chunk)
         self.batch_buckets = pow2_buckets(1, max_batch)
-        self.page_buckets = page_buckets(page_size, pages_per_seq)
+        self.page_buckets = page_buckets(page_size, pages_per_seq, xla_path=attend is None)
         self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
         # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
@@ -215,7 +218,7 @@ class SpecRunner(RunnerCommon):
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
         npages = pick(self.page_buckets, -(-longest // self.page_size))
-        scfg = self.shape_for(len(idx))
+        scfg = self.shape_for(nb)
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
                                              state, jnp.asarray(active), nb=nb, npages=npages,
@@ -228,33 +231,27 @@ class SpecRunner(RunnerCommon):
         return state, tokens, num
 
     def warmup(self, state, log_fn=log.info):
-        """Compile every prefill bucket, and the step of every batch bucket at the shortest page bucket in each tree
-        shape that bucket can run (the shapes tuned for 1..nb running requests); returns the state."""
+        """Compile every prefill bucket, and the step of every batch bucket (in its tree shape) at the shortest page
+        bucket (the only one on the XLA path); returns the state."""
         t0 = time.perf_counter()
         row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
         greedy = sampling_lib.SamplingRow(temperature=0.0)
         for t in self.prefill_buckets:
             state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
             state = self.release(state, 0)
-        steps = 0
         for nb in self.batch_buckets:
-            fewest = {}  # tree shape -> the fewest running requests that take it
-            for n in range(1, nb + 1):
-                fewest.setdefault(self.shape_for(n), n)
-            for running in fewest.values():
-                active = np.zeros((self.max_batch,), bool)
-                active[nb - running:nb] = True  # the bucket's highest slot runs, so the step takes this bucket
-                state = self.step_at_zero(state, active)
-                steps += 1
-        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {steps} speculative step shapes in "
+            active = np.zeros((self.max_batch,), bool)
+            active[nb - 1] = True  # the bucket's highest slot runs, so the step takes this bucket (and its shape)
+            state = self.step_at_zero(state, active)
+        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {len(self.batch_buckets)} step shapes in "
                f"{time.perf_counter() - t0:.1f}s")
         return state
 
-    def shape_for(self, running: int) -> step_lib.SpecConfig | None:
-        """The tree shape of a step with ``running`` requests (None: a target-only step)."""
+    def shape_for(self, nb: int) -> step_lib.SpecConfig | None:
+        """The tree shape of a step over batch bucket ``nb`` (None: a target-only step)."""
         if self.batch_shapes is None:
             return self.scfg
-        return shape_for(self.batch_shapes, running)
+        return shape_for(self.batch_shapes, nb)
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

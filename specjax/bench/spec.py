@@ -157,10 +157,10 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     f_step = jax.jit(step_lib.spec_step, **st)
     f_plain = jax.jit(decode.decode, static_argnames=("cfg",))
     tree = f_draft(tparams, draft, scfg, state)
-    out = f_verify(tparams, tcfg, draft, scfg, state, tree)
+    out = f_verify(tparams, tcfg, draft, scfg, state, tree, active)
     acc, sb = f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps, may_sample=False)
     return dict(draft=_median(lambda: f_draft(tparams, draft, scfg, state), repeats),
-                verify=_median(lambda: f_verify(tparams, tcfg, draft, scfg, state, tree), repeats),
+                verify=_median(lambda: f_verify(tparams, tcfg, draft, scfg, state, tree, active), repeats),
                 accept=_median(lambda: f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps,
                                                 may_sample=False), repeats),
                 commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
