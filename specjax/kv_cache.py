@@ -126,24 +126,37 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
 
 def _write_packed(cache: KVCache, k_new, v_new, layer_ids, page, slot, f: int) -> KVCache:
     """``write`` into a lane-packed pool [L, P, K, Z/f, f*H]: the row of H of (layer, page, kv head, slot) is lanes
-    ``(slot % f) * H`` onward of row ``slot // f``. A scatter of half-rows (a window at a dynamic lane offset) is no
-    native TPU scatter: XLA expands it into a serial loop over every (layer, token, head). So each lane group j is
-    written as whole 128-lane rows (a native in-place scatter, as for unpacked pools): the rows of the tokens whose
-    slot is j mod f are gathered, their group j replaced, and scattered back; the next group reads the result, so
-    two tokens sharing a row both land. Reshaping the pool to [.., Z, H] instead would copy it on a TPU."""
+    ``(slot % f) * H`` onward of row ``slot // f``.
+
+    On a TPU, a scatter of half-rows (a window at a dynamic lane offset) is no native scatter: XLA expands it into a
+    serial loop over every (layer, token, head), and reshaping the pool to [.., Z, H] would copy it. So each lane
+    group j is written as whole 128-lane rows (a native in-place scatter, as for unpacked pools): the rows of the
+    tokens whose slot is j mod f are gathered, their group j replaced, and scattered back; the next group reads the
+    result, so two tokens sharing a row both land. Elsewhere (CPU, GPU: row-major buffers) the reshape is free and
+    one scatter per pool does it: the TPU way costs 4f kernels per layer, and XLA:CPU maps memory per kernel (with
+    the K/V written layer by layer, a SmolLM2 step program then held twice the memory maps, and a process
+    compiling many programs ran out of them). ``lax.platform_dependent`` picks the way when lowering, so a TPU
+    program compiled on a CPU host (``specjax.preflight``) gets the TPU way."""
     kh, h = k_new.shape[3:]
-    heads = jnp.arange(kh)[None, None, None, :]
-    row = (slot // f)[None, :, :, None]
-    out = []
-    for pool, new in ((cache.k, k_new), (cache.v, v_new)):
-        new = new.astype(pool.dtype)
+
+    def tpu(pool, new):
+        heads = jnp.arange(kh)[None, None, None, :]
+        row = (slot // f)[None, :, :, None]
         for j in range(f):
             page_j = jnp.where(slot % f == j, page, jnp.iinfo(jnp.int32).max)  # other groups' tokens are dropped
             at = (layer_ids, page_j[None, :, :, None], heads, row)  # each broadcasts to [L, B, T, K]
             rows = pool.at[at].get(mode="clip")  # [L, B, T, K, f*H]; dropped tokens read any row
             rows = rows.at[..., j * h:(j + 1) * h].set(new)
             pool = pool.at[at].set(rows, mode="drop")
-        out.append(pool)
+        return pool
+
+    def row_major(pool, new):
+        flat = pool.reshape(*pool.shape[:3], pool.shape[3] * f, h)  # [L, P, K, Z, H]: the same bytes
+        at = (layer_ids, page[None, :, :, None], jnp.arange(kh)[None, None, None, :], slot[None, :, :, None])
+        return flat.at[at].set(new, mode="drop").reshape(pool.shape)
+
+    out = [jax.lax.platform_dependent(pool, new.astype(pool.dtype), tpu=tpu, default=row_major)
+           for pool, new in ((cache.k, k_new), (cache.v, v_new))]
     return dataclasses.replace(cache, k=out[0], v=out[1])
 
 

@@ -163,11 +163,12 @@ def test_server_steps_write_the_kv_pool_in_place(model):
                                    np.zeros((8,), np.int32), row, npages=4).compile().as_text()
     assert pool_copies(hlo, st.cache.k) == []
 
-    tcfg = tiny_config(vocab=96, hidden=48, layers=2)
+    tcfg = tiny_config(vocab=96, hidden=256, layers=2)  # head dim 64: a lane-packed pool (the plain one is not)
     tp, e3 = random_models(tcfg)[:2]
     spec = spec_runner.SpecRunner(tcfg, tp, "EAGLE3", *e3, num_steps=2, topk=1, num_draft_tokens=3, max_batch=2,
                                   pages_per_seq=8, page_size=16, num_pages=97, attention_impl="xla", prefill_chunk=16)
     st = spec.init_state()
+    assert st.cache.k.shape[-1] == 128 and st.draft_k.shape[-1] == 128
     for draft_tokens in (True, False):  # a speculative step and a target-only step
         hlo = spec_runner._step_rows.lower(spec.target_params, tcfg, spec.draft, spec.scfg, st, active, nb=1,
                                            npages=4, draft_tokens=draft_tokens).compile().as_text()

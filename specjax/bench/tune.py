@@ -25,6 +25,8 @@ import platform
 import sys
 import time
 
+import jax
+
 from specjax.bench.common import TargetRunOptions, write_json
 from specjax.bench.spec import load_prompts, load_target
 from specjax.cli import option, options_parser, parse_into
@@ -91,6 +93,9 @@ def tune(args) -> dict:
                     num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw)
                 return out, int(sum(info["verify_steps"]))
             t, outs, steps = _time_groups(run, groups)
+            # Each shape compiles a program per prompt bucket, and XLA:CPU maps memory for every kernel of every
+            # live program: free this shape's before the next (a long sweep ran out of memory maps otherwise).
+            jax.clear_caches()
             n = sum(len(o) for o in outs)
             same = sum(a == p for a, p in zip(outs, plain_out)) if args.temperature == 0 else None
             row = dict(batch_size=b, shape=list(shape), tok_s=n / t, speedup=(n / t) / plain["tok_s"],
