@@ -196,7 +196,8 @@ def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, 
     The root (node 0: the last emitted token, at the committed length) is accepted whatever happens, so each layer
     writes its K/V into the pool of the ``active`` rows before reading it (``ForwardOut.cache``): then the reads
     follow a write, as in a plain decode step, which XLA:CPU runs twice as fast as reads straight from the entry
-    buffer (a target-only step at batch 16: 104 -> ... ms). The other nodes are written by ``commit_phase``."""
+    buffer (SmolLM2, a target-only step at batch 16: 104.5 -> 46.9 ms; plain 48.8). The other nodes are written
+    by ``commit_phase``."""
     m = tree.tokens.shape[1]
     root = (jnp.arange(m)[None, :] == 0) & active[:, None]  # bool[B, M]
     return target.forward(tparams, tcfg, tree.tokens, tree.positions, cache=state.cache, mask=tree.mask,
