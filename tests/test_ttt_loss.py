@@ -71,6 +71,7 @@ def reference(params, cfg, embed, aux, ids, loss_mask, attn_mask, logits, t2d, t
     cache = [([], []) for _ in p.layers]  # per layer: keys / values of every step so far, [B, T, K, Hd] each
     out = {"ploss": [], "acc": [], "acc_all": [], "pm": [], "chain": []}
     run = _pad_shift(np.asarray(loss_mask, np.float64) * am, 1)  # positions valid at step 0, all steps correct so far
+    lead = np.zeros_like(run)  # leading correct steps per position
     for k in range(ttt_length):
         s = k + 1
         ids_k = _pad_shift(np.asarray(ids), s)
@@ -116,13 +117,33 @@ def reference(params, cfg, embed, aux, ids, loss_mask, attn_mask, logits, t2d, t
         hit = lm * (used[draft.argmax(-1)] == top)
         correct = hit.sum()
         run = run * hit
+        lead += run
         out["chain"].append(run.sum())
         out["acc"].append(correct / max(lm.sum(), 1))
         out["acc_all"].append(correct / (b * t))
         out["pm"].append(pm)
     out["loss"] = sum(decay ** k * l for k, l in enumerate(out["ploss"]))
     out["accept_len"] = 1 + sum(out["chain"]) / max(_pad_shift(np.asarray(loss_mask, np.float64) * am, 1).sum(), 1)
+    out["lead"] = lead
+    rounds, tokens = walk_rounds(lead, _pad_shift(np.asarray(loss_mask, np.float64) * am, 1) > 0)
+    out["serving_accept_len"] = tokens / max(rounds, 1)
     return out
+
+
+def walk_rounds(lead, start):
+    """A greedy chain server, one position at a time: a round at t emits lead[t] + 1 tokens, the next starts at
+    t + lead[t] + 1; positions where no round may start are passed over."""
+    rounds = tokens = 0
+    for row_lead, row_start in zip(np.asarray(lead), np.asarray(start)):
+        t = 0
+        while t < len(row_lead):
+            if row_start[t]:
+                rounds += 1
+                tokens += int(row_lead[t]) + 1
+                t += int(row_lead[t]) + 1
+            else:
+                t += 1
+    return rounds, tokens
 
 
 # ---- fixtures ----------------------------------------------------------------------------------------------------
@@ -162,6 +183,7 @@ def test_ttt_forward_matches_reference(ttt_length, num_layers):
         assert ref["pm"][k].sum() > 0
     assert float(m["valid_tokens"]) == float(_pad_shift(lm.astype(float) * am, 1).sum())
     np.testing.assert_allclose(float(m["accept_len"]), ref["accept_len"], atol=1e-6)
+    np.testing.assert_allclose(float(m["serving_accept_len"]), ref["serving_accept_len"], atol=1e-6)
     # later steps see less valid data: the shifted masks are nested
     assert [float(m[f"acc_{k}_allpos"]) <= float(m[f"acc_{k}"]) for k in range(ttt_length)] == [True] * ttt_length
 
@@ -170,9 +192,40 @@ def test_accept_len_counts_leading_correct_steps():
     """accept_len = 1 + mean over step-0-valid positions of the number of LEADING correct steps: a position whose
     step 0 is wrong adds nothing even when later steps are right."""
     stats = {"ce_sum": jnp.zeros(3), "valid": jnp.asarray([4.0, 4.0, 4.0]), "positions": jnp.asarray(8.0),
-             "correct": jnp.asarray([3.0, 2.0, 2.0]), "chain": jnp.asarray([3.0, 2.0, 1.0])}
+             "correct": jnp.asarray([3.0, 2.0, 2.0]), "chain": jnp.asarray([3.0, 2.0, 1.0]),
+             "rounds": jnp.asarray(2.0), "round_tokens": jnp.asarray(5.0)}
     m = ttt.finalize_metrics(stats, 0.8)
     np.testing.assert_allclose(float(m["accept_len"]), 1 + 6 / 4)
+    np.testing.assert_allclose(float(m["serving_accept_len"]), 5 / 2)
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_serving_rounds_walk_the_sequence_like_a_server(seed):
+    """The pointer-doubling walk equals a position-by-position server walk: prompts, padding, several answer
+    segments per row (multi-turn), leads up to the rollout length and running past the end."""
+    rng = np.random.default_rng(seed)
+    b, t = 5, 37 + seed
+    lead = rng.integers(0, 8, size=(b, t)).astype(np.float32)
+    lead[:, : t // 3] = np.where(rng.random((b, t // 3)) < 0.2, 7, 0)  # long accepted runs early on
+    start = rng.random((b, t)) < 0.8
+    start[0, :10] = False  # a prompt
+    start[1, 20:] = False  # padding
+    start[2] = False  # an empty row
+    rounds, tokens = jax.jit(ttt.serving_rounds)(jnp.asarray(lead), jnp.asarray(start))
+    want_rounds, want_tokens = walk_rounds(lead, start)
+    assert (float(rounds), float(tokens)) == (want_rounds, want_tokens)
+    assert want_rounds < start.sum()  # the walk really skips positions inside accepted runs
+
+
+def test_serving_prediction_is_below_the_position_average_when_difficulty_varies():
+    """Half the answer hard (lead 0), half easy (lead 7): averaged over positions a round would emit 1 + 3.5 = 4.5
+    tokens, but a server spends 16 one-token rounds on the hard half and 2 eight-token rounds on the easy half:
+    32 tokens in 18 rounds, 1.78 per round (tau is a token-weighted harmonic mean of lead + 1)."""
+    lead = np.asarray([[0.0] * 16 + [7.0] * 16], np.float32)
+    start = np.ones_like(lead, bool)
+    rounds, tokens = ttt.serving_rounds(jnp.asarray(lead), jnp.asarray(start))
+    assert (float(rounds), float(tokens)) == (18.0, 32.0) == walk_rounds(lead, start)
+    assert 1 + lead.mean() == 4.5
 
 
 def test_padding_and_tail_do_not_leak():

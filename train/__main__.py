@@ -554,7 +554,8 @@ def log_eval(run: Run, step: int) -> None:
     n = run.cfg.training.ttt_length
     accs = " ".join(f"{em[f'eval_acc_{k}']:.3f}" for k in range(n) if f"eval_acc_{k}" in em)
     run.log.info(f"eval at step {step}: loss {em['eval_loss']:.4f} acc_0..{n - 1} {accs} predicted chain accept "
-                 f"length {em.get('eval_accept_len', float('nan')):.2f}")
+                 f"length {em.get('eval_serving_accept_len', float('nan')):.2f} served "
+                 f"({em.get('eval_accept_len', float('nan')):.2f} averaged over positions)")
 
 
 if __name__ == "__main__":

@@ -25,6 +25,14 @@ steps 0..k-1, step k's inputs (the true tokens) are exactly what a chain draft w
 the target's greedy output (as in regenerated data), so ``1 + sum_k chain[k] / valid[0]`` is the expected number of
 tokens per verify step of a greedy chain draft of ``ttt_length`` steps (``accept_len``; the first k terms for k steps).
 
+That average weighs every position equally, but a server does not draft from every position: a round starting at t
+emits lead[t] + 1 tokens (``lead[t]``: the leading correct steps at t) and the next round starts at t + lead[t] + 1.
+Served tau is tokens / rounds, so a hard stretch (one token per round) costs a round per token while an easy one
+costs a round per lead + 1 tokens: tau behaves like a token-weighted harmonic mean of lead + 1, and falls below the
+arithmetic mean above once difficulty varies along the answer (a better head widens the spread).
+``serving_accept_len`` walks each sequence as a greedy chain server would (:func:`serving_rounds`) and divides the
+tokens its rounds emit by their number: the prediction to compare with a served tau.
+
 Accuracy: ``acc_k`` = correct / positions with ``loss_mask`` set (valid positions, including those whose target
 argmax lies outside the draft vocab, which the draft cannot get right), where correct means
 ``argmax(draft) + d2t[argmax(draft)] == argmax(target)``. ``acc_k_allpos`` divides the same count by all B*T
@@ -43,9 +51,12 @@ from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
 from specjax.sharding import constrain
 
-# Accumulable statistics of a rollout (sums over a micro-batch), each f32[ttt_length] except ``positions`` (f32[]).
-# ``chain[k]``: step-0-valid positions whose steps 0..k are ALL correct (what a chain draft gets accepted for).
-STAT_KEYS = ("ce_sum", "correct", "valid", "chain", "positions")
+# Accumulable statistics of a rollout (sums over a micro-batch): f32[ttt_length] each for STAT_KEYS, f32[] each for
+# SCALAR_STAT_KEYS. ``chain[k]``: step-0-valid positions whose steps 0..k are ALL correct (what a chain draft gets
+# accepted for); ``rounds`` / ``round_tokens``: the verify rounds of a greedy chain server walking the sequences and
+# the tokens they emit (:func:`serving_rounds`).
+STAT_KEYS = ("ce_sum", "correct", "valid", "chain")
+SCALAR_STAT_KEYS = ("positions", "rounds", "round_tokens")
 
 
 def shift_left(x, n: int, fill=0):
@@ -58,6 +69,30 @@ def shift_left(x, n: int, fill=0):
     pad = [(0, 0)] * x.ndim
     pad[1] = (0, n)
     return jnp.pad(x[:, n:], pad, constant_values=fill)
+
+
+def serving_rounds(lead, start):
+    """(rounds f32[], tokens f32[]) of a greedy chain server walking each row of ``lead`` f32[B, T] (the leading
+    correct draft steps at each position) over the positions where ``start`` bool[B, T] allows a round (step 0
+    valid): a round at t emits lead[t] + 1 tokens (the accepted drafts and the bonus) and the next one starts at
+    t + lead[t] + 1; positions where no round may start are stepped over one by one (the prompt, padding).
+
+    The walk is a pointer chain, computed by doubling: after j levels ``nxt[t]`` is where 2**j moves from t land and
+    ``cnt``/``tok`` what those moves add up, so T.bit_length() levels of gathers (2**levels > T moves) reach the end from position 0
+    (every move advances at least one position; column T is an absorbing end)."""
+    b, t = lead.shape
+    idx = jnp.arange(t, dtype=jnp.int32)[None]
+    jump = jnp.where(start, idx + lead.astype(jnp.int32) + 1, idx + 1)
+    end = jnp.full((b, 1), t, jnp.int32)
+    zero = jnp.zeros((b, 1), jnp.float32)
+    nxt = jnp.concatenate([jnp.minimum(jump, t), end], axis=1)
+    cnt = jnp.concatenate([start.astype(jnp.float32), zero], axis=1)
+    tok = jnp.concatenate([jnp.where(start, lead + 1.0, 0.0), zero], axis=1)
+    for _ in range(max(1, t.bit_length())):  # 2**levels > T moves
+        cnt = cnt + jnp.take_along_axis(cnt, nxt, axis=1)
+        tok = tok + jnp.take_along_axis(tok, nxt, axis=1)
+        nxt = jnp.take_along_axis(nxt, nxt, axis=1)
+    return jnp.sum(cnt[:, 0]), jnp.sum(tok[:, 0])
 
 
 def target_distribution(target_logits, vocab_map: VocabMap):
@@ -127,8 +162,10 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
     nl = len(head_params.layers)
     step0_kv: list[tuple[Any, Any]] = []  # per layer: step 0's (k, v) [B, T, K, Hd]
     diag_kv: list[list[tuple[Any, Any]]] = [[] for _ in range(nl)]  # per layer: steps 1..k
-    losses, stats = [], {k: [] for k in STAT_KEYS[:4]}
-    run = shift_left(loss_mask, 1)  # f32[B, T]: step-0-valid positions still correct at every step so far
+    losses, stats = [], {k: [] for k in STAT_KEYS}
+    start = shift_left(loss_mask, 1)  # f32[B, T]: step-0-valid positions (where a served round may start)
+    run = start  # f32[B, T]: step-0-valid positions still correct at every step so far
+    lead = jnp.zeros_like(run)  # f32[B, T]: leading correct steps per position
     for k in range(ttt_length):
         s = k + 1
         emb = shift_left(emb_all, s)  # [B, T, H]
@@ -162,6 +199,7 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
         hit = lm * ((pred + d2t[pred]) == top).astype(jnp.float32)  # f32[B, T]
         correct = jnp.sum(hit)
         run = run * hit
+        lead = lead + run
         losses.append(ce_sum / (b * t))
         stats["ce_sum"].append(ce_sum)
         stats["correct"].append(correct)
@@ -170,20 +208,25 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
     loss = sum((decay ** k) * l for k, l in enumerate(losses))
     out = {k: jnp.stack(v) for k, v in stats.items()}
     out["positions"] = jnp.asarray(b * t, jnp.float32)
+    out["rounds"], out["round_tokens"] = serving_rounds(lead, start > 0)
     return loss, out
 
 
 def finalize_metrics(stats, decay: float) -> dict[str, jax.Array]:
     """Metrics from (summed) rollout stats: loss, ploss_k, acc_k (valid positions), acc_k_allpos, valid_tokens and
     ``accept_len``: the chain accept length (tokens per verify step) that a chain draft of ``ttt_length`` steps
-    would get from this head on these positions under greedy verification, 1 + sum_k chain[k] / valid[0]."""
+    would get from this head on these positions under greedy verification, 1 + sum_k chain[k] / valid[0] (every
+    position weighed equally), and ``serving_accept_len``: the tokens per round of a greedy chain server walking the
+    same sequences (round_tokens / rounds), the figure a served tau measures."""
     n = stats["positions"]
     ploss = stats["ce_sum"] / n
     acc = stats["correct"] / jnp.maximum(stats["valid"], 1.0)
     acc_all = stats["correct"] / n
     out = {"loss": sum((decay ** k) * ploss[k] for k in range(ploss.shape[0])),
            "valid_tokens": stats["valid"][0],
-           "accept_len": 1.0 + jnp.sum(stats["chain"]) / jnp.maximum(stats["valid"][0], 1.0)}
+           "accept_len": 1.0 + jnp.sum(stats["chain"]) / jnp.maximum(stats["valid"][0], 1.0),
+           "serving_accept_len": stats["round_tokens"] / jnp.maximum(stats["rounds"], 1.0),
+           "rounds": stats["rounds"]}
     for k in range(ploss.shape[0]):
         out[f"ploss_{k}"] = ploss[k]
         out[f"acc_{k}"] = acc[k]
@@ -204,4 +247,4 @@ def ttt_forward(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
 
 
 __all__ = ["ttt_forward", "ttt_rollout", "finalize_metrics", "target_distribution", "diagonal_attention",
-           "shift_left", "STAT_KEYS"]
+           "shift_left", "serving_rounds", "STAT_KEYS", "SCALAR_STAT_KEYS"]

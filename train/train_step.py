@@ -281,8 +281,8 @@ def _grads_and_stats(features, head_cfg, compute_dtype, ttt_length, decay, param
         return (g_acc, jax.tree.map(jnp.add, s_acc, s)), None
 
     zeros_g = jax.tree.map(jnp.zeros_like, params) if with_grad else None
-    zeros_s = {k: jnp.zeros((ttt_length,), jnp.float32) for k in ttt.STAT_KEYS[:4]}
-    zeros_s["positions"] = jnp.zeros((), jnp.float32)
+    zeros_s = {k: jnp.zeros((ttt_length,), jnp.float32) for k in ttt.STAT_KEYS}
+    zeros_s.update({k: jnp.zeros((), jnp.float32) for k in ttt.SCALAR_STAT_KEYS})
     (g, stats), _ = jax.lax.scan(body, (zeros_g, zeros_s), batch)
     if with_grad:
         g = jax.tree.map(lambda x: x / a, g)

@@ -4,9 +4,11 @@
         --num-draft-tokens 8] [--max-prompts 32] [--max-new-tokens 256] [--dotted.overrides ...]
 
 1. Predicted: the run's held-out conversations (rebuilt exactly as the trainer splits them: same data, same
-   ``data.eval_fraction`` / ``eval_max`` / ``training.seed``) go through the trainer's eval step with the head; the
-   TTT rollout's ``accept_len`` (1 + expected leading correct draft steps per position, token-weighted over every
-   held-out batch) is the chain accept length it predicts for a chain of ``ttt_length`` steps.
+   ``data.eval_fraction`` / ``eval_max`` / ``training.seed``) go through the trainer's eval step with the head. Two
+   predictions of a chain of ``ttt_length`` steps come out of its TTT rollout: ``serving_accept_len``, the tokens
+   per round of a greedy chain server walking the held-out answers (rounds summed over every held-out batch), and
+   ``accept_len``, 1 + the leading correct draft steps averaged over every position (token-weighted), which
+   over-states serving once errors cluster (train/loss.py says why).
 2. Measured: each held-out conversation's first user turn is served with speculative decoding at
    (num_steps, topk, num_draft_tokens), greedy; tau = completion tokens / verify steps (SGLang's accept length).
 Both are printed with their ratio. With regenerated data (the target's own greedy answers) the two see the same
@@ -37,8 +39,10 @@ def heldout_split(cfg, tokenizer):
     return eval_data
 
 
-def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad_id: int) -> tuple[float, list]:
-    """Token-weighted TTT ``accept_len`` of the head over every held-out batch, and acc_0..acc_{ttt-1}."""
+def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad_id: int
+                         ) -> tuple[float, float, list]:
+    """The served prediction (round tokens / rounds over every held-out batch), the token-weighted per-position
+    ``accept_len``, and acc_0..acc_{ttt-1}."""
     mesh = make_mesh(dp=1, tp=1, devices=jax.devices()[:1])
     sharding = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(None, "dp"))
     ev = data_lib.BatchIterator(eval_data, shuffle=False, batch_size=cfg.training.batch_size, grad_accum=1,
@@ -47,7 +51,7 @@ def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad
     step = step_lib.make_eval_step(tcfg, hcfg.replace(dtype="float32"), mesh, ttt_length=cfg.training.ttt_length,
                                    decay=cfg.training.decay)
     params = jax.tree.map(lambda x: x.astype(np.float32), hparams)
-    extra = valid = 0.0
+    extra = valid = rounds = round_tokens = 0.0
     accs = np.zeros(cfg.training.ttt_length)
     for _ in range(ev.steps_per_epoch):
         batch, _ = next(ev)
@@ -56,7 +60,10 @@ def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad
         extra += (float(m["accept_len"]) - 1.0) * w
         accs += w * np.asarray([float(m[f"acc_{k}"]) for k in range(len(accs))])
         valid += w
-    return 1.0 + extra / max(valid, 1.0), (accs / max(valid, 1.0)).tolist()
+        rounds += float(m["rounds"])
+        round_tokens += float(m["serving_accept_len"]) * float(m["rounds"])
+    return (round_tokens / max(rounds, 1.0), 1.0 + extra / max(valid, 1.0),
+            (accs / max(valid, 1.0)).tolist())
 
 
 def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:
@@ -95,10 +102,10 @@ def main(argv=None) -> int:
         return 2
     hcfg, hparams, vmap = load_eagle3_head(args.draft, tcfg, dtype="float32")
     pad = tok.pad_token_id if tok.pad_token_id is not None else 0
-    predicted, accs = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
+    predicted, per_position, accs = predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad)
     print(f"held-out acc_0..acc_{len(accs) - 1} (token-weighted): " + " ".join(f"{a:.3f}" for a in accs))
     if args.max_prompts == 0:
-        print(f"predicted chain accept length: {predicted:.3f}")
+        print(f"predicted chain accept length: {predicted:.3f} served ({per_position:.3f} averaged over positions)")
         return 0
     prompts = first_turn_prompts(eval_data, args.max_prompts)
     draft = make_draft("EAGLE3", hcfg.replace(dtype=tcfg.dtype), jax.tree.map(
@@ -115,6 +122,7 @@ def main(argv=None) -> int:
     print(f"held-out conversations: {len(eval_data)} (predicted over all; {len(prompts)} served, first turns, "
           f"max {args.max_new_tokens} new tokens)")
     print(f"{'predicted (trainer eval, chain of ' + str(cfg.training.ttt_length) + ')':44s} {predicted:6.3f}")
+    print(f"{'  (averaged over positions, not served)':44s} {per_position:6.3f}")
     print(f"{f'measured tau at ({args.num_steps},{args.topk},{args.num_draft_tokens})':44s} {measured:6.3f}")
     print(f"{'measured / predicted':44s} {measured / predicted:6.3f}" + ("" if chain else
           "   (not the same shape as the prediction: a chain of ttt_length steps)"))
