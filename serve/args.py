@@ -13,7 +13,7 @@ from specjax.config import ConfigError
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.hub import default_smollm2_path
 from specjax.speculative.tree import validate as validate_tree
-from specjax.speculative.tune import TuneError, load_tune, shape_for
+from specjax.speculative.tune import TuneError, load_tune, load_tune_costs, shape_for
 
 log = logging.getLogger("specjax.serve")
 
@@ -91,8 +91,9 @@ class ServerArgs:
     disable_adaptive_speculation: bool = option(False, group=_SPEC,
                                                 help="keep one tree shape at every batch size; by default, when no "
                                                      "tree flag is given and the head has a speculative_tune.json, "
-                                                     "each step takes the shape tuned for the running batch size "
-                                                     "(plain steps where plain decoding measured faster)")
+                                                     "each step takes the shape tuned for the running batch size, "
+                                                     "or a target-only step where the head's live accept length "
+                                                     "does not pay for the tree's measured step cost")
     speculative_accept_threshold_single: float = option(1.0, group=_SPEC,
                                                         help="SGLang's relaxed acceptance; 1.0 = lossless")
     speculative_accept_threshold_acc: float = option(1.0, group=_SPEC,
@@ -107,6 +108,8 @@ class ServerArgs:
         self.speculation_off_reason: str | None = None  # set when the head's tuned table says plain is faster
         # {batch size: tree shape or None (plain steps)} from the head's tune file, when no tree flag is given
         self.speculative_batch_shapes: dict[int, tuple[int, int, int] | None] | None = None
+        # {batch size: (best tree, its tuned tau, its tuned speedup)}: the runner re-decides the table on live traffic
+        self.speculative_tree_costs: dict[int, tuple[tuple[int, int, int], float, float]] | None = None
         if self.speculative_algorithm is not None:
             self.speculative_algorithm = str(self.speculative_algorithm).upper()
             self._tree_from_tune_file()
@@ -132,8 +135,13 @@ class ServerArgs:
         if not table:
             return
         shape = shape_for(table, 1) or next((s for _, s in sorted(table.items()) if s is not None), None)
-        if shape is not None and not self.disable_adaptive_speculation and len(table) > 1:
-            self.speculative_batch_shapes = table
+        if shape is not None and not self.disable_adaptive_speculation:
+            if len(table) > 1:
+                self.speculative_batch_shapes = table
+            try:
+                self.speculative_tree_costs = load_tune_costs(self.speculative_draft_model_path)
+            except TuneError as e:
+                log.warning("%s; the tuned shapes are kept fixed", e)
         if shape is None:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "
@@ -145,6 +153,7 @@ class ServerArgs:
     def speculative_tokens_per_step(self) -> int:
         """Most tokens one step can emit per request (the page reserve ahead of each sequence)."""
         steps = [s[0] for s in (self.speculative_batch_shapes or {}).values() if s is not None]
+        steps += [c[0][0] for c in (self.speculative_tree_costs or {}).values()]
         return max([self.speculative_num_steps, *steps]) + 1
 
     def use_default_pair(self) -> bool:

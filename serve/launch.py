@@ -27,6 +27,7 @@ from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
+from specjax.speculative.tune import TreeChoice
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 from .args import ServerArgs
@@ -246,8 +247,14 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                             num_draft_tokens=args.speculative_num_draft_tokens, max_batch=max_running,
                             pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
                             attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh,
-                            batch_shapes=args.speculative_batch_shapes)
-        if args.speculative_batch_shapes:
+                            batch_shapes=TreeChoice.measured(args.speculative_tree_costs)
+                            if args.speculative_tree_costs else args.speculative_batch_shapes)
+        if args.speculative_tree_costs:
+            log.info("tree per running batch size, re-decided from the live accept length (from %s/"
+                     "speculative_tune.json): %s", args.speculative_draft_model_path,
+                     ", ".join(f">={b}: {s} (step cost {tau / sp:.2f} plain steps, tuned accept length {tau:.2f})"
+                               for b, (s, tau, sp) in sorted(args.speculative_tree_costs.items())))
+        elif args.speculative_batch_shapes:
             log.info("tree shape per running batch size (from %s/speculative_tune.json; plain = target-only steps): "
                      "%s", args.speculative_draft_model_path,
                      ", ".join(f">={b}: {'plain' if s is None else s}"

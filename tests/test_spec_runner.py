@@ -9,6 +9,7 @@ from spec_models import bigram_models, tiny_config
 
 from specjax.generate import generate
 from specjax.serve.runners.spec import SpecRunner
+from specjax.speculative.tune import TreeChoice
 
 PAGE, PPS, PAGES = 8, 8, 40
 MAX_NEW = 16
@@ -167,3 +168,31 @@ def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
         state, toks, counts = runner.step(state, np.array([False, True, False]))
         out += toks[1, :counts[1]].tolist()
     assert out[:8] == generate(tp, cfg, [prompt], max_new_tokens=8, stop_token_ids=())[0]
+
+
+def test_live_tree_choice_turns_a_losing_tree_off_and_keeps_probing(setup):
+    """A TreeChoice whose tuned (3,2,5) tree would need 20 tokens per step to pay: the runner runs target-only
+    steps (one token per row) except every 3rd step, a probe with the tree whose tokens feed the live accept length;
+    warmup compiles both for each bucket; the output is plain greedy throughout."""
+    cfg, tp, _ = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    trees = TreeChoice.measured({1: ((3, 2, 5), 2.0, 0.1)}, probe_every=3, prior=1.0)
+    runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=2,
+                        pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16,
+                        batch_shapes=trees)
+    lines = []
+    state = runner.warmup(runner.init_state(), log_fn=lines.append)
+    assert "compiled 1 prefill and 4 step shapes" in lines[0]  # buckets 1, 2 x (tree, target-only)
+    prompt = np.random.default_rng(5).integers(0, 64, 9).tolist()
+    state, first = runner.prefill(state, 0, np.asarray(prompt), np.arange(PPS), {"temperature": 0.0})
+    out, counts_seen = [first], []
+    for _ in range(12):
+        state, toks, counts = runner.step(state, np.array([True, False]))
+        out += toks[0, :counts[0]].tolist()
+        counts_seen.append(int(counts[0]))
+    assert out == generate(tp, cfg, [prompt], max_new_tokens=len(out), stop_token_ids=())[0]
+    assert [c for i, c in enumerate(counts_seen) if i % 3 != 2] == [1] * 8  # target-only steps
+    probes = [c for i, c in enumerate(counts_seen) if i % 3 == 2]
+    assert max(probes) > 1  # the probes draft with the tree (and this head is accepted there)
+    live = trees._live[(3, 2, 5)]
+    assert live[0] / live[1] > 1.0 and live[1] > 4  # the 4 probes' tokens were recorded

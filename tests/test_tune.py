@@ -35,6 +35,54 @@ def test_load_tune_roundtrip_and_errors(tmp_path):
         tune_lib.load_tune(str(tmp_path))
 
 
+def _measured_table():
+    rows = [{"batch_size": 1, "shape": None, "tok_s": 50.0, "speedup": 1.0, "tau": 1.0},
+            {"batch_size": 1, "shape": [1, 2, 3], "tok_s": 60.0, "speedup": 1.2, "tau": 1.5},
+            {"batch_size": 1, "shape": [3, 1, 4], "tok_s": 55.0, "speedup": 1.1, "tau": 1.6},
+            {"batch_size": 16, "shape": None, "tok_s": 100.0, "speedup": 1.0, "tau": 1.0},
+            {"batch_size": 16, "shape": [1, 2, 3], "tok_s": 90.0, "speedup": 0.9, "tau": 1.5}]
+    shape = {"num_steps": 1, "eagle_topk": 2, "num_draft_tokens": 3}
+    return {"format": 1, "batch_sizes": {"1": shape, "16": None}, "best_speculative": {"1": shape, "16": shape},
+            "rows": rows}
+
+
+def test_load_tune_costs_reads_the_best_trees_measured_rows(tmp_path):
+    assert tune_lib.load_tune_costs(str(tmp_path)) is None
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), _measured_table())
+    assert tune_lib.load_tune_costs(str(tmp_path)) == {1: ((1, 2, 3), 1.5, 1.2), 16: ((1, 2, 3), 1.5, 0.9)}
+    bad = _measured_table()
+    bad["rows"] = bad["rows"][:2]  # no row measured the batch-16 tree
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), bad)
+    with pytest.raises(tune_lib.TuneError, match="not a valid"):
+        tune_lib.load_tune_costs(str(tmp_path))
+
+
+def test_tree_choice_follows_the_live_accept_length():
+    """Batch 1: the (1,2,3) tree costs 1.5 / 1.2 = 1.25 plain steps; batch 16: 1.5 / 0.9 = 1.67. It starts as
+    tuned (tree at 1, target-only at 16), turns the tree off at 1 when the live accept length falls below 1.25,
+    keeps probing it every probe_every-th step, and turns it on again (at 16 too) once acceptance climbs."""
+    logs = []
+    tc = tune_lib.TreeChoice.measured({1: ((1, 2, 3), 1.5, 1.2), 16: ((1, 2, 3), 1.5, 0.9)},
+                                      horizon=64, prior=8, probe_every=4, log=logs.append)
+    assert tc.shapes() == [(1, 2, 3)] and tc.options(1) == [(1, 2, 3), None]
+    assert tc.choose(1) == (1, 2, 3) and tc.choose(4) == (1, 2, 3)
+    assert [tc.choose(16) for _ in range(4)] == [None, None, None, (1, 2, 3)]  # the 4th is a probe
+    for _ in range(40):  # the head is rejected on this traffic: one token per step
+        tc.record((1, 2, 3), tokens=4, rows=4)
+    assert tc.accept_length((1, 2, 3)) < 1.05
+    assert [tc.choose(1) for _ in range(8)] == [None, None, None, (1, 2, 3)] * 2
+    assert any("speculation off at batch size >= 1" in m for m in logs)
+    for _ in range(40):  # now accepted for 2 tokens per step
+        tc.record((1, 2, 3), tokens=8, rows=4)
+    assert tc.accept_length((1, 2, 3)) > 1.9
+    assert tc.choose(1) == (1, 2, 3) and tc.choose(16) == (1, 2, 3)
+    assert any("speculation on at batch size >= 16" in m for m in logs)
+    tc.record(None, tokens=4, rows=4)  # target-only steps say nothing about acceptance
+    fixed = tune_lib.TreeChoice.fixed({1: (3, 1, 4), 8: None})
+    assert [fixed.choose(n) for n in (1, 8, 8, 8, 8)] == [(3, 1, 4), None, None, None, None]  # never probes
+    assert fixed.options(8) == [None] and fixed.options(2) == [(3, 1, 4)]
+
+
 def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
     from specjax.serve.args import ServerArgs
     tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME),
@@ -71,6 +119,15 @@ def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
     g = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
                    disable_adaptive_speculation=True)
     assert g.speculative_batch_shapes is None and g.speculative_tokens_per_step == 6
+    assert f.speculative_tree_costs is None  # no measured rows in this file: the table stays fixed
+    # bench tune's file (rows measured): the runner gets the measured costs and re-decides them live
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), _measured_table())
+    h = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert h.speculative_tree_costs == {1: ((1, 2, 3), 1.5, 1.2), 16: ((1, 2, 3), 1.5, 0.9)}
+    assert h.speculative_batch_shapes == {1: (1, 2, 3), 16: None} and h.speculative_tokens_per_step == 2
+    k = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+                   disable_adaptive_speculation=True)
+    assert k.speculative_tree_costs is None and k.speculative_batch_shapes is None
 
 
 @pytest.fixture(scope="module")

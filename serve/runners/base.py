@@ -51,11 +51,11 @@ class RunnerCommon:
     """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh`` and ``_lengths`` (the host
     mirror of the slots' committed lengths)."""
 
-    def step_at_zero(self, state, active: np.ndarray):
+    def step_at_zero(self, state, active: np.ndarray, **step_kw):
         """A step of the ``active`` slots at length 0 over the scratch page (warmup): compiles the step's shape
-        without touching any live slot, and leaves those slots empty."""
+        without touching any live slot, and leaves those slots empty. ``step_kw`` go to ``step``."""
         self._lengths[active] = 0
-        state, _, _ = self.step(state, active)
+        state, _, _ = self.step(state, active, **step_kw)
         self._lengths[active] = 0
         lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))

@@ -27,7 +27,7 @@ from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
 from specjax.speculative.spec_generate import PREFILL_CHUNK
-from specjax.speculative.tune import shape_for
+from specjax.speculative.tune import TreeChoice
 
 log = logging.getLogger("specjax.serve")
 
@@ -103,15 +103,19 @@ def _step_rows(tparams, tcfg, draft, scfg, state, active, *, nb: int, npages: in
         **{f: getattr(state, f).at[:nb].set(getattr(view, f)) for f in _ROW_FIELDS}), toks, counts
 
 
+_CHOOSE = object()  # SpecRunner.step's default: the runner chooses the tree
+
+
 class SpecRunner(RunnerCommon):
     """EAGLE3 / EAGLE speculative decoding behind the ``Runner`` protocol (one draft-verify-commit step per call,
     1..num_steps+1 tokens per slot). The target and draft pools share the page table, so the scheduler's page ids
     index both; it must give a slot pages for ``tokens_per_step`` positions beyond its length before a step.
 
-    ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table) makes the
-    tree follow the running batch: each step takes the entry of the largest listed size not above the step's batch
-    bucket ``nb`` (``tune.shape_for``), and None runs ``target_step`` (plain decoding that keeps the draft in step),
-    so a batch large enough to be compute-bound stops paying for trees it cannot use. The bucket, not the number of
+    ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table, or a
+    ``tune.TreeChoice`` that re-decides it from the head's live acceptance) makes the tree follow the running batch:
+    each step takes the entry of the largest listed size not above the step's batch bucket ``nb``, and None runs
+    ``target_step`` (plain decoding that keeps the draft in step), so a batch large enough to be compute-bound stops
+    paying for trees it cannot use. The bucket, not the number of
     running requests, because a step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost
     of an nb-row tree step, so the speedup over an nb-row plain step is the same for any r, and ``bench tune``
     measured it with every row running. Every shape runs on one state sized for the widest of them; the output is
@@ -121,7 +125,7 @@ class SpecRunner(RunnerCommon):
                  draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
                  max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
                  prefill_chunk: int = PREFILL_CHUNK, mesh=None,
-                 batch_shapes: dict[int, tuple[int, int, int] | None] | None = None):
+                 batch_shapes: dict[int, tuple[int, int, int] | None] | TreeChoice | None = None):
         self.target_cfg = target_cfg
         # Per-layer weights (one copy at start-up): every verify forward reads them in place.
         self.target_params = target_params = target.unstack_layers(target_params)
@@ -131,10 +135,11 @@ class SpecRunner(RunnerCommon):
                                (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
         attend = make_cache_attention(attention_impl, target_cfg.sliding_window)
         self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, attend)
-        # {batch size: SpecConfig, or None for a target-only step}; None: every step runs self.scfg
-        self.batch_shapes = None if not batch_shapes else {
-            int(b): None if shape is None else step_lib.SpecConfig(*shape, attend) for b, shape in batch_shapes.items()}
-        shapes = [self.scfg] + [c for c in (self.batch_shapes or {}).values() if c is not None]
+        # the tree of each step by batch bucket (None: every step runs self.scfg)
+        self.trees = batch_shapes if isinstance(batch_shapes, TreeChoice) or not batch_shapes else \
+            TreeChoice.fixed(batch_shapes)
+        self._configs = {s: step_lib.SpecConfig(*s, attend) for s in (self.trees.shapes() if self.trees else ())}
+        shapes = [self.scfg, *self._configs.values()]
         for c in shapes:
             step_lib.check_compatible(target_cfg, self.draft, c)
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
@@ -209,7 +214,9 @@ class SpecRunner(RunnerCommon):
         self._lengths[slot] = n
         return state, first
 
-    def step(self, state, active: np.ndarray):
+    def step(self, state, active: np.ndarray, tree=_CHOOSE):
+        """One step of the ``active`` slots; ``tree``: a (num_steps, topk, num_draft_tokens) shape or None (a
+        target-only step); by default the runner chooses it for the batch bucket (``batch_shapes``)."""
         active = np.asarray(active, bool)
         b, w = self.max_batch, self.tokens_per_step
         idx = np.nonzero(active)[0]
@@ -218,7 +225,7 @@ class SpecRunner(RunnerCommon):
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
         npages = pick(self.page_buckets, -(-longest // self.page_size))
-        scfg = self.shape_for(nb)
+        scfg = self.shape_for(nb) if tree is _CHOOSE else self._config(tree)
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
                                              state, jnp.asarray(active), nb=nb, npages=npages,
@@ -228,6 +235,8 @@ class SpecRunner(RunnerCommon):
         toks = np.asarray(toks)
         tokens[:nb, :toks.shape[1]], num[:nb] = toks, np.asarray(counts)
         self._lengths += num
+        if self.trees is not None and scfg is not None and tree is _CHOOSE:
+            self.trees.record((scfg.num_steps, scfg.topk, scfg.num_draft_tokens), int(num.sum()), len(idx))
         return state, tokens, num
 
     def warmup(self, state, log_fn=log.info):
@@ -239,19 +248,29 @@ class SpecRunner(RunnerCommon):
         for t in self.prefill_buckets:
             state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
             state = self.release(state, 0)
+        steps = 0
         for nb in self.batch_buckets:
             active = np.zeros((self.max_batch,), bool)
             active[nb - 1] = True  # the bucket's highest slot runs, so the step takes this bucket (and its shape)
-            state = self.step_at_zero(state, active)
-        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {len(self.batch_buckets)} step shapes in "
+            for tree in self.trees.options(nb) if self.trees else [(self.scfg.num_steps, self.scfg.topk,
+                                                                   self.scfg.num_draft_tokens)]:
+                state = self.step_at_zero(state, active, tree=tree)
+                steps += 1
+        log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {steps} step shapes in "
                f"{time.perf_counter() - t0:.1f}s")
         return state
 
     def shape_for(self, nb: int) -> step_lib.SpecConfig | None:
         """The tree shape of a step over batch bucket ``nb`` (None: a target-only step)."""
-        if self.batch_shapes is None:
+        return self.scfg if self.trees is None else self._config(self.trees.choose(nb))
+
+    def _config(self, tree) -> step_lib.SpecConfig | None:
+        if tree is None:
+            return None
+        tree = tuple(tree)
+        if tree == (self.scfg.num_steps, self.scfg.topk, self.scfg.num_draft_tokens):
             return self.scfg
-        return shape_for(self.batch_shapes, nb)
+        return self._configs[tree]
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

@@ -8,14 +8,18 @@ prompt set); read by the server and ``specjax.Engine`` when the tree flags are n
      ...measurement details...}
 
 ``null`` means plain decoding was faster at that batch size; ``best_speculative`` keeps the fastest tree shape of
-every batch size regardless. The server serves plain decoding when every tuned batch size says ``null`` (unless
+every batch size regardless, and ``rows`` every measurement (tokens/s, speedup, tau), from which
+:class:`TreeChoice` knows what each tree step costs and re-decides the table on the live traffic. The server serves plain decoding when every tuned batch size says ``null`` (unless
 tree flags are given); ``python -m specjax.generate`` runs the best speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of
 the largest tuned size not above it (the smallest tuned size below the first).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
+import logging
+import math
 import os
 
 FORMAT = 1
@@ -35,32 +39,65 @@ def save_tune(path: str, table: dict) -> None:
     os.replace(tmp, path)
 
 
+def _tune_path(folder_or_file: str | None) -> str | None:
+    if not folder_or_file:
+        return None
+    path = os.path.join(folder_or_file, FILENAME) if os.path.isdir(folder_or_file) else folder_or_file
+    return path if os.path.isfile(path) else None
+
+
+def _bad(path: str, e: Exception) -> TuneError:
+    return TuneError(f"{path} is not a valid {FILENAME} ({type(e).__name__}: {e}); rerun "
+                     f"`python -m specjax.bench tune` or delete it")
+
+
+def _read(path: str) -> dict:
+    try:
+        with open(path) as f:
+            raw = json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise _bad(path, e) from None
+    if not isinstance(raw, dict) or raw.get("format") != FORMAT:
+        raise TuneError(f"{path}: format {raw.get('format') if isinstance(raw, dict) else None!r}, this specjax "
+                        f"reads format {FORMAT}")
+    return raw
+
+
+def _shapes(path: str, raw: dict, which: str) -> dict[int, tuple[int, int, int] | None]:
+    try:
+        out = {int(b): None if shape is None else tuple(int(shape[k]) for k in SHAPE_KEYS)
+               for b, shape in raw[which].items()}
+    except (KeyError, TypeError, ValueError, AttributeError) as e:
+        raise _bad(path, e) from None
+    if not out:
+        raise TuneError(f"{path} lists no batch sizes")
+    return out
+
+
 def load_tune(folder_or_file: str | None, which: str = "batch_sizes") -> dict[int, tuple[int, int, int] | None] | None:
     """{batch size: (num_steps, eagle_topk, num_draft_tokens) or None (plain)} from a head folder's tune file, or
     None when there is no such file. ``which="best_speculative"``: the fastest tree shape per batch size even where
     plain decoding was faster (what to run when speculation is asked for explicitly)."""
-    if not folder_or_file:
+    path = _tune_path(folder_or_file)
+    return None if path is None else _shapes(path, _read(path), which)
+
+
+def load_tune_costs(folder_or_file: str | None) -> dict[int, tuple[tuple[int, int, int], float, float]] | None:
+    """{batch size: (the fastest tree shape, its measured accept length tau, its measured speedup over plain
+    decoding)} from a head folder's tune file (the rows ``bench tune`` measured), or None without a file."""
+    path = _tune_path(folder_or_file)
+    if path is None:
         return None
-    path = folder_or_file
-    if os.path.isdir(path):
-        path = os.path.join(path, FILENAME)
-    if not os.path.isfile(path):
-        return None
+    raw = _read(path)
+    best = _shapes(path, raw, "best_speculative")
+    out = {}
     try:
-        with open(path) as f:
-            raw = json.load(f)
-        if raw.get("format") != FORMAT:
-            raise TuneError(f"{path}: format {raw.get('format')!r}, this specjax reads format {FORMAT}")
-        out = {}
-        for b, shape in raw[which].items():
-            out[int(b)] = None if shape is None else tuple(int(shape[k]) for k in SHAPE_KEYS)
-    except (OSError, json.JSONDecodeError, KeyError, TypeError, ValueError, AttributeError) as e:
-        if isinstance(e, TuneError):
-            raise
-        raise TuneError(f"{path} is not a valid {FILENAME} ({type(e).__name__}: {e}); rerun "
-                        f"`python -m specjax.bench tune` or delete it") from None
-    if not out:
-        raise TuneError(f"{path} lists no batch sizes")
+        for b, shape in best.items():
+            row = next(r for r in raw["rows"] if int(r["batch_size"]) == b and r["shape"] is not None
+                       and tuple(int(x) for x in r["shape"]) == shape)
+            out[b] = (shape, float(row["tau"]), float(row["speedup"]))
+    except (KeyError, TypeError, ValueError, StopIteration) as e:
+        raise _bad(path, e) from None
     return out
 
 
@@ -69,3 +106,93 @@ def shape_for(table: dict[int, tuple[int, int, int] | None], batch_size: int) ->
     sizes = sorted(table)
     below = [b for b in sizes if b <= batch_size]
     return table[below[-1] if below else sizes[0]]
+
+
+@dataclasses.dataclass
+class _Entry:
+    shape: tuple[int, int, int] | None  # the tree this batch size may run (None: target-only steps only)
+    cost: float | None = None  # a tree step over a plain step, as measured; None: a fixed entry, never re-decided
+    tau: float = 1.0  # the accept length the tuning measured (the live average starts there)
+
+
+class TreeChoice:
+    """The tree shape of each speculative step, by batch bucket: ``bench tune``'s table, re-decided on live traffic.
+
+    Fixed entries ({size: shape or None}, :meth:`fixed`) always run what they say. Measured entries
+    (:meth:`measured`, from :func:`load_tune_costs`) know what their tree costs: the tuning measured its speedup s
+    and accept length tau at that batch size, so a tree step costs c = tau / s plain steps, and speculating pays
+    while the head's accept length on the traffic being served stays above c. That live accept length is kept per
+    shape, a decaying average over the rows of recent speculative steps (about ``horizon`` row-steps, starting from
+    the tuned tau with the weight of ``prior`` row-steps). While a bucket runs target-only steps, every
+    ``probe_every``-th of its steps still runs the tree, so that the average follows the traffic back up (a probe
+    costs at most c - 1 plain steps). Any choice is lossless: the output is the same token for token.
+
+    A head tuned on one prompt set and served on another thus speculates where its acceptance there pays, and
+    stops where it does not (SGLang keeps one shape)."""
+
+    def __init__(self, entries: dict[int, _Entry], *, horizon: float = 512.0, prior: float = 32.0,
+                 probe_every: int = 16, log=None):
+        if not entries:
+            raise ValueError("a TreeChoice needs at least one batch size")
+        self.entries = dict(sorted(entries.items()))
+        self.horizon, self.probe_every = float(horizon), int(probe_every)
+        self._live: dict[tuple, list[float]] = {}
+        for e in self.entries.values():
+            if e.shape is not None and e.cost is not None and e.shape not in self._live:
+                self._live[e.shape] = [e.tau * prior, float(prior)]
+        self._skipped = {b: 0 for b in self.entries}
+        self._pays: dict[int, bool] = {}
+        self._log = log or logging.getLogger("specjax.tune").info
+
+    @classmethod
+    def fixed(cls, table: dict[int, tuple[int, int, int] | None], **kw) -> "TreeChoice":
+        return cls({int(b): _Entry(None if s is None else tuple(s)) for b, s in table.items()}, **kw)
+
+    @classmethod
+    def measured(cls, costs: dict[int, tuple[tuple[int, int, int], float, float]], **kw) -> "TreeChoice":
+        return cls({int(b): _Entry(tuple(shape), tau / max(speedup, 1e-9), tau)
+                    for b, (shape, tau, speedup) in costs.items()}, **kw)
+
+    def _entry(self, nb: int) -> tuple[int, _Entry]:
+        below = [b for b in self.entries if b <= nb]
+        b = below[-1] if below else next(iter(self.entries))
+        return b, self.entries[b]
+
+    def shapes(self) -> list[tuple[int, int, int]]:
+        """Every tree shape a step may run."""
+        return sorted({e.shape for e in self.entries.values() if e.shape is not None})
+
+    def options(self, nb: int) -> list[tuple[int, int, int] | None]:
+        """What a step over batch bucket ``nb`` may run: its tree, and a target-only step where that is re-decided."""
+        e = self._entry(nb)[1]
+        return [e.shape] if e.cost is None or e.shape is None else [e.shape, None]
+
+    def accept_length(self, shape) -> float:
+        """The live accept length of ``shape`` (tokens per row per speculative step)."""
+        num, den = self._live[tuple(shape)]
+        return num / den
+
+    def choose(self, nb: int) -> tuple[int, int, int] | None:
+        """The tree of a step over batch bucket ``nb``, or None for a target-only step."""
+        b, e = self._entry(nb)
+        if e.shape is None or e.cost is None:
+            return e.shape
+        tau = self.accept_length(e.shape)
+        pays = tau >= e.cost
+        if self._pays.get(b) is not None and self._pays[b] != pays:
+            self._log(f"speculation {'on' if pays else 'off'} at batch size >= {b}: live accept length {tau:.2f} "
+                      f"{'>=' if pays else '<'} the {e.shape} tree's step cost {e.cost:.2f} plain steps")
+        self._pays[b] = pays
+        if pays:
+            return e.shape
+        self._skipped[b] += 1
+        return e.shape if self._skipped[b] % self.probe_every == 0 else None
+
+    def record(self, shape, tokens: int, rows: int) -> None:
+        """A step of ``shape`` emitted ``tokens`` tokens over ``rows`` running rows."""
+        if shape is None or rows <= 0 or tuple(shape) not in self._live:
+            return
+        live = self._live[tuple(shape)]
+        keep = math.exp(-rows / self.horizon)
+        live[0] = live[0] * keep + float(tokens)
+        live[1] = live[1] * keep + float(rows)
