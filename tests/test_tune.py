@@ -160,6 +160,15 @@ def test_bench_tune_writes_a_table_the_server_reads(tiny_pair, capsys):
     for b, shape in raw["batch_sizes"].items():  # the chosen entry is the fastest row of its batch size
         fastest = max((r for r in rows if r["batch_size"] == int(b)), key=lambda r: r["tok_s"])
         assert shape == (None if fastest["shape"] is None else dict(zip(tune_lib.SHAPE_KEYS, fastest["shape"])))
+    costs = tune_lib.load_tune_costs(head)  # what the server's live TreeChoice reads from the same file
+    assert {b: c[0] for b, c in costs.items()} == {1: (2, 2, 4), 2: (2, 2, 4)}
+    before = open(os.path.join(head, tune_lib.FILENAME)).read()
+    assert bench_tune.main(["--model", model, "--draft", head, "--prompts", "random", "--num-prompts", "2",
+                            "--batch-sizes", "1", "--shapes", "2,2,4", "--max-new-tokens", "6",
+                            "--outputs-only"]) == 0
+    out = capsys.readouterr().out
+    assert "--outputs-only" in out and " 2/2" in out  # outputs compared, nothing written
+    assert open(os.path.join(head, tune_lib.FILENAME)).read() == before
     a = ServerArgs(model_path=model, speculative_algorithm="EAGLE3", speculative_draft_model_path=head)
     want = tune_lib.shape_for(tune_lib.load_tune(head), 1)
     if want is not None:

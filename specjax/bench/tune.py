@@ -3,12 +3,16 @@
     python -m specjax.bench tune --draft HEAD_DIR [--model PATH] [--batch-sizes 1 4 16]
         [--shapes 3,1,4 5,1,6 7,1,8 5,4,8 5,8,32 6,10,60] [--prompts mtbench] [--num-prompts 16]
         [--max-new-tokens 128] [--temperature 0] [--out HEAD_DIR/speculative_tune.json] [--no-write]
+    python -m specjax.bench tune --draft HEAD_DIR --batch-sizes 1 --shapes 1,2,3 --num-prompts 80 \
+        --max-new-tokens 256 --outputs-only     # speculative greedy == plain greedy on all of MT-bench, and tau
 
 For every batch size B, the prompts are decoded in groups of B rows, once by plain decoding (``specjax.generate``)
 and once per shape (num_steps, eagle_topk, num_draft_tokens) by ``speculative_generate``; each configuration runs
 every group once untimed (compiles every shape) then once timed. The fastest configuration per B wins; plain wins where no shape beats it (the
 server then switches speculation off at that batch size). Printed per row: tokens/s, speedup over plain, tau
 (completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for token.
+``--outputs-only`` runs every group once, untimed and uncompiled beforehand, for the outputs and tau alone (half
+the time; its tokens/s include compiles and are not written).
 
 The file (``speculative_tune.json``, format 1) holds ``{"format": 1, "algorithm", "target", "machine",
 "batch_sizes": {"1": {"num_steps", "eagle_topk", "num_draft_tokens"} | null, ...}, "rows": [...]}`` where null means
@@ -48,10 +52,10 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     return steps, topk, draft
 
 
-def _time_groups(run, groups) -> tuple[float, list[list[int]], int]:
-    """Seconds to run every group, outputs, verify steps; every group runs once untimed first (prompt lengths are
-    bucketed, so groups may compile different shapes)."""
-    for g in groups:
+def _time_groups(run, groups, warm: bool = True) -> tuple[float, list[list[int]], int]:
+    """Seconds to run every group, outputs, verify steps; with ``warm``, every group runs once untimed first
+    (prompt lengths are bucketed, so groups may compile different shapes)."""
+    for g in groups if warm else ():
         run(g)
     t0 = time.perf_counter()
     outs, steps = [], 0
@@ -80,7 +84,8 @@ def tune(args) -> dict:
         groups = [prompts[i:i + b] for i in range(0, len(prompts) - b + 1, b)]
         if not groups:
             raise SystemExit(f"--num-prompts {len(prompts)} is smaller than batch size {b}")
-        t, plain_out, _ = _time_groups(lambda g: (generate(tparams, tcfg, g, **kw), 0), groups)
+        warm = not args.outputs_only
+        t, plain_out, _ = _time_groups(lambda g: (generate(tparams, tcfg, g, **kw), 0), groups, warm)
         n = sum(len(o) for o in plain_out)
         plain = dict(batch_size=b, shape=None, tok_s=n / t, speedup=1.0, tau=1.0, identical=None)
         rows.append(plain)
@@ -92,7 +97,7 @@ def tune(args) -> dict:
                     tparams, tcfg, draft, g, algorithm=args.algorithm, num_steps=shape[0], topk=shape[1],
                     num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw)
                 return out, int(sum(info["verify_steps"]))
-            t, outs, steps = _time_groups(run, groups)
+            t, outs, steps = _time_groups(run, groups, warm)
             # Each shape compiles a program per prompt bucket, and XLA:CPU maps memory for every kernel of every
             # live program: free this shape's before the next (a long sweep ran out of memory maps otherwise).
             jax.clear_caches()
@@ -109,7 +114,8 @@ def tune(args) -> dict:
                 best_spec[b] = row
     return dict(format=tune_lib.FORMAT, algorithm=args.algorithm, target=model_note, draft=args.draft,
                 prompts=prompt_note, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
-                temperature=args.temperature, machine=f"{platform.machine()} {os.cpu_count()} cores",
+                temperature=args.temperature, timed=not args.outputs_only,
+                machine=f"{platform.machine()} {os.cpu_count()} cores",
                 load_average=os.getloadavg()[0],
                 batch_sizes={str(b): (dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), r["shape"]))
                                       if r["shape"] else None) for b, r in best.items()},
@@ -121,7 +127,8 @@ def tune(args) -> dict:
 def print_table(r: dict) -> None:
     print(f"target: {r['target']}\ndraft: {r['draft']} ({r['algorithm']})\nprompts: {r['prompts']}, "
           f"{r['num_prompts']} prompts, max {r['max_new_tokens']} new tokens, temperature {r['temperature']}; "
-          f"{r['machine']}, load average {r['load_average']:.2f}")
+          f"{r['machine']}, load average {r['load_average']:.2f}" + ("" if r.get("timed", True) else
+                                                                       "; --outputs-only: tok/s include compiles"))
     print(f"{'batch':>5s}  {'steps,topk,draft':>16s}  {'tok/s':>8s}  {'speedup':>7s}  {'tau':>5s}  {'== plain':>8s}")
     for row in r["rows"]:
         shape = "plain" if row["shape"] is None else ",".join(map(str, row["shape"]))
@@ -150,6 +157,8 @@ class TuneOptions(TargetRunOptions):
     seed: int = option(0, help="sampling seed")
     out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json)")
     no_write: bool = option(False, help="print only")
+    outputs_only: bool = option(False, help="run each group once without a warm-up pass: outputs (== plain) and "
+                                            "tau only, tokens/s include compiles; writes no table")
     json: str | None = option(None, help="also write the full results here")
     random_llama_8b: bool = False  # the target is always a real model here (bench spec's load_target reads it)
 
@@ -162,7 +171,7 @@ def main(argv=None) -> int:
         ap.error("--batch-sizes, --num-prompts and --max-new-tokens must be >= 1")
     r = tune(args)
     print_table(r)
-    if not args.no_write:
+    if not args.no_write and not args.outputs_only:
         out = args.out or os.path.join(args.draft, tune_lib.FILENAME)
         tune_lib.save_tune(out, r)
         print(f"wrote {out}")
