@@ -135,14 +135,18 @@ class ServerArgs:
         if not table:
             return
         shape = shape_for(table, 1) or next((s for _, s in sorted(table.items()) if s is not None), None)
-        if shape is not None and not self.disable_adaptive_speculation:
-            if len(table) > 1:
-                self.speculative_batch_shapes = table
+        if not self.disable_adaptive_speculation:
             try:
                 self.speculative_tree_costs = load_tune_costs(self.speculative_draft_model_path)
             except TuneError as e:
                 log.warning("%s; the tuned shapes are kept fixed", e)
-        if shape is None:
+            if shape is not None and len(table) > 1:
+                self.speculative_batch_shapes = table
+        if shape is None and self.speculative_tree_costs:
+            # plain decoding measured faster everywhere, on the tuning prompts: start with target-only steps and
+            # let the live accept length turn the trees on where this traffic pays for them
+            shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative"), 1)
+        elif shape is None:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "
                                            f"({self.speculative_draft_model_path}/speculative_tune.json)")

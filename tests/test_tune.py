@@ -128,6 +128,17 @@ def test_server_args_use_the_tuned_shape_unless_flags_are_given(tmp_path):
     k = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
                    disable_adaptive_speculation=True)
     assert k.speculative_tree_costs is None and k.speculative_batch_shapes is None
+    # plain measured faster at every size on the tuning prompts, but the rows say what each tree costs: the server
+    # still speculates adaptively (target-only steps first, probes turn the trees on where the traffic pays)
+    table = _measured_table()
+    table["batch_sizes"]["1"] = None
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), table)
+    m = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path))
+    assert m.speculation_off_reason is None and m.speculative_tree_costs == h.speculative_tree_costs
+    assert (m.speculative_num_steps, m.speculative_eagle_topk, m.speculative_num_draft_tokens) == (1, 2, 3)
+    n = ServerArgs(model_path="m", speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path),
+                   disable_adaptive_speculation=True)
+    assert "plain decoding faster" in n.speculation_off_reason  # the table alone: serve plain
 
 
 @pytest.fixture(scope="module")
