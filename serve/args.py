@@ -145,7 +145,7 @@ class ServerArgs:
         if shape is None and self.speculative_tree_costs:
             # plain decoding measured faster everywhere, on the tuning prompts: start with target-only steps and
             # let the live accept length turn the trees on where this traffic pays for them
-            shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative"), 1)
+            shape = shape_for({b: c[0] for b, c in self.speculative_tree_costs.items()}, 1)
         elif shape is None:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "

@@ -138,8 +138,10 @@ class SpecRunner(RunnerCommon):
         # the tree of each step by batch bucket (None: every step runs self.scfg)
         self.trees = batch_shapes if isinstance(batch_shapes, TreeChoice) or not batch_shapes else \
             TreeChoice.fixed(batch_shapes)
-        self._configs = {s: step_lib.SpecConfig(*s, attend) for s in (self.trees.shapes() if self.trees else ())}
-        shapes = [self.scfg, *self._configs.values()]
+        self._configs = {self.scfg.shape: self.scfg}  # every tree a step may run, by shape
+        for shape in self.trees.shapes() if self.trees else ():
+            self._configs.setdefault(shape, step_lib.SpecConfig(*shape, attend))
+        shapes = list(self._configs.values())
         for c in shapes:
             step_lib.check_compatible(target_cfg, self.draft, c)
         self.max_batch, self.pages_per_seq, self.page_size, self.num_pages = max_batch, pages_per_seq, page_size, \
@@ -225,7 +227,7 @@ class SpecRunner(RunnerCommon):
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
         npages = pick(self.page_buckets, -(-longest // self.page_size))
-        scfg = self.shape_for(nb) if tree is _CHOOSE else self._config(tree)
+        scfg = self.shape_for(nb) if tree is _CHOOSE else None if tree is None else self._configs[tuple(tree)]
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
                                              state, jnp.asarray(active), nb=nb, npages=npages,
@@ -236,7 +238,7 @@ class SpecRunner(RunnerCommon):
         tokens[:nb, :toks.shape[1]], num[:nb] = toks, np.asarray(counts)
         self._lengths += num
         if self.trees is not None and scfg is not None and tree is _CHOOSE:
-            self.trees.record((scfg.num_steps, scfg.topk, scfg.num_draft_tokens), int(num.sum()), len(idx))
+            self.trees.record(scfg.shape, int(num.sum()), len(idx))
         return state, tokens, num
 
     def warmup(self, state, log_fn=log.info):
@@ -252,8 +254,7 @@ class SpecRunner(RunnerCommon):
         for nb in self.batch_buckets:
             active = np.zeros((self.max_batch,), bool)
             active[nb - 1] = True  # the bucket's highest slot runs, so the step takes this bucket (and its shape)
-            for tree in self.trees.options(nb) if self.trees else [(self.scfg.num_steps, self.scfg.topk,
-                                                                   self.scfg.num_draft_tokens)]:
+            for tree in self.trees.options(nb) if self.trees else [self.scfg.shape]:
                 state = self.step_at_zero(state, active, tree=tree)
                 steps += 1
         log_fn(f"warmup: compiled {len(self.prefill_buckets)} prefill and {steps} step shapes in "
@@ -262,15 +263,10 @@ class SpecRunner(RunnerCommon):
 
     def shape_for(self, nb: int) -> step_lib.SpecConfig | None:
         """The tree shape of a step over batch bucket ``nb`` (None: a target-only step)."""
-        return self.scfg if self.trees is None else self._config(self.trees.choose(nb))
-
-    def _config(self, tree) -> step_lib.SpecConfig | None:
-        if tree is None:
-            return None
-        tree = tuple(tree)
-        if tree == (self.scfg.num_steps, self.scfg.topk, self.scfg.num_draft_tokens):
+        if self.trees is None:
             return self.scfg
-        return self._configs[tree]
+        tree = self.trees.choose(nb)
+        return None if tree is None else self._configs[tree]
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

@@ -8,8 +8,9 @@
 
 For every batch size B, the prompts are decoded in groups of B rows, once by plain decoding (``specjax.generate``)
 and once per shape (num_steps, eagle_topk, num_draft_tokens) by ``speculative_generate``; each configuration runs
-every group once untimed (compiles every shape) then once timed. The fastest configuration per B wins; plain wins where no shape beats it (the
-server then switches speculation off at that batch size). Printed per row: tokens/s, speedup over plain, tau
+every group once untimed (compiles every shape) then once timed. The fastest configuration per B wins; plain
+wins where no shape beats it (the server then starts that batch size with target-only steps, and the rows' costs
+let it turn the tree on where live traffic pays for it). Printed per row: tokens/s, speedup over plain, tau
 (completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for token.
 ``--outputs-only`` runs every group once, untimed and uncompiled beforehand, for the outputs and tau alone (half
 the time; its tokens/s include compiles and are not written).

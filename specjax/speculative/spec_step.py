@@ -44,6 +44,11 @@ class SpecConfig:
     def tokens_per_step(self) -> int:
         return self.num_steps + 1
 
+    @property
+    def shape(self) -> tuple[int, int, int]:
+        """(num_steps, topk, num_draft_tokens): the tree's key in ``bench tune``'s table."""
+        return self.num_steps, self.topk, self.num_draft_tokens
+
     def for_prefill(self) -> "SpecConfig":
         """The part of the config that prefill depends on (so one prefill compile serves every tree shape)."""
         return SpecConfig(1, self.topk, 2, self.cache_attention, self.sampling)

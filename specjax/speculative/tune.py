@@ -9,9 +9,11 @@ prompt set); read by the server and ``specjax.Engine`` when the tree flags are n
 
 ``null`` means plain decoding was faster at that batch size; ``best_speculative`` keeps the fastest tree shape of
 every batch size regardless, and ``rows`` every measurement (tokens/s, speedup, tau), from which
-:class:`TreeChoice` knows what each tree step costs and re-decides the table on the live traffic. The server serves plain decoding when every tuned batch size says ``null`` (unless
-tree flags are given); ``python -m specjax.generate`` runs the best speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of
-the largest tuned size not above it (the smallest tuned size below the first).
+:class:`TreeChoice` knows what each tree step costs and re-decides the table on the live traffic (so a server
+whose table says ``null`` everywhere starts with target-only steps and turns a tree on where the traffic pays for
+it; without rows, or with adaptation off, it serves plain decoding). ``python -m specjax.generate`` runs the best
+speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of the largest tuned
+size not above it (the smallest tuned size below the first).
 """
 
 from __future__ import annotations
@@ -101,11 +103,16 @@ def load_tune_costs(folder_or_file: str | None) -> dict[int, tuple[tuple[int, in
     return out
 
 
+def tuned_size(sizes, batch_size: int) -> int:
+    """The tuned batch size whose entry ``batch_size`` takes: the largest not above it (else the smallest)."""
+    sizes = sorted(sizes)
+    below = [b for b in sizes if b <= batch_size]
+    return below[-1] if below else sizes[0]
+
+
 def shape_for(table: dict[int, tuple[int, int, int] | None], batch_size: int) -> tuple[int, int, int] | None:
     """The tuned shape for ``batch_size`` (None: plain decoding)."""
-    sizes = sorted(table)
-    below = [b for b in sizes if b <= batch_size]
-    return table[below[-1] if below else sizes[0]]
+    return table[tuned_size(table, batch_size)]
 
 
 @dataclasses.dataclass
@@ -154,8 +161,7 @@ class TreeChoice:
                     for b, (shape, tau, speedup) in costs.items()}, **kw)
 
     def _entry(self, nb: int) -> tuple[int, _Entry]:
-        below = [b for b in self.entries if b <= nb]
-        b = below[-1] if below else next(iter(self.entries))
+        b = tuned_size(self.entries, nb)
         return b, self.entries[b]
 
     def shapes(self) -> list[tuple[int, int, int]]:
