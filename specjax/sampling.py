@@ -263,28 +263,49 @@ def tree_counts(tokens, mask, vocab: int):
     return jnp.einsum("bma,bav->bmv", drafted.astype(jnp.float32), jax.nn.one_hot(tokens, vocab, dtype=jnp.float32))
 
 
+def _order_key(x):
+    """u32 keys that order like the f32 values ``x`` (-inf < negatives < 0 < positives < inf)."""
+    b = jax.lax.bitcast_convert_type(x, jnp.uint32)
+    return jnp.where(b >> 31 == 1, ~b, b | jnp.uint32(0x80000000))
+
+
+def _largest_key(keys, pred):
+    """Per row of u32 ``keys`` [..., V], the largest t with ``pred(t)`` (t u32[..., 1]; monotone: true at 0 and up to
+    the answer), found bit by bit: 32 masked reductions over the vocabulary instead of a sort of it."""
+    def bit(i, t):
+        cand = t | jnp.left_shift(jnp.uint32(1), (31 - i).astype(jnp.uint32))
+        return jnp.where(pred(cand), cand, t)
+    return jax.lax.fori_loop(0, 32, bit, jnp.zeros(keys.shape[:-1] + (1,), jnp.uint32))
+
+
+def _top_k(x, k):
+    """Keep the values >= the k-th largest of each row (k i32 broadcast to [..., 1], in [1, V])."""
+    keys = _order_key(x)
+    kth = _largest_key(keys, lambda t: (keys >= t).sum(-1, keepdims=True) >= k)
+    return jnp.where(keys >= kth, x, -jnp.inf)
+
+
+def _top_p(p, top_p):
+    """Keep the smallest set of largest probabilities whose mass reaches ``top_p`` (ties at the edge kept): the
+    threshold is the largest probability t with mass(p >= t) >= top_p. Rows with top_p >= 1 keep everything."""
+    keys = _order_key(p)
+    edge = _largest_key(keys, lambda t: jnp.where(keys >= t, p, 0.0).sum(-1, keepdims=True) >= top_p)
+    return jnp.where((keys >= edge) | (top_p >= 1), p, 0.0)
+
+
 def target_probs(logits, temperature, top_k, top_p, min_p):
     """Processed distribution f32[..., V] from (penalised) logits f32[..., V]; params broadcast over the leading
-    axes ([B] -> [B, ...]). Greedy rows (temperature 0) get a one-hot on the argmax."""
+    axes ([B] -> [B, ...]). Greedy rows (temperature 0) get a one-hot on the argmax. The top-k and top-p edges are
+    found by bisection on the values (no sort of the vocabulary), and only when some row uses the filter."""
     v = logits.shape[-1]
     expand = lambda a: _expand(a, logits.ndim)
     t = expand(temperature)
     greedy = t <= 0
     x = logits.astype(jnp.float32) / jnp.where(greedy, 1.0, t)
-    # top-k: keep values >= the k-th largest.
-    k = expand(top_k)
-    k = jnp.where(k <= 0, v, jnp.minimum(k, v))
-    sorted_desc = -jnp.sort(-x, axis=-1)  # [..., V]
-    kth = jnp.take_along_axis(sorted_desc, k - 1, axis=-1)
-    x = jnp.where(x >= kth, x, -jnp.inf)
-    # top-p over the top-k-filtered distribution: keep the smallest prefix (by prob) whose mass reaches top_p.
+    k = jnp.where(top_k <= 0, v, jnp.minimum(top_k, v))
+    x = jax.lax.cond((k < v).any(), lambda: _top_k(x, expand(k)), lambda: x)
     p = jax.nn.softmax(x, axis=-1)
-    ps = -jnp.sort(-p, axis=-1)
-    cum_before = jnp.cumsum(ps, axis=-1) - ps
-    keep_sorted = cum_before < expand(top_p)
-    n_keep = jnp.maximum(keep_sorted.sum(-1, keepdims=True), 1)
-    threshold = jnp.take_along_axis(ps, n_keep - 1, axis=-1)
-    p = jnp.where(p >= threshold, p, 0.0)
+    p = jax.lax.cond((top_p < 1).any(), lambda: _top_p(p, expand(top_p)), lambda: p)
     # min-p: drop tokens below min_p * max prob.
     p = jnp.where(p >= expand(min_p) * p.max(-1, keepdims=True), p, 0.0)
     p = p / p.sum(-1, keepdims=True)
@@ -355,8 +376,8 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None) -> SamplingBatch:
 def sample_next(logits, sb: SamplingBatch, active=None):
     """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys and recorded token).
     ``active`` bool[B] (default all): rows outside it advance their keys only. When every active row is greedy only
-    the argmax runs (the sampling path sorts the vocabulary twice per row, which dominates a small model's decode
-    step on CPU); keys advance either way, so every row's random stream is unchanged."""
+    the argmax runs (the sampling path, a softmax, filters and a categorical draw over the vocabulary, costs a small
+    model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream is unchanged."""
     keys, sub = split_keys(sb.key)
     x = process_logits(logits, sb)
     greedy_tok = jnp.argmax(x, -1).astype(jnp.int32)  # i32[B]

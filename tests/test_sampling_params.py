@@ -169,6 +169,40 @@ def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):
         check_target_logprobs(cfg, tp, prompts[i], rows[i], plain[i])
 
 
+def numpy_filtered(logits, temperature, top_k, top_p, min_p):
+    """temperature -> top_k -> top_p -> min_p by sorting, written independently of specjax."""
+    x = np.asarray(logits, np.float64) / temperature
+    if top_k > 0:
+        x = np.where(x >= np.sort(x)[::-1][top_k - 1], x, -np.inf)
+    p = np.exp(x - x.max())
+    p /= p.sum()
+    if top_p < 1:
+        ps = np.sort(p)[::-1]
+        keep = int(np.sum(np.cumsum(ps) - ps < top_p))
+        p = np.where(p >= ps[max(keep, 1) - 1], p, 0.0)
+    p = np.where(p >= min_p * p.max(), p, 0.0)
+    return p / p.sum()
+
+
+def test_target_probs_filters_match_sorting():
+    """``sampling.target_probs`` finds the top-k and top-p edges by bisection on the values, not by sorting the
+    vocabulary: the same distributions as the sorted definition, per row, ties and a mixed batch included."""
+    rng = np.random.default_rng(2)
+    v = 1000
+    logits = rng.normal(size=(6, v)).astype(np.float32) * 2
+    logits[1, :40] = 10.0  # a tie across the top-k edge
+    rows = [(0.7, -1, 1.0, 0.0), (1.0, 20, 1.0, 0.0), (0.9, -1, 0.5, 0.0), (1.3, 50, 0.9, 0.05),
+            (0.5, 1, 1.0, 0.0), (1.0, -1, 0.999, 0.0)]
+    t, k, p, m = (np.asarray(c, dt) for c, dt in zip(zip(*rows), (np.float32, np.int32, np.float32, np.float32)))
+    got = np.asarray(sampling.target_probs(logits, t, k, p, m))
+    for i, row in enumerate(rows):
+        want = numpy_filtered(logits[i], *row)
+        np.testing.assert_array_equal(got[i] > 0, want > 0, err_msg=str(row))
+        np.testing.assert_allclose(got[i], want, rtol=2e-5, atol=1e-7, err_msg=str(row))
+    tied = (got[1] > 0).sum()
+    assert tied == 40, tied  # every token tied at the edge stays
+
+
 @pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
 def test_speculative_sampled_logprobs_are_the_targets(models, runner_outputs, alg):
     """A sampled, penalised row under speculation (its tokens differ from plain's: other random draws): the logprobs
