@@ -223,3 +223,7 @@ class CacheAttend:
         if self.write is not None:
             c = self.cache = kv_write(c, k, v, *self.write, layer=i)
         return attend(q, k, v, self.mask, scale, c.k, c.v, c.page_table, c.lengths, kernel=self.kernel, layer=i)
+
+    def store(self, i, k, v):
+        """Only write layer i's new K/V (a layer whose output nothing reads)."""
+        self.cache = kv_write(self.cache, k, v, *self.write, layer=i)

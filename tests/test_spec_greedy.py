@@ -96,3 +96,43 @@ def test_rows_stop_on_their_own_stop_token_and_budget(models):
     assert out == [r[:n] for r, n in zip(ref_free, budget)]
     assert stats["verify_steps"][2] == 0
     check_stats(out, stats, (5, 8, 32))
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg):
+    """``target_step`` writes only each new pair's draft K/V (no attention or MLP in the head's last layer) and leaves
+    the root stale; ``refresh_root`` then recomputes it. Both equal what a full draft commit of every step gives."""
+    import dataclasses
+    import jax
+    import jax.numpy as jnp
+    from specjax.speculative import draft as draft_lib, spec_step, verify
+    from specjax.speculative.spec_generate import _prefill_prompts
+    cfg = models["cfg"]
+    tp, heads = models["bigram"]
+    d = draft_lib.as_draft(heads[alg], alg, tp)
+    scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
+    prompts = models["prompts"]
+    state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
+    state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, np.array([len(p) for p in prompts]), ())
+    active = jnp.array([True, True, False, True])
+
+    def full_commit(state):
+        tree = spec_step.root_tree(state)
+        out = spec_step.verify_phase(tp, cfg, d, scfg, state, tree, active)
+        state = dataclasses.replace(state, cache=out.cache)
+        acc, sb = verify.accept(tree, out.logits, state.sampling, 0, may_sample=False)
+        return spec_step.commit_phase(tp, d, scfg, state, acc, out, active, sb), acc.tokens
+
+    lean, full = jax.jit(spec_step.target_step, static_argnums=(1, 3)), jax.jit(full_commit)
+    refresh = jax.jit(spec_step.refresh_root, static_argnums=(2,))
+    a, b = state, jax.tree.map(jnp.copy, state)
+    for _ in range(3):
+        a, ta, _ = lean(tp, cfg, d, scfg, a, active)
+        b, tb = full(b)
+        np.testing.assert_array_equal(np.asarray(ta), np.asarray(tb))
+    assert np.asarray(a.root_stale).tolist() == [True, True, False, True]
+    a = refresh(tp, d, scfg, a)
+    assert not np.asarray(a.root_stale).any()
+    for x, y in [(a.draft_k, b.draft_k), (a.draft_v, b.draft_v), (a.root_h, b.root_h)]:
+        np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
+    np.testing.assert_array_equal(np.asarray(a.cache.lengths), np.asarray(b.cache.lengths))

@@ -176,7 +176,7 @@ def test_live_tree_choice_turns_a_losing_tree_off_and_keeps_probing(setup):
     warmup compiles both for each bucket; the output is plain greedy throughout."""
     cfg, tp, _ = setup
     _, _, e3, _ = bigram_models(cfg, seed=3)
-    trees = TreeChoice.measured({1: ((3, 2, 5), 2.0, 0.1)}, probe_every=3, prior=1.0)
+    trees = TreeChoice.measured({1: ((3, 2, 5), 2.0, 0.1)}, probe_every=3, max_probe_every=3, prior=1.0)
     runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=2,
                         pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16,
                         batch_shapes=trees)

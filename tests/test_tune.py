@@ -60,17 +60,20 @@ def test_load_tune_costs_reads_the_best_trees_measured_rows(tmp_path):
 def test_tree_choice_follows_the_live_accept_length():
     """Batch 1: the (1,2,3) tree costs 1.5 / 1.2 = 1.25 plain steps; batch 16: 1.5 / 0.9 = 1.67. It starts as
     tuned (tree at 1, target-only at 16), turns the tree off at 1 when the live accept length falls below 1.25,
-    keeps probing it every probe_every-th step, and turns it on again (at 16 too) once acceptance climbs."""
+    keeps probing it (every probe_every-th step, then at doubling intervals up to max_probe_every while it still
+    does not pay), and turns it on again (at 16 too) once acceptance climbs."""
     logs = []
     tc = tune_lib.TreeChoice.measured({1: ((1, 2, 3), 1.5, 1.2), 16: ((1, 2, 3), 1.5, 0.9)},
-                                      horizon=64, prior=8, probe_every=4, log=logs.append)
+                                      horizon=64, prior=8, probe_every=4, max_probe_every=8,
+                                      log=logs.append)
     assert tc.shapes() == [(1, 2, 3)] and tc.options(1) == [(1, 2, 3), None]
     assert tc.choose(1) == (1, 2, 3) and tc.choose(4) == (1, 2, 3)
     assert [tc.choose(16) for _ in range(4)] == [None, None, None, (1, 2, 3)]  # the 4th is a probe
     for _ in range(40):  # the head is rejected on this traffic: one token per step
         tc.record((1, 2, 3), tokens=4, rows=4)
     assert tc.accept_length((1, 2, 3)) < 1.05
-    assert [tc.choose(1) for _ in range(8)] == [None, None, None, (1, 2, 3)] * 2
+    probe = [(1, 2, 3)]
+    assert [tc.choose(1) for _ in range(20)] == [None] * 3 + probe + ([None] * 7 + probe) * 2
     assert any("speculation off at batch size >= 1" in m for m in logs)
     for _ in range(40):  # now accepted for 2 tokens per step
         tc.record((1, 2, 3), tokens=8, rows=4)

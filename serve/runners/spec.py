@@ -39,7 +39,7 @@ def _put_row(full, row, slot):
     return jax.lax.dynamic_update_slice_in_dim(full, row.astype(full.dtype), slot, axis=0)
 
 
-_ROW_FIELDS = ("last_token", "root_h")
+_ROW_FIELDS = ("last_token", "root_h", "root_feat", "root_stale")
 
 
 def _slot_view(state: step_lib.SpecState, slot) -> step_lib.SpecState:
@@ -114,7 +114,7 @@ class SpecRunner(RunnerCommon):
     ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table, or a
     ``tune.TreeChoice`` that re-decides it from the head's live acceptance) makes the tree follow the running batch:
     each step takes the entry of the largest listed size not above the step's batch bucket ``nb``, and None runs
-    ``target_step`` (plain decoding that keeps the draft in step), so a batch large enough to be compute-bound stops
+    ``target_step`` (plain decoding that keeps the draft cache in step), so a batch large enough to be compute-bound stops
     paying for trees it cannot use. The bucket, not the number of
     running requests, because a step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost
     of an nb-row tree step, so the speedup over an nb-row plain step is the same for any r, and ``bench tune``

@@ -127,7 +127,8 @@ def load_target(args):
 
 
 def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
-    """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill."""
+    """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill, of a target-only
+    step (what the server runs where the tree does not pay) and of a plain decode step."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -155,6 +156,7 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     f_accept = jax.jit(verify_lib.accept, static_argnames=("num_steps", "may_sample"))
     f_commit = jax.jit(step_lib.commit_phase, static_argnames=("scfg",))
     f_step = jax.jit(step_lib.spec_step, **st)
+    f_target = jax.jit(step_lib.target_step, **st)
     f_plain = jax.jit(decode.decode, static_argnames=("cfg",))
     tree = f_draft(tparams, draft, scfg, state)
     out = f_verify(tparams, tcfg, draft, scfg, state, tree, active)
@@ -165,6 +167,7 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
                                                 may_sample=False), repeats),
                 commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
                 fused_step=_median(lambda: f_step(tparams, tcfg, draft, scfg, state, active), repeats),
+                target_only_step=_median(lambda: f_target(tparams, tcfg, draft, scfg, state, active), repeats),
                 plain_decode_step=_median(lambda: f_plain(tparams, tcfg, state.cache, state.last_token, active),
                                           repeats))
 

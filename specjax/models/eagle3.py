@@ -192,18 +192,25 @@ def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):
                       preferred_element_type=jnp.float32)
 
 
-def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, attend: layers.AttendFn):
+def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, attend: layers.AttendFn, *,
+            kv_only: bool = False):
     """One draft step over T new tokens. emb: [B, T, H] target embeddings of the tokens; hidden: [B, T, H] incoming
     hidden (fc(aux) or fed-back h); positions: i32[B, T]; attend: the per-layer attention (``layers.CacheAttend``).
+    ``kv_only``: the last layer only stores its K/V (``attend.store``) and h_out is None (a commit that no draft step
+    follows needs no attention or MLP there).
     Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd])."""
     h = hidden.astype(params.norm.dtype)
     emb = emb.astype(h.dtype)
     ks, vs = [], []
     for i, lp in enumerate(params.layers):
         q, k, v = qkv(lp, cfg, layer_input(lp, cfg, emb, h), positions)
-        h = finish_layer(lp, cfg, h, attend(i, q, k, v))
         ks.append(k)
         vs.append(v)
+        if kv_only and i == len(params.layers) - 1:
+            attend.store(i, k, v)
+            h = None
+        else:
+            h = finish_layer(lp, cfg, h, attend(i, q, k, v))
     return h, jnp.stack(ks), jnp.stack(vs)
 
 

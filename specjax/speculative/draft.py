@@ -81,11 +81,12 @@ def target_features(draft: Draft, out: target.ForwardOut):
     return project(draft, raw_features(draft, out))
 
 
-def forward(draft: Draft, emb, feature, positions, attend: layers.AttendFn):
-    """One draft step over T tokens. emb, feature: [B, T, H]; positions i32[B, T].
+def forward(draft: Draft, emb, feature, positions, attend: layers.AttendFn, *, kv_only: bool = False):
+    """One draft step over T tokens. emb, feature: [B, T, H]; positions i32[B, T]. ``kv_only``: only extend the
+    cache (``attend`` a ``layers.CacheAttend`` with ``write``); h is then None.
     Returns (h [B, T, H], k_new [nl, B, T, K, Hd], v_new)."""
     head = eagle3 if draft.algorithm == "EAGLE3" else eagle
-    return head.forward(draft.params, draft.cfg, emb, feature, positions, attend)
+    return head.forward(draft.params, draft.cfg, emb, feature, positions, attend, kv_only=kv_only)
 
 
 def logits(draft: Draft, h):

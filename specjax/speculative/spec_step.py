@@ -4,8 +4,9 @@ state donated, and a ``lax.while_loop`` over steps that never returns to Python.
 State invariant between steps, per row b (n = ``cache.lengths[b]``):
 - the target cache holds positions [0, n); ``last_token`` (x_n, already emitted) is not yet in it;
 - the draft cache holds the pairs (feature_t, x_{t+1}) for t in [0, n) at position t (same pages, same lengths);
-- ``root_h`` is the draft's output at position n-1 (its top-k is the depth-1 distribution of the next tree, computed
-  when a step drafts: a target-only step does not pay for it).
+- ``root_h`` is the draft's output at position n-1 (its top-k is the depth-1 distribution of the next tree). A
+  target-only step only extends the draft cache (the pair's K/V: no attention or MLP in the head's last layer) and
+  marks ``root_stale``; the next drafting step first recomputes ``root_h`` from ``root_feat``, the pair's feature.
 A step drafts a tree rooted at x_n (position n), verifies all M nodes in ONE target forward under the ancestor mask,
 accepts a path of a <= num_steps draft tokens plus a bonus, writes the path's target KV at n..n+a, runs the draft over
 the a+1 new pairs (extending its cache and producing the next root) and leaves n' = n + a + 1.
@@ -77,6 +78,8 @@ class SpecState:
     last_token: jax.Array  # i32[B] newest emitted token = next tree root (not yet in the target cache)
     root_h: jax.Array  # [B, H] draft output at position lengths-1 (the next tree's depth-1 distribution)
     sampling: sampling_lib.SamplingBatch
+    root_feat: jax.Array  # [B, H] the draft's incoming feature at position lengths-1 (to recompute a stale root_h)
+    root_stale: jax.Array  # bool[B] a target-only step committed the row's last pair without computing root_h
 
 
 def draft_cache(state: SpecState) -> KVCache:
@@ -94,10 +97,11 @@ def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, ma
                                 page_size=page_size, dtype=dtype, num_pages=num_pages)
     nl, kh, hd = draft_lib.draft_head_dims(draft.cfg)
     shape = kv_cache.pool_shape(nl, cache.k.shape[1], kh, page_size, hd, dtype)
+    hidden = lambda: jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype))  # one buffer each
     return SpecState(cache=cache, draft_k=jnp.zeros(shape, dtype), draft_v=jnp.zeros(shape, dtype),
-                     last_token=jnp.zeros((batch,), jnp.int32),
-                     root_h=jnp.zeros((batch, draft.cfg.hidden_size), jnp.dtype(draft.cfg.dtype)),
-                     sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size, width=width))
+                     last_token=jnp.zeros((batch,), jnp.int32), root_h=hidden(),
+                     sampling=sampling_lib.SamplingBatch.make(batch, vocab=tcfg.vocab_size, width=width),
+                     root_feat=hidden(), root_stale=jnp.zeros((batch,), bool))
 
 
 def _root(draft: Draft, h, topk: int):
@@ -145,10 +149,11 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     dcache = attend.cache
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
     h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
-    last_token, root_h = _where_rows(last & (n > 0), (first, h_last.astype(state.root_h.dtype)),
+    done = last & (n > 0)
+    last_token, root_h = _where_rows(done, (first, h_last.astype(state.root_h.dtype)),
                                      (state.last_token, state.root_h))
     state = SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
-                      sampling=sb)
+                      sampling=sb, root_feat=state.root_feat, root_stale=state.root_stale & ~done)
     return state, first
 
 
@@ -211,9 +216,10 @@ def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, 
 
 
 def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState, acc, out, active,
-                 sb) -> SpecState:
+                 sb, *, root: bool = True) -> SpecState:
     """Write the accepted path's target K/V at consecutive positions (rejected nodes are dropped), run the draft
-    over the a+1 new pairs (feature at path[j], token after it) to extend its cache and get the next root."""
+    over the a+1 new pairs (feature at path[j], token after it) to extend its cache and get the next root.
+    ``root=False`` (a target-only step): only the draft cache is extended, and the root is left stale."""
     s1 = acc.path.shape[1]  # num_steps + 1 (1 for a target-only step)
     cache = state.cache
     j = jnp.arange(s1, dtype=jnp.int32)
@@ -227,20 +233,43 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     emb = target.embed_tokens(tparams, acc.tokens)
     dcache = draft_cache(state)
     attend = layers.CacheAttend(layers.causal_mask(valid), dcache, scfg.cache_attention, write=(positions, valid))
-    h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend)
+    h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend, kv_only=not root)
     dcache = attend.cache
-    h_last = jnp.take_along_axis(h, acc.accept_len[:, None, None], axis=1)[:, 0]
+    at_last = lambda a: jnp.take_along_axis(a, acc.accept_len[:, None, None], axis=1)[:, 0]
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + jnp.where(active, acc.accept_len + 1, 0))
-    last_token, root_h, sb = _where_rows(active, (acc.bonus, h_last.astype(state.root_h.dtype), sb),
-                                         (state.last_token, state.root_h, state.sampling))
+    if root:
+        new_root, root_feat, stale = at_last(h).astype(state.root_h.dtype), state.root_feat, False
+    else:
+        new_root, root_feat, stale = state.root_h, at_last(feat).astype(state.root_feat.dtype), True
+    last_token, root_h, root_feat, root_stale, sb = _where_rows(
+        active, (acc.bonus, new_root, root_feat, jnp.full_like(state.root_stale, stale), sb),
+        (state.last_token, state.root_h, state.root_feat, state.root_stale, state.sampling))
     return SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
-                     sampling=sb)
+                     sampling=sb, root_feat=root_feat, root_stale=root_stale)
+
+
+def refresh_root(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState) -> SpecState:
+    """Recompute ``root_h`` of the rows a target-only step left stale: the draft over their last committed pair
+    (feature ``root_feat``, token ``last_token``) at position n-1, attending to the cache below it and to itself
+    (its K/V, already in the cache, are recomputed, not rewritten). Skipped when no row is stale."""
+    def recompute():
+        n1 = jnp.maximum(state.cache.lengths - 1, 0)
+        b = n1.shape[0]
+        dcache = dataclasses.replace(draft_cache(state), lengths=n1)
+        attend = layers.CacheAttend(jnp.ones((b, 1, 1), bool), dcache, scfg.cache_attention)
+        h, _, _ = draft_lib.forward(draft, target.embed_tokens(tparams, state.last_token[:, None]),
+                                    state.root_feat[:, None], n1[:, None], attend)
+        return jnp.where(state.root_stale[:, None], h[:, 0].astype(state.root_h.dtype), state.root_h)
+
+    root_h = jax.lax.cond(state.root_stale.any(), recompute, lambda: state.root_h)
+    return dataclasses.replace(state, root_h=root_h, root_stale=jnp.zeros_like(state.root_stale))
 
 
 def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, state: SpecState,
               active):
     """One speculative step for the rows with ``active`` (bool[B]).
     Returns (state, tokens i32[B, S+1], counts i32[B]): row b emitted tokens[b, :counts[b]] (0 if inactive)."""
+    state = refresh_root(tparams, draft, scfg, state)
     tree = draft_phase(tparams, draft, scfg, state)
     out = verify_phase(tparams, tcfg, draft, scfg, state, tree, active)
     state = dataclasses.replace(state, cache=out.cache)
@@ -264,14 +293,15 @@ def target_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, s
                 active):
     """One token per active row with no drafting: ``spec_step`` over the root-only tree. The target forward is a
     plain decode step (the token is the plain one: argmax or a draw from the same distribution); the commit still
-    runs the draft over the new pair, so the draft cache and root stay in step and the next step may draft again.
+    writes the new pair's draft K/V (only those), so the draft cache stays in step and the next step may draft again
+    (``spec_step`` recomputes the stale root first).
     What a server runs when its running batch is large enough that verifying a tree costs more than it saves.
     Returns (state, tokens i32[B, 1], counts i32[B])."""
     tree = root_tree(state)
     out = verify_phase(tparams, tcfg, draft, scfg, state, tree, active)
     state = dataclasses.replace(state, cache=out.cache)
     acc, sb = verify_lib.accept(tree, out.logits, state.sampling, 0, may_sample=scfg.sampling)
-    state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
+    state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb, root=False)
     return state, acc.tokens, active.astype(jnp.int32)
 
 

@@ -130,24 +130,27 @@ class TreeChoice:
     and accept length tau at that batch size, so a tree step costs c = tau / s plain steps, and speculating pays
     while the head's accept length on the traffic being served stays above c. That live accept length is kept per
     shape, a decaying average over the rows of recent speculative steps (about ``horizon`` row-steps, starting from
-    the tuned tau with the weight of ``prior`` row-steps). While a bucket runs target-only steps, every
-    ``probe_every``-th of its steps still runs the tree, so that the average follows the traffic back up (a probe
-    costs at most c - 1 plain steps). Any choice is lossless: the output is the same token for token.
+    the tuned tau with the weight of ``prior`` row-steps). While a bucket runs target-only steps it still runs the
+    tree every ``probe_every``-th step, so that the average can follow the traffic back up; each probe after which
+    the tree still does not pay doubles that interval, up to ``max_probe_every`` (a probe costs at most c - 1 plain
+    steps, so a bucket that stays off pays little for them). Any choice is lossless: the output is the same token
+    for token.
 
     A head tuned on one prompt set and served on another thus speculates where its acceptance there pays, and
     stops where it does not (SGLang keeps one shape)."""
 
     def __init__(self, entries: dict[int, _Entry], *, horizon: float = 512.0, prior: float = 32.0,
-                 probe_every: int = 16, log=None):
+                 probe_every: int = 16, max_probe_every: int = 256, log=None):
         if not entries:
             raise ValueError("a TreeChoice needs at least one batch size")
         self.entries = dict(sorted(entries.items()))
-        self.horizon, self.probe_every = float(horizon), int(probe_every)
+        self.horizon, self.probe_every, self.max_probe_every = float(horizon), int(probe_every), int(max_probe_every)
         self._live: dict[tuple, list[float]] = {}
         for e in self.entries.values():
             if e.shape is not None and e.cost is not None and e.shape not in self._live:
                 self._live[e.shape] = [e.tau * prior, float(prior)]
-        self._skipped = {b: 0 for b in self.entries}
+        self._skipped = {b: 0 for b in self.entries}  # target-only steps since the last probe
+        self._interval = {b: self.probe_every for b in self.entries}  # target-only steps between probes
         self._pays: dict[int, bool] = {}
         self._log = log or logging.getLogger("specjax.tune").info
 
@@ -188,11 +191,19 @@ class TreeChoice:
         if self._pays.get(b) is not None and self._pays[b] != pays:
             self._log(f"speculation {'on' if pays else 'off'} at batch size >= {b}: live accept length {tau:.2f} "
                       f"{'>=' if pays else '<'} the {e.shape} tree's step cost {e.cost:.2f} plain steps")
+        if pays:
+            self._interval[b] = self.probe_every
+        elif self._pays.get(b) is False and self._skipped[b] == 0:  # the last step was a probe; still off
+            self._interval[b] = min(2 * self._interval[b], self.max_probe_every)
         self._pays[b] = pays
         if pays:
+            self._skipped[b] = 0
             return e.shape
         self._skipped[b] += 1
-        return e.shape if self._skipped[b] % self.probe_every == 0 else None
+        if self._skipped[b] < self._interval[b]:
+            return None
+        self._skipped[b] = 0
+        return e.shape
 
     def record(self, shape, tokens: int, rows: int) -> None:
         """A step of ``shape`` emitted ``tokens`` tokens over ``rows`` running rows."""
