@@ -65,7 +65,7 @@ def test_tree_choice_follows_the_live_accept_length():
     logs = []
     tc = tune_lib.TreeChoice.measured({1: ((1, 2, 3), 1.5, 1.2), 16: ((1, 2, 3), 1.5, 0.9)},
                                       horizon=64, prior=8, probe_every=4, max_probe_every=8,
-                                      log=logs.append)
+                                      probe_budget=0, log=logs.append)
     assert tc.shapes() == [(1, 2, 3)] and tc.options(1) == [(1, 2, 3), None]
     assert tc.choose(1) == (1, 2, 3) and tc.choose(4) == (1, 2, 3)
     assert [tc.choose(16) for _ in range(4)] == [None, None, None, (1, 2, 3)]  # the 4th is a probe
@@ -81,6 +81,10 @@ def test_tree_choice_follows_the_live_accept_length():
     assert tc.choose(1) == (1, 2, 3) and tc.choose(16) == (1, 2, 3)
     assert any("speculation on at batch size >= 16" in m for m in logs)
     tc.record(None, tokens=4, rows=4)  # target-only steps say nothing about acceptance
+    # probes take at most probe_budget of the time: the (1,2,3) tree at 16 costs 0.67 plain steps more than a
+    # target-only step, so at a 5% budget the first probe comes after 14 target-only steps, not 4
+    budgeted = tune_lib.TreeChoice.measured({16: ((1, 2, 3), 1.5, 0.9)}, probe_every=4, probe_budget=0.05)
+    assert [budgeted.choose(16) for _ in range(14)] == [None] * 13 + [(1, 2, 3)]
     fixed = tune_lib.TreeChoice.fixed({1: (3, 1, 4), 8: None})
     assert [fixed.choose(n) for n in (1, 8, 8, 8, 8)] == [(3, 1, 4), None, None, None, None]  # never probes
     assert fixed.options(8) == [None] and fixed.options(2) == [(3, 1, 4)]

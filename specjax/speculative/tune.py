@@ -131,16 +131,17 @@ class TreeChoice:
     while the head's accept length on the traffic being served stays above c. That live accept length is kept per
     shape, a decaying average over the rows of recent speculative steps (about ``horizon`` row-steps, starting from
     the tuned tau with the weight of ``prior`` row-steps). While a bucket runs target-only steps it still runs the
-    tree every ``probe_every``-th step, so that the average can follow the traffic back up; each probe after which
-    the tree still does not pay doubles that interval, up to ``max_probe_every`` (a probe costs at most c - 1 plain
-    steps, so a bucket that stays off pays little for them). Any choice is lossless: the output is the same token
-    for token.
+    tree now and then (a probe), so that the average can follow the traffic back up. A probe costs at most c - 1
+    plain steps, so the first one comes after max(``probe_every``, (c - 1) / ``probe_budget``) target-only steps
+    (probes take at most that fraction of the time), and each probe after which the tree still does not pay doubles
+    the interval, up to ``max_probe_every``: a bucket that stays off pays almost nothing for them. Any choice is
+    lossless: the output is the same token for token.
 
     A head tuned on one prompt set and served on another thus speculates where its acceptance there pays, and
     stops where it does not (SGLang keeps one shape)."""
 
     def __init__(self, entries: dict[int, _Entry], *, horizon: float = 512.0, prior: float = 32.0,
-                 probe_every: int = 16, max_probe_every: int = 256, log=None):
+                 probe_every: int = 16, max_probe_every: int = 256, probe_budget: float = 0.02, log=None):
         if not entries:
             raise ValueError("a TreeChoice needs at least one batch size")
         self.entries = dict(sorted(entries.items()))
@@ -150,9 +151,17 @@ class TreeChoice:
             if e.shape is not None and e.cost is not None and e.shape not in self._live:
                 self._live[e.shape] = [e.tau * prior, float(prior)]
         self._skipped = {b: 0 for b in self.entries}  # target-only steps since the last probe
-        self._interval = {b: self.probe_every for b in self.entries}  # target-only steps between probes
+        # target-only steps between probes, at first and now
+        self._first_interval = {b: self._budgeted(e, probe_budget) for b, e in self.entries.items()}
+        self._interval = dict(self._first_interval)
         self._pays: dict[int, bool] = {}
         self._log = log or logging.getLogger("specjax.tune").info
+
+    def _budgeted(self, e: _Entry, budget: float) -> int:
+        if e.cost is None or budget <= 0:
+            return self.probe_every
+        wanted = math.ceil(max(e.cost - 1.0, 0.0) / budget)
+        return min(max(self.probe_every, wanted), max(self.max_probe_every, self.probe_every))
 
     @classmethod
     def fixed(cls, table: dict[int, tuple[int, int, int] | None], **kw) -> "TreeChoice":
@@ -192,7 +201,7 @@ class TreeChoice:
             self._log(f"speculation {'on' if pays else 'off'} at batch size >= {b}: live accept length {tau:.2f} "
                       f"{'>=' if pays else '<'} the {e.shape} tree's step cost {e.cost:.2f} plain steps")
         if pays:
-            self._interval[b] = self.probe_every
+            self._interval[b] = self._first_interval[b]
         elif self._pays.get(b) is False and self._skipped[b] == 0:  # the last step was a probe; still off
             self._interval[b] = min(2 * self._interval[b], self.max_probe_every)
         self._pays[b] = pays
