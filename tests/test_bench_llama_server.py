@@ -94,3 +94,16 @@ def test_real_llama_server_gives_specjax_plain_greedy_tokens():
         server.close()
     stop = tuple(cfg.eos_token_ids)
     assert bench_spec._trim(theirs, stop) == bench_spec._trim(list(ours), stop)
+
+
+def test_runner_steps_times_the_servers_three_steps():
+    """``bench spec --runner-steps``: PlainRunner, target-only and tree steps of the server's runners, per batch size,
+    on a tiny model (the steps run and advance their states; the table has one row per batch size)."""
+    from spec_models import bigram_models, tiny_config
+    cfg = tiny_config()
+    tp, _, e3, _ = bigram_models(cfg, seed=3)
+    rows = bench_spec.runner_step_times(cfg, tp, "EAGLE3", e3, (2, 1, 3), [1, 2], context=12, repeats=1)
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        assert min(r["plain_ms"], r["target_only_ms"], r["tree_ms"]) > 0
+        assert r["target_only_vs_plain"] == pytest.approx(r["target_only_ms"] / r["plain_ms"])

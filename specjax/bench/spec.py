@@ -6,6 +6,8 @@
         [--vs-llama-server BIN --draft-gguf HEAD.gguf [--gguf TARGET.gguf] [--llama-draft-n-max 3 5 7]]
     python -m specjax.bench spec --verify-sweep 1,8,16,32,64 [--model PATH | --random-llama-8b [--layers N]]
         [--context 512] [--batch 1]
+    python -m specjax.bench spec --runner-steps 1,16 --draft PATH [--num-steps 1 --topk 2 --num-draft-tokens 3]
+        [--context 200]
 
 Main mode (batch 1, prompts one after another, as SGLang's batch-1 MT-bench figures): every prompt is generated
 once untimed (compiles every shape) and once timed, by ``specjax.generate.generate`` (plain, one jitted while_loop)
@@ -22,6 +24,10 @@ prefill. tau for llama.cpp = generated / (generated - accepted draft tokens), on
 
 ``--verify-sweep`` times the target forward over M tree tokens (ancestor mask, logits for all M, aux features) at
 a ``--context``-token prefix against a plain decode step: what verifying a wider tree costs.
+
+``--runner-steps`` times what the server runs, per batch size with every slot holding a ``--context``-token prompt:
+``PlainRunner.step`` against ``SpecRunner.step`` as a target-only step and with the tree, interleaved, median over
+``--phase-repeats`` x 4 steps (the KV pools donated, as in the server).
 """
 
 from __future__ import annotations
@@ -333,6 +339,80 @@ def bench_verify_sweep(args) -> dict:
     return dict(model=model_note, context=ctx, batch=b, plain_decode_ms=t_plain * 1e3, rows=rows)
 
 
+def runner_step_times(tcfg, tparams, algorithm: str, head, shape, batch_sizes, context: int, repeats: int,
+                      seed: int = 0) -> list[dict]:
+    """Median ms of a PlainRunner step, a SpecRunner target-only step and a SpecRunner ``shape`` tree step, per batch
+    size, every slot running a ``context``-token random prompt; head = (cfg, params, vocab map or token map)."""
+    import jax
+    import numpy as np
+
+    from specjax.serve.runners.plain import PlainRunner
+    from specjax.serve.runners.spec import SpecRunner
+
+    page = 16
+    rounds = 4 * repeats + 1  # the first one compiles; a round adds up to 1 + (num_steps + 1) tokens to a spec slot
+    pps = -(-(context + rounds * (shape[0] + 2) + shape[0] + 1) // page)
+    rng = np.random.default_rng(seed)
+    rows = []
+    for b in batch_sizes:
+        kw = dict(max_batch=b, pages_per_seq=pps, page_size=page, num_pages=b * pps + 1)
+        plain = PlainRunner(tcfg, tparams, **kw)
+        spec = SpecRunner(tcfg, tparams, algorithm, *head, num_steps=shape[0], topk=shape[1],
+                          num_draft_tokens=shape[2], **kw)
+        prompts = [rng.integers(0, tcfg.vocab_size, context) for _ in range(b)]
+        states = {}
+        for name, r in (("plain", plain), ("spec", spec)):
+            st = r.init_state()
+            for i, p in enumerate(prompts):
+                st, _ = r.prefill(st, i, p, np.arange(1 + i * pps, 1 + (i + 1) * pps), {"temperature": 0.0})
+            states[name] = st
+        active = np.ones((b,), bool)
+        steps = {"plain": ("plain", lambda st: plain.step(st, active)),
+                 "target_only": ("spec", lambda st: spec.step(st, active, tree=None)),
+                 "tree": ("spec", lambda st: spec.step(st, active, tree=shape))}
+        times = {k: [] for k in steps}
+        for it in range(rounds):
+            for k, (name, fn) in steps.items():
+                t = time.perf_counter()
+                states[name] = fn(states[name])[0]
+                jax.block_until_ready(states[name])
+                if it:
+                    times[k].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
+        rows.append(dict(batch=b, plain_ms=med["plain"], target_only_ms=med["target_only"], tree_ms=med["tree"],
+                         target_only_vs_plain=med["target_only"] / med["plain"],
+                         tree_vs_plain=med["tree"] / med["plain"]))
+    return rows
+
+
+def bench_runner_steps(args) -> dict:
+    from specjax import head_weights
+
+    tcfg, tparams, _, model_note = load_target(args)
+    alg = args.algorithm.upper()
+    if args.random_draft or not args.draft:
+        if not args.random_draft:
+            raise SystemExit("pass --draft PATH or --random-draft")
+        head, draft_note = random_draft(alg, tcfg), f"random {alg} head"
+    else:
+        head = head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
+        draft_note = f"{args.draft} ({alg})"
+    shape = (args.num_steps, args.topk, args.num_draft_tokens)
+    sizes = [int(x) for x in args.runner_steps.split(",")]
+    rows = runner_step_times(tcfg, tparams, alg, head, shape, sizes, args.context, args.phase_repeats)
+    return dict(model=model_note, draft=draft_note, tree=list(shape), context=args.context, rows=rows)
+
+
+def print_runner_table(r: dict) -> None:
+    print(f"model: {r['model']}\ndraft: {r['draft']}\nevery slot at a {r['context']}-token prompt; tree "
+          f"{tuple(r['tree'])}\n")
+    print("| batch | plain step ms | target-only step ms | x plain | tree step ms | x plain |")
+    print("|---|---|---|---|---|---|")
+    for x in r["rows"]:
+        print(f"| {x['batch']} | {x['plain_ms']:.2f} | {x['target_only_ms']:.2f} | {x['target_only_vs_plain']:.3f} | "
+              f"{x['tree_ms']:.2f} | {x['tree_vs_plain']:.3f} |")
+
+
 def print_sweep_table(r: dict) -> None:
     print(f"model: {r['model']}\nprefix {r['context']} tokens, batch {r['batch']}; plain decode step "
           f"{r['plain_decode_ms']:.2f} ms\n")
@@ -358,7 +438,9 @@ class SpecOptions(TargetRunOptions):
     phase_repeats: int = option(5, help="repeats of each timed phase (median reported)")
     verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
                                                  "step")
-    context: int = option(512, help="prefix length for --verify-sweep")
+    runner_steps: str | None = option(None, help="comma-separated batch sizes: time the server's plain, target-only "
+                                                 "and tree steps (PlainRunner / SpecRunner)")
+    context: int = option(512, help="prefix length for --verify-sweep, prompt length for --runner-steps")
     batch: int = option(1, help="batch for --verify-sweep")
     random_llama_8b: bool = option(False, help="random Llama-3.1-8B-shaped bf16 target")
     layers: int | None = option(None, help="with --random-llama-8b: number of layers (CPU smoke runs)")
@@ -377,6 +459,8 @@ def main(argv=None) -> int:
     args = parse_options(SpecOptions, argv, "python -m specjax.bench spec", __doc__)
     if args.verify_sweep:
         return report(args, bench_verify_sweep, print_sweep_table)
+    if args.runner_steps:
+        return report(args, bench_runner_steps, print_runner_table)
     return report(args, bench_spec, print_spec_table)
 
 
