@@ -377,7 +377,8 @@ def sample_next(logits, sb: SamplingBatch, active=None):
     """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys and recorded token).
     ``active`` bool[B] (default all): rows outside it advance their keys only. When every active row is greedy only
     the argmax runs (the sampling path, a softmax, filters and a categorical draw over the vocabulary, costs a small
-    model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream is unchanged."""
+    model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream is
+    unchanged."""
     keys, sub = split_keys(sb.key)
     x = process_logits(logits, sb)
     greedy_tok = jnp.argmax(x, -1).astype(jnp.int32)  # i32[B]

@@ -114,11 +114,11 @@ class SpecRunner(RunnerCommon):
     ``batch_shapes`` ({batch size: (num_steps, topk, num_draft_tokens) or None}, ``bench tune``'s table, or a
     ``tune.TreeChoice`` that re-decides it from the head's live acceptance) makes the tree follow the running batch:
     each step takes the entry of the largest listed size not above the step's batch bucket ``nb``, and None runs
-    ``target_step`` (plain decoding that keeps the draft cache in step), so a batch large enough to be compute-bound stops
-    paying for trees it cannot use. The bucket, not the number of
-    running requests, because a step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost
-    of an nb-row tree step, so the speedup over an nb-row plain step is the same for any r, and ``bench tune``
-    measured it with every row running. Every shape runs on one state sized for the widest of them; the output is
+    ``target_step`` (plain decoding that keeps the draft cache in step), so a batch large enough to be
+    compute-bound stops paying for trees it cannot use. The bucket, not the number of running requests, because a
+    step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost of an nb-row tree step, so
+    the speedup over an nb-row plain step is the same for any r, and ``bench tune`` measured it with every row
+    running. Every shape runs on one state sized for the widest of them; the output is
     the same token for token whatever shape a step takes."""
 
     def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,

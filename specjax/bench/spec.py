@@ -132,6 +132,18 @@ def load_target(args):
     return cfg, params, tok, f"{folder} ({cfg.num_layers} layers, {cfg.dtype})"
 
 
+def load_head(args, tcfg):
+    """The head of ``--draft`` (or ``--random-draft``): ((cfg, params, vocab map or token map), description)."""
+    from specjax import head_weights
+    alg = args.algorithm.upper()
+    if args.random_draft or not args.draft:
+        if not args.random_draft:
+            raise SystemExit("pass --draft PATH or --random-draft")
+        return random_draft(alg, tcfg), f"random {alg} head"
+    return (head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map),
+            f"{args.draft} ({alg})")
+
+
 def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill, of a target-only
     step (what the server runs where the tree does not pay) and of a plain decode step."""
@@ -179,7 +191,6 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 
 
 def bench_spec(args) -> dict:
-    from specjax import head_weights
     from specjax.generate import generate
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.speculative import draft as draft_lib, spec_step as step_lib
@@ -187,14 +198,7 @@ def bench_spec(args) -> dict:
 
     tcfg, tparams, tokenizer, model_note = load_target(args)
     alg = args.algorithm.upper()
-    if args.random_draft or not args.draft:
-        if not args.random_draft:
-            raise SystemExit("pass --draft PATH or --random-draft")
-        dcfg, dparams, vocab = random_draft(alg, tcfg)
-        draft_note = f"random {alg} head"
-    else:
-        dcfg, dparams, vocab = head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
-        draft_note = f"{args.draft} ({alg})"
+    (dcfg, dparams, vocab), draft_note = load_head(args, tcfg)
     draft = draft_lib.make_draft(alg, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
     stop = tuple(tcfg.eos_token_ids)
@@ -386,17 +390,9 @@ def runner_step_times(tcfg, tparams, algorithm: str, head, shape, batch_sizes, c
 
 
 def bench_runner_steps(args) -> dict:
-    from specjax import head_weights
-
     tcfg, tparams, _, model_note = load_target(args)
     alg = args.algorithm.upper()
-    if args.random_draft or not args.draft:
-        if not args.random_draft:
-            raise SystemExit("pass --draft PATH or --random-draft")
-        head, draft_note = random_draft(alg, tcfg), f"random {alg} head"
-    else:
-        head = head_weights.load_draft(args.draft, alg, tcfg, token_map=args.speculative_token_map)
-        draft_note = f"{args.draft} ({alg})"
+    head, draft_note = load_head(args, tcfg)
     shape = (args.num_steps, args.topk, args.num_draft_tokens)
     sizes = [int(x) for x in args.runner_steps.split(",")]
     rows = runner_step_times(tcfg, tparams, alg, head, shape, sizes, args.context, args.phase_repeats)

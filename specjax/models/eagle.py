@@ -87,18 +87,8 @@ def forward(params: EagleParams, cfg: EagleConfig, emb, feature, positions, atte
             kv_only: bool = False):
     """One draft step over T new tokens (same contract as ``eagle3.forward``, ``kv_only`` included).
     Returns (predicted feature [B, T, H], k_new [nl, B, T, K, Hd], v_new)."""
-    h = embed_input(params, emb, feature)
-    ks, vs = [], []
-    for i, lp in enumerate(params.layers):
-        q, k, v = eagle3.qkv(lp, cfg, layer_input(lp, cfg, h), positions)
-        ks.append(k)
-        vs.append(v)
-        if kv_only and i == len(params.layers) - 1:
-            attend.store(i, k, v)
-            h = None
-        else:
-            h = eagle3.finish_layer(lp, cfg, h, attend(i, q, k, v))
-    return h, jnp.stack(ks), jnp.stack(vs)
+    return eagle3.run_layers(params.layers, cfg, embed_input(params, emb, feature),
+                             lambda lp, x: layer_input(lp, cfg, x), positions, attend, kv_only)
 
 
 # ---- HF format ---------------------------------------------------------------------------------------------------

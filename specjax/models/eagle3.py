@@ -201,12 +201,20 @@ def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, att
     Returns (h_out [B, T, H] pre-norm, k_new [nl, B, T, K, Hd], v_new [nl, B, T, K, Hd])."""
     h = hidden.astype(params.norm.dtype)
     emb = emb.astype(h.dtype)
+    return run_layers(params.layers, cfg, h, lambda lp, x: layer_input(lp, cfg, emb, x), positions, attend,
+                      kv_only)
+
+
+def run_layers(layer_params, cfg, h, attn_input, positions, attend: layers.AttendFn, kv_only: bool = False):
+    """The decoder-layer loop of both draft heads: layer i attends from ``attn_input(lp, h)``, then o_proj and MLP.
+    ``kv_only``: the last layer only stores its K/V (``attend.store``) and h is None.
+    Returns (h [B, T, H] or None, k_new [nl, B, T, K, Hd], v_new)."""
     ks, vs = [], []
-    for i, lp in enumerate(params.layers):
-        q, k, v = qkv(lp, cfg, layer_input(lp, cfg, emb, h), positions)
+    for i, lp in enumerate(layer_params):
+        q, k, v = qkv(lp, cfg, attn_input(lp, h), positions)
         ks.append(k)
         vs.append(v)
-        if kv_only and i == len(params.layers) - 1:
+        if kv_only and i == len(layer_params) - 1:
             attend.store(i, k, v)
             h = None
         else:

@@ -197,17 +197,16 @@ class TreeChoice:
             return e.shape
         tau = self.accept_length(e.shape)
         pays = tau >= e.cost
-        if self._pays.get(b) is not None and self._pays[b] != pays:
+        was = self._pays.get(b)
+        if was is not None and was != pays:
             self._log(f"speculation {'on' if pays else 'off'} at batch size >= {b}: live accept length {tau:.2f} "
                       f"{'>=' if pays else '<'} the {e.shape} tree's step cost {e.cost:.2f} plain steps")
-        if pays:
-            self._interval[b] = self._first_interval[b]
-        elif self._pays.get(b) is False and self._skipped[b] == 0:  # the last step was a probe; still off
-            self._interval[b] = min(2 * self._interval[b], self.max_probe_every)
         self._pays[b] = pays
         if pays:
-            self._skipped[b] = 0
+            self._interval[b], self._skipped[b] = self._first_interval[b], 0
             return e.shape
+        if was is False and self._skipped[b] == 0:  # the last step was a probe, and the tree still does not pay
+            self._interval[b] = min(2 * self._interval[b], self.max_probe_every)
         self._skipped[b] += 1
         if self._skipped[b] < self._interval[b]:
             return None
