@@ -25,6 +25,15 @@ def write_json(path: str | None, results: Any, indent: int = 2) -> None:
             json.dump(results, f, indent=indent)
 
 
+def print_table(header: list[str], rows: list[list[Any]], align: str = "---") -> None:
+    """A Markdown table: the header, the ``align`` rule under each column ("---", or "---:" for right-aligned), one
+    line per row (cells already formatted)."""
+    print("| " + " | ".join(header) + " |")
+    print("|" + "|".join([align] * len(header)) + "|")
+    for row in rows:
+        print("| " + " | ".join(str(c) for c in row) + " |")
+
+
 def report(options, measure: Callable[[Any], dict], show: Callable[[dict], None], indent: int = 2) -> int:
     """``measure(options)``, ``show`` its results, write them to ``options.json`` when set; exit status 0."""
     results = measure(options)

@@ -33,7 +33,7 @@ import time
 
 import numpy as np
 
-from specjax.bench.common import report
+from specjax.bench.common import print_table, report
 from specjax.bench.llamacpp import LlamaCppRunner
 from specjax.cli import option, parse_options
 
@@ -358,11 +358,11 @@ def print_random_llama(res: dict) -> None:
     print(f"\nRandom Llama-3.1-8B-shaped model ({res['layers']} layers, {res['params'] / 1e9:.2f}B params, bf16), "
           f"batch 1, prompt {res['prompt_len']}, {res['new_tokens']} new tokens, fastest of {res['repeats']}")
     print(f"machine: {res['machine']}\n")
-    print("| decode tok/s | generate tok/s | weight GB/token | copy bandwidth GB/s | limit tok/s | fraction of limit |")
-    print("|---:|---:|---:|---:|---:|---:|")
-    print(f"| {r['decode_tok_s']:.2f} | {r['generate_tok_s']:.2f} | {res['weight_bytes_per_token'] / 1e9:.2f} | "
-          f"{res['copy_bandwidth_Bps'] / 1e9:.1f} | {res['bandwidth_limit_tok_s']:.2f} | "
-          f"{100 * res['bandwidth_fraction']:.1f}% |")
+    print_table(["decode tok/s", "generate tok/s", "weight GB/token", "copy bandwidth GB/s", "limit tok/s",
+                 "fraction of limit"],
+                [[f"{r['decode_tok_s']:.2f}", f"{r['generate_tok_s']:.2f}",
+                  f"{res['weight_bytes_per_token'] / 1e9:.2f}", f"{res['copy_bandwidth_Bps'] / 1e9:.1f}", f"{res['bandwidth_limit_tok_s']:.2f}",
+                  f"{100 * res['bandwidth_fraction']:.1f}%"]], align="---:")
 
 
 @dataclasses.dataclass

@@ -39,7 +39,7 @@ import statistics
 import sys
 import time
 
-from specjax.bench.common import TargetRunOptions, report
+from specjax.bench.common import TargetRunOptions, print_table, report
 from specjax.bench.llamacpp import LlamaServer
 from specjax.cli import option, parse_options
 
@@ -112,7 +112,8 @@ def load_target(args):
         if args.layers:
             hf["num_hidden_layers"] = args.layers
         cfg = ModelConfig.from_hf_dict(hf, dtype=args.dtype or "bfloat16")
-        return cfg, target.unstack_layers(random_params(cfg)), None, f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
+        note = f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
+        return cfg, target.unstack_layers(random_params(cfg)), None, note
     from specjax.weights import load_model, resolve_model_path
     path = args.model
     if path is None:
@@ -287,25 +288,20 @@ def print_spec_table(r: dict) -> None:
     print(f"model: {r['model']}\ndraft: {r['draft']}\nprompts: {r['prompts']}, max_new_tokens {r['max_new_tokens']}, "
           f"batch 1, greedy")
     print(f"tree: num_steps={r['num_steps']} topk={r['topk']} num_draft_tokens={r['num_draft_tokens']}\n")
-    print("| decoding | tokens | tok/s | speedup | tau |")
-    print("|---|---|---|---|---|")
-    print(f"| plain | {r['plain_tokens']} | {r['plain_tok_s']:.1f} | 1.00 | 1.00 |")
-    print(f"| {r['algorithm']} | {r['spec_tokens']} | {r['spec_tok_s']:.1f} | {r['speedup']:.2f} | {r['tau']:.2f} |")
+    print_table(["decoding", "tokens", "tok/s", "speedup", "tau"],
+                [["plain", r["plain_tokens"], f"{r['plain_tok_s']:.1f}", "1.00", "1.00"],
+                 [r["algorithm"], r["spec_tokens"], f"{r['spec_tok_s']:.1f}", f"{r['speedup']:.2f}",
+                  f"{r['tau']:.2f}"]])
     print(f"\noutputs identical to plain greedy: {r['identical_outputs']}\n")
     if r.get("llama_server"):
         print(f"llama.cpp (llama-server, {os.cpu_count()} threads), same prompts and weights:\n")
-        print("| decoding | tokens | tok/s | vs specjax plain | vs specjax " + r["algorithm"] + " | tau | drafted / "
-              "accepted | tokens == specjax plain |")
-        print("|---|---|---|---|---|---|---|---|")
-        for x in r["llama_server"]:
-            print(f"| {x['name']} | {x['tokens']} | {x['tok_s']:.1f} | {x['tok_s'] / r['plain_tok_s']:.2f} | "
-                  f"{x['tok_s'] / r['spec_tok_s']:.2f} | {x['tau']:.2f} | {x['drafted']} / {x['accepted']} | "
-                  f"{x['same_as_specjax_plain']} |")
+        print_table(["decoding", "tokens", "tok/s", "vs specjax plain", "vs specjax " + r["algorithm"], "tau",
+                     "drafted / accepted", "tokens == specjax plain"],
+                    [[x["name"], x["tokens"], f"{x['tok_s']:.1f}", f"{x['tok_s'] / r['plain_tok_s']:.2f}",
+                      f"{x['tok_s'] / r['spec_tok_s']:.2f}", f"{x['tau']:.2f}", f"{x['drafted']} / {x['accepted']}",
+                      x["same_as_specjax_plain"]] for x in r["llama_server"]])
         print()
-    print("| phase (one step, batch 1) | ms |")
-    print("|---|---|")
-    for k, v in r["phases_ms"].items():
-        print(f"| {k} | {v:.2f} |")
+    print_table(["phase (one step, batch 1)", "ms"], [[k, f"{v:.2f}"] for k, v in r["phases_ms"].items()])
 
 
 def bench_verify_sweep(args) -> dict:
@@ -402,20 +398,16 @@ def bench_runner_steps(args) -> dict:
 def print_runner_table(r: dict) -> None:
     print(f"model: {r['model']}\ndraft: {r['draft']}\nevery slot at a {r['context']}-token prompt; tree "
           f"{tuple(r['tree'])}\n")
-    print("| batch | plain step ms | target-only step ms | x plain | tree step ms | x plain |")
-    print("|---|---|---|---|---|---|")
-    for x in r["rows"]:
-        print(f"| {x['batch']} | {x['plain_ms']:.2f} | {x['target_only_ms']:.2f} | {x['target_only_vs_plain']:.3f} | "
-              f"{x['tree_ms']:.2f} | {x['tree_vs_plain']:.3f} |")
+    print_table(["batch", "plain step ms", "target-only step ms", "x plain", "tree step ms", "x plain"],
+                [[x["batch"], f"{x['plain_ms']:.2f}", f"{x['target_only_ms']:.2f}", f"{x['target_only_vs_plain']:.3f}",
+                  f"{x['tree_ms']:.2f}", f"{x['tree_vs_plain']:.3f}"] for x in r["rows"]])
 
 
 def print_sweep_table(r: dict) -> None:
     print(f"model: {r['model']}\nprefix {r['context']} tokens, batch {r['batch']}; plain decode step "
           f"{r['plain_decode_ms']:.2f} ms\n")
-    print("| tree tokens M | verify forward ms | x plain decode step |")
-    print("|---|---|---|")
-    for row in r["rows"]:
-        print(f"| {row['m']} | {row['ms']:.2f} | {row['vs_decode']:.2f} |")
+    print_table(["tree tokens M", "verify forward ms", "x plain decode step"],
+                [[x["m"], f"{x['ms']:.2f}", f"{x['vs_decode']:.2f}"] for x in r["rows"]])
 
 
 @dataclasses.dataclass

@@ -25,6 +25,7 @@ import sys
 import time
 
 from specjax import configs
+from specjax.bench.common import print_table
 from specjax.cli import option, parse_options
 
 # Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins).
@@ -159,10 +160,9 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
           f"{dev_kind} (dp={res['dp']}, tp={res['tp']}), B={res['batch']} x T={res['seq_len']} x "
           f"A={res['grad_accum']}, TTT {res['ttt_length']}, draft vocab {res['draft_vocab']}, target {res['dtype']} "
           f"/ head {res['head_dtype']}; compile {res['compile_s']:.1f} s")
-    print("| tokens/step | step time (ms) | tokens/s | GFLOP/token (head share) | achieved TFLOP/s | MFU |")
-    print("|---|---|---|---|---|---|")
-    print(f"| {tokens} | {exact['step_s'] * 1e3:.1f} | {exact['tok_s']:,.0f} | {fpt / 1e9:.2f} ({head_share:.0%}) | "
-          f"{achieved:.3f} | {exact['mfu']:.1%} |")
+    print_table(["tokens/step", "step time (ms)", "tokens/s", "GFLOP/token (head share)", "achieved TFLOP/s", "MFU"],
+                [[tokens, f"{exact['step_s'] * 1e3:.1f}", f"{exact['tok_s']:,.0f}",
+                  f"{fpt / 1e9:.2f} ({head_share:.0%})", f"{achieved:.3f}", f"{exact['mfu']:.1%}"]])
     print(f"MFU against {peak:g} TFLOP/s per device ({res['peak_source']}).")
     print(f"Measured matmul peak per device (one square matmul, this run): "
           + ", ".join(f"{d} {v:.3f} TFLOP/s (train step = {exact['frac_measured'][d]:.1%} of it)"
