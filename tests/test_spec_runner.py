@@ -8,6 +8,7 @@ import pytest
 from spec_models import bigram_models, tiny_config
 
 from specjax.generate import generate
+from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.speculative.tune import TreeChoice
 
@@ -148,6 +149,24 @@ def test_tree_shape_follows_the_running_batch(setup):
     assert per_step[3] == [1, 1, 1]  # target-only steps emit one token per row
     assert max(per_step[2][3:]) > 1  # after them the chain drafts again from a draft cache kept in step
 
+
+def test_plain_warmup_compiles_each_bucket_and_leaves_the_slots_empty(setup):
+    """PlainRunner.warmup (the runners' shared prefill warmup, then each batch bucket's step): no slot stays in use,
+    and a request served after it is plain greedy."""
+    cfg, tp, _ = setup
+    runner = PlainRunner(cfg, tp, max_batch=3, pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES,
+                         attention_impl="xla")
+    lines = []
+    state = runner.warmup(runner.init_state(), log_fn=lines.append)
+    assert f"compiled {len(runner.prefill_buckets)} prefill and {len(runner.batch_buckets)} decode shapes" in lines[0]
+    assert np.asarray(state.cache.lengths).tolist() == [0, 0, 0] and not runner._lengths.any()
+    prompt = [5, 9, 2, 7]
+    state, first = runner.prefill(state, 2, np.asarray(prompt), np.arange(PPS, 2 * PPS), {"temperature": 0.0})
+    out = [first]
+    while len(out) < 8:
+        state, toks, counts = runner.step(state, np.array([False, False, True]))
+        out += toks[2, :counts[2]].tolist()
+    assert out[:8] == generate(tp, cfg, [prompt], max_new_tokens=8, stop_token_ids=())[0]
 
 def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
     """warmup: every prefill bucket, and each batch bucket's step in its tree shape (nb=1: (3,2,5); nb=2: (2,1,3);

@@ -48,8 +48,8 @@ class Runner(Protocol):
 
 
 class RunnerCommon:
-    """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh`` and ``_lengths`` (the host
-    mirror of the slots' committed lengths)."""
+    """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh``, ``pages_per_seq``,
+    ``prefill_buckets`` and ``_lengths`` (the host mirror of the slots' committed lengths)."""
 
     def step_at_zero(self, state, active: np.ndarray, **step_kw):
         """A step of the ``active`` slots at length 0 over the scratch page (warmup): compiles the step's shape
@@ -59,6 +59,15 @@ class RunnerCommon:
         self._lengths[active] = 0
         lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
+
+    def warm_prefills(self, state):
+        """Compile every prefill bucket (slot 0 over the scratch page 0, released after); returns the state."""
+        row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
+        greedy = SamplingRow(temperature=0.0)
+        for t in self.prefill_buckets:
+            state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
+            state = self.release(state, 0)
+        return state
 
     def logprobs(self, state):
         """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""

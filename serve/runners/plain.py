@@ -174,11 +174,7 @@ class PlainRunner(RunnerCommon):
         """Compile every prefill bucket and every batch bucket at the shortest page bucket (the only one on the XLA
         path); returns the state."""
         t0 = time.perf_counter()
-        row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
-        greedy = sampling.SamplingRow(temperature=0.0)
-        for t in self.prefill_buckets:
-            state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
-            state = self.release(state, 0)
+        state = self.warm_prefills(state)
         for nb in self.batch_buckets:
             active = np.zeros((self.max_batch,), bool)
             active[nb - 1] = True
