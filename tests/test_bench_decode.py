@@ -66,3 +66,20 @@ def test_llamacpp_runner_decodes_specjax_greedy_tokens():
     runner.close()
     ours = bench.specjax_runner(target.unstack_layers(params), cfg, prompts)(12)
     assert bench._agreement(ours, theirs) == {"rows_identical": 3, "rows": 3, "mean_common_prefix": 12.0}
+
+
+def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys):
+    """``bench gemm`` over a tiny model's shapes: one row per M, both layouts timed, the byte count is the model's
+    matrices (7 per layer) plus its [vocab, hidden] lm_head; bad --rows is a clear error."""
+    from specjax.bench import gemm
+    folder = _tiny_llama_folder(tmp_path / "m")
+    out = tmp_path / "gemm.json"
+    assert gemm.main(["--model", folder, "--rows", "1", "3", "--repeats", "1", "--json", str(out)]) == 0
+    assert "| rows M | in_out ms" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert [r["rows"] for r in res["results"]] == [1, 3]
+    assert all(r["in_out_s"] > 0 and r["out_in_s"] > 0 for r in res["results"])
+    d, f, kv, v = 32, 64, 2 * 8, 300  # 4 heads of 8, 2 kv heads
+    assert res["weight_bytes"] == 4 * 2 * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * v * d
+    with pytest.raises(SystemExit, match="--rows must be positive"):
+        gemm.main(["--rows", "0"])

@@ -10,6 +10,7 @@ KINDS = {
     "spec": "plain vs speculative decoding on the same prompts: tokens/s, speedup, tau, per-phase times",
     "serve": "load generator against a running server: throughput, TTFT, inter-token latency",
     "heldout": "a run's held-out split: the trainer's predicted accept length vs tau measured by serving it",
+    "gemm": "the weight products of a forward over M rows (decode, verify), in two weight layouts: ms, GB/s",
     "tune": "search the speculative tree shape per batch size; write speculative_tune.json next to the head",
 }
 
