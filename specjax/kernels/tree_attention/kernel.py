@@ -149,6 +149,84 @@ def _unpack_tree_mask(words, padded_t: int):  # i32[R, W] -> bool[R, Tp]
     return (lax.shift_right_logical(word, col & 31) & 1) == 1
 
 
+class _PageStream:
+    """The double-buffered DMA of one sequence's cache pages, ``pages_per_block`` pages per block: block blk lands in
+    buffer slot ``slot`` ([2, K, pages_per_block * R, W], head-major). Pages past the sequence's end are not read."""
+
+    def __init__(self, k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, layer, used_pages, pages_per_block, pages_per_seq):
+        self.k_hbm, self.v_hbm, self.k_buf, self.v_buf, self.sems = k_hbm, v_hbm, k_buf, v_buf, sems
+        self.table_ref, self.layer, self.used_pages = table_ref, layer, used_pages
+        self.pages_per_block, self.pages_per_seq = pages_per_block, pages_per_seq
+
+    def _copies(self, blk, slot):
+        """(needed, [k copy, v copy]) for every page of block blk."""
+        num_pages, page_rows = self.k_hbm.shape[1], self.k_hbm.shape[3]
+        out = []
+        for j in range(self.pages_per_block):
+            idx = blk * self.pages_per_block + j
+            page = jnp.clip(self.table_ref[jnp.minimum(idx, self.pages_per_seq - 1)], 0, num_pages - 1)
+            rows = pl.ds(j * page_rows, page_rows)  # the page [K, R, W] lands in rows j*R.. of every head
+            out.append((idx < self.used_pages, [
+                pltpu.make_async_copy(self.k_hbm.at[self.layer, page], self.k_buf.at[slot, :, rows],
+                                      self.sems.at[0, slot]),
+                pltpu.make_async_copy(self.v_hbm.at[self.layer, page], self.v_buf.at[slot, :, rows],
+                                      self.sems.at[1, slot])]))
+        return out
+
+    def _each(self, blk, slot, op):
+        for needed, copies in self._copies(blk, slot):
+            @pl.when(needed)
+            def _():
+                for c in copies:
+                    op(c)
+
+    def start(self, blk, slot):
+        self._each(blk, slot, lambda c: c.start())
+
+    def wait(self, blk, slot):
+        self._each(blk, slot, lambda c: c.wait())
+
+
+class _OnlineSoftmax:
+    """Flash-style running (max, sum, numerator) per kv head in fp32 VMEM scratch: m/l lane-broadcast
+    [K, rows, 128], the numerator [K, rows, H]."""
+
+    def __init__(self, m_ref, l_ref, acc_ref):
+        self.m_ref, self.l_ref, self.acc_ref = m_ref, l_ref, acc_ref
+
+    def fold(self, h, s, values, first: bool):
+        """Fold head h's scores s f32[rows, n] (already masked) and their values [n, H] into its running state."""
+        rows = s.shape[0]
+        m_next = jnp.max(s, axis=1, keepdims=True)  # [rows, 1]
+        if not first:
+            m_prev = self.m_ref[h][:, :1]
+            m_next = jnp.maximum(m_prev, m_next)
+        p = jnp.exp(s - m_next)
+        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32,
+                     precision=_precision(values.dtype))  # [rows, H]
+        l_next = jnp.sum(p, axis=1, keepdims=True)
+        if first:
+            acc = pv
+        else:
+            alpha = jnp.exp(m_prev - m_next)
+            l_next = alpha * self.l_ref[h][:, :1] + l_next
+            acc = alpha * self.acc_ref[h] + pv
+        self.m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
+        self.l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
+        self.acc_ref[h] = acc
+
+    def write(self, o_ref):
+        for h in range(o_ref.shape[0]):
+            o_ref[h] = (self.acc_ref[h] / self.l_ref[h][:, :1]).astype(o_ref.dtype)
+
+
+def _head_scores(q_ref, h, keys, sm_scale: float):  # keys [n, H] -> f32[G*Tp, n]
+    qh = q_ref[h]
+    s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
+                        precision=_precision(qh.dtype))
+    return s * sm_scale
+
+
 def _tree_attention_kernel(
         layer_ref,  # i32[1]  the layer of the stacked pools to read (SMEM, scalar prefetch)
         lengths_ref,  # i32[B]  (SMEM, scalar prefetch)
@@ -170,95 +248,43 @@ def _tree_attention_kernel(
         acc_ref,  # f32[K, G*Tp, H]  running numerator
         *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
     b = pl.program_id(0)
-    _, num_pages, num_kv, page_rows, lanes = k_hbm.shape
+    num_kv, page_rows, lanes = k_hbm.shape[2:]
     head_dim = q_ref.shape[2]
     pack = lanes // head_dim  # slots per pool row (1: unpacked)
     page_size = page_rows * pack
     block_rows = pages_per_block * page_rows
-    layer = jnp.clip(layer_ref[0], 0, k_hbm.shape[0] - 1)
-    rows, padded_t = q_ref.shape[1], k_new_ref.shape[1]
-    groups = rows // padded_t
     block_tokens = pages_per_block * page_size
+    padded_t = k_new_ref.shape[1]
+    groups = q_ref.shape[1] // padded_t
     # Clamp what the tables say so that a bad entry can never move a DMA out of the pool.
     length = jnp.clip(lengths_ref[b], 0, pages_per_seq * page_size)
     table_copy = pltpu.make_async_copy(page_table_hbm.at[b], table_ref, table_sem)
     table_copy.start()  # one row per sequence: SMEM holds 32 slots x 8k pages of a 128k context only row by row
     table_copy.wait()
-    used_pages = _cdiv(length, page_size)
     num_blocks = _cdiv(length, block_tokens)
-
-    def page_copies(blk, slot):
-        """(needed, k copy, v copy) for every page of block blk; pages past the sequence's end are not read."""
-        out = []
-        for j in range(pages_per_block):
-            idx = blk * pages_per_block + j
-            page = table_ref[jnp.minimum(idx, pages_per_seq - 1)]
-            page = jnp.clip(page, 0, num_pages - 1)
-            rows = pl.ds(j * page_rows, page_rows)  # the page [K, R, W] lands in rows j*R.. of every head
-            copies = [pltpu.make_async_copy(k_hbm.at[layer, page], k_buf.at[slot, :, rows], sems.at[0, slot]),
-                      pltpu.make_async_copy(v_hbm.at[layer, page], v_buf.at[slot, :, rows], sems.at[1, slot])]
-            out.append((idx < used_pages, copies))
-        return out
-
-    def each_copy(blk, slot, op):
-        """``op(copy)`` (start it, or wait for it) on every copy of block blk that the sequence needs."""
-        for needed, copies in page_copies(blk, slot):
-            @pl.when(needed)
-            def _():
-                for c in copies:
-                    op(c)
-
-    def start_block(blk, slot):
-        each_copy(blk, slot, lambda c: c.start())
-
-    def wait_block(blk, slot):
-        each_copy(blk, slot, lambda c: c.wait())
-
-    def update(h, s, values, first):
-        """Fold scores s f32[G*Tp, n] (already masked) and their values [n, H] into head h's running state."""
-        m_next = jnp.max(s, axis=1, keepdims=True)  # [G*Tp, 1]
-        if not first:
-            m_prev = m_ref[h][:, :1]
-            m_next = jnp.maximum(m_prev, m_next)
-        p = jnp.exp(s - m_next)
-        pv = jnp.dot(p.astype(values.dtype), values, preferred_element_type=jnp.float32,
-                     precision=_precision(values.dtype))  # [G*Tp, H]
-        l_next = jnp.sum(p, axis=1, keepdims=True)
-        if first:
-            acc = pv
-        else:
-            alpha = jnp.exp(m_prev - m_next)
-            l_next = alpha * l_ref[h][:, :1] + l_next
-            acc = alpha * acc_ref[h] + pv
-        m_ref[h] = jnp.broadcast_to(m_next, (rows, _LANES))
-        l_ref[h] = jnp.broadcast_to(l_next, (rows, _LANES))
-        acc_ref[h] = acc
-
-    def scores(h, keys):  # keys [n, H] -> f32[G*Tp, n]
-        qh = q_ref[h]
-        s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
-                            precision=_precision(qh.dtype))
-        return s * sm_scale
+    stream = _PageStream(k_hbm, v_hbm, k_buf, v_buf, sems, table_ref, jnp.clip(layer_ref[0], 0, k_hbm.shape[0] - 1),
+                         _cdiv(length, page_size), pages_per_block, pages_per_seq)
+    state = _OnlineSoftmax(m_ref, l_ref, acc_ref)
 
     @pl.when(num_blocks > 0)
     def _():
-        start_block(0, 0)
+        stream.start(0, 0)
 
     # The tree block first (it initialises the state) while the first page block streams in.
     words = mask_ref[...]  # i32[Tp, W]; query row g*Tp + t of a head group uses tree row t
     tree_visible = _unpack_tree_mask(jnp.concatenate([words] * groups, axis=0) if groups > 1 else words, padded_t)
     for h in range(num_kv):
-        s = jnp.where(tree_visible, scores(h, k_new_ref[h]), MASK_VALUE)
-        update(h, s, v_new_ref[h], first=True)
+        s = jnp.where(tree_visible, _head_scores(q_ref, h, k_new_ref[h], sm_scale), MASK_VALUE)
+        state.fold(h, s, v_new_ref[h], first=True)
 
     def page_block(blk, carry):
         slot = lax.rem(blk, 2)
 
         @pl.when(blk + 1 < num_blocks)
         def _():
-            start_block(blk + 1, 1 - slot)
+            stream.start(blk + 1, 1 - slot)
 
-        wait_block(blk, slot)
+        stream.wait(blk, slot)
         # Slots past the committed length may hold anything (NaN): mask their scores and zero their values. Row r of
         # the block holds slots pack*r .. pack*r + pack-1, lane group j the slot pack*r + j.
         key_pos = blk * block_tokens + pack * lax.broadcasted_iota(jnp.int32, (1, block_rows), 1)
@@ -266,14 +292,14 @@ def _tree_attention_kernel(
         for h in range(num_kv):
             for j in range(pack):
                 lanes_j = pl.ds(j * head_dim, head_dim)
-                s = jnp.where(key_pos + j < length, scores(h, k_buf[slot, h, :, lanes_j]), MASK_VALUE)
+                s = jnp.where(key_pos + j < length, _head_scores(q_ref, h, k_buf[slot, h, :, lanes_j], sm_scale),
+                              MASK_VALUE)
                 values = jnp.where(value_pos + j < length, v_buf[slot, h, :, lanes_j].astype(jnp.float32), 0.0)
-                update(h, s, values.astype(v_new_ref.dtype), first=False)
+                state.fold(h, s, values.astype(v_new_ref.dtype), first=False)
         return carry
 
     lax.fori_loop(0, num_blocks, page_block, 0)
-    for h in range(num_kv):
-        o_ref[h] = (acc_ref[h] / l_ref[h][:, :1]).astype(o_ref.dtype)
+    state.write(o_ref)
 
 
 # A sequence's queries [N, T, H] sit in VMEM whole, with the scores and accumulators they need: measured with
