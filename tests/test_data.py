@@ -315,3 +315,15 @@ def test_damaged_files_lose_no_record_silently(tok, tmp_path):
     good = [r for r in recs if not isinstance(r, D.BadRecord)]
     assert good == convs[:len(good)] and len(good) < 12
     assert recs[-1].reason == "truncated_file" and "cannot be read past line" in logged[-1]
+
+
+def test_to_messages_prompts_mode():
+    """Training needs an answer (trailing user turns dropped); regeneration needs only the user turns."""
+    rec = {"conversations": [{"from": "human", "value": "q1"}, {"from": "gpt", "value": "a1"},
+                             {"from": "human", "value": "q2"}]}
+    assert [m["content"] for m in D.to_messages(rec)] == ["q1", "a1"]
+    assert [m["content"] for m in D.to_messages(rec, prompts=True)] == ["q1", "a1", "q2"]
+    only_q = {"conversations": [{"from": "human", "value": "q"}]}
+    with pytest.raises(D.BadRecord, match="no assistant turn"):
+        D.to_messages(only_q)
+    assert D.to_messages(only_q, prompts=True) == [{"role": "user", "content": "q"}]

@@ -91,3 +91,20 @@ def test_first_conversation_selects_a_slice(tmp_path):
     convs = list(regen.iter_conversations(cfg, {3}, regen.collections.Counter()))
     assert [c.source_index for c in convs] == [2, 4]  # records 2..4, minus the one already written
     assert regen.main(["--model", "x", "--out", "y", "--first-conversation", "-1"]) == 2
+
+
+def test_prompt_only_records_are_regenerated(tmp_path):
+    """A prompts file (user turns, no answers: what a user brings to regenerate) is read, not counted as empty;
+    a record with no user text still is."""
+    src = tmp_path / "prompts.jsonl"
+    rows = [{"id": "a", "conversations": [{"from": "human", "value": "first?"}]},
+            {"id": "b", "messages": [{"role": "system", "content": "be brief"}, {"role": "user", "content": "q1"},
+                                     {"role": "assistant", "content": "old"}, {"role": "user", "content": "q2"}]},
+            {"id": "c", "conversations": [{"from": "human", "value": "  "}]}]
+    src.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    cfg = regen.RegenConfig(model="unused", data=[str(src)], out="unused")
+    stats = regen.collections.Counter()
+    convs = list(regen.iter_conversations(cfg, set(), stats))
+    assert [c.id for c in convs] == ["a", "b"]
+    assert [m["content"] for m in convs[1].users] == ["be brief", "q1", "q2"]
+    assert stats == {"empty": 1}

@@ -1,5 +1,6 @@
 """Draft vocab map: counts at loss-masked positions, top-Vd with ties by id, fill rule, d2t/t2d, files, CLI."""
 
+import json
 import os
 import subprocess
 import sys
@@ -110,3 +111,19 @@ def test_finetune_keeps_head_map(tmp_path):
     cfg, params, vm2, _ = load_head_for_export(str(tmp_path / "new"))
     assert cfg.draft_vocab_size == 48
     np.testing.assert_array_equal(np.nonzero(np.asarray(vm2.t2d))[0], used)
+
+
+def test_train_with_no_usable_conversations_is_a_clear_error(tmp_path):
+    """Data that yields nothing to train on (no answers) stops the trainer with the reason, not a traceback."""
+    model = tf.make_tiny_model(str(tmp_path / "model"))
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(json.dumps({"conversations": [{"from": "human", "value": "a question, no answer"}]}) + "\n")
+    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
+               SPECJAX_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
+                        "--data.paths", f"[{data}]", "--checkpoint.dir", str(tmp_path / "ck")],
+                       capture_output=True, text=True, env=env, timeout=240,
+                       cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "error: no usable conversations" in r.stdout + r.stderr and "empty 1" in r.stdout + r.stderr
+    assert "Traceback" not in r.stderr

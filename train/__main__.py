@@ -277,7 +277,10 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
     model_dir, target_cfg, target_params = load_target(cfg, mesh, log)
     offline_train = cfg.offline.dir is not None and not cfg.offline.build
     tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
-    full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
+    try:
+        full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
+    except ValueError as e:  # no usable conversations: the user's data, not a bug
+        raise Stop(2, f"error: {e}") from None
     train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     head_cfg = head_config(cfg, target_cfg)

@@ -148,9 +148,11 @@ def iter_records(cfg: DataConfig, log: Callable[[str], None] | None = None) -> I
 
 
 # ---- normalising a record ------------------------------------------------------------------------------------------
-def to_messages(record: Any, fmt: str = "auto") -> list[dict[str, str]]:
+def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[dict[str, str]]:
     """A record in either supported shape -> [{"role": system|user|assistant, "content": str}], cleaned:
-    leading assistant turns dropped, cut at the first empty turn, trailing non-assistant turns dropped."""
+    leading assistant turns dropped, cut at the first empty turn, trailing non-assistant turns dropped.
+    ``prompts=True`` (regeneration, where only the user turns matter): the record needs a user turn with text, not
+    an answer, and trailing user turns are kept."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -190,10 +192,11 @@ def to_messages(record: Any, fmt: str = "auto") -> list[dict[str, str]]:
         if not m["content"].strip():
             rest = rest[:i]
             break
-    while rest and rest[-1]["role"] != "assistant":
+    keep = "user" if prompts else "assistant"
+    while rest and rest[-1]["role"] != "assistant" and not (prompts and rest[-1]["role"] == "user"):
         rest = rest[:-1]
-    if not any(m["role"] == "assistant" for m in rest):
-        raise BadRecord("empty", "no assistant turn with text")
+    if not any(m["role"] == keep for m in rest):
+        raise BadRecord("empty", f"no {keep} turn with text")
     for a, b in zip(rest, rest[1:]):
         if a["role"] == b["role"]:
             raise BadRecord("wrong_role", f"two {a['role']} turns in a row")

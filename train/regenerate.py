@@ -111,7 +111,7 @@ def iter_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Coun
             stats["already_done"] += 1
             continue
         try:
-            msgs = data_lib.to_messages(rec, cfg.format)
+            msgs = data_lib.to_messages(rec, cfg.format, prompts=True)
         except data_lib.BadRecord as e:
             stats[e.reason] += 1
             continue
