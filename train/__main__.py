@@ -279,7 +279,7 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
     tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
     try:
         full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
-    except ValueError as e:  # no usable conversations: the user's data, not a bug
+    except data_lib.NoUsableData as e:
         raise Stop(2, f"error: {e}") from None
     train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0

@@ -39,6 +39,10 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
          "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
 
 
+class NoUsableData(ValueError):
+    """A dataset in which no conversation survives cleaning: the user's data to fix, not a bug."""
+
+
 class BadRecord(Exception):
     """A conversation that cannot be used; ``reason`` is the counter it goes to."""
 
@@ -193,7 +197,7 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
             rest = rest[:i]
             break
     keep = "user" if prompts else "assistant"
-    while rest and rest[-1]["role"] != "assistant" and not (prompts and rest[-1]["role"] == "user"):
+    while rest and rest[-1]["role"] not in ("assistant", keep):
         rest = rest[:-1]
     if not any(m["role"] == keep for m in rest):
         raise BadRecord("empty", f"no {keep} turn with text")
@@ -455,7 +459,7 @@ def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print)
                             fmt=cfg.format, max_examples=cfg.max_examples)
     log(f"data: {summary(data.stats)}")
     if len(data) == 0:
-        raise ValueError(f"no usable conversations in {list(cfg.paths) + list(cfg.hf_datasets)}: "
+        raise NoUsableData(f"no usable conversations in {list(cfg.paths) + list(cfg.hf_datasets)}: "
                          f"{summary(data.stats)}")
     try:
         os.makedirs(cache_dir, exist_ok=True)

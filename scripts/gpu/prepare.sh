@@ -6,7 +6,7 @@
 set -euo pipefail
 PY=${PY:-python}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
-printf '/.whl/\n/.gpu1/\n/.gpu2/\n/.gpu3/\n' >> .git/info/exclude
+for d in /.whl/ /.gpu1/ /.gpu2/ /.gpu3/; do grep -qx "$d" .git/info/exclude 2>/dev/null || echo "$d" >> .git/info/exclude; done
 mkdir -p .whl .gpu1 .gpu2 .gpu3 /tmp/specjax-gpu
 $PY -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
   --platform manylinux2014_x86_64 -d .whl gguf==0.19.0
