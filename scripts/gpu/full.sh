@@ -1,4 +1,5 @@
 #!/bin/bash
-# Call 3 on a lent GPU (after stash.sh carried two GGUF parts): the SmolLM2 head pipeline, then the GPU benches.
+# Call 3 on a lent GPU (after stash.sh carried two GGUF parts): the SmolLM2 head pipeline, then the GPU benches
+# (BENCHES=0: the pipeline only).
 bash scripts/gpu/pipeline.sh
-bash scripts/gpu/benches.sh
+[ "${BENCHES:-1}" = 0 ] || bash scripts/gpu/benches.sh
