@@ -2,7 +2,8 @@
 # Here (the developer machine), before the device calls: the SmolLM2 Q4_1 GGUF in three parts (.gpu1-3: a device call
 # carries at most 64 MiB with the working tree), the `gguf` wheel for the image's Python 3.12 (.whl), and the
 # ShareGPT first turns to regenerate (.gpu3/prompts.jsonl: records outside 9166-12165, slice 5, which stays held out).
-# Then: stash.sh with carry [.gpu1], stash.sh with carry [.gpu2], full.sh with carry [.gpu3, .whl] (GGUF_SHA set).
+# Then: stash.sh with carry [.gpu1], stash.sh with carry [.gpu2], full.sh with carry [.gpu3, .whl] (GGUF_SHA set),
+# optionally more.sh (same carry) while the machine is still warm.
 set -euo pipefail
 PY=${PY:-python}
 CACHE=${SPECJAX_CACHE:-$HOME/.cache/specjax}
