@@ -15,18 +15,10 @@ echo "$GGUF_SHA  $W/smol.gguf" | sha256sum -c - || exit 3
 stamp convert; [ -f $W/smol/model.safetensors ] || $PY -c "from specjax.gguf_io import convert; convert('$W/smol.gguf', '$W/smol', dtype='float32')" 2>&1 | tail -2
 stamp import; [ -d $W/ckpt-p7 ] || $PY -m specjax.convert import-head specjax/heads/smollm2-135m-instruct-eagle3 $W/ckpt-p7 --target $W/smol --format checkpoint 2>&1 | tail -2
 [ -n "${PREV:-}" ] && [ ! -s $W/regen.jsonl ] && zcat "$PREV" > $W/regen.jsonl && echo "kept $(wc -l < $W/regen.jsonl) earlier conversations"
-stamp regen; JAX_DEFAULT_MATMUL_PRECISION=${REGEN_PRECISION:-default} timeout -s TERM -k 20 ${TR:-150} $PY -m specjax.train.regenerate --model $W/smol --data .gpu3/prompts.jsonl \
-  --out $W/regen.jsonl --max-turns 1 --max-prompt-tokens 256 --max-new-tokens 256 --batch-size ${RB:-256} --chunk ${RC:-256} \
-  ${EXTRA_REGEN:-} 2>&1 | tr '\r' '\n' | grep -v "^\s*$" | tail -40
-echo "regenerated: $(wc -l < $W/regen.jsonl) conversations, $(wc -c < $W/regen.jsonl) bytes"
+stamp regen; regen ${TR:-150} ${RB:-256}
 TT=$(( $(left) - ${RESERVE:-45} )); STEPS=""
 [ -n "${SPS:-}" ] && STEPS="--training.max_steps $(python3 -c "print(max(20, int((${TT} - ${TRAIN_SETUP:-50}) * ${SPS})))")"
 stamp "train (timeout ${TT}s) ${STEPS}"
-timeout -s TERM -k 30 $TT $PY -m specjax.train --config configs/smollm2-135m.yaml --model.path $W/smol \
-  --head.init_from $W/ckpt-p7 --data.paths "[$W/regen.jsonl]" --training.batch_size ${TB:-32} --optimizer.lr ${LR:-4e-4} \
-  --training.epochs ${EP:-2} --data.buckets "[512]" --checkpoint.dir $W/ckpt --checkpoint.every 50 --logging.every 10 --logging.eval_every 50 \
-  --logging.progress false ${STEPS} ${EXTRA_TRAIN:-} > $OUT/train.log 2>&1; echo "train rc=$?"; grep -v "^\s*$" $OUT/train.log | tail -25
-stamp export; $PY -m specjax.convert export-head $W/ckpt $W/head --dtype bfloat16 2>&1 | tail -2
-stamp pack; gzip -c $W/regen.jsonl > $W/regen.jsonl.gz
-tar cf $W/result.tar -C $W head regen.jsonl.gz && split -b 15000000 -d $W/result.tar $OUT/result.tar.
-ls -la $OUT; stamp done
+train_head $TT $W/ckpt-p7 $W/ckpt $OUT/train.log --optimizer.lr ${LR:-4e-4} --training.epochs ${EP:-2} \
+  --logging.every 10 --logging.eval_every 50 ${STEPS}
+stamp pack; pack $W/ckpt; stamp done
