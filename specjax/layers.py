@@ -62,11 +62,42 @@ def apply_rope(x, positions, inv_freq):
     return out.astype(x.dtype)
 
 
+# A dense layer over 2..ROWWISE_MAX_ROWS rows of x runs on a CPU as one matrix-vector product per row (``dense``).
+ROWWISE_MAX_ROWS = 4
+ROWWISE_MAX_WEIGHT_BYTES = 24 << 20  # about a CPU's last-level cache: every row after the first reads w from there
+
+
+def dense(x, w, *, preferred_element_type=None):
+    """x [..., C] contracted with the first axis of w [C, *O] -> [..., *O]: every weight matmul of the decoder
+    layers and the draft heads.
+
+    On a CPU, a product over a few rows (a verified tree, a draft step over top-k branches, a small batch) runs as
+    one matrix-vector product per row: XLA:CPU's GEMM over 2-4 rows (YNNPACK or Eigen) moved a decoder layer's
+    weights at a third of the bandwidth its matrix-vector path reaches for one row, so a 4-row SmolLM2 layer stack
+    cost 2.5x a 1-row one, while 4 matrix-vector products (the later ones read w from the cache) cost 1.8x
+    (docs/benchmarks.md, tenth session). Each row also gets exactly the arithmetic of a one-row decode step.
+    Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
+    other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
+    dot."""
+    rows = math.prod(x.shape[:-1])
+
+    def one_dot(x, w):
+        return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
+
+    if not (2 <= rows <= ROWWISE_MAX_ROWS and w.size * w.dtype.itemsize <= ROWWISE_MAX_WEIGHT_BYTES):
+        return one_dot(x, w)
+
+    def rowwise(x, w):
+        x2, w2 = x.reshape(rows, x.shape[-1]), w.reshape(w.shape[0], -1)
+        y = jnp.concatenate([one_dot(x2[i:i + 1], w2) for i in range(rows)])
+        return y.reshape(*x.shape[:-1], *w.shape[1:])
+
+    return jax.lax.platform_dependent(x, w, cpu=rowwise, default=one_dot)
+
+
 def swiglu(x, w_gate, w_up, w_down):
     """down(silu(gate(x)) * up(x)). x: [B, T, D]; w_gate/w_up: [D, F]; w_down: [F, D]."""
-    g = jnp.einsum("btd,df->btf", x, w_gate)
-    u = jnp.einsum("btd,df->btf", x, w_up)
-    return jnp.einsum("btf,fd->btd", jax.nn.silu(g) * u, w_down)
+    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
 
 
 def causal_mask(valid):

@@ -178,3 +178,43 @@ def test_server_steps_write_the_kv_pool_in_place(model):
     hlo = spec_runner._prefill_slot.lower(spec.target_params, tcfg, spec.draft, spec.scfg, st,
                                           *chunk).compile().as_text()
     assert pool_copies(hlo, st.cache.k, st.draft_k) == []
+
+
+def _dots(hlo: str) -> list[str]:
+    """Output shapes of the dot instructions of an optimized HLO module (fused or not)."""
+    return re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)
+
+
+def test_small_row_products_run_rowwise_on_cpu(model):
+    """A dense layer over 2-4 rows (a verified tree, a small batch) is one matrix-vector product per row on a CPU
+    (XLA:CPU's GEMM over a few rows read the weights at a third of its one-row bandwidth), reading the weights in
+    place, with each row's numbers equal to a one-row product's; more rows, or a weight past the cache bound, stay
+    one dot."""
+    cfg, params = model
+    rng = np.random.default_rng(0)
+    w = jnp.asarray(rng.standard_normal((80, 4, 24)), jnp.float32)
+    many = layers.ROWWISE_MAX_ROWS + 1
+    for rows, expect in ((1, ["1,96"]), (3, ["1,96"] * 3), (many, [f"{many},96"])):
+        x = jnp.asarray(rng.standard_normal((1, rows, 80)), jnp.float32)
+        f = jax.jit(layers.dense)
+        dots = _dots(f.lower(x, w).compile().as_text())
+        assert dots == expect, (rows, dots)
+        y = f(x, w)
+        assert y.shape == (1, rows, 4, 24)
+        for i in range(rows):  # each row equals the one-row product exactly
+            np.testing.assert_array_equal(y[:, i], f(x[:, i:i + 1], w)[:, 0])
+        np.testing.assert_allclose(y, jnp.einsum("btd,dnh->btnh", x, w), rtol=1e-5, atol=1e-5)
+    big = jax.ShapeDtypeStruct((1024, layers.ROWWISE_MAX_WEIGHT_BYTES // 4096 + 1), jnp.float32)
+    assert len(_dots(jax.jit(layers.dense).lower(jax.ShapeDtypeStruct((2, 1024), jnp.float32),
+                                                 big).compile().as_text())) == 1
+
+    # A 4-token tree verify over the unrolled layers: every layer weight read in place, no 4-row layer GEMM.
+    up = target.unstack_layers(params)
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
+    toks, pos = jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None]
+    fwd = jax.jit(lambda p, c: target.forward(p, cfg, toks, pos, cache=c, return_kv=True).logits)
+    hlo = fwd.lower(up, cache).compile().as_text()
+    assert weight_copies(hlo, cfg) == []
+    layer_outs = {f"1,{cfg.num_heads * cfg.head_dim}", f"1,{cfg.num_kv_heads * cfg.head_dim}",
+                  f"1,{cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
+    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 7 * cfg.num_layers

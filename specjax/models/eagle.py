@@ -69,7 +69,7 @@ def init_params(cfg: EagleConfig, key: jax.Array, scale: float = 0.02) -> EagleP
 def embed_input(params: EagleParams, emb, feature):
     """fc(concat(embedding, feature)) + bias: [B, T, H] x2 -> [B, T, H]."""
     x = jnp.concatenate([emb.astype(params.fc.dtype), feature.astype(params.fc.dtype)], axis=-1)  # [B, T, 2H]
-    return jnp.einsum("btc,ch->bth", x, params.fc) + params.fc_bias
+    return layers.dense(x, params.fc) + params.fc_bias
 
 
 def layer_input(lp: eagle3.HeadLayerParams, cfg: EagleConfig, hidden):
@@ -80,7 +80,7 @@ def layer_input(lp: eagle3.HeadLayerParams, cfg: EagleConfig, hidden):
 def draft_logits(lm_head, feature):
     """f32 logits of predicted features [..., H] with the target's lm_head [H, Vd] (no norm: EAGLE predicts the
     target's final-normed hidden state)."""
-    return jnp.einsum("...h,hv->...v", feature, lm_head.astype(feature.dtype), preferred_element_type=jnp.float32)
+    return layers.dense(feature, lm_head.astype(feature.dtype), preferred_element_type=jnp.float32)
 
 
 def forward(params: EagleParams, cfg: EagleConfig, emb, feature, positions, attend: layers.AttendFn, *,

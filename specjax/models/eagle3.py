@@ -160,7 +160,7 @@ def init_params_from_target(cfg: Eagle3Config, key: jax.Array, embed, lm_head, f
 
 def project_aux(params: Eagle3Params, aux):
     """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H]."""
-    return jnp.einsum("btc,ch->bth", aux.astype(params.fc.dtype), params.fc)
+    return layers.dense(aux.astype(params.fc.dtype), params.fc)
 
 
 def layer_input(lp: HeadLayerParams, cfg: Eagle3Config, emb, hidden):
@@ -174,22 +174,23 @@ def layer_input(lp: HeadLayerParams, cfg: Eagle3Config, emb, hidden):
 def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions):
     """Rotated q [B, T, N, Hd], k [B, T, K, Hd] and v of a layer input x [B, T, Din]."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-    q = jnp.einsum("btc,cnh->btnh", x, lp.wq)
-    k = jnp.einsum("btc,ckh->btkh", x, lp.wk)
-    v = jnp.einsum("btc,ckh->btkh", x, lp.wv)
+    q = layers.dense(x, lp.wq)
+    k = layers.dense(x, lp.wk)
+    v = layers.dense(x, lp.wv)
     return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq), v
 
 
 def finish_layer(lp: HeadLayerParams, cfg: Eagle3Config, hidden, attn_out):
     """Residual + o_proj, then the SwiGLU MLP. hidden: [B, T, H]; attn_out: [B, T, N, Hd] -> [B, T, H]."""
-    h = hidden + jnp.einsum("btnh,nhd->btd", attn_out, lp.wo)
+    b, t, n, hd = attn_out.shape
+    h = hidden + layers.dense(attn_out.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))
     return h + layers.swiglu(layers.rms_norm(h, lp.post_norm, cfg.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down)
 
 
 def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):
     """f32 logits over the draft vocab from the pre-norm hidden state [..., H] -> [..., Vd]."""
-    return jnp.einsum("...h,hv->...v", layers.rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head,
-                      preferred_element_type=jnp.float32)
+    return layers.dense(layers.rms_norm(hidden, params.norm, cfg.rms_norm_eps), params.lm_head,
+                        preferred_element_type=jnp.float32)
 
 
 def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, attend: layers.AttendFn, *,

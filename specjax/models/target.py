@@ -224,9 +224,9 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     sm_scale = cfg.head_dim ** -0.5
     y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-    q = jnp.einsum("btd,dnh->btnh", y, lp.wq)  # [B, T, N, H]
-    k = jnp.einsum("btd,dkh->btkh", y, lp.wk)  # [B, T, K, H]
-    v = jnp.einsum("btd,dkh->btkh", y, lp.wv)
+    q = layers.dense(y, lp.wq)  # [B, T, N, H]
+    k = layers.dense(y, lp.wk)  # [B, T, K, H]
+    v = layers.dense(y, lp.wv)
     if lp.bq is not None:
         q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
     if lp.q_norm is not None:
@@ -243,7 +243,7 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     # Contract over one merged (heads x head_dim) axis: with "btnh,nhd" XLA:CPU chose to transpose wo (a copy of the
     # weight on every step) rather than the small attention output.
     b, t, n, hd = o.shape
-    h = h + jnp.einsum("btf,fd->btd", o.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))  # [B, T, D]
+    h = h + layers.dense(o.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
