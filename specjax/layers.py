@@ -63,7 +63,7 @@ def apply_rope(x, positions, inv_freq):
 
 
 # A dense layer over 2..ROWWISE_MAX_ROWS rows of x runs on a CPU as one matrix-vector product per row (``dense``).
-ROWWISE_MAX_ROWS = 4
+ROWWISE_MAX_ROWS = 8
 ROWWISE_MAX_WEIGHT_BYTES = 24 << 20  # about a CPU's last-level cache: every row after the first reads w from there
 
 
@@ -74,8 +74,8 @@ def dense(x, w, *, preferred_element_type=None):
     On a CPU, a product over a few rows (a verified tree, a draft step over top-k branches, a small batch) runs as
     one matrix-vector product per row: XLA:CPU's GEMM over 2-4 rows (YNNPACK or Eigen) moved a decoder layer's
     weights at a third of the bandwidth its matrix-vector path reaches for one row, so a 4-row SmolLM2 layer stack
-    cost 2.5x a 1-row one, while 4 matrix-vector products (the later ones read w from the cache) cost 1.8x
-    (docs/benchmarks.md, tenth session). Each row also gets exactly the arithmetic of a one-row decode step.
+    cost 2.5x a 1-row one, while 4 matrix-vector products (the later ones read w from the cache) cost 1.8x; at 8
+    rows the products were still 8-10% faster (docs/benchmarks.md, tenth session). Each row also gets exactly the arithmetic of a one-row decode step.
     Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
     other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
     dot."""
