@@ -75,7 +75,8 @@ def dense(x, w, *, preferred_element_type=None):
     one matrix-vector product per row: XLA:CPU's GEMM over 2-4 rows (YNNPACK or Eigen) moved a decoder layer's
     weights at a third of the bandwidth its matrix-vector path reaches for one row, so a 4-row SmolLM2 layer stack
     cost 2.5x a 1-row one, while 4 matrix-vector products (the later ones read w from the cache) cost 1.8x; at 8
-    rows the products were still 8-10% faster (docs/benchmarks.md, tenth session). Each row also gets exactly the arithmetic of a one-row decode step.
+    rows the products were still 8-10% faster (docs/benchmarks.md, tenth session). Each row also gets exactly the
+    arithmetic of a one-row decode step.
     Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
     other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
     dot."""
@@ -93,6 +94,13 @@ def dense(x, w, *, preferred_element_type=None):
         return y.reshape(*x.shape[:-1], *w.shape[1:])
 
     return jax.lax.platform_dependent(x, w, cpu=rowwise, default=one_dot)
+
+
+def out_proj(o, wo):
+    """The attention output projection: o [B, T, N, H] against wo [N, H, D] -> [B, T, D], contracted over one
+    merged (heads x head_dim) axis (with "btnh,nhd" XLA:CPU transposed wo, a copy of the weight on every step)."""
+    b, t, n, hd = o.shape
+    return dense(o.reshape(b, t, n * hd), wo.reshape(n * hd, -1))
 
 
 def swiglu(x, w_gate, w_up, w_down):

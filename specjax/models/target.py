@@ -240,10 +240,7 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     kv = (None,) * 4 if cache is None else (cache.k, cache.v, cache.page_table, cache.lengths)
     o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
                       kernel=cache_attention, layer=None if cache is None else index)
-    # Contract over one merged (heads x head_dim) axis: with "btnh,nhd" XLA:CPU chose to transpose wo (a copy of the
-    # weight on every step) rather than the small attention output.
-    b, t, n, hd = o.shape
-    h = h + layers.dense(o.reshape(b, t, n * hd), lp.wo.reshape(n * hd, -1))  # [B, T, D]
+    h = h + layers.out_proj(o, lp.wo)  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
