@@ -96,6 +96,30 @@ def dense(x, w, *, preferred_element_type=None):
     return jax.lax.platform_dependent(x, w, cpu=rowwise, default=one_dot)
 
 
+def unembed(x, table):
+    """x [..., D] against an embedding table [V, D] as stored (a tied lm_head) -> f32 logits [..., V].
+
+    On a CPU, 2..ROWWISE_MAX_ROWS rows run as one multiply-and-sum pass over the table: every table row is read
+    once and dotted with all rows of x while it is in L1. The table is far larger than any cache (SmolLM2's is 113
+    MB), so per-row products would read it once per row, and XLA:CPU's few-row GEMM moved it at about a third of
+    the bandwidth of its one-row product: 4 rows took 2.5-3x one row's time against ~1.5x this way
+    (docs/benchmarks.md, eleventh session). One row and other platforms keep the one dot."""
+    rows = math.prod(x.shape[:-1])
+
+    def one_dot(x, table):
+        return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)
+
+    if not 2 <= rows <= ROWWISE_MAX_ROWS:
+        return one_dot(x, table)
+
+    def one_pass(x, table):
+        x2 = x.reshape(rows, x.shape[-1]).astype(jnp.float32)
+        y = jnp.sum(table.astype(jnp.float32)[:, None, :] * x2[None], axis=-1)  # [V, rows], one fusion
+        return y.T.reshape(*x.shape[:-1], table.shape[0])
+
+    return jax.lax.platform_dependent(x, table, cpu=one_pass, default=one_dot)
+
+
 def out_proj(o, wo):
     """The attention output projection: o [B, T, N, H] against wo [N, H, D] -> [B, T, D], contracted over one
     merged (heads x head_dim) axis (with "btnh,nhd" XLA:CPU transposed wo, a copy of the weight on every step)."""

@@ -218,3 +218,27 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     layer_outs = {f"1,{cfg.num_heads * cfg.head_dim}", f"1,{cfg.num_kv_heads * cfg.head_dim}",
                   f"1,{cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
     assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 7 * cfg.num_layers
+
+
+def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():
+    """Tied logits over 2..8 rows (a verified tree, a small batch) are one multiply-and-sum pass over the embedding
+    table on a CPU: no few-row GEMM, no [V, rows, D] product in memory, the same argmax and values within fp32
+    rounding of the one dot; one row keeps its one dot."""
+    rng = np.random.default_rng(1)
+    v, d = 1000, 72
+    table = jnp.asarray(rng.standard_normal((v, d)) * 0.1, jnp.float32)
+    f = jax.jit(layers.unembed)
+    for rows in (1, 2, layers.ROWWISE_MAX_ROWS, layers.ROWWISE_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((1, rows, d)), jnp.float32)
+        compiled = f.lower(x, table).compile()
+        one_dot = rows == 1 or rows > layers.ROWWISE_MAX_ROWS
+        assert (_dots(compiled.as_text()) == [f"{rows},{v}"]) == one_dot, rows
+        assert compiled.memory_analysis().temp_size_in_bytes < v * d * 4 // 4, rows
+        y, ref = f(x, table), jnp.einsum("btd,vd->btv", x, table)
+        assert y.shape == (1, rows, v) and y.dtype == jnp.float32
+        np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(y.argmax(-1), ref.argmax(-1))
+    bf = jnp.asarray(rng.standard_normal((1, 4, d)), jnp.bfloat16)  # bf16 weights: f32 products and sums
+    np.testing.assert_allclose(f(bf, table.astype(jnp.bfloat16)),
+                               jnp.einsum("btd,vd->btv", bf, table.astype(jnp.bfloat16),
+                                          preferred_element_type=jnp.float32), rtol=1e-4, atol=1e-4)

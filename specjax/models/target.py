@@ -152,7 +152,7 @@ def compute_logits(params: TargetParams, hidden):
     """f32 logits of final-normed hidden states [..., D] -> [..., V]."""
     if params.lm_head is None:
         # Contract against embed [V, D] as stored: ``embed.T`` made XLA:CPU copy the whole table on every step.
-        return jnp.einsum("...d,vd->...v", hidden, params.embed, preferred_element_type=jnp.float32)
+        return layers.unembed(hidden, params.embed)
     return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
 
 
