@@ -103,7 +103,7 @@ def unembed(x, table):
     once and dotted with all rows of x while it is in L1. The table is far larger than any cache (SmolLM2's is 113
     MB), so per-row products would read it once per row, and XLA:CPU's few-row GEMM moved it at about a third of
     the bandwidth of its one-row product: 4 rows took 2.5-3x one row's time against ~1.5x this way
-    (docs/benchmarks.md, eleventh session). One row and other platforms keep the one dot."""
+    (docs/benchmarks.md, eleventh session). One row, more rows and other platforms keep the one dot."""
     rows = math.prod(x.shape[:-1])
 
     def one_dot(x, table):
