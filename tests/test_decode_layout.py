@@ -21,6 +21,7 @@ HF = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=80, in
           rope_theta=10000.0, tie_word_embeddings=True)
 _INST = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\{[\d,]*\} ([\w-]+)\(")
 _VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # no bytes moved
+pytestmark = pytest.mark.xla_defaults  # these claims are about the code XLA:CPU emits by default (conftest.py)
 
 
 def _weight_shapes(cfg: ModelConfig):
