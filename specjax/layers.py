@@ -139,23 +139,51 @@ def causal_mask(valid):
     return tri[None] & valid[:, None, :]
 
 
-def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm_scale: float):
+QUERY_CHUNK_MIN = 128  # long query spans are attended in chunks of at least this many rows
+QUERY_CHUNKS_MAX = 8  # and in at most this many chunks (each one is unrolled into the program)
+
+
+def query_chunks(t: int, tk: int, causal: bool) -> list[tuple[int, int, int]]:
+    """(first row, end row, key count) of each chunk of T new queries over Tk new keys (Tk == T when ``causal``).
+
+    A [T, T] score block of a long prompt does not fit a CPU's caches (1024 tokens x 9 heads: 38 MB per layer), so
+    queries are attended in at most ``QUERY_CHUNKS_MAX`` chunks; with ``causal`` (query i sees no new key j > i) a
+    chunk also reads only the keys up to its last row, which skips the upper triangle (7/16 of the work at 8 chunks).
+    Short spans (decode, tree verify, T <= 2 * QUERY_CHUNK_MIN) stay one chunk."""
+    if causal and tk != t:
+        raise ValueError(f"causal attention needs as many new keys as queries, got {tk} keys for {t} queries")
+    if t <= 2 * QUERY_CHUNK_MIN:
+        return [(0, t, tk)]
+    c = max(QUERY_CHUNK_MIN, -(-t // QUERY_CHUNKS_MAX))
+    return [(a, min(a + c, t), min(a + c, t) if causal else tk) for a in range(0, t, c)]
+
+
+def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm_scale: float,
+              causal: bool = False):
     """Attention of T new queries over (cached keys) + (new keys), GQA, softmax in fp32.
 
     q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T] (query i may see new key j);
     k_cache, v_cache: [B, S, K, H] or None; cache_valid: bool[B, T, S] (query i may see cached key s).
+    causal: the caller promises that ``mask`` hides every new key j > i from query i (a causal mask, with padding or
+    a sliding window); long spans without a cache then skip those keys (``query_chunks``). Same result either way.
     Unused cache slots may hold anything, NaN included: they are masked and zeroed, never read.
     Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
+    if k_cache is None:  # kv-head-major operands (no transposes inside the chunk loop), chunks of queries
+        qk, kk, vk = jnp.moveaxis(qg, 1, 3), jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
+        outs = []
+        for a, z, e in query_chunks(t, k.shape[1], causal):
+            s_new = jnp.einsum("bkgth,bksh->bkgts", qk[:, :, :, a:z], kk[:, :, :e],
+                               preferred_element_type=jnp.float32)
+            s_new = jnp.where(mask[:, None, None, a:z, :e], s_new * sm_scale, NEG_INF)  # [B, K, G, T', S']
+            p = jax.nn.softmax(s_new, axis=-1)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vk[:, :, :e]))
+        return jnp.moveaxis(jnp.concatenate(outs, axis=3), 3, 1).reshape(b, t, n, h)
     s_new = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
     s_new = jnp.where(mask[:, None, None], s_new, NEG_INF)  # [B, K, G, T, T]
-    if k_cache is None:
-        p = jax.nn.softmax(s_new, axis=-1)
-        out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v.dtype), v)
-        return out.reshape(b, t, n, h)
     k_cache = jnp.where(cache_valid.any(1)[:, :, None, None], k_cache, 0)
     v_cache = jnp.where(cache_valid.any(1)[:, :, None, None], v_cache, 0)
     s_old = jnp.einsum("btkgh,bskh->bkgts", qg, k_cache, preferred_element_type=jnp.float32) * sm_scale
@@ -179,7 +207,8 @@ CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this ma
 
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
-                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None):
+                    sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None,
+                    causal: bool = False):
     """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
@@ -188,6 +217,8 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     q: [B, T, N, H]; k, v: [B, T, K, H]; mask: bool[B, T, T]; k_pages, v_pages: [P, K, Z, H], or [L, P, K, Z, H]
     with ``layer`` (the pages are gathered from the stacked pool: slicing out the layer first can make XLA copy the
     layer's whole pool); page_table: i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window).
+    causal: ``mask`` hides every new key j > i from query i; a long span of new tokens (a prompt) then reads only the
+    keys up to each query chunk's last row (``query_chunks``; the chunks are taken either way).
     Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
@@ -232,34 +263,45 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
              jnp.zeros((b, kh, g, t, h), jnp.float32))
     nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
     carry = jax.lax.fori_loop(0, nblocks, block, carry)
-    vn = jnp.where(mask.any(1)[:, :, None, None], v, 0)  # the new tokens [B, T, K, H]
-    m, l, acc = update(carry, jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32), mask,
-                       lambda p: jnp.einsum("bkgts,bskh->bkgth", p.astype(vn.dtype), vn,
-                                            preferred_element_type=jnp.float32))
-    out = acc / jnp.where(l > 0, l, 1.0)[..., None]  # rows that see nothing (padding) give 0, never read
+    # the new tokens, kv-head-major: [B, K, G, T, H] queries, [B, K, Tk, H] keys and values
+    qk, kk = jnp.moveaxis(qg, 1, 3), jnp.moveaxis(k, 1, 2)
+    vk = jnp.moveaxis(jnp.where(mask.any(1)[:, :, None, None], v, 0), 1, 2)
+    outs = []
+    for a, z, e in query_chunks(t, k.shape[1], causal):  # the new keys by chunks of queries (carry's T axis: 3)
+        m, l, acc = update(tuple(c[:, :, :, a:z] for c in carry),
+                           jnp.einsum("bkgth,bksh->bkgts", qk[:, :, :, a:z], kk[:, :, :e],
+                                      preferred_element_type=jnp.float32),
+                           mask[:, a:z, :e],
+                           lambda p: jnp.einsum("bkgts,bksh->bkgth", p.astype(vk.dtype), vk[:, :, :e],
+                                                preferred_element_type=jnp.float32))
+        outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])  # rows that see nothing (padding) give 0, never read
+    out = jnp.concatenate(outs, axis=3)  # [B, K, G, T, H]
     return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
 
 
 def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_table=None, lengths=None, *,
-           positions=None, sliding_window: int | None = None, kernel: Callable | None = None, layer=None):
+           positions=None, sliding_window: int | None = None, kernel: Callable | None = None, layer=None,
+           causal: bool = False):
     """THE attention of every model layer (target, both draft heads, the speculative step): T new queries over the
     paged cache prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     q: [B, T, N, H]; k, v: [B, Tk, K, H]; mask: bool[B, T, Tk]. Without ``k_pages`` there is no cache (training,
     tests): plain ``attention``. With it: k_pages, v_pages [P, K, Z, H] (one layer's pool) or, with ``layer`` (an int
     or traced scalar), every layer's [L, P, K, Z, H] (model layer loops pass the pool whole so that the kernel reads
-    it in place: a per-layer slice handed to a custom call is a copy), page_table i32[B, pps], lengths i32[B]; ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA
-    ``paged_attention``; ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
+    it in place: a per-layer slice handed to a custom call is a copy), page_table i32[B, pps], lengths i32[B];
+    ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA ``paged_attention``;
+    ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
+    ``causal``: ``mask`` is causal (see ``attention``); the XLA paths then skip the keys it hides.
     Returns [B, T, N, H] in q's dtype.
     """
     if k_pages is None:
-        return attention(q, k, v, mask, sm_scale=sm_scale)
+        return attention(q, k, v, mask, sm_scale=sm_scale, causal=causal)
     if kernel is not None:
         if sliding_window is not None:
             raise ValueError("sliding-window models use the XLA attention path; do not pass a kernel")
         return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=layer)
     return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
-                           sliding_window=sliding_window, layer=layer)
+                           sliding_window=sliding_window, layer=layer, causal=causal)
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]
@@ -271,21 +313,22 @@ class CacheAttend:
 
     write: (positions i32[B, T], valid bool[B, T]): layer i first writes its new K/V there (``kv_cache.write``), so
     that its reads follow the scatter and a donated pool is updated in place; ``.cache`` is then the written cache
-    (lengths unchanged)."""
+    (lengths unchanged). causal: ``mask`` is causal (``attention``)."""
 
-    def __init__(self, mask, cache=None, kernel: Callable | None = None, write=None):
+    def __init__(self, mask, cache=None, kernel: Callable | None = None, write=None, causal: bool = False):
         if write is not None and cache is None:
             raise ValueError("CacheAttend: write needs a cache")
-        self.mask, self.cache, self.kernel, self.write = mask, cache, kernel, write
+        self.mask, self.cache, self.kernel, self.write, self.causal = mask, cache, kernel, write, causal
 
     def __call__(self, i, q, k, v):
         scale = q.shape[-1] ** -0.5
         c = self.cache
         if c is None:
-            return attend(q, k, v, self.mask, scale)
+            return attend(q, k, v, self.mask, scale, causal=self.causal)
         if self.write is not None:
             c = self.cache = kv_write(c, k, v, *self.write, layer=i)
-        return attend(q, k, v, self.mask, scale, c.k, c.v, c.page_table, c.lengths, kernel=self.kernel, layer=i)
+        return attend(q, k, v, self.mask, scale, c.k, c.v, c.page_table, c.lengths, kernel=self.kernel, layer=i,
+                      causal=self.causal)
 
     def store(self, i, k, v):
         """Only write layer i's new K/V (a layer whose output nothing reads)."""

@@ -7,7 +7,7 @@ import dataclasses
 
 import jax.numpy as jnp
 
-from specjax import kv_cache, layers
+from specjax import kv_cache
 from specjax.config import ModelConfig
 from specjax.models import target
 
@@ -25,7 +25,7 @@ def prefill(params: target.TargetParams, cfg: ModelConfig, cache: kv_cache.KVCac
     n = valid.sum(axis=1).astype(jnp.int32)  # i32[B]
     positions = cache.lengths[:, None] + jnp.arange(t, dtype=jnp.int32)[None, :]  # i32[B, T]
     last = jnp.maximum(n - 1, 0)[:, None]  # i32[B, 1]
-    out = target.forward(params, cfg, tokens, positions, cache=cache, valid=valid, mask=layers.causal_mask(valid),
+    out = target.forward(params, cfg, tokens, positions, cache=cache, valid=valid,
                          aux_layers=aux_layers, logits_at=None if all_logits else last,
                          return_hidden=return_hidden, return_kv=False, cache_attention=cache_attention,
                          write_valid=valid)

@@ -8,7 +8,7 @@ import pytest
 import torch
 from hf_tiny_models import TINY, VOCAB, build, hf_config
 
-from specjax import kv_cache, plain_step as decode
+from specjax import kv_cache, layers, plain_step as decode
 from specjax.config import ConfigError, ModelConfig, default_aux_layer_ids
 from specjax.generate import generate
 from specjax.models import target
@@ -99,6 +99,25 @@ def test_cached_prefill_and_decode_match_full_forward(model, tokens):
         np.testing.assert_allclose(np.asarray(logits), full[[0, 1], np.minimum(pos, SEQ - 1)], atol=1e-4, rtol=0)
         pos = pos + active
     assert np.asarray(cache.lengths).tolist() == pos.tolist()
+
+
+@pytest.mark.parametrize("name", ["llama", "mistral"])
+def test_long_prompt_attended_in_causal_chunks_matches_hf(models, name):
+    """A prompt longer than 2 * QUERY_CHUNK_MIN is attended by chunks of queries that skip the keys the causal mask
+    hides (``layers.query_chunks``; mistral's window masks more). The full forward and a right-padded paged prefill
+    (rows of two lengths) still give HF's logits."""
+    _, hf, cfg, params = models(name)
+    t = 2 * layers.QUERY_CHUNK_MIN + 44
+    assert [e for _, _, e in layers.query_chunks(t, t, True)] == [128, 256, t]
+    toks = np.random.default_rng(1).integers(3, VOCAB, size=(2, t)).astype(np.int32)
+    want, _ = _hf(hf, toks)
+    got = np.asarray(_forward(params, cfg, jnp.asarray(toks), ()).logits)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=0)
+    lens = np.array([t - 37, t])
+    valid = np.arange(t)[None, :] < lens[:, None]
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, t, dtype=jnp.float32)
+    _, out = _prefill(params, cfg, cache, jnp.asarray(np.where(valid, toks, 0)), jnp.asarray(valid))
+    np.testing.assert_allclose(np.asarray(out.logits), want[[0, 1], lens - 1], atol=1e-4, rtol=0)
 
 
 # The generation loop is family-agnostic (the per-family decode path is checked above); run it end to end on the

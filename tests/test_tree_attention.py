@@ -171,6 +171,26 @@ def test_reference_and_layers_attention_agree_on_a_full_cache():
                                np.asarray(layers_attention(*args, sm_scale=0.125)), atol=1e-5, rtol=0)
 
 
+@pytest.mark.parametrize("causal", [False, True])
+def test_long_spans_attended_in_query_chunks_match_the_gathered_reference(causal):
+    """300 new tokens over a paged prefix: ``paged_attention`` takes them in chunks of queries (``query_chunks``),
+    with a general (tree) mask over all the new keys, or a causal one whose hidden keys it skips; the result is the
+    one-block reference over the gathered pages."""
+    t = 2 * layers.QUERY_CHUNK_MIN + 44
+    assert len(layers.query_chunks(t, t, causal)) == 3
+    q, k, v, mask, k_pages, v_pages, page_table, lengths = make_case(
+        11, t=t, kv_heads=2, groups=2, head_dim=64, page_size=4, pages_per_seq=5, lengths=[17, 0])
+    if causal:
+        mask = layers.causal_mask(jnp.asarray(np.arange(t)[None, :] < np.array([[t - 21], [t]])))
+    got = jax.jit(functools.partial(layers.paged_attention, sm_scale=0.125, positions=None, causal=causal))(
+        q, k, v, mask, k_pages, v_pages, page_table, lengths)
+    want = layers_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=0.125)
+    seen = np.asarray(mask.any(-1))  # padding rows (nothing to see) are never read
+    np.testing.assert_allclose(np.asarray(got)[seen], np.asarray(want)[seen], atol=1e-5, rtol=0)
+    with pytest.raises(ValueError, match="as many new keys as queries"):
+        layers.query_chunks(t, t + 1, True)
+
+
 def _validation_args():
     b, t, n, kh, h, p, z, pps = 2, 3, 4, 2, 64, 6, 4, 2
     f = lambda *s, dtype=jnp.float32: jnp.zeros(s, dtype)

@@ -373,7 +373,7 @@ class DecodeOptions:
     new_tokens: int = option(128, help="tokens decoded per measurement")
     prompt_len: int = option(32, help="prompt tokens per row")
     dtype: str = option("float32", choices=("float32", "bfloat16"), help="weight and activation dtype of both engines")
-    repeats: int = option(3, help="timed repeats per measurement (median reported)")
+    repeats: int = option(3, help="timed repeats per measurement, interleaved across engines (the fastest is reported)")
     no_hf: bool = option(False, help="skip the transformers baseline")
     vs: str | None = option(None, choices=("llama.cpp",), help="also run llama.cpp on the same weights and threads "
                                                                "(needs llama-cpp-python)")

@@ -163,7 +163,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     """Run the decoder over new tokens.
 
     tokens, positions: i32[B, T]. valid: bool[B, T] real tokens (default all). mask: bool[B, T, T] which new keys
-    each new query sees (default causal & valid). With ``cache``, queries also see cached positions
+    each new query sees (default causal & valid; only with the default do long prompts skip the keys a causal mask
+    hides, ``layers.query_chunks``). With ``cache``, queries also see cached positions
     ``< cache.lengths[b]`` (and, for sliding-window models, within the window).
     aux_layers: layer ids whose OUTPUTS are returned concatenated as ``aux`` (None: no aux; () : default ids).
     logits_at: i32[B, M] indices into T where logits are wanted (default: every position).
@@ -178,7 +179,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     b, t = tokens.shape
     if valid is None:
         valid = jnp.ones((b, t), bool)
-    if mask is None:
+    causal = mask is None
+    if causal:
         mask = layers.causal_mask(valid)
     if cfg.sliding_window is not None:
         mask = mask & ((positions[:, :, None] - positions[:, None, :]) < cfg.sliding_window)
@@ -197,7 +199,7 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         raise ValueError("write_valid needs a cache")
 
     def layer(h, lp, index, cache):
-        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid)
+        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
     run = _run_unrolled if is_unstacked(params) else _run_scanned
@@ -217,7 +219,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
                       cache=cache if write_valid is not None else None)
 
 
-def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention, write_valid):
+def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention, write_valid,
+           causal: bool = False):
     """Decoder layer ``index`` over h [B, T, D] -> (h, k, v, cache) with k, v [B, T, K, H] the new tokens' keys and
     values (``index`` is traced under the layer scan; the cache pools are read whole, at that layer; with
     ``write_valid`` the layer's K/V are written into them first)."""
@@ -239,7 +242,7 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
         cache = kv_cache.write(cache, k, v, positions, write_valid, layer=index)
     kv = (None,) * 4 if cache is None else (cache.k, cache.v, cache.page_table, cache.lengths)
     o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
-                      kernel=cache_attention, layer=None if cache is None else index)
+                      kernel=cache_attention, layer=None if cache is None else index, causal=causal)
     h = h + layers.out_proj(o, lp.wo)  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)

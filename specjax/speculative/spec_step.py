@@ -133,7 +133,7 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     lastidx = jnp.maximum(n - 1, 0)
     mask = layers.causal_mask(valid)
     wvalid = valid if write_from is None else valid & (positions >= write_from[:, None])
-    out = target.forward(tparams, tcfg, tokens, positions, cache=cache, valid=valid, mask=mask,
+    out = target.forward(tparams, tcfg, tokens, positions, cache=cache, valid=valid,  # the default mask: causal
                          logits_at=lastidx[:, None], return_kv=False, cache_attention=scfg.cache_attention,
                          write_valid=wvalid, **draft_lib.target_kwargs(draft))
     new_cache = out.cache
@@ -144,7 +144,7 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     emb = target.embed_tokens(tparams, nxt)
     feat = draft_lib.target_features(draft, out)
     dcache = draft_cache(state)
-    attend = layers.CacheAttend(mask, dcache, scfg.cache_attention, write=(positions, valid))
+    attend = layers.CacheAttend(mask, dcache, scfg.cache_attention, write=(positions, valid), causal=True)
     h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend)
     dcache = attend.cache
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
