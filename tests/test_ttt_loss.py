@@ -242,15 +242,17 @@ def test_padding_and_tail_do_not_leak():
     np.testing.assert_allclose(float(l1), float(l2), rtol=1e-6)
 
 
-def test_diagonal_attention_explicit_mask():
-    """diagonal_attention == softmax over [step-0 keys | step-1..k keys] under an explicit [T, T*(k+1)] mask."""
+@pytest.mark.parametrize("t", [6, 300])
+def test_diagonal_attention_explicit_mask(t):
+    """diagonal_attention == softmax over [step-0 keys | step-1..k keys] under an explicit [T, T*(k+1)] mask; at 300
+    tokens it runs in causal chunks of queries (``layers.query_chunks``)."""
     rng = np.random.default_rng(0)
-    b, t, n, kh, hd, k = 2, 6, 4, 2, 8, 3
+    b, n, kh, hd, k = 2, 4, 2, 8, 3
     q = rng.normal(size=(b, t, n, hd)).astype(np.float32)
     keys = [rng.normal(size=(b, t, kh, hd)).astype(np.float32) for _ in range(k + 1)]
     vals = [rng.normal(size=(b, t, kh, hd)).astype(np.float32) for _ in range(k + 1)]
     valid = np.ones((b, t), bool)
-    valid[1, 4:] = False
+    valid[1, t - 2:] = False
     mask0 = np.tril(np.ones((t, t), bool))[None] & valid[:, None, :]
     got = ttt.diagonal_attention(jnp.asarray(q), jnp.asarray(keys[0]), jnp.asarray(vals[0]), jnp.asarray(mask0),
                                  jnp.stack(keys[1:], 3), jnp.stack(vals[1:], 3), sm_scale=hd ** -0.5)

@@ -120,18 +120,24 @@ def diagonal_attention(q, k0, v0, mask0, diag_k, diag_v, *, sm_scale: float):
     """
     b, t, n, h = q.shape
     kh = k0.shape[2]
-    qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-    s0 = jnp.einsum("btkgh,bskh->bkgts", qg, k0, preferred_element_type=jnp.float32) * sm_scale
-    s0 = jnp.where(mask0[:, None, None], s0, layers.NEG_INF)  # [B, K, G, T, T]
-    if diag_k is None:
-        p = jax.nn.softmax(s0, axis=-1)
-        out = jnp.einsum("bkgts,bskh->btkgh", p.astype(v0.dtype), v0)
-        return out.reshape(b, t, n, h)
-    sd = jnp.einsum("btkgh,btkih->bkgti", qg, diag_k, preferred_element_type=jnp.float32) * sm_scale  # [B,K,G,T,i]
-    p = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)  # [B, K, G, T, T + i]
-    out = jnp.einsum("bkgts,bskh->btkgh", p[..., :t].astype(v0.dtype), v0)
-    out = out + jnp.einsum("bkgti,btkih->btkgh", p[..., t:].astype(diag_v.dtype), diag_v)
-    return out.reshape(b, t, n, h)
+    # kv-head-major operands; a long sequence is attended by causal chunks of queries (``layers.query_chunks``:
+    # a chunk reads the step-0 keys up to its last row, which mask0 hides beyond)
+    qk = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 1, 3)  # [B, K, G, T, H]
+    k0k, v0k = jnp.moveaxis(k0, 1, 2), jnp.moveaxis(v0, 1, 2)  # [B, K, T, H]
+    outs = []
+    for a, z, e in layers.query_chunks(t, t, causal=True):
+        qc = qk[:, :, :, a:z]
+        s0 = jnp.einsum("bkgth,bksh->bkgts", qc, k0k[:, :, :e], preferred_element_type=jnp.float32) * sm_scale
+        s0 = jnp.where(mask0[:, None, None, a:z, :e], s0, layers.NEG_INF)  # [B, K, G, T', S']
+        if diag_k is None:
+            p = jax.nn.softmax(s0, axis=-1)
+            outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(v0.dtype), v0k[:, :, :e]))
+            continue
+        sd = jnp.einsum("bkgth,btkih->bkgti", qc, diag_k[:, a:z], preferred_element_type=jnp.float32) * sm_scale
+        p = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)  # [B, K, G, T', S' + i]
+        out = jnp.einsum("bkgts,bksh->bkgth", p[..., :e].astype(v0.dtype), v0k[:, :, :e])
+        outs.append(out + jnp.einsum("bkgti,btkih->bkgth", p[..., e:].astype(diag_v.dtype), diag_v[:, a:z]))
+    return jnp.moveaxis(jnp.concatenate(outs, axis=3), 3, 1).reshape(b, t, n, h)
 
 
 def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
