@@ -135,6 +135,10 @@ class Checkpointer:
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                             cleanup_tmp_directories=True)  # half-written saves of a killed run
         self.mgr = ocp.CheckpointManager(self.root, options=opts, item_names=items)
+        # orbax removes those in a background thread that its close() does not join; a run that stops right away
+        # (a damaged directory, a bad flag) then exits under it and the thread prints a traceback. Wait for it
+        # here: it only lists the directory. (A private method of orbax's manager: skipped if it is gone.)
+        getattr(self.mgr, "_maybe_await_cleanup_tmp_directory", lambda: None)()
 
     # ---- validity ---------------------------------------------------------------------------------------------
     def valid_steps(self) -> list[int]:
