@@ -158,6 +158,21 @@ def query_chunks(t: int, tk: int, causal: bool) -> list[tuple[int, int, int]]:
     return [(a, min(a + c, t), min(a + c, t) if causal else tk) for a in range(0, t, c)]
 
 
+def kv_head_major(q, *kv):
+    """Operands of the products over new tokens with the kv heads leading (no transposes inside a chunk loop):
+    q [B, T, N, H] -> [B, K, G, T, H], each of kv [B, T, K, H] -> [B, K, T, H]. ``merge_kv_heads`` undoes q's."""
+    b, t, n, h = q.shape
+    kh = kv[0].shape[2]
+    return (jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 1, 3), *(jnp.moveaxis(x, 1, 2) for x in kv))
+
+
+def merge_kv_heads(chunks):
+    """Per-chunk outputs [B, K, G, T', H] (in query order) -> [B, T, N, H]."""
+    out = jnp.concatenate(chunks, axis=3) if len(chunks) > 1 else chunks[0]
+    b, kh, g, t, h = out.shape
+    return jnp.moveaxis(out, 3, 1).reshape(b, t, kh * g, h)
+
+
 def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm_scale: float,
               causal: bool = False):
     """Attention of T new queries over (cached keys) + (new keys), GQA, softmax in fp32.
@@ -172,8 +187,8 @@ def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm
     b, t, n, h = q.shape
     kh = k.shape[2]
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-    if k_cache is None:  # kv-head-major operands (no transposes inside the chunk loop), chunks of queries
-        qk, kk, vk = jnp.moveaxis(qg, 1, 3), jnp.moveaxis(k, 1, 2), jnp.moveaxis(v, 1, 2)
+    if k_cache is None:  # by chunks of queries
+        qk, kk, vk = kv_head_major(q, k, v)
         outs = []
         for a, z, e in query_chunks(t, k.shape[1], causal):
             s_new = jnp.einsum("bkgth,bksh->bkgts", qk[:, :, :, a:z], kk[:, :, :e],
@@ -181,7 +196,7 @@ def attention(q, k, v, mask, *, k_cache=None, v_cache=None, cache_valid=None, sm
             s_new = jnp.where(mask[:, None, None, a:z, :e], s_new * sm_scale, NEG_INF)  # [B, K, G, T', S']
             p = jax.nn.softmax(s_new, axis=-1)
             outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(v.dtype), vk[:, :, :e]))
-        return jnp.moveaxis(jnp.concatenate(outs, axis=3), 3, 1).reshape(b, t, n, h)
+        return merge_kv_heads(outs)
     s_new = jnp.einsum("btkgh,bskh->bkgts", qg, k, preferred_element_type=jnp.float32) * sm_scale
     s_new = jnp.where(mask[:, None, None], s_new, NEG_INF)  # [B, K, G, T, T]
     k_cache = jnp.where(cache_valid.any(1)[:, :, None, None], k_cache, 0)
@@ -264,8 +279,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
     carry = jax.lax.fori_loop(0, nblocks, block, carry)
     # the new tokens, kv-head-major: [B, K, G, T, H] queries, [B, K, Tk, H] keys and values
-    qk, kk = jnp.moveaxis(qg, 1, 3), jnp.moveaxis(k, 1, 2)
-    vk = jnp.moveaxis(jnp.where(mask.any(1)[:, :, None, None], v, 0), 1, 2)
+    qk, kk, vk = kv_head_major(q, k, jnp.where(mask.any(1)[:, :, None, None], v, 0))
     outs = []
     for a, z, e in query_chunks(t, k.shape[1], causal):  # the new keys by chunks of queries (carry's T axis: 3)
         m, l, acc = update(tuple(c[:, :, :, a:z] for c in carry),
@@ -275,8 +289,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
                            lambda p: jnp.einsum("bkgts,bksh->bkgth", p.astype(vk.dtype), vk[:, :, :e],
                                                 preferred_element_type=jnp.float32))
         outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])  # rows that see nothing (padding) give 0, never read
-    out = jnp.concatenate(outs, axis=3)  # [B, K, G, T, H]
-    return jnp.moveaxis(out, 3, 1).reshape(b, t, n, h).astype(q.dtype)
+    return merge_kv_heads(outs).astype(q.dtype)
 
 
 def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_table=None, lengths=None, *,

@@ -118,26 +118,22 @@ def diagonal_attention(q, k0, v0, mask0, diag_k, diag_v, *, sm_scale: float):
     key valid); diag_k, diag_v: [B, T, K, i, H] the keys/values of steps 1..i at each query's own position (i may
     be 0, then None). Softmax in fp32 over [step-0 keys | diagonal keys]. Returns [B, T, N, H] in q's dtype.
     """
-    b, t, n, h = q.shape
-    kh = k0.shape[2]
-    # kv-head-major operands; a long sequence is attended by causal chunks of queries (``layers.query_chunks``:
-    # a chunk reads the step-0 keys up to its last row, which mask0 hides beyond)
-    qk = jnp.moveaxis(q.reshape(b, t, kh, n // kh, h), 1, 3)  # [B, K, G, T, H]
-    k0k, v0k = jnp.moveaxis(k0, 1, 2), jnp.moveaxis(v0, 1, 2)  # [B, K, T, H]
+    t = q.shape[1]
+    if diag_k is None:
+        return layers.attention(q, k0, v0, mask0, sm_scale=sm_scale, causal=True)
+    # a long sequence is attended by causal chunks of queries (``layers.query_chunks``: a chunk reads the step-0
+    # keys up to its last row, which mask0 hides beyond), each query's own diagonal keys beside them
+    qk, k0k, v0k = layers.kv_head_major(q, k0, v0)  # [B, K, G, T, H], [B, K, T, H] x2
     outs = []
     for a, z, e in layers.query_chunks(t, t, causal=True):
         qc = qk[:, :, :, a:z]
         s0 = jnp.einsum("bkgth,bksh->bkgts", qc, k0k[:, :, :e], preferred_element_type=jnp.float32) * sm_scale
         s0 = jnp.where(mask0[:, None, None, a:z, :e], s0, layers.NEG_INF)  # [B, K, G, T', S']
-        if diag_k is None:
-            p = jax.nn.softmax(s0, axis=-1)
-            outs.append(jnp.einsum("bkgts,bksh->bkgth", p.astype(v0.dtype), v0k[:, :, :e]))
-            continue
         sd = jnp.einsum("bkgth,btkih->bkgti", qc, diag_k[:, a:z], preferred_element_type=jnp.float32) * sm_scale
         p = jax.nn.softmax(jnp.concatenate([s0, sd], axis=-1), axis=-1)  # [B, K, G, T', S' + i]
         out = jnp.einsum("bkgts,bksh->bkgth", p[..., :e].astype(v0.dtype), v0k[:, :, :e])
         outs.append(out + jnp.einsum("bkgti,btkih->bkgth", p[..., e:].astype(diag_v.dtype), diag_v[:, a:z]))
-    return jnp.moveaxis(jnp.concatenate(outs, axis=3), 3, 1).reshape(b, t, n, h)
+    return layers.merge_kv_heads(outs)
 
 
 def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
