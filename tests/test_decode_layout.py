@@ -26,7 +26,9 @@ pytestmark = pytest.mark.xla_defaults  # these claims are about the code XLA:CPU
 
 def _weight_shapes(cfg: ModelConfig):
     d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
-    shapes = {(d, n, h), (d, n * h), (n, h, d), (n * h, d), (d, k, h), (d, k * h), (d, f), (f, d)}
+    g2 = n // k + 2  # the fused q/k/v layout: per kv head its query heads, its key and its value
+    shapes = {(d, n, h), (d, n * h), (n, h, d), (n * h, d), (d, k, h), (d, k * h), (d, f), (f, d),
+              (d, k, g2, h), (d, k * g2 * h), (d, 2, f), (d, 2 * f)}
     return {",".join(map(str, s)) for s in shapes}
 
 
@@ -93,6 +95,29 @@ def test_unrolled_equals_scanned(model):
     prompts = [[1, 5, 9, 4], [7, 3]]
     assert gen.generate(up, cfg, prompts, max_new_tokens=10, stop_token_ids=()) == \
         gen.generate(params, cfg, prompts, max_new_tokens=10, stop_token_ids=())
+
+
+def test_fused_projections_equal_separate_ones(model):
+    """The decode layout fuses q/k/v and gate/up on one device: the same logits as the separate projections (one row
+    and a few rows), the stacked layout restored exactly, and params sharded over several devices kept unfused."""
+    cfg, params = model
+    fused, separate = target.unstack_layers(params), target.unstack_layers(params, fuse=False)
+    assert fused.layers[0].w_qkv.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2,
+                                           cfg.head_dim)
+    assert fused.layers[0].w_gate_up.shape == (cfg.hidden_size, 2, cfg.intermediate_size)
+    assert separate.layers[0].w_qkv is None and separate.layers[0].wq is not None
+    for a, b in zip(jax.tree.leaves(target.stack_layers(fused)), jax.tree.leaves(params)):
+        np.testing.assert_array_equal(a, b)
+    rng = np.random.default_rng(2)
+    for rows in (1, 3):
+        toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (1, rows)), jnp.int32)
+        pos = jnp.arange(rows, dtype=jnp.int32)[None]
+        out = [target.forward(p, cfg, toks, pos, aux_layers=()) for p in (fused, separate)]
+        np.testing.assert_allclose(out[0].logits, out[1].logits, rtol=1e-6, atol=1e-6)
+        np.testing.assert_allclose(out[0].aux, out[1].aux, rtol=1e-6, atol=1e-6)
+    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
+    on_two = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
+    assert target.unstack_layers(on_two).layers[0].w_qkv is None
 
 
 @pytest.mark.parametrize("window, block_tokens", [(None, 4), (None, 1024), (9, 16)])
@@ -209,16 +234,18 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     assert len(_dots(jax.jit(layers.dense).lower(jax.ShapeDtypeStruct((2, 1024), jnp.float32),
                                                  big).compile().as_text())) == 1
 
-    # A 4-token tree verify over the unrolled layers: every layer weight read in place, no 4-row layer GEMM.
+    # A 4-token tree verify over the unrolled (and fused: q/k/v, gate/up) layers: every layer weight read in place,
+    # no 4-row layer GEMM.
     up = target.unstack_layers(params)
+    assert up.layers[0].w_qkv is not None and up.layers[0].wq is None
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
     toks, pos = jnp.zeros((1, 4), jnp.int32), jnp.arange(4, dtype=jnp.int32)[None]
     fwd = jax.jit(lambda p, c: target.forward(p, cfg, toks, pos, cache=c, return_kv=True).logits)
     hlo = fwd.lower(up, cache).compile().as_text()
     assert weight_copies(hlo, cfg) == []
-    layer_outs = {f"1,{cfg.num_heads * cfg.head_dim}", f"1,{cfg.num_kv_heads * cfg.head_dim}",
-                  f"1,{cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
-    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 7 * cfg.num_layers
+    qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
+    layer_outs = {f"1,{qkv}", f"1,{2 * cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
+    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 4 * cfg.num_layers  # qkv, o, gate-up, down per row
 
 
 def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():
