@@ -28,7 +28,7 @@ def _weight_shapes(cfg: ModelConfig):
     d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
     g2 = n // k + 2  # the fused q/k/v layout: per kv head its query heads, its key and its value
     shapes = {(d, n, h), (d, n * h), (n, h, d), (n * h, d), (d, k, h), (d, k * h), (d, f), (f, d),
-              (d, k, g2, h), (d, k * g2 * h), (d, 2, f), (d, 2 * f)}
+              (d, k, g2, h), (d, k * g2 * h)}
     return {",".join(map(str, s)) for s in shapes}
 
 
@@ -98,13 +98,12 @@ def test_unrolled_equals_scanned(model):
 
 
 def test_fused_projections_equal_separate_ones(model):
-    """The decode layout fuses q/k/v and gate/up on one device: the same logits as the separate projections (one row
+    """The decode layout fuses q/k/v on one device: the same logits as the separate projections (one row
     and a few rows), the stacked layout restored exactly, and params sharded over several devices kept unfused."""
     cfg, params = model
     fused, separate = target.unstack_layers(params), target.unstack_layers(params, fuse=False)
     assert fused.layers[0].w_qkv.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2,
                                            cfg.head_dim)
-    assert fused.layers[0].w_gate_up.shape == (cfg.hidden_size, 2, cfg.intermediate_size)
     assert separate.layers[0].w_qkv is None and separate.layers[0].wq is not None
     for a, b in zip(jax.tree.leaves(target.stack_layers(fused)), jax.tree.leaves(params)):
         np.testing.assert_array_equal(a, b)
@@ -234,7 +233,7 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     assert len(_dots(jax.jit(layers.dense).lower(jax.ShapeDtypeStruct((2, 1024), jnp.float32),
                                                  big).compile().as_text())) == 1
 
-    # A 4-token tree verify over the unrolled (and fused: q/k/v, gate/up) layers: every layer weight read in place,
+    # A 4-token tree verify over the unrolled (and q/k/v-fused) layers: every layer weight read in place,
     # no 4-row layer GEMM.
     up = target.unstack_layers(params)
     assert up.layers[0].w_qkv is not None and up.layers[0].wq is None
@@ -244,8 +243,8 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     hlo = fwd.lower(up, cache).compile().as_text()
     assert weight_copies(hlo, cfg) == []
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layer_outs = {f"1,{qkv}", f"1,{2 * cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
-    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 4 * cfg.num_layers  # qkv, o, gate-up, down per row
+    layer_outs = {f"1,{qkv}", f"1,{cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
+    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 5 * cfg.num_layers  # qkv, o, gate, up, down per row
 
 
 def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():

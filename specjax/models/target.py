@@ -52,9 +52,8 @@ class LayerParams:
     bv: jax.Array | None = None  # [K, H]
     q_norm: jax.Array | None = None  # [H]  Qwen3
     k_norm: jax.Array | None = None  # [H]
-    # The fused decode layout (``unstack_layers``): one matrix per projection group, the unfused fields then None.
+    # The fused decode layout (``unstack_layers`` on one device): q/k/v in one matrix, wq/wk/wv then None.
     w_qkv: jax.Array | None = None  # [D, K, G + 2, H]: per kv head its G query heads, its key, its value
-    w_gate_up: jax.Array | None = None  # [D, 2, F]
 
 
 @jax.tree_util.register_dataclass
@@ -73,7 +72,7 @@ LAYER_AXES = {
     "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
     "bq": ("heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "w_qkv": ("embed", "kv_heads", None, "head_dim"), "w_gate_up": ("embed", None, "ffw"),
+    "w_qkv": ("embed", "kv_heads", None, "head_dim"),
 }
 TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 
@@ -113,10 +112,10 @@ def unstack_layers(params: TargetParams, fuse: bool | None = None) -> TargetPara
     layer once); already-unstacked params are returned as they are. Works inside jit and on sharded arrays.
 
     ``fuse`` (default: when every weight lives on one device) also merges each layer's q/k/v projections into one
-    matrix and gate/up into another (``fuse_layer``), as SGLang's and vLLM's fused QKV and gate-up linears: a
-    batch-1 decode step then runs 4 matrix-vector products per layer instead of 7, and XLA:CPU's products over
-    small matrices (k/v are 0.4 MB at SmolLM2's shape) stream far below the bandwidth of large ones. Sharded params
-    (tensor parallelism) keep the separate projections, whose head and ffw axes carry their shardings."""
+    matrix (``fuse_layer``), as SGLang's and vLLM's fused QKV linear: a decode step runs one product where it ran
+    three, and XLA:CPU's products over small matrices (k and v are 0.4 MB each at SmolLM2's shape) stream far below
+    the bandwidth of larger ones. Sharded params (tensor parallelism) keep the separate projections, whose head axes
+    carry their shardings."""
     if is_unstacked(params):
         return params
     if fuse is None:
@@ -135,17 +134,16 @@ def stack_layers(params: TargetParams) -> TargetParams:
 
 
 def fuse_layer(lp: LayerParams) -> LayerParams:
-    """One layer's fused projections: ``w_qkv`` [D, K, G + 2, H] (per kv head its G query heads, then its key and
-    value: query head n = kv * G + g, as grouped-query attention pairs them) and ``w_gate_up`` [D, 2, F]; the
-    separate fields become None. Same arithmetic per output as the separate products."""
+    """One layer's fused q/k/v projection ``w_qkv`` [D, K, G + 2, H] (per kv head its G query heads, then its key
+    and value: query head n = kv * G + g, as grouped-query attention pairs them); wq/wk/wv become None. Same
+    arithmetic per output as the separate products. (Fusing gate/up as well measured no faster at batch 1 and 2%
+    slower at batch 8 on a CPU: docs/benchmarks.md, fourteenth session.)"""
     if lp.w_qkv is not None:
         return lp
     d, n, h = lp.wq.shape
     k = lp.wk.shape[1]
     w_qkv = jnp.concatenate([lp.wq.reshape(d, k, n // k, h), lp.wk[:, :, None], lp.wv[:, :, None]], axis=2)
-    w_gate_up = jnp.stack([lp.w_gate, lp.w_up], axis=1)
-    return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_gate=None, w_up=None, w_qkv=w_qkv,
-                               w_gate_up=w_gate_up)
+    return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_qkv=w_qkv)
 
 
 def unfuse_layer(lp: LayerParams) -> LayerParams:
@@ -154,8 +152,7 @@ def unfuse_layer(lp: LayerParams) -> LayerParams:
         return lp
     d, k, g2, h = lp.w_qkv.shape
     return dataclasses.replace(lp, wq=lp.w_qkv[:, :, :g2 - 2].reshape(d, k * (g2 - 2), h), wk=lp.w_qkv[:, :, -2],
-                               wv=lp.w_qkv[:, :, -1], w_gate=lp.w_gate_up[:, 0], w_up=lp.w_gate_up[:, 1],
-                               w_qkv=None, w_gate_up=None)
+                               wv=lp.w_qkv[:, :, -1], w_qkv=None)
 
 
 def _on_one_device(tree) -> bool:
@@ -286,7 +283,7 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
                       kernel=cache_attention, layer=None if cache is None else index, causal=causal)
     h = h + layers.out_proj(o, lp.wo)  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-    h = h + _mlp(y, lp)
+    h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
 
 
@@ -299,13 +296,6 @@ def _qkv(y, lp: LayerParams):
     q = qkv[..., :g, :].reshape(*qkv.shape[:-3], -1, qkv.shape[-1])
     return q, qkv[..., g, :], qkv[..., g + 1, :]
 
-
-def _mlp(y, lp: LayerParams):
-    """The SwiGLU MLP of y [B, T, D], from separate or fused (``w_gate_up``) gate/up projections."""
-    if lp.w_gate_up is None:
-        return layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
-    gu = layers.dense(y, lp.w_gate_up)  # [B, T, 2, F]
-    return layers.dense(jax.nn.silu(gu[..., 0, :]) * gu[..., 1, :], lp.w_down)
 
 
 def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
