@@ -295,7 +295,7 @@ def _unstacked_shapes(cfg, mesh):
                            weights.param_shardings(cfg, mesh))
     layer = jax.tree.map(lambda a: _sds(a.shape[1:], a.dtype, NamedSharding(mesh, type(a.sharding.spec)(
         *tuple(a.sharding.spec)[1:]))), stacked.layers)
-    if mesh.size == 1:  # on one chip the server fuses q/k/v and gate/up (target.unstack_layers)
+    if mesh.size == 1:  # on one chip the server fuses q/k/v (target.unstack_layers)
         layer = jax.tree.map(lambda a: _sds(a.shape, a.dtype, NamedSharding(mesh, jax.sharding.PartitionSpec())),
                              jax.eval_shape(target.fuse_layer, layer))
     return dataclasses.replace(stacked, layers=tuple(layer for _ in range(cfg.num_layers)))

@@ -297,7 +297,6 @@ def _qkv(y, lp: LayerParams):
     return q, qkv[..., g, :], qkv[..., g + 1, :]
 
 
-
 def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):
     """Layers one after another (per-layer weights read in place). Returns (h, aux [A, B, T, D] | None, kv, cache)."""
     if len(layer_params) != num_layers:
