@@ -31,6 +31,24 @@ class KVCache:
 
 
 _LANES = 128
+HALF_DTYPES = (jnp.bfloat16, jnp.float16)  # indexed as uint16 bits on a CPU (``on_bits``)
+
+
+def on_bits(fn, *arrays):
+    """``fn(*arrays)`` (a gather or scatter) with every bf16/f16 array passed as its uint16 bits, a free bitcast, on
+    a CPU; uint16 results come back in that half dtype. XLA:CPU runs a half-precision gather or scatter on an f32
+    copy of the whole operand: a bf16 SmolLM2 decode step converted the 113 MB embedding table for one row and each
+    K/V pool for every layer's write, twice the step's weight bytes (docs/benchmarks.md, fifteenth session). On
+    integers it indexes in place. Other platforms and dtypes run ``fn`` as it is."""
+    half = [a.dtype for a in arrays if a.dtype in HALF_DTYPES]
+    if not half:
+        return fn(*arrays)
+
+    def bits(*xs):
+        out = fn(*(jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in HALF_DTYPES else x for x in xs))
+        return jax.tree.map(lambda y: jax.lax.bitcast_convert_type(y, half[0]) if y.dtype == jnp.uint16 else y, out)
+
+    return jax.lax.platform_dependent(*arrays, cpu=bits, default=fn)
 
 
 def pack_factor(head_dim: int, page_size: int, dtype=jnp.float32) -> int:
@@ -119,8 +137,9 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
     # the whole pool at one kv head per chip).
     at = (layer_ids, page[None, :, :, None], jnp.arange(kh)[None, None, None, :],
           slot[None, :, :, None])  # each broadcasts to [L, B, T, K]
-    k = cache.k.at[at].set(k_new.astype(cache.k.dtype), mode="drop")
-    v = cache.v.at[at].set(v_new.astype(cache.v.dtype), mode="drop")
+    scatter = lambda pool, new: pool.at[at].set(new, mode="drop")
+    k = on_bits(scatter, cache.k, k_new.astype(cache.k.dtype))
+    v = on_bits(scatter, cache.v, v_new.astype(cache.v.dtype))
     return dataclasses.replace(cache, k=k, v=v)
 
 
@@ -155,7 +174,8 @@ def _write_packed(cache: KVCache, k_new, v_new, layer_ids, page, slot, f: int) -
         at = (layer_ids, page[None, :, :, None], jnp.arange(kh)[None, None, None, :], slot[None, :, :, None])
         return flat.at[at].set(new, mode="drop").reshape(pool.shape)
 
-    out = [jax.lax.platform_dependent(pool, new.astype(pool.dtype), tpu=tpu, default=row_major)
+    out = [jax.lax.platform_dependent(pool, new.astype(pool.dtype), tpu=tpu,
+                                      default=lambda pool, new: on_bits(row_major, pool, new))
            for pool, new in ((cache.k, k_new), (cache.v, v_new))]
     return dataclasses.replace(cache, k=out[0], v=out[1])
 
@@ -166,6 +186,7 @@ def gather_layer(k_pages, v_pages, page_table, head_dim: int | None = None):
     b, pps = page_table.shape
     h = head_dim or k_pages.shape[-1]
     kh, z = k_pages.shape[1], page_size_of(k_pages, h)
-    k = jnp.swapaxes(unpack_pages(k_pages[page_table], h), 2, 3).reshape(b, pps * z, kh, h)
-    v = jnp.swapaxes(unpack_pages(v_pages[page_table], h), 2, 3).reshape(b, pps * z, kh, h)
+    take = lambda pages: on_bits(lambda pool: pool[page_table], pages)
+    k = jnp.swapaxes(unpack_pages(take(k_pages), h), 2, 3).reshape(b, pps * z, kh, h)
+    v = jnp.swapaxes(unpack_pages(take(v_pages), h), 2, 3).reshape(b, pps * z, kh, h)
     return k, v

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import gather_layer, page_size_of, unpack_pages, write as kv_write
+from specjax.kv_cache import HALF_DTYPES, gather_layer, on_bits, page_size_of, unpack_pages, write as kv_write
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
@@ -79,12 +79,17 @@ def dense(x, w, *, preferred_element_type=None):
     arithmetic of a one-row decode step.
     Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
     other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
-    dot."""
+    dot. Half-precision operands on a CPU take ``half_dot``."""
     rows = math.prod(x.shape[:-1])
 
     def one_dot(x, w):
         return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
 
+    if is_half(x, w):
+        out_dtype = preferred_element_type or x.dtype
+        return jax.lax.platform_dependent(
+            x, w, cpu=lambda x, w: half_dot(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
+            .astype(out_dtype), default=one_dot)
     if not (2 <= rows <= ROWWISE_MAX_ROWS and w.size * w.dtype.itemsize <= ROWWISE_MAX_WEIGHT_BYTES):
         return one_dot(x, w)
 
@@ -96,6 +101,29 @@ def dense(x, w, *, preferred_element_type=None):
     return jax.lax.platform_dependent(x, w, cpu=rowwise, default=one_dot)
 
 
+def is_half(x, w) -> bool:
+    """Both operands bf16 or f16 (the products ``half_dot`` runs on a CPU)."""
+    return x.dtype == w.dtype and x.dtype in HALF_DTYPES
+
+
+def half_dot(x, w, *, dims: str = "cd,do->co"):
+    """A CPU product of bf16/f16 x [..., D] and a weight (w [D, O], or a [V, D] table with ``dims="cd,od->co"``)
+    -> f32 [..., O], accumulated in f32 as a TPU's MXU does.
+
+    XLA:CPU sends a half-precision dot with an f32 result over two or more rows to YNNPACK, whose bf16 kernels read
+    half the bytes of fp32 and cost about the same for 1 to 8 rows (a SmolLM2 layer stack over 4 rows: 1.05x its
+    1-row time, against 1.6x for fp32's per-row products; docs/benchmarks.md, fifteenth session), and gives every
+    row the same bits whatever the row count (pinned by tests/test_decode_layout.py). A one-row product with a
+    half-precision result instead runs a naive loop several times slower than fp32, so one row is computed as two
+    equal rows."""
+    rows = math.prod(x.shape[:-1])
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows == 1:
+        x2 = jnp.concatenate([x2, x2])
+    y = jnp.einsum(dims, x2, w, preferred_element_type=jnp.float32)[:rows]
+    return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
 def unembed(x, table):
     """x [..., D] against an embedding table [V, D] as stored (a tied lm_head) -> f32 logits [..., V].
 
@@ -103,12 +131,17 @@ def unembed(x, table):
     once and dotted with all rows of x while it is in L1. The table is far larger than any cache (SmolLM2's is 113
     MB), so per-row products would read it once per row, and XLA:CPU's few-row GEMM moved it at about a third of
     the bandwidth of its one-row product: 4 rows took 2.5-3x one row's time against ~1.5x this way
-    (docs/benchmarks.md, eleventh session). One row, more rows and other platforms keep the one dot."""
+    (docs/benchmarks.md, eleventh session). One row, more rows and other platforms keep the one dot. A
+    half-precision table on a CPU takes ``half_dot`` (3.5-4.5 ms for 1-8 rows of SmolLM2's bf16 table, against
+    4.6-5.8 ms for the fp32 paths)."""
     rows = math.prod(x.shape[:-1])
 
     def one_dot(x, table):
         return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)
 
+    if is_half(x, table):
+        return jax.lax.platform_dependent(x, table, cpu=lambda x, t: half_dot(x, t, dims="cd,od->co"),
+                                          default=one_dot)
     if not 2 <= rows <= ROWWISE_MAX_ROWS:
         return one_dot(x, table)
 
@@ -259,7 +292,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
         at = cols if layer is None else (layer, cols)
         # [B, bp, K, Z, H], used in this layout (no transpose of the pages; a packed block is unpacked, not the pool)
-        kb, vb = unpack_pages(k_pages[at], h), unpack_pages(v_pages[at], h)
+        kb, vb = (unpack_pages(on_bits(lambda pool: pool[at], pages), h) for pages in (k_pages, v_pages))
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
         if sliding_window is not None:

@@ -1,6 +1,7 @@
 """Where a decode step's bytes go: weights read in place (no per-step copies in the optimized HLO), the paged KV
 read in blocks of pages (same math as the whole-table reference), and unrolled == scanned outputs."""
 
+import dataclasses
 import re
 
 import jax
@@ -269,3 +270,70 @@ def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():
     np.testing.assert_allclose(f(bf, table.astype(jnp.bfloat16)),
                                jnp.einsum("btd,vd->btv", bf, table.astype(jnp.bfloat16),
                                           preferred_element_type=jnp.float32), rtol=1e-4, atol=1e-4)
+
+
+def _materialised(hlo: str, *shapes: str) -> list[str]:
+    """Instructions that write an array of one of ``shapes`` (anything but a view)."""
+    return [line.strip()[:160] for line in hlo.splitlines()
+            if (m := _INST.match(line)) and m.group(2) in shapes and m.group(3) not in _VIEWS]
+
+
+def test_half_precision_products_on_cpu():
+    """bf16 weights on a CPU: every product accumulates in f32 (XLA:CPU's half-precision one-row dot is a naive
+    loop several times slower than fp32; its f32-result dots over 2+ rows go to YNNPACK), and each row's numbers
+    are the one-row product's whatever the row count, so a verified tree row equals a decode step's row."""
+    rng = np.random.default_rng(2)
+    w = jnp.asarray(rng.standard_normal((80, 4, 24)) * 0.1, jnp.bfloat16)
+    table = jnp.asarray(rng.standard_normal((300, 80)) * 0.1, jnp.bfloat16)
+    f, u = jax.jit(layers.dense), jax.jit(layers.unembed)
+    for rows in (1, 2, 3, layers.ROWWISE_MAX_ROWS + 1):
+        x = jnp.asarray(rng.standard_normal((1, rows, 80)), jnp.bfloat16)
+        for fn, arg in ((f, w), (u, table)):
+            hlo = fn.lower(x, arg).compile().as_text()
+            assert not re.search(r"= bf16\[[\d,]*\]\{[\d,]*\} dot\(", hlo), (rows, "a bf16-result dot")
+            y = fn(x, arg)
+            for i in range(rows):
+                np.testing.assert_array_equal(y[:, i], fn(x[:, i:i + 1], arg)[:, 0])
+        y, ref = f(x, w), jnp.einsum("btd,dnh->btnh", x, w, preferred_element_type=jnp.float32)
+        assert y.dtype == jnp.bfloat16
+        np.testing.assert_allclose(np.asarray(y, np.float32), ref, rtol=2e-2, atol=2e-2)  # bf16 output rounding
+        logits = u(x, table)
+        assert logits.dtype == jnp.float32
+        np.testing.assert_allclose(logits, jnp.einsum("btd,vd->btv", x, table, preferred_element_type=jnp.float32),
+                                   rtol=1e-5, atol=1e-5)
+
+
+def test_half_precision_decode_reads_table_and_pool_in_place():
+    """A bf16 decode step and generation loop on a CPU never copy the embedding table or a K/V pool: XLA:CPU ran a
+    half-precision gather or scatter on an f32 copy of the whole operand (the table for one row, each pool for
+    every layer's write), and an in-program bitcast of the table to integers was still copied on every iteration of
+    a loop; the decode layout gathers from the table's bytes held as uint16 (``embed_bits``, the same memory)."""
+    cfg = ModelConfig.from_hf_dict(HF, dtype="bfloat16")
+    params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(0), scale=0.1))
+    assert params.embed_bits is not None and params.embed_bits.dtype == jnp.uint16
+    assert params.embed_bits.unsafe_buffer_pointer() == params.embed.unsafe_buffer_pointer()  # no second table
+    toks = jnp.asarray([[3, 299, 0]], jnp.int32)
+    np.testing.assert_array_equal(target.embed_tokens(params, toks), jnp.take(params.embed, toks, axis=0))
+    assert target.stack_layers(params).embed_bits is None
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.bfloat16)
+    table, pool = f"{cfg.vocab_size},{cfg.hidden_size}", ",".join(map(str, cache.k.shape))
+    step = jax.jit(lambda p, c, t, a: decode.decode(p, cfg, c, t, a), donate_argnums=(1,))
+    hlo = step.lower(params, cache, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)).compile().as_text()
+    assert _materialised(hlo, table) == []
+    assert pool_copies(hlo, cache.k) == [] and not re.search(r"= f32\[" + pool + r"\]", hlo)  # no f32 pool
+    stop = jnp.full((8,), -1, jnp.int32)
+    state = gen._prefill(params, cfg, cache, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool),
+                         jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
+    for p, copies in ((dataclasses.replace(params, embed_bits=None), True), (params, False)):
+        hlo = gen._decode_loop.lower(p, cfg, state, stop).compile().as_text()
+        body = hlo[:hlo.index("\nENTRY ")]
+        assert bool(_materialised(body, table)) == copies, copies  # the detector sees the in-loop bitcast's copy
+        assert not re.search(r"= f32\[" + pool + r"\]", body)
+    # bf16 logits follow the fp32 model's
+    cfg32 = ModelConfig.from_hf_dict(HF, dtype="float32")
+    p32 = target.unstack_layers(target.init_params(cfg32, jax.random.PRNGKey(0), scale=0.1))
+    c32 = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
+    l16 = decode.decode(params, cfg, kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96,
+                                                         dtype=jnp.bfloat16), toks[:, 0], jnp.ones((1,), bool))[1]
+    l32 = decode.decode(p32, cfg32, c32, toks[:, 0], jnp.ones((1,), bool))[1]
+    np.testing.assert_allclose(l16, l32, atol=0.05 * float(jnp.abs(l32).max()))

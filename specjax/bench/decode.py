@@ -284,7 +284,7 @@ def decode_weight_bytes(params) -> int:
     """Bytes of weights one decode step must read: every weight, less the embedding table unless the lm_head is
     tied to it (then the whole table is read by the logits)."""
     import jax
-    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(params))
+    total = sum(x.nbytes for x in jax.tree_util.tree_leaves(dataclasses.replace(params, embed_bits=None)))
     return total if params.lm_head is None else total - params.embed.nbytes
 
 

@@ -63,6 +63,9 @@ class TargetParams:
     layers: LayerParams | tuple[LayerParams, ...]  # stacked [L, ...], or one LayerParams per layer (unstack_layers)
     final_norm: jax.Array  # [D]
     lm_head: jax.Array | None  # [D, V]; None when tied to embed
+    # The decode layout of a bf16/f16 table on a CPU: its bytes as uint16 (``embed_bits``), gathered by
+    # ``embed_tokens``; None elsewhere.
+    embed_bits: jax.Array | None = None
 
 
 # Logical axes of every parameter (without the leading "layers" axis of stacked layer params).
@@ -122,14 +125,15 @@ def unstack_layers(params: TargetParams, fuse: bool | None = None) -> TargetPara
         fuse = _on_one_device(params.layers)
     n = params.layers.wq.shape[0]
     per_layer = (jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n))
-    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) if fuse else lp for lp in per_layer))
+    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) if fuse else lp for lp in per_layer),
+                               embed_bits=embed_bits(params.embed))
 
 
 def stack_layers(params: TargetParams) -> TargetParams:
     """Inverse of ``unstack_layers`` (the training / checkpoint layout)."""
     if not is_unstacked(params):
         return params
-    return dataclasses.replace(params, layers=jax.tree.map(lambda *a: jnp.stack(a),
+    return dataclasses.replace(params, embed_bits=None, layers=jax.tree.map(lambda *a: jnp.stack(a),
                                                            *(unfuse_layer(lp) for lp in params.layers)))
 
 
@@ -153,6 +157,19 @@ def unfuse_layer(lp: LayerParams) -> LayerParams:
     d, k, g2, h = lp.w_qkv.shape
     return dataclasses.replace(lp, wq=lp.w_qkv[:, :, :g2 - 2].reshape(d, k * (g2 - 2), h), wk=lp.w_qkv[:, :, -2],
                                wv=lp.w_qkv[:, :, -1], w_qkv=None)
+
+
+def embed_bits(embed) -> jax.Array | None:
+    """A bf16/f16 embedding table held by one CPU device as uint16, sharing the table's memory where jax allows (a
+    numpy view of the buffer, placed without a copy). XLA:CPU gathers half-precision rows from an f32 copy of the
+    whole table, and a gather from bits bitcast inside the program still copies the table on every iteration of a
+    loop (the plain and speculative generation loops, the draft tree's steps: 57 MB per lookup for SmolLM2); from
+    these bits it reads the rows alone. None for other dtypes, devices and tracers."""
+    if embed.dtype not in kv_cache.HALF_DTYPES or not _on_one_device(embed):
+        return None
+    if next(iter(embed.sharding.device_set)).platform != "cpu":
+        return None
+    return jax.device_put(np.asarray(embed).view(np.uint16), embed.sharding)
 
 
 def _on_one_device(tree) -> bool:
@@ -181,7 +198,9 @@ AttentionFn = Callable[..., jax.Array]
 
 
 def embed_tokens(params: TargetParams, tokens):
-    return jnp.take(params.embed, tokens, axis=0)  # [B, T, D]
+    if params.embed_bits is not None:
+        return jax.lax.bitcast_convert_type(jnp.take(params.embed_bits, tokens, axis=0), params.embed.dtype)
+    return kv_cache.on_bits(lambda table: jnp.take(table, tokens, axis=0), params.embed)  # [B, T, D]
 
 
 def lm_head_weight(params: TargetParams):
@@ -193,6 +212,8 @@ def compute_logits(params: TargetParams, hidden):
     if params.lm_head is None:
         # Contract against embed [V, D] as stored: ``embed.T`` made XLA:CPU copy the whole table on every step.
         return layers.unembed(hidden, params.embed)
+    if layers.is_half(hidden, params.lm_head):
+        return layers.dense(hidden, params.lm_head, preferred_element_type=jnp.float32)  # CPU: ``half_dot``
     return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
 
 
