@@ -28,6 +28,7 @@ def test_model_mode_table(tmp_path, capsys):
     assert "specjax of limit" in table and "weight-read limit" in table
     res = json.loads(out.read_text())
     assert res["read_bandwidth_Bps"] > 0 and res["weight_bytes_per_step"] > 0
+    assert res["read_bandwidth_Bps"] == max(res["product_read_Bps"], res["stream_read_Bps"])
     assert [r["batch"] for r in res["rows"]] == [2]
     for r in res["rows"]:
         assert r["specjax"]["generate_tok_s"] > 0 and r["hf"]["generate_tok_s"] > 0

@@ -14,6 +14,9 @@ The first specjax call of each shape compiles and is not timed; HF gets one unti
 ``--vs llama.cpp`` adds llama.cpp (``bench.llamacpp``) on a GGUF of the same weights (SmolLM2: the published Q4_1 file
 dequantised to the bench's dtype), with the same thread count, its batched decode included, and, at batch 1, the
 Q4_1 file itself (what a CPU user of llama.cpp runs). It also checks that its greedy tokens are specjax's.
+Each engine's "of limit" is weight bytes per step x decode steps/s over the read bandwidth measured in the run: the
+larger of one XLA matrix-vector product over a 256 MiB matrix (one core) and the same bytes streamed by the engines'
+thread count (``streaming_bandwidth``; two cores of the project's VM read far more than one).
 
 ``--random-llama-8b`` measures what a GPU/TPU can do on a Llama-3.1-8B-shaped model with random bf16 weights: batch-1
 decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
@@ -194,7 +197,8 @@ def bench_model(args) -> dict:
         from transformers import AutoModelForCausalLM
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()
     pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-    bw = read_bandwidth(args.copy_mib or 256)
+    bw_product, bw_streams = read_bandwidth(args.copy_mib or 256), streaming_bandwidth(args.copy_mib or 256, threads)
+    bw = max(bw_product, bw_streams)
     weight_bytes = decode_weight_bytes(params)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of weights per decode step",
           file=sys.stderr)
@@ -219,6 +223,7 @@ def bench_model(args) -> dict:
     return {"mode": "model", "model": model_path, "dtype": args.dtype, "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
             "machine": machine_description(), "rows": rows, "read_bandwidth_Bps": bw, "read_mib": args.copy_mib or 256,
+            "product_read_Bps": bw_product, "stream_read_Bps": bw_streams, "stream_threads": threads,
             "weight_bytes_per_step": weight_bytes, "llamacpp_threads": threads if ggufs else None}
 
 
@@ -232,8 +237,10 @@ def print_model_table(res: dict) -> None:
           f"{res['new_tokens']} new tokens, fastest of {res['repeats']}, {threads}")
     bw, wb = res["read_bandwidth_Bps"], res["weight_bytes_per_step"]
     print(f"machine: {res['machine']}; 1-min load average after each batch size: {loads}")
-    print(f"weight-read limit: {bw / 1e9:.1f} GB/s read bandwidth (one matrix-vector product over a "
-          f"{res['read_mib']} MiB f32 matrix, measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = "
+    print(f"weight-read limit: {bw / 1e9:.1f} GB/s read bandwidth (the larger of one matrix-vector product over a "
+          f"{res['read_mib']} MiB f32 matrix, {res['product_read_Bps'] / 1e9:.1f} GB/s, and "
+          f"{res['stream_threads']} threads streaming {res['read_mib']} MiB, {res['stream_read_Bps'] / 1e9:.1f} GB/s; "
+          f"measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = "
           f"{bw / wb:.1f} steps/s; 'of limit' = decode steps/s / that; prefill tok/s = batch x prompt tokens / "
           f"the time to the first new token\n")
     of_limit = lambda r, e: f"{100 * r[e]['decode_tok_s'] / r['batch'] * wb / bw:.0f}%"
@@ -301,6 +308,29 @@ def read_bandwidth(mib: int, repeats: int = 10) -> float:
     jax.block_until_ready(f(m, v))
     best = min(_time_once(lambda: jax.block_until_ready(f(m, v))) for _ in range(repeats))
     return m.nbytes / best
+
+
+def streaming_bandwidth(mib: int, threads: int, repeats: int = 5) -> float:
+    """Bytes/s with which ``threads`` CPU threads together read ``mib`` MiB of float32, each a dot product of its own
+    share with itself (numpy releases the GIL): what the machine's memory gives an engine using that many threads.
+    XLA:CPU runs each matrix-vector product on one thread, so ``read_bandwidth`` alone is a one-core figure, below
+    what llama.cpp's threads read together (docs/benchmarks.md, fifteenth session)."""
+    import threading
+
+    import numpy as np
+    parts = [np.ones(mib * (1 << 20) // 4 // threads, np.float32) for _ in range(threads)]
+
+    def once() -> float:
+        workers = [threading.Thread(target=np.dot, args=(p, p)) for p in parts]
+        t0 = time.perf_counter()
+        for w in workers:
+            w.start()
+        for w in workers:
+            w.join()
+        return time.perf_counter() - t0
+
+    once()
+    return sum(p.nbytes for p in parts) / min(once() for _ in range(repeats))
 
 
 def _time_once(fn) -> float:
