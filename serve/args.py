@@ -128,7 +128,7 @@ class ServerArgs:
                                        self.speculative_num_draft_tokens)):
             return
         try:
-            table = load_tune(self.speculative_draft_model_path)
+            table = load_tune(self.speculative_draft_model_path, dtype=self.dtype)
         except TuneError as e:
             log.warning("%s; using the default tree", e)
             return
@@ -137,7 +137,7 @@ class ServerArgs:
         shape = shape_for(table, 1) or next((s for _, s in sorted(table.items()) if s is not None), None)
         if not self.disable_adaptive_speculation:
             try:
-                self.speculative_tree_costs = load_tune_costs(self.speculative_draft_model_path)
+                self.speculative_tree_costs = load_tune_costs(self.speculative_draft_model_path, self.dtype)
             except TuneError as e:
                 log.warning("%s; the tuned shapes are kept fixed", e)
             if shape is not None and len(table) > 1:
@@ -150,7 +150,7 @@ class ServerArgs:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "
                                            f"({self.speculative_draft_model_path}/speculative_tune.json)")
-            shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative"), 1)
+            shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative", self.dtype), 1)
         self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
 
     @property

@@ -272,11 +272,11 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         return model, None, None, None
     flags = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
     tuned = None
-    if all(f is None for f in flags) and (table := load_tune(head)):
+    if all(f is None for f in flags) and (table := load_tune(head, dtype=args.dtype)):
         b = len(args.prompt or [1])
         tuned = shape_for(table, b)
         if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
-            tuned = shape_for(load_tune(head, "best_speculative"), b)
+            tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
             print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
                   f"{b} ({head}/speculative_tune.json); running its fastest shape anyway", file=sys.stderr)
     shape = tuned or tuple(f if f is not None else d for f, d in zip(flags, (5, 1, 6)))

@@ -35,6 +35,21 @@ def test_load_tune_roundtrip_and_errors(tmp_path):
         tune_lib.load_tune(str(tmp_path))
 
 
+
+def test_table_per_dtype(tmp_path):
+    """A head folder may hold a table tuned in bf16 beside the generic one: a bf16 run reads its own, fp32 and
+    'auto' runs the generic one, and a dtype without its own table falls back to the generic one."""
+    shape = lambda s: {"format": 1, "batch_sizes": {"1": None if s is None else dict(
+        zip(tune_lib.SHAPE_KEYS, s))}}
+    assert tune_lib.filename("bfloat16") == "speculative_tune.bfloat16.json"
+    assert tune_lib.filename("auto") == tune_lib.filename("float32") == tune_lib.filename(None) == tune_lib.FILENAME
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), shape(None))
+    assert tune_lib.load_tune(str(tmp_path), dtype="bfloat16") == {1: None}  # no bf16 table yet: the generic one
+    tune_lib.save_tune(str(tmp_path / tune_lib.filename("bfloat16")), shape((2, 1, 3)))
+    assert tune_lib.load_tune(str(tmp_path), dtype="bfloat16") == {1: (2, 1, 3)}
+    for dtype in (None, "auto", "float32", "float16"):
+        assert tune_lib.load_tune(str(tmp_path), dtype=dtype) == {1: None}
+
 def _measured_table():
     rows = [{"batch_size": 1, "shape": None, "tok_s": 50.0, "speedup": 1.0, "tau": 1.0},
             {"batch_size": 1, "shape": [1, 2, 3], "tok_s": 60.0, "speedup": 1.2, "tau": 1.5},
@@ -199,3 +214,11 @@ def test_bench_tune_rejects_a_bad_shape(tiny_pair, capsys):
     with pytest.raises(SystemExit):
         bench_tune.main(["--model", model, "--draft", head, "--shapes", "3,1"])
     assert "STEPS,TOPK,DRAFT_TOKENS" in capsys.readouterr().err
+
+
+def test_bench_tune_refuses_too_few_prompts_up_front(capsys):
+    """A batch size larger than --num-prompts is refused before any model is loaded or measured."""
+    from specjax.bench import tune as bench_tune
+    with pytest.raises(SystemExit):
+        bench_tune.main(["--draft", "no-such-head", "--num-prompts", "8", "--batch-sizes", "1", "16"])
+    assert "--num-prompts 8 is smaller than batch size 16" in capsys.readouterr().err

@@ -18,7 +18,8 @@ the time; its tokens/s include compiles and are not written).
 The file (``speculative_tune.json``, format 1) holds ``{"format": 1, "algorithm", "target", "machine",
 "batch_sizes": {"1": {"num_steps", "eagle_topk", "num_draft_tokens"} | null, ...}, "rows": [...]}`` where null means
 plain decoding is faster at that batch size. ``specjax.serve`` and ``specjax.Engine`` read it from the draft folder
-when the tree flags are not given (``specjax.speculative.tune.load_tune``).
+when the tree flags are not given (``specjax.speculative.tune.load_tune``). With ``--dtype bfloat16`` (or float16)
+the table goes to ``speculative_tune.<dtype>.json``, which servers of that dtype read instead.
 """
 
 from __future__ import annotations
@@ -156,7 +157,8 @@ class TuneOptions(TargetRunOptions):
     max_new_tokens: int = option(128, help="tokens generated per prompt")
     temperature: float = option(0.0, help="0 = greedy (default)")
     seed: int = option(0, help="sampling seed")
-    out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json)")
+    out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json, or "
+                                          "DRAFT/speculative_tune.DTYPE.json with --dtype bfloat16 or float16)")
     no_write: bool = option(False, help="print only")
     outputs_only: bool = option(False, help="run each group once without a warm-up pass: outputs (== plain) and "
                                             "tau only, tokens/s include compiles; writes no table")
@@ -170,10 +172,13 @@ def main(argv=None) -> int:
     args = parse_into(TuneOptions, ap, argv)
     if any(b < 1 for b in args.batch_sizes) or args.num_prompts < 1 or args.max_new_tokens < 1:
         ap.error("--batch-sizes, --num-prompts and --max-new-tokens must be >= 1")
+    if args.num_prompts < max(args.batch_sizes):  # checked before any measurement, not after an hour of them
+        ap.error(f"--num-prompts {args.num_prompts} is smaller than batch size {max(args.batch_sizes)}: every batch "
+                 f"size needs at least one full group of prompts")
     r = tune(args)
     print_table(r)
     if not args.no_write and not args.outputs_only:
-        out = args.out or os.path.join(args.draft, tune_lib.FILENAME)
+        out = args.out or os.path.join(args.draft, tune_lib.filename(args.dtype))
         tune_lib.save_tune(out, r)
         print(f"wrote {out}")
     write_json(args.json, r, indent=1)

@@ -41,11 +41,21 @@ def save_tune(path: str, table: dict) -> None:
     os.replace(tmp, path)
 
 
-def _tune_path(folder_or_file: str | None) -> str | None:
+def filename(dtype: str | None = None) -> str:
+    """The table's name in a head folder: ``speculative_tune.json`` (fp32 or the checkpoint's dtype), or
+    ``speculative_tune.<dtype>.json`` for a table tuned with bf16/f16 weights, whose tree steps cost far fewer plain
+    steps on a CPU (docs/benchmarks.md, fifteenth session)."""
+    return FILENAME if dtype in (None, "auto", "float32") else f"speculative_tune.{dtype}.json"
+
+
+def _tune_path(folder_or_file: str | None, dtype: str | None = None) -> str | None:
+    """A file as given, or in a head folder the table of ``dtype`` (else the generic one); None when absent."""
     if not folder_or_file:
         return None
-    path = os.path.join(folder_or_file, FILENAME) if os.path.isdir(folder_or_file) else folder_or_file
-    return path if os.path.isfile(path) else None
+    if not os.path.isdir(folder_or_file):
+        return folder_or_file if os.path.isfile(folder_or_file) else None
+    paths = (os.path.join(folder_or_file, name) for name in dict.fromkeys((filename(dtype), FILENAME)))
+    return next((p for p in paths if os.path.isfile(p)), None)
 
 
 def _bad(path: str, e: Exception) -> TuneError:
@@ -76,18 +86,22 @@ def _shapes(path: str, raw: dict, which: str) -> dict[int, tuple[int, int, int] 
     return out
 
 
-def load_tune(folder_or_file: str | None, which: str = "batch_sizes") -> dict[int, tuple[int, int, int] | None] | None:
+def load_tune(folder_or_file: str | None, which: str = "batch_sizes",
+              dtype: str | None = None) -> dict[int, tuple[int, int, int] | None] | None:
     """{batch size: (num_steps, eagle_topk, num_draft_tokens) or None (plain)} from a head folder's tune file, or
     None when there is no such file. ``which="best_speculative"``: the fastest tree shape per batch size even where
-    plain decoding was faster (what to run when speculation is asked for explicitly)."""
-    path = _tune_path(folder_or_file)
+    plain decoding was faster (what to run when speculation is asked for explicitly). ``dtype``: the served dtype
+    (a folder's table for it when there is one, see ``filename``)."""
+    path = _tune_path(folder_or_file, dtype)
     return None if path is None else _shapes(path, _read(path), which)
 
 
-def load_tune_costs(folder_or_file: str | None) -> dict[int, tuple[tuple[int, int, int], float, float]] | None:
+def load_tune_costs(folder_or_file: str | None,
+                    dtype: str | None = None) -> dict[int, tuple[tuple[int, int, int], float, float]] | None:
     """{batch size: (the fastest tree shape, its measured accept length tau, its measured speedup over plain
-    decoding)} from a head folder's tune file (the rows ``bench tune`` measured), or None without a file."""
-    path = _tune_path(folder_or_file)
+    decoding)} from a head folder's tune file for ``dtype`` (the rows ``bench tune`` measured), or None without a
+    file."""
+    path = _tune_path(folder_or_file, dtype)
     if path is None:
         return None
     raw = _read(path)
