@@ -19,10 +19,32 @@ from specjax.kv_cache import HALF_DTYPES, gather_layer, on_bits, page_size_of, u
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
 
+def row_sum(x):
+    """x.sum(-1), in an order that does not depend on x's other axes on a CPU.
+
+    XLA:CPU vectorises a reduction by the shape of the whole array, so a row's sum changed with the number of rows
+    beside it: a one-token decode step and the same token as row 4 of a verified chain got different last bits (the
+    softmax denominator, an RMSNorm), which a bf16 model amplified into different greedy tokens. On a CPU the halves
+    are added elementwise until one is left (zero-padded to a power of two): a fixed tree per row, so speculative
+    greedy output is plain greedy output bit for bit. Other platforms reduce as XLA likes."""
+    def pairwise(x):
+        n = x.shape[-1]
+        width = 1 << max(0, (n - 1).bit_length())
+        if width != n:
+            x = jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - n)])
+        while x.shape[-1] > 1:
+            half = x.shape[-1] // 2
+            x = x[..., :half] + x[..., half:]
+        return x[..., 0]
+
+    return jax.lax.platform_dependent(x, cpu=pairwise, default=lambda x: x.sum(-1))
+
+
 def rms_norm(x, weight, eps: float):
-    """RMSNorm computed in fp32, returned in x's dtype (HF: weight * (x / rms(x)).to(dtype))."""
+    """RMSNorm computed in fp32, returned in x's dtype (HF: weight * (x / rms(x)).to(dtype)); the mean over the
+    hidden axis in ``row_sum``'s fixed order."""
     xf = x.astype(jnp.float32)
-    var = jnp.mean(xf * xf, axis=-1, keepdims=True)
+    var = row_sum(xf * xf)[..., None] / x.shape[-1]
     y = (xf * jax.lax.rsqrt(var + eps)).astype(x.dtype)
     return weight.astype(x.dtype) * y
 
@@ -256,7 +278,7 @@ CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this ma
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
                     sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None,
-                    causal: bool = False):
+                    causal: bool = False, keys_in_pool: bool = False):
     """Attention of T new queries over the paged prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
     Same math as ``xla_cache_attention`` (softmax in f32), but the prefix is read in blocks of whole pages by a
@@ -267,6 +289,11 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     layer's whole pool); page_table: i32[B, pps]; lengths: i32[B]; positions: i32[B, T] (for the sliding window).
     causal: ``mask`` hides every new key j > i from query i; a long span of new tokens (a prompt) then reads only the
     keys up to each query chunk's last row (``query_chunks``; the chunks are taken either way).
+    keys_in_pool: new token j of row b is already in the pool at position lengths[b] + j (wherever ``mask`` lets a
+    query see it): the blocks then read every key, the new ones included, and k, v are not used. A query's result
+    then depends only on its own position's keys, the same bits whether it is a decode step's one token or a row of
+    a verified chain (the keys a chain row sees before itself are the tokens a later decode step finds cached), so
+    speculative greedy decoding reproduces plain greedy decoding bit for bit, in bf16 as in fp32.
     Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
@@ -286,7 +313,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
         m_new = jnp.maximum(m, s_.max(-1))  # [B, K, G, T]
         p = jnp.where(valid[:, None, None], jnp.exp(s_ - m_new[..., None]), 0.0)
         alpha = jnp.exp(m - m_new)
-        return m_new, l * alpha + p.sum(-1), acc * alpha[..., None] + pv_of(p)
+        return m_new, l * alpha + row_sum(p), acc * alpha[..., None] + pv_of(p)
 
     def block(j, carry):
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
@@ -295,6 +322,11 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
         kb, vb = (unpack_pages(on_bits(lambda pool: pool[at], pages), h) for pages in (k_pages, v_pages))
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
+        if keys_in_pool:  # slot lengths[b] + j holds new token j, seen under mask[b, :, j]
+            j_new = key_pos[None, :] - lengths[:, None]  # i32[B, S]
+            idx = jnp.broadcast_to(jnp.clip(j_new, 0, t - 1)[:, None, :], (b, t, bp * z))
+            new_seen = jnp.take_along_axis(mask, idx, axis=2) & ((j_new >= 0) & (j_new < t))[:, None, :]
+            valid = valid | new_seen
         if sliding_window is not None:
             valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
         valid = jnp.broadcast_to(valid, (b, t, bp * z))
@@ -309,25 +341,28 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
 
     carry = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
              jnp.zeros((b, kh, g, t, h), jnp.float32))
-    nblocks = jnp.minimum((lengths.max() + bp * z - 1) // (bp * z), nblocks_max)
-    carry = jax.lax.fori_loop(0, nblocks, block, carry)
+    held = lengths + t if keys_in_pool else lengths  # the keys the blocks read, per row
+    nblocks = jnp.minimum((held.max() + bp * z - 1) // (bp * z), nblocks_max)
+    m, l, acc = jax.lax.fori_loop(0, nblocks, block, carry)
+    if keys_in_pool:
+        return merge_kv_heads([acc / jnp.where(l > 0, l, 1.0)[..., None]]).astype(q.dtype)
     # the new tokens, kv-head-major: [B, K, G, T, H] queries, [B, K, Tk, H] keys and values
     qk, kk, vk = kv_head_major(q, k, jnp.where(mask.any(1)[:, :, None, None], v, 0))
     outs = []
     for a, z, e in query_chunks(t, k.shape[1], causal):  # the new keys by chunks of queries (carry's T axis: 3)
-        m, l, acc = update(tuple(c[:, :, :, a:z] for c in carry),
-                           jnp.einsum("bkgth,bksh->bkgts", qk[:, :, :, a:z], kk[:, :, :e],
-                                      preferred_element_type=jnp.float32),
-                           mask[:, a:z, :e],
-                           lambda p: jnp.einsum("bkgts,bksh->bkgth", p.astype(vk.dtype), vk[:, :, :e],
-                                                preferred_element_type=jnp.float32))
-        outs.append(acc / jnp.where(l > 0, l, 1.0)[..., None])  # rows that see nothing (padding) give 0, never read
+        m_, l_, acc_ = update(tuple(c[:, :, :, a:z] for c in (m, l, acc)),
+                              jnp.einsum("bkgth,bksh->bkgts", qk[:, :, :, a:z], kk[:, :, :e],
+                                         preferred_element_type=jnp.float32),
+                              mask[:, a:z, :e],
+                              lambda p: jnp.einsum("bkgts,bksh->bkgth", p.astype(vk.dtype), vk[:, :, :e],
+                                                   preferred_element_type=jnp.float32))
+        outs.append(acc_ / jnp.where(l_ > 0, l_, 1.0)[..., None])  # rows that see nothing (padding) give 0, never read
     return merge_kv_heads(outs).astype(q.dtype)
 
 
 def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_table=None, lengths=None, *,
            positions=None, sliding_window: int | None = None, kernel: Callable | None = None, layer=None,
-           causal: bool = False):
+           causal: bool = False, keys_in_pool: bool = False):
     """THE attention of every model layer (target, both draft heads, the speculative step): T new queries over the
     paged cache prefix (positions < lengths[b]) plus the new keys under ``mask``.
 
@@ -338,6 +373,8 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
     ``kernel`` (a ``kernels.tree_attention.make_cache_attention`` hook, Tk == T) replaces the XLA ``paged_attention``;
     ``positions`` i32[B, T] and ``sliding_window`` restrict the window (XLA path only).
     ``causal``: ``mask`` is causal (see ``attention``); the XLA paths then skip the keys it hides.
+    ``keys_in_pool``: the new tokens are already in the pool after the prefix (``paged_attention``; a kernel reads
+    them from k, v either way).
     Returns [B, T, N, H] in q's dtype.
     """
     if k_pages is None:
@@ -347,7 +384,7 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
             raise ValueError("sliding-window models use the XLA attention path; do not pass a kernel")
         return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=layer)
     return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
-                           sliding_window=sliding_window, layer=layer, causal=causal)
+                           sliding_window=sliding_window, layer=layer, causal=causal, keys_in_pool=keys_in_pool)
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]

@@ -337,3 +337,55 @@ def test_half_precision_decode_reads_table_and_pool_in_place():
                                                          dtype=jnp.bfloat16), toks[:, 0], jnp.ones((1,), bool))[1]
     l32 = decode.decode(p32, cfg32, c32, toks[:, 0], jnp.ones((1,), bool))[1]
     np.testing.assert_allclose(l16, l32, atol=0.05 * float(jnp.abs(l32).max()))
+
+
+def test_row_sum_of_a_row_does_not_depend_on_the_rows_beside_it():
+    """``layers.row_sum`` (softmax denominators, RMSNorm) adds in a fixed order per row: XLA:CPU's reduction of the
+    same row came out with different last bits when 2-8 rows were reduced together."""
+    rng = np.random.default_rng(3)
+    f = jax.jit(layers.row_sum)
+    for width in (256, 576, 1):  # a block of keys, SmolLM2's hidden size
+        x = jnp.asarray(rng.random((1, 3, 3, 8, width)), jnp.float32)  # [B, K, G, T, S] as in the attention
+        full = f(x)
+        np.testing.assert_allclose(full, x.sum(-1), rtol=1e-6)
+        for rows in (1, 2, 4):
+            for i in range(rows):
+                np.testing.assert_array_equal(f(x[:, :, :, i:rows])[..., 0], full[..., i])
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_verified_chain_rows_are_decode_step_bits(dtype):
+    """The promise behind speculative greedy == plain greedy, bit for bit: a chain of new tokens verified in one
+    forward (its K/V written first and read back from the pool, ``keys_in_pool``) gives every row of a bf16 model
+    exactly the hidden state and logits a one-token decode step computes at that position (its products are
+    row-count independent), for rows of different lengths in one batch. fp32 agrees to rounding: above
+    ``layers.ROWWISE_MAX_ROWS`` rows its products are one dot, and its few-row tied logits another pass."""
+    smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                head_dim=64)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at these sizes
+    cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
+    params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))
+    rng = np.random.default_rng(4)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 30)), jnp.int32)
+    valid = jnp.arange(30)[None, :] < jnp.asarray([[13], [30]])
+    cache, _ = decode.prefill(params, cfg, cache, prompt, valid)
+    chain = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
+    step = jax.jit(lambda c, t: decode.prefill(params, cfg, c, t[:, None], jnp.ones((2, 1), bool),
+                                               keys_in_pool=True, return_hidden=True))
+    c, steps = cache, []
+    for i in range(chain.shape[1]):
+        c, out = step(c, chain[:, i])
+        steps.append(out)
+    positions = cache.lengths[:, None] + jnp.arange(chain.shape[1])[None, :]
+    verify = jax.jit(lambda c, t: target.forward(params, cfg, t, positions, cache=c,
+                                                 mask=layers.causal_mask(jnp.ones(t.shape, bool)),
+                                                 write_valid=jnp.ones(t.shape, bool), keys_in_pool=True,
+                                                 return_hidden=True))
+    out = verify(cache, chain)
+    for i, s in enumerate(steps):
+        if dtype == "bfloat16":
+            np.testing.assert_array_equal(out.hidden[:, i], s.hidden[:, 0])
+            np.testing.assert_array_equal(out.logits[:, i], s.logits)
+        else:  # 10 rows: one fp32 dot, not ``dense``'s per-row products
+            np.testing.assert_allclose(out.hidden[:, i], s.hidden[:, 0], rtol=1e-4, atol=1e-5)
+            np.testing.assert_allclose(out.logits[:, i], s.logits, rtol=1e-4, atol=1e-4)

@@ -220,7 +220,7 @@ def compute_logits(params: TargetParams, hidden):
 def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,
             mask=None, valid=None, aux_layers: tuple[int, ...] | None = None, logits_at=None,
             return_logits: bool = True, return_hidden: bool = False, return_kv: bool | None = None,
-            cache_attention: AttentionFn | None = None, write_valid=None) -> ForwardOut:
+            cache_attention: AttentionFn | None = None, write_valid=None, keys_in_pool: bool = False) -> ForwardOut:
     """Run the decoder over new tokens.
 
     tokens, positions: i32[B, T]. valid: bool[B, T] real tokens (default all). mask: bool[B, T, T] which new keys
@@ -235,6 +235,10 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     write_valid: bool[B, T] with ``cache``: each layer writes the K/V of these tokens at ``positions`` into the pool
       before its attention reads the pool (``ForwardOut.cache``; lengths are the caller's to advance). Every read
       then follows the scatter, so a donated pool is written in place (``kv_cache.write``).
+    keys_in_pool: with ``write_valid``, the caller promises that new token j sits at position lengths[b] + j and is
+      written wherever ``mask`` lets a query see it (a decode step, a verified chain): attention then reads every key
+      from the pool, so each query's result is the same bits as a one-token decode step at its position
+      (``layers.paged_attention``).
     params: stacked layers run under ``lax.scan``; unstacked ones (``unstack_layers``) run unrolled. Same outputs.
     """
     b, t = tokens.shape
@@ -256,11 +260,13 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
         if not 0 <= lid < cfg.num_layers:
             raise ValueError(f"aux layer id {lid} out of range for {cfg.num_layers} layers")
 
+    if write_valid is None and keys_in_pool:
+        raise ValueError("keys_in_pool needs write_valid (the new keys are written before they are read)")
     if write_valid is not None and cache is None:
         raise ValueError("write_valid needs a cache")
 
     def layer(h, lp, index, cache):
-        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal)
+        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal, keys_in_pool)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
     run = _run_unrolled if is_unstacked(params) else _run_scanned
@@ -281,7 +287,7 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
 
 
 def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, cache_attention, write_valid,
-           causal: bool = False):
+           causal: bool = False, keys_in_pool: bool = False):
     """Decoder layer ``index`` over h [B, T, D] -> (h, k, v, cache) with k, v [B, T, K, H] the new tokens' keys and
     values (``index`` is traced under the layer scan; the cache pools are read whole, at that layer; with
     ``write_valid`` the layer's K/V are written into them first)."""
@@ -301,7 +307,8 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
         cache = kv_cache.write(cache, k, v, positions, write_valid, layer=index)
     kv = (None,) * 4 if cache is None else (cache.k, cache.v, cache.page_table, cache.lengths)
     o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
-                      kernel=cache_attention, layer=None if cache is None else index, causal=causal)
+                      kernel=cache_attention, layer=None if cache is None else index, causal=causal,
+                      keys_in_pool=keys_in_pool)
     h = h + layers.out_proj(o, lp.wo)  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
     h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)

@@ -46,6 +46,12 @@ class SpecConfig:
         return self.num_steps + 1
 
     @property
+    def chain(self) -> bool:
+        """topk 1: the tree is a chain, node j at depth j (position prefix + j), so its K/V can go straight into the
+        pool before the verify reads it (``verify_phase``)."""
+        return self.topk == 1
+
+    @property
     def shape(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens): the tree's key in ``bench tune``'s table."""
         return self.num_steps, self.topk, self.num_draft_tokens
@@ -206,13 +212,17 @@ def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, 
     The root (node 0: the last emitted token, at the committed length) is accepted whatever happens, so each layer
     writes its K/V into the pool of the ``active`` rows before reading it (``ForwardOut.cache``): then the reads
     follow a write, as in a plain decode step, which XLA:CPU runs twice as fast as reads straight from the entry
-    buffer (SmolLM2, a target-only step at batch 16: 104.5 -> 46.9 ms; plain 48.8). The other nodes are written
-    by ``commit_phase``."""
+    buffer (SmolLM2, a target-only step at batch 16: 104.5 -> 46.9 ms; plain 48.8). The other nodes of a tree are
+    written by ``commit_phase``. A chain (``SpecConfig.chain``, and a root-only tree) writes every node at its own
+    position and attention reads them back from the pool (``target.forward(keys_in_pool=True)``), so each node's
+    logits are the bits a plain decode step would compute there: speculative greedy output is plain greedy output
+    bit for bit, bf16 included; a wider tree's nodes share positions and take the ancestor-mask path."""
     m = tree.tokens.shape[1]
-    root = (jnp.arange(m)[None, :] == 0) & active[:, None]  # bool[B, M]
+    chain = scfg.chain or m == 1
+    write = active[:, None] & ((jnp.arange(m)[None, :] == 0) | chain)  # bool[B, M]
     return target.forward(tparams, tcfg, tree.tokens, tree.positions, cache=state.cache, mask=tree.mask,
-                          return_kv=True, cache_attention=scfg.cache_attention, write_valid=root,
-                          **draft_lib.target_kwargs(draft))
+                          return_kv=True, cache_attention=scfg.cache_attention, write_valid=write,
+                          keys_in_pool=chain, **draft_lib.target_kwargs(draft))
 
 
 def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, state: SpecState, acc, out, active,
@@ -226,8 +236,10 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     valid = (j[None, :] <= acc.accept_len[:, None]) & active[:, None]  # bool[B, S+1]
     positions = cache.lengths[:, None] + j[None, :]
     idx = acc.path[None, :, :, None, None]
-    new_cache = kv_cache.write(cache, jnp.take_along_axis(out.k_new, idx, axis=2),
-                               jnp.take_along_axis(out.v_new, idx, axis=2), positions, valid)
+    new_cache = cache
+    if not (scfg.chain or s1 == 1):  # a chain's nodes (and a lone root) are in place already (``verify_phase``)
+        new_cache = kv_cache.write(cache, jnp.take_along_axis(out.k_new, idx, axis=2),
+                                   jnp.take_along_axis(out.v_new, idx, axis=2), positions, valid)
     raw = jnp.take_along_axis(draft_lib.raw_features(draft, out), acc.path[:, :, None], axis=1)  # [B, S+1, C]
     feat = draft_lib.project(draft, raw)
     emb = target.embed_tokens(tparams, acc.tokens)
