@@ -134,6 +134,10 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     """
     if not prompts:
         return []
+    # The decode layout, once per call and outside jit, exactly as ``speculative_generate`` takes it (unstacked inside
+    # the jitted prefill the layers ran under a scan and unfused, other bits in bf16); pass unstacked params to skip
+    # the copy.
+    params = target.unstack_layers(params)
     b = len(prompts)
     limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p)
     if not limit.any():
@@ -298,6 +302,7 @@ def speculative_demo(args, prompts: list[str]) -> int:
     model, algo, head, shape = _resolve_pair(args)
     folder = resolve_model_path(model)
     cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype)
+    params = target.unstack_layers(params)  # once, outside the timed calls
     tok = load_tokenizer(folder)
     ids = encode_prompts(tok, prompts, args.chat)
     kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
