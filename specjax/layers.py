@@ -292,8 +292,8 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     keys_in_pool: new token j of row b is already in the pool at position lengths[b] + j (wherever ``mask`` lets a
     query see it): the blocks then read every key, the new ones included, and k, v are not used. A query's result
     then depends only on its own position's keys, the same bits whether it is a decode step's one token or a row of
-    a verified chain (the keys a chain row sees before itself are the tokens a later decode step finds cached), so
-    speculative greedy decoding reproduces plain greedy decoding bit for bit, in bf16 as in fp32.
+    a verified chain (the keys a chain row sees before itself are the tokens a later decode step finds cached),
+    which is what lets bf16 speculative greedy decoding reproduce plain greedy decoding bit for bit.
     Returns [B, T, N, H] in q's dtype.
     """
     b, t, n, h = q.shape
