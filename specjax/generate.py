@@ -37,7 +37,7 @@ from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
 from specjax.speculative.tree import validate as validate_tree
-from specjax.speculative.tune import TuneError, load_tune, shape_for
+from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, shape_for
 from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
 
@@ -82,8 +82,8 @@ def _prefill(params, cfg: ModelConfig, cache, tokens, valid, limit, sb, stop_ids
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("state",))
 def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_attention=None) -> LoopState:
     """Decode until every row is done, entirely on device. Finished rows neither write the cache nor advance.
-    Stacked params are unstacked once here, outside the loop (a no-op for params already unstacked): every step then
-    reads each layer's weights in place (see ``target.unstack_layers``)."""
+    ``generate`` passes unstacked params; stacked ones are unstacked here, outside the loop: every step then reads
+    each layer's weights in place (see ``target.unstack_layers``)."""
     params = target.unstack_layers(params)
     def cond(s: LoopState):
         return ~s.done.all()
@@ -282,7 +282,7 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
             tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
             print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
-                  f"{b} ({head}/speculative_tune.json); running its fastest shape anyway", file=sys.stderr)
+                  f"{b} ({head}/{tune_filename(args.dtype)}); running its fastest shape anyway", file=sys.stderr)
     shape = tuned or tuple(f if f is not None else d for f, d in zip(flags, (5, 1, 6)))
     validate_tree(*shape)
     return model, algo, head, shape

@@ -51,6 +51,11 @@ class SpecConfig:
         pool before the verify reads it (``verify_phase``)."""
         return self.topk == 1
 
+    def nodes_in_pool(self, m: int) -> bool:
+        """Does the verify of an M-node tree write every node into the pool (a chain, or a root-only tree), so that
+        its attention reads them there and the commit has nothing left to write?"""
+        return self.chain or m == 1
+
     @property
     def shape(self) -> tuple[int, int, int]:
         """(num_steps, topk, num_draft_tokens): the tree's key in ``bench tune``'s table."""
@@ -218,7 +223,7 @@ def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, 
     logits are the bits a plain decode step would compute there: speculative greedy output is plain greedy output
     bit for bit, bf16 included; a wider tree's nodes share positions and take the ancestor-mask path."""
     m = tree.tokens.shape[1]
-    chain = scfg.chain or m == 1
+    chain = scfg.nodes_in_pool(m)
     write = active[:, None] & ((jnp.arange(m)[None, :] == 0) | chain)  # bool[B, M]
     return target.forward(tparams, tcfg, tree.tokens, tree.positions, cache=state.cache, mask=tree.mask,
                           return_kv=True, cache_attention=scfg.cache_attention, write_valid=write,
@@ -237,7 +242,7 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     positions = cache.lengths[:, None] + j[None, :]
     idx = acc.path[None, :, :, None, None]
     new_cache = cache
-    if not (scfg.chain or s1 == 1):  # a chain's nodes (and a lone root) are in place already (``verify_phase``)
+    if not scfg.nodes_in_pool(out.k_new.shape[2]):  # else in place already (``verify_phase``)
         new_cache = kv_cache.write(cache, jnp.take_along_axis(out.k_new, idx, axis=2),
                                    jnp.take_along_axis(out.v_new, idx, axis=2), positions, valid)
     raw = jnp.take_along_axis(draft_lib.raw_features(draft, out), acc.path[:, :, None], axis=1)  # [B, S+1, C]
