@@ -11,6 +11,7 @@ from specjax import sampling
 
 MIN_PREFILL_BUCKET = 16  # the shortest padded prefill chunk
 MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
+PREFILL_CHUNK = 512  # the widest prefill call: a longer prompt runs as several chunks
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -45,6 +46,16 @@ def page_buckets(page_size: int, pages_per_seq: int, xla_path: bool = False) -> 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:
     """The bucket of ``pow2_buckets(lo, hi)`` that holds ``n``, or ``hi`` when ``n`` is larger (the caller chunks)."""
     return pick(pow2_buckets(lo, hi), min(n, hi))
+
+
+def prefill_chunks(longest: int) -> tuple[int, int]:
+    """(width, count) of the chunks that prefill a batch whose longest prompt has ``longest`` tokens: one
+    power-of-two chunk (>= MIN_PREFILL_BUCKET) up to PREFILL_CHUNK tokens, else chunks of PREFILL_CHUNK. Plain and
+    speculative generation both prefill this way: a prompt prefilled in other chunks gets other rounding in its K/V
+    (in bf16 enough to change the first token of some prompts over 512 tokens), and speculative greedy must give
+    plain greedy's tokens."""
+    chunk = pow2_bucket(longest, MIN_PREFILL_BUCKET, PREFILL_CHUNK)
+    return chunk, -(-longest // chunk)
 
 
 def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,

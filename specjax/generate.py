@@ -1,8 +1,9 @@
 """Plain (non-speculative) generation: the reference output that speculative decoding must reproduce.
 
-A batch of prompts of different lengths is right-padded and prefilled in one call (``decode.prefill`` with a valid
-mask); the decode loop then runs as ONE jitted ``lax.while_loop`` (no host round-trip per token) in which each row
-stops on its own stop token or after ``max_new_tokens``, and the loop ends as soon as every row is done.
+A batch of prompts of different lengths is right-padded and prefilled (``decode.prefill`` with a valid mask, in the
+chunks of ``batching.prefill_chunks``, as speculative decoding prefills); the decode loop then runs as ONE jitted
+``lax.while_loop`` (no host round-trip per token) in which each row stops on its own stop token or after
+``max_new_tokens``, and the loop ends as soon as every row is done.
 
 Output convention (matches HF ``model.generate``): the generated tokens only (no prompt), INCLUDING the stop token
 that ended a row; a row that hits ``max_new_tokens`` has exactly that many tokens.
@@ -25,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import validate_requests
+from specjax.batching import prefill_chunks, validate_requests
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
@@ -66,17 +67,41 @@ def _record(state: LoopState, tok, active, stop_ids) -> LoopState:
     return dataclasses.replace(state, out=out, count=count, done=done, last=last)
 
 
-@functools.partial(jax.jit, static_argnames=("cfg", "capacity", "cache_attention"), donate_argnames=("cache",))
-def _prefill(params, cfg: ModelConfig, cache, tokens, valid, limit, sb, stop_ids, *, capacity: int,
-             cache_attention=None) -> LoopState:
-    """Prefill the right-padded prompts (tokens i32[B, T], valid bool[B, T]) and sample each row's first token
-    (recorded for rows with a budget, ``limit`` i32[B] > 0)."""
+@functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("cache", "logits"))
+def _prefill_chunk(params, cfg: ModelConfig, cache, tokens, valid, last, logits, *, cache_attention=None):
+    """Append one prompt chunk per row (tokens i32[B, T], valid bool[B, T]); rows whose prompt ends in this chunk
+    (``last`` bool[B]) take its logits at their last token into ``logits`` f32[B, V]."""
     cache, out = decode.prefill(params, cfg, cache, tokens, valid, cache_attention=cache_attention)
-    tok, sb = sampling.sample_next(out.logits, sb)  # i32[B]
-    b = tokens.shape[0]
+    return cache, jnp.where(last[:, None], out.logits, logits)
+
+
+@functools.partial(jax.jit, static_argnames=("capacity",), donate_argnames=("cache",))
+def _start(cache, logits, limit, sb, stop_ids, *, capacity: int) -> LoopState:
+    """Sample each row's first token from its prompt's last logits (recorded for rows with a budget, ``limit``
+    i32[B] > 0)."""
+    tok, sb = sampling.sample_next(logits, sb)  # i32[B]
+    b = logits.shape[0]
     state = LoopState(cache=cache, out=jnp.zeros((b, capacity), jnp.int32), last=tok,
                       count=jnp.zeros((b,), jnp.int32), limit=limit, done=limit <= 0, sampling=sb)
     return _record(state, tok, limit > 0, stop_ids)
+
+
+def _prefill(params, cfg: ModelConfig, cache, prompts, put, *, cache_attention=None):
+    """Prefill the prompts in ``batching.prefill_chunks`` (the chunks ``speculative_generate`` uses, so that both
+    hold the same K/V bits); returns (cache, f32[B, V] logits at each prompt's last token). ``put`` places a host
+    array (on the mesh, when there is one)."""
+    b, lengths = len(prompts), np.asarray([len(p) for p in prompts])
+    chunk, n_chunks = prefill_chunks(int(lengths.max()))
+    tokens = np.zeros((b, chunk * n_chunks), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    logits = put(np.zeros((b, cfg.vocab_size), np.float32))
+    for lo in range(0, chunk * n_chunks, chunk):
+        valid = np.arange(lo, lo + chunk)[None, :] < lengths[:, None]
+        last = (lengths > lo) & (lengths <= lo + chunk)
+        cache, logits = _prefill_chunk(params, cfg, cache, put(tokens[:, lo:lo + chunk]), put(valid), put(last),
+                                       logits, cache_attention=cache_attention)
+    return cache, logits
 
 
 @functools.partial(jax.jit, static_argnames=("cfg", "cache_attention"), donate_argnames=("state",))
@@ -97,23 +122,17 @@ def _decode_loop(params, cfg: ModelConfig, state: LoopState, stop_ids, *, cache_
     return jax.lax.while_loop(cond, body, state)
 
 
-def _place_on_mesh(mesh, cache: kv_cache.KVCache, inputs):
-    """KV pages sharded over kv heads on tp (as the attention weights are); everything else replicated."""
+def _place_on_mesh(mesh, cache: kv_cache.KVCache):
+    """KV pages sharded over kv heads on tp (as the attention weights are); every other input replicated."""
     rep = NamedSharding(mesh, P())
     cache = dataclasses.replace(cache, k=put_kv_pool(cache.k, mesh), v=put_kv_pool(cache.v, mesh),
                                 page_table=jax.device_put(cache.page_table, rep),
                                 lengths=jax.device_put(cache.lengths, rep))
-    return cache, jax.device_put(inputs, rep)
+    return cache, functools.partial(jax.device_put, device=rep)
 
 
 def _round_up(n: int, m: int) -> int:
     return -(-n // m) * m
-
-
-def _prompt_bucket(n: int, page_size: int) -> int:
-    """Padded prompt length: the next power of two (>= 64) in whole pages, so that calls with prompts of
-    similar lengths share one compile of the prefill and of the decode loop."""
-    return _round_up(max(64, 1 << (max(n, 1) - 1).bit_length()), page_size)
 
 
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
@@ -126,7 +145,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     is greedy. A row stops after emitting any of ``stop_token_ids`` (default: the config's eos ids; pass ``()`` to
     never stop early). Returns the generated tokens per prompt, the stop token included (as HF ``generate`` returns
     them). Each row draws from its own PRNG stream, so a row's output does not depend on the other rows in the batch.
-    Shapes are bucketed (prompt length to a power of two, budget to 16) so that similar calls share one compile.
+    Shapes are bucketed (prompt length to a power of two in chunks of at most 512, budget to 16) so that similar
+    calls share one compile.
     With ``mesh`` (a (dp, tp) mesh the params are sharded on, e.g. by ``weights.load_target_params``), the KV cache
     is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
     ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
@@ -143,18 +163,15 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     if not limit.any():
         return [[] for _ in prompts]
 
-    t_pad = _prompt_bucket(max(len(p) for p in prompts), page_size)
-    tokens = np.zeros((b, t_pad), np.int32)
-    valid = np.zeros((b, t_pad), bool)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-        valid[i, :len(p)] = True
+    chunk, n_chunks = prefill_chunks(max(len(p) for p in prompts))
     stop = tuple(cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     # Padded with -1 (never a token) to a multiple of 8 so that different stop sets share one compile.
-    stop_ids = jnp.asarray(list(stop) + [-1] * (_round_up(len(stop) + 1, 8) - len(stop)), jnp.int32)
+    stop_ids = np.asarray(list(stop) + [-1] * (_round_up(len(stop) + 1, 8) - len(stop)), np.int32)
 
     capacity = _round_up(int(limit.max()), 16)
-    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, t_pad + capacity,
+    # Prompts up to 64 tokens share one cache shape, hence one compile of the decode loop.
+    prompt_room = _round_up(max(64, chunk * n_chunks), page_size)
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, prompt_room + capacity,
                                 page_size=page_size, dtype=jnp.dtype(cfg.dtype))
     if rows is not None:
         for r in rows:
@@ -162,12 +179,14 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
         sb = sampling.SamplingBatch.from_rows(rows, cfg.vocab_size, prompts)
     else:
         sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    inputs = (jnp.asarray(tokens), jnp.asarray(valid), jnp.asarray(limit, jnp.int32), sb, stop_ids)
+    put = jax.device_put
     if mesh is not None:
-        cache, inputs = _place_on_mesh(mesh, cache, inputs)
+        cache, put = _place_on_mesh(mesh, cache)
+    stop_ids = put(stop_ids)
     with use_mesh(mesh):
-        state = _prefill(params, cfg, cache, *inputs, capacity=capacity, cache_attention=cache_attention)
-        state = _decode_loop(params, cfg, state, inputs[-1], cache_attention=cache_attention)
+        cache, logits = _prefill(params, cfg, cache, prompts, put, cache_attention=cache_attention)
+        state = _start(cache, logits, put(np.asarray(limit, np.int32)), put(sb), stop_ids, capacity=capacity)
+        state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
     out, count = np.asarray(state.out), np.asarray(state.count)
     return [out[i, :count[i]].tolist() for i in range(b)]
 

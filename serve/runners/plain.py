@@ -21,7 +21,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_buckets
+from specjax.batching import MIN_PREFILL_BUCKET, PREFILL_CHUNK, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
@@ -45,7 +45,7 @@ class PlainRunner(RunnerCommon):
     tokens_per_step = 1
 
     def __init__(self, cfg: ModelConfig, params, *, max_batch: int, pages_per_seq: int, page_size: int,
-                 num_pages: int, max_prefill_tokens: int = 512, attention_impl: str = "auto",
+                 num_pages: int, max_prefill_tokens: int = PREFILL_CHUNK, attention_impl: str = "auto",
                  mesh: Mesh | None = None):
         # Per-layer weights (one copy at start-up): every decode step reads them in place (target.unstack_layers).
         self.cfg, self.params, self.mesh = cfg, target.unstack_layers(params), mesh

@@ -17,7 +17,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, page_buckets, pick, pow2_buckets
+from specjax.batching import MIN_PREFILL_BUCKET, PREFILL_CHUNK, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
@@ -26,7 +26,6 @@ from specjax.serve.runners.base import RunnerCommon
 from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
-from specjax.speculative.spec_generate import PREFILL_CHUNK
 from specjax.speculative.tune import TreeChoice
 
 log = logging.getLogger("specjax.serve")

@@ -55,9 +55,9 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[list[int]], str]:
-    """Token ids of the first ``n`` prompts and a note on where they came from."""
-    import numpy as np
+def prompt_texts(spec: str, n: int) -> tuple[list[str], str, bool]:
+    """The first ``n`` prompt texts of ``spec`` ('mtbench' or a file), a note on where they came from, and whether
+    they are chat turns."""
     if spec == "mtbench":
         path, note = None, ""
         try:
@@ -73,18 +73,22 @@ def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[li
         if path is None:
             raise SystemExit("MT-bench questions unavailable: run `python -m specjax.convert fetch-mtbench`")
         with open(path) as f:
-            texts = [json.loads(line)["turns"][0] for line in f if line.strip()][:n]
-        chat = True
-    elif os.path.exists(spec):
+            return [json.loads(line)["turns"][0] for line in f if line.strip()][:n], note, True
+    if os.path.exists(spec):
         with open(spec) as f:
             lines = [line.strip() for line in f if line.strip()]
         texts = [json.loads(x)["turns"][0] if x.startswith("{") else x for x in lines][:n]
-        note, chat = f"{spec} (first {len(texts)})", False
-    elif spec == "random":
+        return texts, f"{spec} (first {len(texts)})", False
+    raise SystemExit(f"--prompts: expected 'mtbench', 'random' or a file, got {spec!r}")
+
+
+def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[list[int]], str]:
+    """Token ids of the first ``n`` prompts and a note on where they came from."""
+    import numpy as np
+    if spec == "random":
         rng = np.random.default_rng(0)
         return rng.integers(100, vocab_size, size=(n, 64)).tolist(), "random 64-token prompts"
-    else:
-        raise SystemExit(f"--prompts: expected 'mtbench', 'random' or a file, got {spec!r}")
+    texts, note, chat = prompt_texts(spec, n)
     if tokenizer is None:
         raise SystemExit("text prompts need a tokenizer in the model folder; use --prompts random")
     from specjax.generate import encode_prompts

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, pow2_bucket, validate_requests
+from specjax.batching import prefill_chunks, validate_requests
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
@@ -41,16 +41,10 @@ def _jitted(name: str, compiler_options: tuple = ()):
 def _options(compiler_options: dict | None) -> tuple:
     return tuple(sorted((compiler_options or {}).items()))
 
-PREFILL_CHUNK = 512
-
-
-
-
 def _prefill_prompts(target_params, target_cfg: ModelConfig, d, scfg, state, prompts, lengths, options: tuple):
-    """Run the prompts through target and draft in power-of-two chunks; returns (state, first token per row)."""
+    """Run the prompts through target and draft in ``prefill_chunks``; returns (state, first token per row)."""
     b = len(prompts)
-    chunk = pow2_bucket(int(lengths.max()), MIN_PREFILL_BUCKET, PREFILL_CHUNK)
-    n_chunks = -(-int(lengths.max()) // chunk)
+    chunk, n_chunks = prefill_chunks(int(lengths.max()))
     full = np.zeros((b, n_chunks * chunk + 1), np.int32)
     for i, p in enumerate(prompts):
         full[i, :len(p)] = p
