@@ -143,6 +143,21 @@ def test_greedy_generate_matches_hf(models, name):
     assert generate(params, cfg, prompts, max_new_tokens=12, page_size=8, stop_token_ids=stop) == ref
 
 
+def test_generate_prefills_long_prompts_in_chunks_like_hf(models):
+    """Prompts over PREFILL_CHUNK tokens are prefilled in chunks (``batching.prefill_chunks``, as speculative
+    decoding does): a row ending in the first chunk and one ending in the second still give HF's greedy tokens."""
+    from specjax.batching import PREFILL_CHUNK, prefill_chunks
+    _, hf, cfg, params = models("llama")
+    n = PREFILL_CHUNK + 88
+    assert prefill_chunks(n) == (PREFILL_CHUNK, 2)
+    rng = np.random.default_rng(2)
+    prompts = [rng.integers(3, VOCAB, size=k).tolist() for k in (n, 300)]
+    with torch.no_grad():
+        ref = [hf.generate(torch.tensor([p]), do_sample=False, max_new_tokens=6, eos_token_id=[2],
+                           pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+    assert generate(params, cfg, prompts, max_new_tokens=6) == ref
+
+
 def _layer_outputs(hf, tokens):
     """Raw (un-normed) output of every decoder layer via forward hooks (HF's last hidden_states entry is normed)."""
     outs = []
