@@ -186,7 +186,13 @@ def gather_layer(k_pages, v_pages, page_table, head_dim: int | None = None):
     b, pps = page_table.shape
     h = head_dim or k_pages.shape[-1]
     kh, z = k_pages.shape[1], page_size_of(k_pages, h)
-    take = lambda pages: on_bits(lambda pool: pool[page_table], pages)
-    k = jnp.swapaxes(unpack_pages(take(k_pages), h), 2, 3).reshape(b, pps * z, kh, h)
-    v = jnp.swapaxes(unpack_pages(take(v_pages), h), 2, 3).reshape(b, pps * z, kh, h)
+    k, v = (jnp.swapaxes(take_pages(pages, page_table, h), 2, 3).reshape(b, pps * z, kh, h)
+            for pages in (k_pages, v_pages))
     return k, v
+
+
+def take_pages(pages, at, head_dim: int):
+    """The pages ``pages[at]`` of a pool ([P, K, Z, H], lane-packed [P, K, Z/f, f*H], or stacked over layers with
+    ``at = (layer, cols)``), unpacked to [..., K, Z, H]; half-precision pools are indexed on their bits on a CPU
+    (``on_bits``)."""
+    return unpack_pages(on_bits(lambda pool: pool[at], pages), head_dim)

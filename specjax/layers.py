@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.kv_cache import HALF_DTYPES, gather_layer, on_bits, page_size_of, unpack_pages, write as kv_write
+from specjax.kv_cache import HALF_DTYPES, gather_layer, page_size_of, take_pages, write as kv_write
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
 
@@ -319,7 +319,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
         cols = jax.lax.dynamic_slice_in_dim(pt, j * bp, bp, axis=1)  # i32[B, bp]
         at = cols if layer is None else (layer, cols)
         # [B, bp, K, Z, H], used in this layout (no transpose of the pages; a packed block is unpacked, not the pool)
-        kb, vb = (unpack_pages(on_bits(lambda pool: pool[at], pages), h) for pages in (k_pages, v_pages))
+        kb, vb = (take_pages(pages, at, h) for pages in (k_pages, v_pages))
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
         valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
         if keys_in_pool:  # slot lengths[b] + j holds new token j, seen under mask[b, :, j]

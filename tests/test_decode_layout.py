@@ -64,12 +64,17 @@ def test_batch1_decode_step_reads_weights_in_place(model):
     assert weight_copies(_decode_step_hlo(cfg, target.unstack_layers(params)), cfg) == []
 
 
+def _loop_state(params, cfg, cache, stop):
+    """``generate``'s state after prefilling one 16-token prompt, with a budget of 8 tokens."""
+    cache, logits = gen._prefill(params, cfg, cache, [[1] * 16], jax.device_put)
+    return gen._start(cache, logits, jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
+
+
 def test_generate_loop_reads_weights_in_place(model):
     cfg, params = model
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
     stop = jnp.full((8,), -1, jnp.int32)
-    state = gen._prefill(params, cfg, cache, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool),
-                         jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
+    state = _loop_state(params, cfg, cache, stop)
     # Stacked params as the user passes them: the loop unstacks once, outside the while loop.
     hlo = gen._decode_loop.lower(params, cfg, state, stop).compile().as_text()
     body = hlo[:hlo.index("\nENTRY ")]  # computations other than the entry (the while body among them)
@@ -322,8 +327,7 @@ def test_half_precision_decode_reads_table_and_pool_in_place():
     assert _materialised(hlo, table) == []
     assert pool_copies(hlo, cache.k) == [] and not re.search(r"= f32\[" + pool + r"\]", hlo)  # no f32 pool
     stop = jnp.full((8,), -1, jnp.int32)
-    state = gen._prefill(params, cfg, cache, jnp.ones((1, 16), jnp.int32), jnp.ones((1, 16), bool),
-                         jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
+    state = _loop_state(params, cfg, cache, stop)
     for p, copies in ((dataclasses.replace(params, embed_bits=None), True), (params, False)):
         hlo = gen._decode_loop.lower(p, cfg, state, stop).compile().as_text()
         body = hlo[:hlo.index("\nENTRY ")]
