@@ -186,7 +186,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     with use_mesh(mesh):
         cache, logits = _prefill(params, cfg, cache, prompts, put, cache_attention=cache_attention)
         state = _start(cache, logits, put(np.asarray(limit, np.int32)), put(sb), stop_ids, capacity=capacity)
-        state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
+        if limit.max() > 1:  # else every row is done with its first token: no loop to compile or run
+            state = _decode_loop(params, cfg, state, stop_ids, cache_attention=cache_attention)
     out, count = np.asarray(state.out), np.asarray(state.count)
     return [out[i, :count[i]].tolist() for i in range(b)]
 

@@ -120,10 +120,10 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     out = step_lib.LoopOut(tokens=jnp.zeros((b, cap), jnp.int32).at[:, 0].set(jnp.asarray(first)),
                            num_tokens=jnp.asarray(np.minimum(budget, 1)), verify_steps=jnp.zeros((b,), jnp.int32),
                            step_counts=jnp.zeros((b, cap), jnp.int32))
-    done = jnp.asarray(np.isin(first, np.asarray(stop)) | (budget <= 1))
-    max_new = jnp.asarray(budget)
-    state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out, done,
-                                                             max_new, stop_ids)
+    done = np.isin(first, np.asarray(stop)) | (budget <= 1)
+    if not done.all():  # every row done after its first token (e.g. max_new_tokens=1): no loop to compile or run
+        state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out,
+                                                                 jnp.asarray(done), jnp.asarray(budget), stop_ids)
     toks, num, steps, counts = (np.asarray(a) for a in (out.tokens, out.num_tokens, out.verify_steps,
                                                         out.step_counts))
     outputs = [toks[i, :num[i]].tolist() for i in range(b)]
