@@ -58,6 +58,22 @@ def prefill_chunks(longest: int) -> tuple[int, int]:
     return chunk, -(-longest // chunk)
 
 
+def prefill_plan(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[tuple[int, int, np.ndarray, np.ndarray]]]:
+    """The prompts right-padded to whole ``prefill_chunks`` plus one column (i32[B, n * chunk + 1], zeros past each
+    prompt, so that column c + 1 holds the token after column c), and per chunk (lo, hi, valid bool[B, hi - lo],
+    last bool[B]: the rows whose prompt ends in it)."""
+    lengths = np.asarray([len(p) for p in prompts])
+    chunk, n_chunks = prefill_chunks(int(lengths.max()))
+    tokens = np.zeros((len(prompts), n_chunks * chunk + 1), np.int32)
+    for i, p in enumerate(prompts):
+        tokens[i, :len(p)] = p
+    plan = []
+    for lo in range(0, n_chunks * chunk, chunk):
+        hi = lo + chunk
+        plan.append((lo, hi, np.arange(lo, hi)[None, :] < lengths[:, None], (lengths > lo) & (lengths <= hi)))
+    return tokens, plan
+
+
 def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,
                       min_p) -> np.ndarray:
     """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget or bad sampling

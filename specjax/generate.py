@@ -26,7 +26,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import prefill_chunks, validate_requests
+from specjax.batching import prefill_chunks, prefill_plan, validate_requests
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
@@ -87,20 +87,14 @@ def _start(cache, logits, limit, sb, stop_ids, *, capacity: int) -> LoopState:
 
 
 def _prefill(params, cfg: ModelConfig, cache, prompts, put, *, cache_attention=None):
-    """Prefill the prompts in ``batching.prefill_chunks`` (the chunks ``speculative_generate`` uses, so that both
+    """Prefill the prompts in ``batching.prefill_plan``'s chunks (those ``speculative_generate`` uses, so that both
     hold the same K/V bits); returns (cache, f32[B, V] logits at each prompt's last token). ``put`` places a host
     array (on the mesh, when there is one)."""
-    b, lengths = len(prompts), np.asarray([len(p) for p in prompts])
-    chunk, n_chunks = prefill_chunks(int(lengths.max()))
-    tokens = np.zeros((b, chunk * n_chunks), np.int32)
-    for i, p in enumerate(prompts):
-        tokens[i, :len(p)] = p
-    logits = put(np.zeros((b, cfg.vocab_size), np.float32))
-    for lo in range(0, chunk * n_chunks, chunk):
-        valid = np.arange(lo, lo + chunk)[None, :] < lengths[:, None]
-        last = (lengths > lo) & (lengths <= lo + chunk)
-        cache, logits = _prefill_chunk(params, cfg, cache, put(tokens[:, lo:lo + chunk]), put(valid), put(last),
-                                       logits, cache_attention=cache_attention)
+    tokens, plan = prefill_plan(prompts)
+    logits = put(np.zeros((len(prompts), cfg.vocab_size), np.float32))
+    for lo, hi, valid, last in plan:
+        cache, logits = _prefill_chunk(params, cfg, cache, put(tokens[:, lo:hi]), put(valid), put(last), logits,
+                                       cache_attention=cache_attention)
     return cache, logits
 
 

@@ -344,8 +344,11 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     held = lengths + t if keys_in_pool else lengths  # the keys the blocks read, per row
     nblocks = jnp.minimum((held.max() + bp * z - 1) // (bp * z), nblocks_max)
     m, l, acc = jax.lax.fori_loop(0, nblocks, block, carry)
+    def normalised(l, acc):  # rows that see nothing (padding) give 0, never read
+        return acc / jnp.where(l > 0, l, 1.0)[..., None]
+
     if keys_in_pool:
-        return merge_kv_heads([acc / jnp.where(l > 0, l, 1.0)[..., None]]).astype(q.dtype)
+        return merge_kv_heads([normalised(l, acc)]).astype(q.dtype)
     # the new tokens, kv-head-major: [B, K, G, T, H] queries, [B, K, Tk, H] keys and values
     qk, kk, vk = kv_head_major(q, k, jnp.where(mask.any(1)[:, :, None, None], v, 0))
     outs = []
@@ -356,7 +359,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
                               mask[:, a:z, :e],
                               lambda p: jnp.einsum("bkgts,bksh->bkgth", p.astype(vk.dtype), vk[:, :, :e],
                                                    preferred_element_type=jnp.float32))
-        outs.append(acc_ / jnp.where(l_ > 0, l_, 1.0)[..., None])  # rows that see nothing (padding) give 0, never read
+        outs.append(normalised(l_, acc_))
     return merge_kv_heads(outs).astype(q.dtype)
 
 

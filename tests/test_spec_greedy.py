@@ -113,7 +113,7 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
     scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
     prompts = models["prompts"]
     state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
-    state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, np.array([len(p) for p in prompts]), ())
+    state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
     active = jnp.array([True, True, False, True])
 
     def full_commit(state):

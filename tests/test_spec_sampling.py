@@ -176,7 +176,7 @@ def test_target_only_steps_sample_the_target(setup, joint):
     sb = sampling.SamplingBatch.make(N, temperature=[TEMP] * N, top_k=TOP_K, top_p=TOP_P, min_p=0.0,
                                      seed=list(range(N)), vocab=cfg.vocab_size, width=scfg.tokens_per_step)
     state = dataclasses.replace(spec_step.init_state(cfg, d, scfg, N, 16, page_size=16), sampling=sb)
-    state, first = _prefill_prompts(tp, cfg, d, scfg, state, [PROMPT] * N, np.full(N, len(PROMPT)), ())
+    state, first = _prefill_prompts(tp, cfg, d, scfg, state, [PROMPT] * N, ())
     step = jax.jit(spec_step.target_step, static_argnums=(1, 3))
     cols = [np.asarray(first)]
     for _ in range(2):

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling as sampling_lib
-from specjax.batching import prefill_chunks, validate_requests
+from specjax.batching import prefill_plan, validate_requests
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
@@ -41,21 +41,15 @@ def _jitted(name: str, compiler_options: tuple = ()):
 def _options(compiler_options: dict | None) -> tuple:
     return tuple(sorted((compiler_options or {}).items()))
 
-def _prefill_prompts(target_params, target_cfg: ModelConfig, d, scfg, state, prompts, lengths, options: tuple):
-    """Run the prompts through target and draft in ``prefill_chunks``; returns (state, first token per row)."""
-    b = len(prompts)
-    chunk, n_chunks = prefill_chunks(int(lengths.max()))
-    full = np.zeros((b, n_chunks * chunk + 1), np.int32)
-    for i, p in enumerate(prompts):
-        full[i, :len(p)] = p
-    first = np.zeros((b,), np.int32)
+def _prefill_prompts(target_params, target_cfg: ModelConfig, d, scfg, state, prompts, options: tuple):
+    """Run the prompts through target and draft in ``batching.prefill_plan``'s chunks; returns (state, first token
+    per row)."""
+    tokens, plan = prefill_plan(prompts)
+    first = np.zeros((len(prompts),), np.int32)
     prefill_fn = _jitted("prefill", options)
-    for c in range(n_chunks):
-        lo, hi = c * chunk, (c + 1) * chunk
-        valid = np.arange(lo, hi)[None, :] < lengths[:, None]
-        last = (lengths > lo) & (lengths <= hi)
-        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(full[:, lo:hi]),
-                              jnp.asarray(full[:, lo + 1:hi + 1]), jnp.asarray(valid), jnp.asarray(last))
+    for lo, hi, valid, last in plan:
+        state, f = prefill_fn(target_params, target_cfg, d, scfg.for_prefill(), state, jnp.asarray(tokens[:, lo:hi]),
+                              jnp.asarray(tokens[:, lo + 1:hi + 1]), jnp.asarray(valid), jnp.asarray(last))
         first = np.where(last, np.asarray(f), first)
     return state, first
 
@@ -112,7 +106,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                                              seed=seed, vocab=target_cfg.vocab_size, width=scfg.tokens_per_step)
     state = dataclasses.replace(state, sampling=sb)
 
-    state, first = _prefill_prompts(target_params, target_cfg, d, scfg, state, prompts, lengths,
+    state, first = _prefill_prompts(target_params, target_cfg, d, scfg, state, prompts,
                                     _options(compiler_options))
     stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
