@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax.kernels import cpu_dense
 from specjax.kv_cache import HALF_DTYPES, gather_layer, page_size_of, take_pages, write as kv_write
 
 NEG_INF = -1e30  # finite so that fully masked rows give uniform probs instead of NaN (they are never read)
@@ -101,12 +102,21 @@ def dense(x, w, *, preferred_element_type=None):
     arithmetic of a one-row decode step.
     Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
     other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
-    dot. Half-precision operands on a CPU take ``half_dot``."""
+    dot. Half-precision operands on a CPU take ``half_dot``.
+    Where specjax's CPU kernels are built (``kernels.cpu_dense``), a CPU product of fp32 or bf16 operands with at
+    most ``cpu_dense.MAX_TOKENS`` rows per sequence (a decode step, a verified tree, a draft step, at any batch) runs
+    there instead: one pass over w shared by the threads of a pool, bf16 read as bf16, and each row's bits
+    independent of the rows beside it."""
     rows = math.prod(x.shape[:-1])
 
     def one_dot(x, w):
         return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
 
+    if cpu_dense.supports(x, w) and preferred_element_type in (None, jnp.float32):
+        def kernel(x, w):
+            y = cpu_dense.dense(x.reshape(rows, x.shape[-1]), w.reshape(w.shape[0], -1))
+            return y.reshape(*x.shape[:-1], *w.shape[1:]).astype(preferred_element_type or x.dtype)
+        return jax.lax.platform_dependent(x, w, cpu=kernel, default=one_dot)
     if is_half(x, w):
         out_dtype = preferred_element_type or x.dtype
         return jax.lax.platform_dependent(
@@ -155,12 +165,17 @@ def unembed(x, table):
     the bandwidth of its one-row product: 4 rows took 2.5-3x one row's time against ~1.5x this way
     (docs/benchmarks.md, eleventh session). One row, more rows and other platforms keep the one dot. A
     half-precision table on a CPU takes ``half_dot`` (3.5-4.5 ms for 1-8 rows of SmolLM2's bf16 table, against
-    4.6-5.8 ms for the fp32 paths)."""
+    4.6-5.8 ms for the fp32 paths). Where specjax's CPU kernels are built, an fp32 or bf16 table runs there for
+    the rows ``dense`` sends to them (``kernels.cpu_dense.unembed``: table rows shared among a pool's threads)."""
     rows = math.prod(x.shape[:-1])
 
     def one_dot(x, table):
         return jnp.einsum("...d,vd->...v", x, table, preferred_element_type=jnp.float32)
 
+    if cpu_dense.supports(x, table):
+        def kernel(x, table):
+            return cpu_dense.unembed(x.reshape(rows, x.shape[-1]), table).reshape(*x.shape[:-1], table.shape[0])
+        return jax.lax.platform_dependent(x, table, cpu=kernel, default=one_dot)
     if is_half(x, table):
         return jax.lax.platform_dependent(x, table, cpu=lambda x, t: half_dot(x, t, dims="cd,od->co"),
                                           default=one_dot)

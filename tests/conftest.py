@@ -18,6 +18,9 @@ if FAST_COMPILE:
         if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
             os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# specjax's CPU kernels on the calling thread only: two pytest workers share this machine's cores, and a pool thread
+# spinning for work would take a core from the other worker. tests/test_cpu_dense.py runs the pool itself.
+os.environ.setdefault("SPECJAX_CPU_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

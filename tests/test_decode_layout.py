@@ -11,6 +11,7 @@ import pytest
 from spec_models import random_models, tiny_config
 
 from specjax import generate as gen, kv_cache, layers, plain_step as decode, sampling
+from specjax.kernels import cpu_dense
 from specjax.config import ModelConfig
 from specjax.models import target
 from specjax.serve.runners import spec as spec_runner
@@ -216,11 +217,12 @@ def _dots(hlo: str) -> list[str]:
     return re.findall(r"= \w+\[([\d,]*)\]\{[\d,]*\} dot\(", hlo)
 
 
+@cpu_dense.disabled()
 def test_small_row_products_run_rowwise_on_cpu(model):
-    """A dense layer over 2-4 rows (a verified tree, a small batch) is one matrix-vector product per row on a CPU
-    (XLA:CPU's GEMM over a few rows read the weights at a third of its one-row bandwidth), reading the weights in
-    place, with each row's numbers equal to a one-row product's; more rows, or a weight past the cache bound, stay
-    one dot."""
+    """Without specjax's CPU kernels (no compiler): a dense layer over 2-4 rows (a verified tree, a small batch) is
+    one matrix-vector product per row on a CPU (XLA:CPU's GEMM over a few rows read the weights at a third of its
+    one-row bandwidth), reading the weights in place, with each row's numbers equal to a one-row product's; more
+    rows, or a weight past the cache bound, stay one dot."""
     cfg, params = model
     rng = np.random.default_rng(0)
     w = jnp.asarray(rng.standard_normal((80, 4, 24)), jnp.float32)
@@ -253,8 +255,9 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 5 * cfg.num_layers  # qkv, o, gate, up, down per row
 
 
+@cpu_dense.disabled()
 def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():
-    """Tied logits over 2..8 rows (a verified tree, a small batch) are one multiply-and-sum pass over the embedding
+    """Without specjax's CPU kernels: tied logits over 2..8 rows (a verified tree, a small batch) are one multiply-and-sum pass over the embedding
     table on a CPU: no few-row GEMM, no [V, rows, D] product in memory, the same argmax and values within fp32
     rounding of the one dot; one row keeps its one dot."""
     rng = np.random.default_rng(1)
@@ -283,10 +286,21 @@ def _materialised(hlo: str, *shapes: str) -> list[str]:
             if (m := _INST.match(line)) and m.group(2) in shapes and m.group(3) not in _VIEWS]
 
 
-def test_half_precision_products_on_cpu():
+@pytest.mark.parametrize("kernels", [True, False])
+def test_half_precision_products_on_cpu(kernels):
     """bf16 weights on a CPU: every product accumulates in f32 (XLA:CPU's half-precision one-row dot is a naive
     loop several times slower than fp32; its f32-result dots over 2+ rows go to YNNPACK), and each row's numbers
-    are the one-row product's whatever the row count, so a verified tree row equals a decode step's row."""
+    are the one-row product's whatever the row count, so a verified tree row equals a decode step's row: in
+    specjax's CPU kernels and in the fallback without them."""
+    if kernels:
+        assert cpu_dense.available()
+        _half_precision_products()
+    else:
+        with cpu_dense.disabled():
+            _half_precision_products()
+
+
+def _half_precision_products():
     rng = np.random.default_rng(2)
     w = jnp.asarray(rng.standard_normal((80, 4, 24)) * 0.1, jnp.bfloat16)
     table = jnp.asarray(rng.standard_normal((300, 80)) * 0.1, jnp.bfloat16)
@@ -363,7 +377,8 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
     forward (its K/V written first and read back from the pool, ``keys_in_pool``) gives every row of a bf16 model
     exactly the hidden state and logits a one-token decode step computes at that position (its products are
     row-count independent), for rows of different lengths in one batch. fp32 agrees to rounding: above
-    ``layers.ROWWISE_MAX_ROWS`` rows its products are one dot, and its few-row tied logits another pass."""
+    ``layers.ROWWISE_MAX_ROWS`` rows its products are one dot, and its few-row tied logits another pass. With
+    specjax's CPU kernels (every product of up to ``cpu_dense.MAX_TOKENS`` rows per sequence) fp32 is exact too."""
     smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                 head_dim=64)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at these sizes
     cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
@@ -387,7 +402,7 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
                                                  return_hidden=True))
     out = verify(cache, chain)
     for i, s in enumerate(steps):
-        if dtype == "bfloat16":
+        if dtype == "bfloat16" or cpu_dense.available():
             np.testing.assert_array_equal(out.hidden[:, i], s.hidden[:, 0])
             np.testing.assert_array_equal(out.logits[:, i], s.logits)
         else:  # 10 rows: one fp32 dot, not ``dense``'s per-row products

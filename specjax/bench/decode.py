@@ -129,8 +129,9 @@ def _rates(batch: int, n: int, t_full: float, t_first: float) -> dict:
 
 
 def set_cpu_threads(n: int) -> None:
-    """Limit torch and XLA:CPU to ``n`` threads. XLA reads its flags when the backend starts, so this must run before
-    the first JAX computation (``main`` calls it first)."""
+    """Limit torch, XLA:CPU and specjax's CPU kernels to ``n`` threads. XLA reads its flags when the backend starts,
+    so this must run before the first JAX computation (``main`` calls it first)."""
+    os.environ["SPECJAX_CPU_THREADS"] = str(n)  # read when kernels.cpu_dense loads its library
     flags = os.environ.get("XLA_FLAGS", "")
     flags += f" --xla_cpu_multi_thread_eigen={'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}"
     os.environ["XLA_FLAGS"] = flags.strip()

@@ -212,9 +212,7 @@ def compute_logits(params: TargetParams, hidden):
     if params.lm_head is None:
         # Contract against embed [V, D] as stored: ``embed.T`` made XLA:CPU copy the whole table on every step.
         return layers.unembed(hidden, params.embed)
-    if layers.is_half(hidden, params.lm_head):
-        return layers.dense(hidden, params.lm_head, preferred_element_type=jnp.float32)  # CPU: ``half_dot``
-    return jnp.einsum("...d,dv->...v", hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return layers.dense(hidden, params.lm_head, preferred_element_type=jnp.float32)
 
 
 def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,

@@ -1,0 +1,195 @@
+"""CPU products over a few rows (a batch-1 decode step, a verified tree, a draft step) as XLA FFI custom calls.
+
+XLA:CPU runs each matrix-vector product on one thread and its bf16 dot with an f32 result no faster than fp32, so a
+batch-1 decode step read its weights at one core's rate whatever the thread count, and bf16 weights bought nothing
+(docs/benchmarks.md). ``dense.cc`` splits each product into chunks that a small pool of threads takes in turn, reads
+bf16 weights as bf16, and gives every output element one fixed sequence of fused multiply-adds: its bits do not
+depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
+
+The library is compiled from ``dense.cc`` with the system C++ compiler on first use (a few seconds; ``-march=native``)
+into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and registered with XLA. Without a
+compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers.dense`` keeps XLA's own dots.
+``SPECJAX_CPU_THREADS`` (default: the CPUs this process may run on) or ``set_threads`` sets the pool size.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import jaxlib
+
+from specjax.batching import MIN_PREFILL_BUCKET
+from specjax.hub import default_cache_dir
+
+__all__ = ["available", "supports", "disabled", "dense", "unembed", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+
+log = logging.getLogger("specjax")
+
+SOURCE = Path(__file__).with_name("dense.cc")
+# Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
+# 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
+# the decode step it must equal, bit for bit. Prefill chunks (never shorter than MIN_PREFILL_BUCKET tokens) keep
+# XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the kernels, a 32-token prefill ran
+# 10-55% slower; docs/benchmarks.md).
+MAX_TOKENS = MIN_PREFILL_BUCKET - 1
+DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
+FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
+
+
+def _cpu_signature() -> str:
+    """What ``-march=native`` depends on: the CPU model and its flags."""
+    try:
+        info = Path("/proc/cpuinfo").read_text()
+        lines = [ln for ln in info.splitlines() if ln.startswith(("model name", "flags"))][:2]
+    except OSError:
+        lines = [platform.processor()]
+    return "\n".join(lines + [platform.machine()])
+
+
+def library_path() -> Path:
+    """Where the compiled library for this source, jaxlib and CPU lives."""
+    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, " ".join(FLAGS), _cpu_signature()])
+                         .encode()).hexdigest()[:16]
+    return Path(default_cache_dir()) / "kernels" / f"specjax_cpu_dense_{key}.so"
+
+
+def _compile(out: Path) -> None:
+    """Compile dense.cc into ``out`` (written under a temporary name and renamed, so concurrent builds are safe)."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    cxx = os.environ.get("CXX", "c++")
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+    os.close(fd)
+    try:
+        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
+        os.replace(tmp, out)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+@functools.cache
+def _library() -> ctypes.CDLL | None:
+    if os.environ.get("SPECJAX_CPU_KERNELS", "1") == "0":
+        return None
+    path = library_path()
+    try:
+        if not path.exists():
+            log.info("compiling specjax's CPU kernels into %s", path)
+            _compile(path)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.SubprocessError) as e:
+        detail = getattr(e, "stderr", "") or ""
+        log.warning("specjax's CPU kernels are not available (%s%s); products use XLA's dots",
+                    e, f": {detail.strip()[-500:]}" if detail else "")
+        return None
+    lib.specjax_cpu_set_threads.argtypes = [ctypes.c_int]
+    lib.specjax_cpu_threads.restype = ctypes.c_int
+    jax.ffi.register_ffi_target("specjax_dense", jax.ffi.pycapsule(lib.SpecjaxDense), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_unembed", jax.ffi.pycapsule(lib.SpecjaxUnembed), platform="cpu")
+    lib.specjax_cpu_set_threads(_env_threads())
+    return lib
+
+
+def _env_threads() -> int:
+    value = os.environ.get("SPECJAX_CPU_THREADS", "")
+    if value:
+        try:
+            n = int(value)
+        except ValueError:
+            raise ValueError(f"SPECJAX_CPU_THREADS must be a positive integer, got {value!r}") from None
+        if n < 1:
+            raise ValueError(f"SPECJAX_CPU_THREADS must be a positive integer, got {value!r}")
+        return n
+    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+
+
+def available() -> bool:
+    """Whether the kernels are compiled and registered (compiles them on the first call)."""
+    return _library() is not None
+
+
+def set_threads(n: int) -> None:
+    """Threads for the kernels' products (1: the calling thread only). Also sets ``SPECJAX_CPU_THREADS`` so that a
+    library loaded later starts with it."""
+    if n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    os.environ["SPECJAX_CPU_THREADS"] = str(n)
+    lib = _library()
+    if lib is not None:
+        lib.specjax_cpu_set_threads(n)
+
+
+def threads() -> int:
+    lib = _library()
+    return lib.specjax_cpu_threads() if lib is not None else 1
+
+
+_disabled = [False]
+
+
+@contextmanager
+def disabled():
+    """Trace ``layers`` with XLA's own dots (their CPU fallbacks) inside this block, as without a compiler."""
+    _disabled[0], before = True, _disabled[0]
+    try:
+        yield
+    finally:
+        _disabled[0] = before
+
+
+def tokens_per_sequence(x) -> int:
+    """T of x [..., T, C] (for a 2-D x [rows, C]: its rows)."""
+    return x.shape[-2] if x.ndim >= 2 else 1
+
+
+def supports(x, w) -> bool:
+    """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), at
+    most MAX_TOKENS rows per sequence, the kernels built and not ``disabled``."""
+    return (x.dtype == w.dtype and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
+            and tokens_per_sequence(x) <= MAX_TOKENS and not _disabled[0] and available())
+
+
+def _call(target: str, x2, w2, out_cols: int):
+    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], out_cols), jnp.float32),
+                            vmap_method="sequential")(x2, w2)
+
+
+@jax.custom_jvp
+def dense(x2, w2):
+    """x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32 or both bfloat16). Differentiable: the tangents are XLA
+    dots."""
+    return _call("specjax_dense", x2, w2, w2.shape[1])
+
+
+@dense.defjvp
+def _dense_jvp(primals, tangents):
+    x2, w2 = primals
+    dx, dw = tangents
+    f32 = dict(preferred_element_type=jnp.float32)
+    return dense(x2, w2), jnp.dot(dx, w2, **f32) + jnp.dot(x2, dw, **f32)
+
+
+@jax.custom_jvp
+def unembed(x2, table):
+    """x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head)."""
+    return _call("specjax_unembed", x2, table, table.shape[0])
+
+
+@unembed.defjvp
+def _unembed_jvp(primals, tangents):
+    x2, table = primals
+    dx, dt = tangents
+    f32 = dict(preferred_element_type=jnp.float32)
+    return unembed(x2, table), jnp.dot(dx, table.T, **f32) + jnp.dot(x2, dt.T, **f32)

@@ -1,0 +1,130 @@
+"""specjax's CPU product kernels (``kernels.cpu_dense``): agreement with XLA's dots, bits independent of the row and
+thread counts, autodiff and vmap, concurrent callers, and that ``layers.dense`` / ``layers.unembed`` route to them."""
+
+import concurrent.futures
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import layers
+from specjax.kernels import cpu_dense
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's dots)")
+
+# (C, O): one contraction block (C < 256), several blocks with a row tail (C % 16 != 0), a column tail (O % 16 != 0)
+SHAPES = [(64, 48), (200, 37), (576, 96), (1000, 130)]
+
+
+def _operands(rows, c, o, dtype, seed=0):
+    kx, kw = jax.random.split(jax.random.key(seed))
+    x = jax.random.normal(kx, (rows, c), jnp.float32).astype(dtype)
+    w = (jax.random.normal(kw, (c, o), jnp.float32) / np.sqrt(c)).astype(dtype)
+    return x, w
+
+
+def _reference(x, w):
+    return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert cpu_dense.available(), "the kernels failed to build (see the specjax log warning)"
+    before = cpu_dense.threads()
+    yield
+    cpu_dense.set_threads(before)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("c,o", SHAPES)
+def test_dense_matches_float64_reference(dtype, c, o):
+    x, w = _operands(8, c, o, dtype)
+    got = np.asarray(jax.jit(cpu_dense.dense)(x, w))
+    assert got.dtype == np.float32 and got.shape == (8, o)
+    np.testing.assert_allclose(got, _reference(x, w), rtol=0, atol=1e-4 * np.sqrt(c))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_unembed_matches_float64_reference(dtype):
+    x, table_t = _operands(5, 200, 300, dtype)
+    table = table_t.T
+    got = np.asarray(jax.jit(cpu_dense.unembed)(x, table))
+    np.testing.assert_allclose(got, _reference(x, table_t), rtol=0, atol=1e-4 * np.sqrt(200))
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_bits_do_not_depend_on_rows_or_threads(dtype):
+    """A row's result is the same bits alone, among 2..8 rows, and on 1 or 2 threads: a verified tree row equals the
+    one-row decode step bit for bit."""
+    x, w = _operands(19, 1000, 130, dtype, seed=1)
+    table = _operands(1, 130, 1000, dtype, seed=2)[1]  # [V=130, D=1000]
+    dense, unembed = jax.jit(cpu_dense.dense), jax.jit(cpu_dense.unembed)
+    results = []
+    for n in (1, 2):
+        cpu_dense.set_threads(n)
+        assert cpu_dense.threads() == n
+        full = np.asarray(dense(x, w)), np.asarray(unembed(x, table))
+        for rows in (1, 2, 3, 5, 7, 8, 9, 16, 18):
+            part = np.asarray(dense(x[:rows], w)), np.asarray(unembed(x[:rows], table))
+            np.testing.assert_array_equal(part[0], full[0][:rows])
+            np.testing.assert_array_equal(part[1], full[1][:rows])
+        one = np.asarray(dense(x[5:6], w))
+        np.testing.assert_array_equal(one, full[0][5:6])
+        results.append(full)
+    for a, b in zip(*results):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_concurrent_callers_get_their_own_results():
+    """Two threads calling at once (two devices of one process): one takes the pool, the other runs alone."""
+    cpu_dense.set_threads(2)
+    dense = jax.jit(cpu_dense.dense)
+    cases = [_operands(r, 576, 384, jnp.float32, seed=r) for r in (1, 3, 8, 2)]
+    want = [np.asarray(dense(x, w)) for x, w in cases]
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        for _ in range(5):
+            got = list(pool.map(lambda xw: np.asarray(dense(*xw)), cases))
+            for g, e in zip(got, want):
+                np.testing.assert_array_equal(g, e)
+
+
+def test_gradients_and_vmap():
+    x, w = _operands(3, 200, 37, jnp.float32)
+
+    def loss(f):
+        return lambda x, w: jnp.sum(jnp.sin(f(x, w)))
+
+    got = jax.grad(loss(cpu_dense.dense), argnums=(0, 1))(x, w)
+    want = jax.grad(loss(lambda a, b: jnp.dot(a, b, precision="highest")), argnums=(0, 1))(x, w)
+    for g, e in zip(got, want):
+        np.testing.assert_allclose(np.asarray(g), np.asarray(e), rtol=1e-5, atol=1e-5)
+    xs = jnp.stack([x, 2 * x])
+    np.testing.assert_allclose(np.asarray(jax.vmap(cpu_dense.dense, (0, None))(xs, w)),
+                               np.stack([_reference(x, w), _reference(2 * x, w)]), atol=1e-3)
+
+
+def _targets(f, *args) -> str:
+    return jax.jit(f).lower(*args).compile().as_text()
+
+
+def test_layers_route_few_rows_to_the_kernels():
+    """``layers.dense`` / ``layers.unembed`` call the kernels for fp32/bf16 x [..., T, C] with T <= MAX_TOKENS on a
+    CPU, at any batch; longer chunks, other dtypes and ``disabled()`` keep XLA's dot."""
+    t_max = cpu_dense.MAX_TOKENS
+    for dtype in (jnp.float32, jnp.bfloat16):
+        w = jnp.ones((64, 4, 8), dtype)
+        table = jnp.ones((100, 64), dtype)
+        for shape, expect in (((1, 1, 64), True), ((16, 1, 64), True), ((3, t_max, 64), True),
+                              ((1, t_max + 1, 64), False)):
+            x = jnp.ones(shape, dtype)
+            assert ("specjax_dense" in _targets(layers.dense, x, w)) is expect
+            assert ("specjax_unembed" in _targets(layers.unembed, x, table)) is expect
+        y = layers.dense(jnp.ones((2, 64), dtype), w)
+        assert y.shape == (2, 4, 8) and y.dtype == dtype
+    x16, w16 = jnp.ones((2, 64), jnp.float16), jnp.ones((64, 8), jnp.float16)
+    assert "specjax_dense" not in _targets(layers.dense, x16, w16)
+    with cpu_dense.disabled():
+        assert "specjax_dense" not in _targets(layers.dense, jnp.ones((1, 1, 64)), jnp.ones((64, 8)))
