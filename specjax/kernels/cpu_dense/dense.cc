@@ -8,7 +8,7 @@
 // weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
 // front to back, sixteen rows of w at a time, into its own partial sums, added in block order), ``unembed`` into
-// runs of table rows. Each block of w serves eight rows of x at a time while it is in cache. Every output element
+// runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache. Every output element
 // is one fixed sequence of operations, so its bits do not depend on the number of rows, the number of threads, or
 // which thread computed it (tests/test_cpu_dense.py).
 #include <algorithm>
@@ -308,63 +308,55 @@ inline float FinishDot(const float (&lanes)[kLanes], const float* x, const T* t,
   return s;
 }
 
-// Table rows v (and v + 1 when ``pair``) against rows r0..r0+R of x: each x vector is loaded once for both.
+// Table row v against rows r0..r0+R of x: the row is loaded once per vector for all R.
 template <typename T, int R>
-void UnembedPair(const UnembedJob<T>& j, int64_t r0, int64_t v, bool pair) {
+void UnembedRow(const UnembedJob<T>& j, int64_t r0, int64_t v) {
   const int64_t D = j.d_dim, V = j.v_dim, d_vec = D / kLanes * kLanes;
   const float* __restrict x = j.x + r0 * D;
-  const T* t0 = j.t + v * D;
-  const T* t1 = pair ? t0 + D : t0;
-  float lanes[2][R][kLanes];
+  const T* tv = j.t + v * D;
+  float lanes[R][kLanes];
 #if defined(__AVX512F__)
-  __m512 a0[R], a1[R];
-  for (int r = 0; r < R; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  __m512 acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t d = 0; d < d_vec; d += kLanes) {
-    const __m512 l0 = Load16(t0 + d), l1 = Load16(t1 + d);
-    for (int r = 0; r < R; ++r) {
-      const __m512 xv = _mm512_loadu_ps(x + r * D + d);
-      a0[r] = _mm512_fmadd_ps(xv, l0, a0[r]);
-      a1[r] = _mm512_fmadd_ps(xv, l1, a1[r]);
-    }
+    const __m512 tl = Load16(tv + d);
+    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * D + d), tl, acc[r]);
   }
-  for (int r = 0; r < R; ++r) {
-    _mm512_storeu_ps(lanes[0][r], a0[r]);
-    _mm512_storeu_ps(lanes[1][r], a1[r]);
-  }
+  for (int r = 0; r < R; ++r) _mm512_storeu_ps(lanes[r], acc[r]);
 #else
   for (int r = 0; r < R; ++r)
-    for (int l = 0; l < kLanes; ++l) lanes[0][r][l] = lanes[1][r][l] = 0.f;
+    for (int l = 0; l < kLanes; ++l) lanes[r][l] = 0.f;
   for (int64_t d = 0; d < d_vec; d += kLanes)
     for (int r = 0; r < R; ++r)
-      for (int l = 0; l < kLanes; ++l) {
-        const float xv = x[r * D + d + l];
-        lanes[0][r][l] = __builtin_fmaf(xv, load(t0, d + l), lanes[0][r][l]);
-        lanes[1][r][l] = __builtin_fmaf(xv, load(t1, d + l), lanes[1][r][l]);
-      }
+      for (int l = 0; l < kLanes; ++l) lanes[r][l] = __builtin_fmaf(x[r * D + d + l], load(tv, d + l), lanes[r][l]);
 #endif
   float* y = j.y + r0 * V;
-  for (int r = 0; r < R; ++r) {
-    y[r * V + v] = FinishDot(lanes[0][r], x + r * D, t0, d_vec, D);
-    if (pair) y[r * V + v + 1] = FinishDot(lanes[1][r], x + r * D, t1, d_vec, D);
-  }
+  for (int r = 0; r < R; ++r) y[r * V + v] = FinishDot(lanes[r], x + r * D, tv, d_vec, D);
 }
 
+template <typename T, int R>
+void UnembedRows(const UnembedJob<T>& j, int64_t r0, int64_t v0, int64_t v1) {
+  for (int64_t v = v0; v < v1; ++v) UnembedRow<T, R>(j, r0, v);
+}
+
+// Table rows [v0, v1): a run of 64 table rows (L1/L2-resident) for each group of kGroup rows of x.
 template <typename T>
 void UnembedChunk(const void* ctx, int chunk) {
   const auto& j = *static_cast<const UnembedJob<T>*>(ctx);
   const int64_t v0 = chunk * j.split.width, v1 = std::min(j.v_dim, v0 + j.split.width);
-  for (int64_t v = v0; v < v1; v += 2) {
-    const bool pair = v + 1 < v1;
+  const int64_t run = j.rows <= kGroup ? v1 - v0 : 64;
+  for (int64_t a = v0; a < v1; a += run) {
+    const int64_t b = std::min(v1, a + run);
     for (int64_t r0 = 0; r0 < j.rows; r0 += kGroup) {
       switch (std::min<int64_t>(kGroup, j.rows - r0)) {
-        case 1: UnembedPair<T, 1>(j, r0, v, pair); break;
-        case 2: UnembedPair<T, 2>(j, r0, v, pair); break;
-        case 3: UnembedPair<T, 3>(j, r0, v, pair); break;
-        case 4: UnembedPair<T, 4>(j, r0, v, pair); break;
-        case 5: UnembedPair<T, 5>(j, r0, v, pair); break;
-        case 6: UnembedPair<T, 6>(j, r0, v, pair); break;
-        case 7: UnembedPair<T, 7>(j, r0, v, pair); break;
-        default: UnembedPair<T, 8>(j, r0, v, pair); break;
+        case 1: UnembedRows<T, 1>(j, r0, a, b); break;
+        case 2: UnembedRows<T, 2>(j, r0, a, b); break;
+        case 3: UnembedRows<T, 3>(j, r0, a, b); break;
+        case 4: UnembedRows<T, 4>(j, r0, a, b); break;
+        case 5: UnembedRows<T, 5>(j, r0, a, b); break;
+        case 6: UnembedRows<T, 6>(j, r0, a, b); break;
+        case 7: UnembedRows<T, 7>(j, r0, a, b); break;
+        default: UnembedRows<T, 8>(j, r0, a, b); break;
       }
     }
   }
