@@ -20,6 +20,7 @@ import hashlib
 import logging
 import os
 import platform
+import shutil
 import subprocess
 import tempfile
 from contextlib import contextmanager
@@ -67,7 +68,7 @@ def library_path() -> Path:
 def _compile(out: Path) -> None:
     """Compile dense.cc into ``out`` (written under a temporary name and renamed, so concurrent builds are safe)."""
     out.parent.mkdir(parents=True, exist_ok=True)
-    cxx = os.environ.get("CXX", "c++")
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:

@@ -8,9 +8,9 @@
 // weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
 // front to back, sixteen rows of w at a time, into its own partial sums, added in block order), ``unembed`` into
-// runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache. Every output element
-// is one fixed sequence of operations, so its bits do not depend on the number of rows, the number of threads, or
-// which thread computed it (tests/test_cpu_dense.py).
+// runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
+// Every output element is one fixed sequence of operations, so its bits do not depend on the number of rows, the
+// number of threads, or which thread computed it (tests/test_cpu_dense.py).
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -193,7 +193,7 @@ Split MakeSplit(int64_t total, int64_t align, int64_t min_width) {
 }
 
 // ---------------------------------------------------------------------------------------------------------------
-// y[r, o] = sum_c x[r, c] * w[c, o]. The contraction axis is cut into kBlocks(C) blocks, a function of C alone; a
+// y[r, o] = sum_c x[r, c] * w[c, o]. The contraction axis is cut into DenseBlocks(C) blocks, a function of C alone; a
 // chunk streams its block's rows of w front to back (sixteen rows at a time, one pass over y per sixteen rows) into
 // its own partial sums, and the partials are added in block order. So each output element is the same sequence of
 // fmas and adds whatever the rows or threads, and every chunk reads one contiguous stretch of w.
@@ -417,10 +417,9 @@ ffi::Error UnembedImpl(ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Result<ffi::Buff
 
 }  // namespace
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, DenseImpl,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>());
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, UnembedImpl,
-                              ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>());
+#define SPECJAX_BINDING ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, DenseImpl, SPECJAX_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, UnembedImpl, SPECJAX_BINDING);
 
 // Threads for the products (1: no pool). Called from Python through ctypes.
 extern "C" void specjax_cpu_set_threads(int n) {
