@@ -162,35 +162,26 @@ def supports(x, w) -> bool:
             and tokens_per_sequence(x) <= MAX_TOKENS and not _disabled[0] and available())
 
 
-def _call(target: str, x2, w2, out_cols: int):
-    return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], out_cols), jnp.float32),
-                            vmap_method="sequential")(x2, w2)
+def _kernel_product(target: str, out_cols, xla_product, doc: str):
+    """A custom call ``target`` (x2 [R, C], w2 -> f32 [R, out_cols(w2)]) made differentiable: its tangents are
+    ``xla_product`` (the same product as an XLA dot) of each operand's tangent with the other operand."""
+    @jax.custom_jvp
+    def product(x2, w2):
+        return jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((x2.shape[0], out_cols(w2)), jnp.float32),
+                                vmap_method="sequential")(x2, w2)
+
+    @product.defjvp
+    def _jvp(primals, tangents):
+        (x2, w2), (dx, dw) = primals, tangents
+        return product(x2, w2), xla_product(dx, w2) + xla_product(x2, dw)
+
+    product.__doc__ = doc
+    return product
 
 
-@jax.custom_jvp
-def dense(x2, w2):
-    """x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32 or both bfloat16). Differentiable: the tangents are XLA
-    dots."""
-    return _call("specjax_dense", x2, w2, w2.shape[1])
-
-
-@dense.defjvp
-def _dense_jvp(primals, tangents):
-    x2, w2 = primals
-    dx, dw = tangents
-    f32 = dict(preferred_element_type=jnp.float32)
-    return dense(x2, w2), jnp.dot(dx, w2, **f32) + jnp.dot(x2, dw, **f32)
-
-
-@jax.custom_jvp
-def unembed(x2, table):
-    """x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head)."""
-    return _call("specjax_unembed", x2, table, table.shape[0])
-
-
-@unembed.defjvp
-def _unembed_jvp(primals, tangents):
-    x2, table = primals
-    dx, dt = tangents
-    f32 = dict(preferred_element_type=jnp.float32)
-    return unembed(x2, table), jnp.dot(dx, table.T, **f32) + jnp.dot(x2, dt.T, **f32)
+dense = _kernel_product(
+    "specjax_dense", lambda w2: w2.shape[1], lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
+    "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32 or both bfloat16); differentiable.")
+unembed = _kernel_product(
+    "specjax_unembed", lambda t: t.shape[0], lambda x, t: jnp.dot(x, t.T, preferred_element_type=jnp.float32),
+    "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")

@@ -178,7 +178,7 @@ int PoolThreads() {
 
 // Chunks of [0, total) aligned to ``align``: about four per thread, none narrower than ``min_width``.
 struct Split {
-  int64_t total, width;
+  int64_t width;
   int n;
 };
 
@@ -189,7 +189,7 @@ Split MakeSplit(int64_t total, int64_t align, int64_t min_width) {
   width = std::max<int64_t>(width, min_width);
   width = (width + align - 1) / align * align;
   int n = static_cast<int>((total + width - 1) / width);
-  return {total, width, n < 1 ? 1 : n};
+  return {width, n < 1 ? 1 : n};
 }
 
 // ---------------------------------------------------------------------------------------------------------------
@@ -371,46 +371,36 @@ const float* RowsAsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
   return buf.data();
 }
 
-ffi::Error CheckOperands(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>>& y) {
-  auto xd = x.dimensions(), wd = w.dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || y->dimensions().size() != 2)
+template <typename T>
+void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int64_t V) {
+  const Split split = MakeSplit(V, 1, 64);
+  UnembedJob<T> job{x, t, y, R, D, V, split};
+  Parallel(UnembedChunk<T>, &job, split.n);
+}
+
+// x [R, C] against w: [C, O] (kTable false, ``specjax_dense``) or a table [O, C] (``specjax_unembed``) -> y [R, O].
+template <bool kTable>
+ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("specjax cpu dense: x, w and y must be 2-D");
   if (x.element_type() != w.element_type() ||
       (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16))
     return ffi::Error::InvalidArgument("specjax cpu dense: x and w must both be float32 or both bfloat16");
-  return ffi::Error::Success();
-}
-
-ffi::Error DenseImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const int64_t R = x.dimensions()[0];
-  if (auto e = CheckOperands(x, w, y); e.failure()) return e;
-  const int64_t C = x.dimensions()[1], O = w.dimensions()[1];
-  if (w.dimensions()[0] != C || y->dimensions()[0] != R || y->dimensions()[1] != O)
-    return ffi::Error::InvalidArgument("specjax_dense: shapes do not match");
+  const int64_t R = xd[0], C = xd[1], O = wd[kTable ? 0 : 1];
+  if (wd[kTable ? 1 : 0] != C || yd[0] != R || yd[1] != O)
+    return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
   thread_local std::vector<float> xbuf;
   const float* xf = RowsAsF32(x, xbuf);
-  if (w.element_type() == ffi::DataType::F32)
-    RunDense(xf, static_cast<const float*>(w.untyped_data()), y->typed_data(), R, C, O);
-  else
-    RunDense(xf, static_cast<const uint16_t*>(w.untyped_data()), y->typed_data(), R, C, O);
-  return ffi::Error::Success();
-}
-
-ffi::Error UnembedImpl(ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  const int64_t R = x.dimensions()[0];
-  if (auto e = CheckOperands(x, t, y); e.failure()) return e;
-  const int64_t D = x.dimensions()[1], V = t.dimensions()[0];
-  if (t.dimensions()[1] != D || y->dimensions()[0] != R || y->dimensions()[1] != V)
-    return ffi::Error::InvalidArgument("specjax_unembed: shapes do not match");
-  thread_local std::vector<float> xbuf;
-  const float* xf = RowsAsF32(x, xbuf);
-  Split split = MakeSplit(V, 1, 64);
-  if (t.element_type() == ffi::DataType::F32) {
-    UnembedJob<float> job{xf, static_cast<const float*>(t.untyped_data()), y->typed_data(), R, D, V, split};
-    Parallel(UnembedChunk<float>, &job, split.n);
+  float* out = y->typed_data();
+  const bool f32 = w.element_type() == ffi::DataType::F32;
+  const void* wp = w.untyped_data();
+  if constexpr (kTable) {
+    if (f32) RunUnembed(xf, static_cast<const float*>(wp), out, R, C, O);
+    else RunUnembed(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   } else {
-    UnembedJob<uint16_t> job{xf, static_cast<const uint16_t*>(t.untyped_data()), y->typed_data(), R, D, V, split};
-    Parallel(UnembedChunk<uint16_t>, &job, split.n);
+    if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
+    else RunDense(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   }
   return ffi::Error::Success();
 }
@@ -418,8 +408,8 @@ ffi::Error UnembedImpl(ffi::AnyBuffer x, ffi::AnyBuffer t, ffi::Result<ffi::Buff
 }  // namespace
 
 #define SPECJAX_BINDING ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, DenseImpl, SPECJAX_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, UnembedImpl, SPECJAX_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, ProductImpl<false>, SPECJAX_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, ProductImpl<true>, SPECJAX_BINDING);
 
 // Threads for the products (1: no pool). Called from Python through ctypes.
 extern "C" void specjax_cpu_set_threads(int n) {
