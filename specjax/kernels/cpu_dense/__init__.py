@@ -3,7 +3,7 @@
 XLA:CPU runs each matrix-vector product on one thread and its bf16 dot with an f32 result no faster than fp32, so a
 batch-1 decode step read its weights at one core's rate whatever the thread count, and bf16 weights bought nothing
 (docs/benchmarks.md). ``dense.cc`` splits each product into chunks that a small pool of threads takes in turn, reads
-bf16 weights as bf16 (with the bf16 dot instruction where the CPU has avx512_bf16), and gives every output element one fixed sequence of fused multiply-adds: its bits do not
+bf16 weights as bf16, and gives every output element one fixed sequence of fused multiply-adds: its bits do not
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
 
 The library is compiled from ``dense.cc`` with the system C++ compiler on first use (a few seconds; ``-march=native``)

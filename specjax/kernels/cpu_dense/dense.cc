@@ -4,8 +4,7 @@
 //   specjax_unembed: x [R, D] . t [V, D]^T -> y [R, V] float32 (a tied lm_head read as the embedding table)
 //
 // x and w are both float32 or both bfloat16 (read as bfloat16); products accumulate in float32 with fused
-// multiply-adds, or, for bf16 on CPUs with avx512_bf16, with the bf16 dot instruction (vdpbf16ps: the exact products
-// of a pair of elements along the contraction axis added in turn; no widening of w in registers). Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed its
+// multiply-adds. Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed its
 // weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
 // front to back, sixteen rows of w at a time, into its own partial sums, added in block order), ``unembed`` into
@@ -21,7 +20,6 @@
 #include <memory>
 #include <mutex>
 #include <thread>
-#include <type_traits>
 #include <vector>
 
 #if defined(__AVX512F__)
@@ -36,11 +34,6 @@ namespace {
 
 constexpr int kLanes = 16;      // one 512-bit vector of float32
 constexpr int kGroup = 8;  // rows of x whose sums stay in registers together
-#if defined(__AVX512BF16__)
-constexpr bool kBf16Dot = true;  // bf16 products on vdpbf16ps (below)
-#else
-constexpr bool kBf16Dot = false;
-#endif
 
 inline float bf16_to_f32(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
@@ -295,145 +288,10 @@ void RunDense(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_
   }
 }
 
-#if defined(__AVX512BF16__)
-// bf16 weights on CPUs with the bf16 dot instruction (vdpbf16ps: sixteen float32 lanes, each += the products of one
-// pair of bf16 elements, exact, added in turn). The pairs run along the contraction axis, which in w [C, O] crosses
-// rows, so rows c and c+1 of w are interleaved in registers (unpacklo/hi_epi16, within 128-bit lanes): for a group of
-// 32 columns the "lo" sums hold columns {0-3, 8-11, 16-19, 24-27} and the "hi" sums {4-7, 12-15, 20-23, 28-31}. The
-// accumulators keep that order until RunDenseBf16 adds the blocks and puts the columns back in place; the column tail
-// (O % 32) is summed in natural order with scalar fmas, a row without a partner at a block's end is paired with zeros.
-constexpr int kPairCols = 32;
-
-struct DenseJobBf16 {
-  const uint16_t* x;  // [R, C] bfloat16
-  const uint16_t* w;  // [C, O] bfloat16
-  float* y;           // [R, O], columns of each 32-group in pair order (see above)
-  float* part;        // [blocks - 1, R, O]
-  int64_t rows, c_dim, o_dim;
-  int blocks;
-};
-
-inline uint32_t XPair(const uint16_t* x, bool single) {
-  return static_cast<uint32_t>(x[0]) | (single ? 0u : static_cast<uint32_t>(x[1]) << 16);
-}
-
-// acc[r, :] += x[r, c:c+2P] w[c:c+2P, :] for R rows of x (kSingle: P == 1 and row c has no partner).
-template <int R, int P, bool kSingle>
-void DenseRowsBf16(const DenseJobBf16& j, float* __restrict acc, int64_t r0, int64_t c) {
-  static_assert(!kSingle || P == 1, "a single row is one pair");
-  const int64_t C = j.c_dim, O = j.o_dim, o_vec = O / kPairCols * kPairCols;
-  const uint16_t* __restrict w = j.w + c * O;
-  acc += r0 * O;
-  uint32_t xs[R][P];
-  for (int r = 0; r < R; ++r)
-    for (int p = 0; p < P; ++p) xs[r][p] = XPair(j.x + (r0 + r) * C + c + 2 * p, kSingle);
-  for (int64_t o = 0; o < o_vec; o += kPairCols) {
-    __m512i lo[P], hi[P];
-    for (int p = 0; p < P; ++p) {
-      const __m512i a = _mm512_loadu_si512(w + 2 * p * O + o);
-      const __m512i b = kSingle ? _mm512_setzero_si512() : _mm512_loadu_si512(w + (2 * p + 1) * O + o);
-      lo[p] = _mm512_unpacklo_epi16(a, b);
-      hi[p] = _mm512_unpackhi_epi16(a, b);
-    }
-    for (int r = 0; r < R; ++r) {
-      float* yr = acc + r * O + o;
-      __m512 s0 = _mm512_loadu_ps(yr), s1 = _mm512_loadu_ps(yr + kLanes);
-      for (int p = 0; p < P; ++p) {
-        const __m512bh xp = (__m512bh)_mm512_set1_epi32(static_cast<int>(xs[r][p]));
-        s0 = _mm512_dpbf16_ps(s0, (__m512bh)lo[p], xp);
-        s1 = _mm512_dpbf16_ps(s1, (__m512bh)hi[p], xp);
-      }
-      _mm512_storeu_ps(yr, s0);
-      _mm512_storeu_ps(yr + kLanes, s1);
-    }
-  }
-  for (int r = 0; r < R; ++r) {
-    float* yr = acc + r * O;
-    const uint16_t* xr = j.x + (r0 + r) * C + c;
-    for (int64_t o = o_vec; o < O; ++o) {
-      float s = yr[o];
-      for (int b = 0; b < (kSingle ? 1 : 2 * P); ++b) s = __builtin_fmaf(load(xr, b), load(w + b * O, o), s);
-      yr[o] = s;
-    }
-  }
-}
-
-template <int P, bool kSingle>
-void DenseRowsAllBf16(const DenseJobBf16& j, float* acc, int64_t c) {
-  for (int64_t r0 = 0; r0 < j.rows; r0 += kGroup) {
-    switch (std::min<int64_t>(kGroup, j.rows - r0)) {
-      case 1: DenseRowsBf16<1, P, kSingle>(j, acc, r0, c); break;
-      case 2: DenseRowsBf16<2, P, kSingle>(j, acc, r0, c); break;
-      case 3: DenseRowsBf16<3, P, kSingle>(j, acc, r0, c); break;
-      case 4: DenseRowsBf16<4, P, kSingle>(j, acc, r0, c); break;
-      case 5: DenseRowsBf16<5, P, kSingle>(j, acc, r0, c); break;
-      case 6: DenseRowsBf16<6, P, kSingle>(j, acc, r0, c); break;
-      case 7: DenseRowsBf16<7, P, kSingle>(j, acc, r0, c); break;
-      default: DenseRowsBf16<8, P, kSingle>(j, acc, r0, c); break;
-    }
-  }
-}
-
-void DenseChunkBf16(const void* ctx, int k) {
-  constexpr int P = 8;  // sixteen rows of w per pass, as the float32 path
-  const auto& j = *static_cast<const DenseJobBf16*>(ctx);
-  float* acc = k == 0 ? j.y : j.part + (k - 1) * j.rows * j.o_dim;
-  const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
-  std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
-  int64_t c = c0;
-  for (; c + 2 * P <= c1; c += 2 * P) DenseRowsAllBf16<P, false>(j, acc, c);
-  for (; c + 2 <= c1; c += 2) DenseRowsAllBf16<1, false>(j, acc, c);
-  if (c < c1) DenseRowsAllBf16<1, true>(j, acc, c);
-}
-
-// Where column ``col`` (< 32) of a group sits in the pair-ordered sums: lanes 0-15 "lo", 16-31 "hi".
-inline int PairLane(int col) {
-  const int L = col / 8, k = col % 8;
-  return k < 4 ? 4 * L + k : kLanes + 4 * L + k - 4;
-}
-
-// y = block 0 + block 1 + ... (in block order), each 32-column group put back from pair order into column order.
-void FinishDenseBf16(float* y, const float* part, int blocks, int64_t R, int64_t O) {
-  const int64_t o_vec = O / kPairCols * kPairCols, n = R * O;
-  // output column 8L + k <- lo lane 4L + k, column 8L + 4 + k <- hi lane 4L + k (k < 4, L < 4)
-  alignas(64) int32_t first[kLanes], second[kLanes];
-  for (int i = 0; i < kLanes; ++i) {
-    first[i] = PairLane(i);
-    second[i] = PairLane(i + kLanes);
-  }
-  const __m512i idx0 = _mm512_load_si512(first), idx1 = _mm512_load_si512(second);
-  for (int64_t r = 0; r < R; ++r) {
-    float* yr = y + r * O;
-    for (int64_t o = 0; o < o_vec; o += kPairCols) {
-      __m512 s0 = _mm512_loadu_ps(yr + o), s1 = _mm512_loadu_ps(yr + o + kLanes);
-      for (int k = 1; k < blocks; ++k) {
-        const float* p = part + (k - 1) * n + r * O + o;
-        s0 = _mm512_add_ps(s0, _mm512_loadu_ps(p));
-        s1 = _mm512_add_ps(s1, _mm512_loadu_ps(p + kLanes));
-      }
-      _mm512_storeu_ps(yr + o, _mm512_permutex2var_ps(s0, idx0, s1));
-      _mm512_storeu_ps(yr + o + kLanes, _mm512_permutex2var_ps(s0, idx1, s1));
-    }
-    for (int64_t o = o_vec; o < O; ++o)
-      for (int k = 1; k < blocks; ++k) yr[o] += part[(k - 1) * n + r * O + o];
-  }
-}
-
-void RunDenseBf16(const uint16_t* x, const uint16_t* w, float* y, int64_t R, int64_t C, int64_t O) {
-  const int blocks = DenseBlocks(C);
-  thread_local std::vector<float> part;
-  part.resize((blocks - 1) * R * O);
-  DenseJobBf16 job{x, w, y, part.data(), R, C, O, blocks};
-  Parallel(DenseChunkBf16, &job, blocks);
-  FinishDenseBf16(y, part.data(), blocks, R, O);
-}
-#endif
-
 // y[r, v] = sum_d x[r, d] * t[v, d]: sixteen partial sums per output, added in one fixed order.
 template <typename T>
 struct UnembedJob {
-  const float* x;     // [R, D]
-  const uint16_t* xb;  // [R, D] bfloat16 when T is (for the bf16 dot), else null
+  const float* x;  // [R, D]
   const T* t;      // [V, D]
   float* y;        // [R, V]
   int64_t rows, d_dim, v_dim;
@@ -442,11 +300,11 @@ struct UnembedJob {
 
 // Sixteen lane sums of x[d] * t[d] over the whole vectors of d, then added in lane order with the tail: one fixed
 // sequence per output whatever the rows or the table rows computed beside it.
-template <typename X, typename T>
-inline float FinishDot(const float (&lanes)[kLanes], const X* x, const T* t, int64_t d_vec, int64_t D) {
+template <typename T>
+inline float FinishDot(const float (&lanes)[kLanes], const float* x, const T* t, int64_t d_vec, int64_t D) {
   float s = 0.f;
   for (int l = 0; l < kLanes; ++l) s += lanes[l];
-  for (int64_t e = d_vec; e < D; ++e) s = __builtin_fmaf(load(x, e), load(t, e), s);
+  for (int64_t e = d_vec; e < D; ++e) s = __builtin_fmaf(x[e], load(t, e), s);
   return s;
 }
 
@@ -476,34 +334,8 @@ void UnembedRow(const UnembedJob<T>& j, int64_t r0, int64_t v) {
   for (int r = 0; r < R; ++r) y[r * V + v] = FinishDot(lanes[r], x + r * D, tv, d_vec, D);
 }
 
-#if defined(__AVX512BF16__)
-// The same with the bf16 dot: lane l sums the pairs (d, d+1) of the l-th 32-bit slot of each 32-element stretch of d.
-template <int R>
-void UnembedRowBf16(const UnembedJob<uint16_t>& j, int64_t r0, int64_t v) {
-  const int64_t D = j.d_dim, V = j.v_dim, d_vec = D / (2 * kLanes) * (2 * kLanes);
-  const uint16_t* __restrict x = j.xb + r0 * D;
-  const uint16_t* tv = j.t + v * D;
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  for (int64_t d = 0; d < d_vec; d += 2 * kLanes) {
-    const __m512bh tl = (__m512bh)_mm512_loadu_si512(tv + d);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * D + d), tl);
-  }
-  float lanes[R][kLanes];
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(lanes[r], acc[r]);
-  float* y = j.y + r0 * V;
-  for (int r = 0; r < R; ++r) y[r * V + v] = FinishDot(lanes[r], x + r * D, tv, d_vec, D);
-}
-#endif
-
 template <typename T, int R>
 void UnembedRows(const UnembedJob<T>& j, int64_t r0, int64_t v0, int64_t v1) {
-#if defined(__AVX512BF16__)
-  if constexpr (std::is_same_v<T, uint16_t>) {
-    for (int64_t v = v0; v < v1; ++v) UnembedRowBf16<R>(j, r0, v);
-    return;
-  }
-#endif
   for (int64_t v = v0; v < v1; ++v) UnembedRow<T, R>(j, r0, v);
 }
 
@@ -540,9 +372,9 @@ const float* RowsAsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
 }
 
 template <typename T>
-void RunUnembed(const float* x, const uint16_t* xb, const T* t, float* y, int64_t R, int64_t D, int64_t V) {
+void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int64_t V) {
   const Split split = MakeSplit(V, 1, 64);
-  UnembedJob<T> job{x, xb, t, y, R, D, V, split};
+  UnembedJob<T> job{x, t, y, R, D, V, split};
   Parallel(UnembedChunk<T>, &job, split.n);
 }
 
@@ -558,26 +390,17 @@ ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buff
   const int64_t R = xd[0], C = xd[1], O = wd[kTable ? 0 : 1];
   if (wd[kTable ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
-  float* out = y->typed_data();
-  const void* wp = w.untyped_data();
-  const auto* wb = static_cast<const uint16_t*>(wp);
-  const auto* xb = static_cast<const uint16_t*>(x.untyped_data());
-  if (w.element_type() == ffi::DataType::BF16 && kBf16Dot) {  // x stays bf16: the bf16 dot reads it
-#if defined(__AVX512BF16__)
-    if constexpr (kTable) RunUnembed(nullptr, xb, wb, out, R, C, O);
-    else RunDenseBf16(xb, wb, out, R, C, O);
-#endif
-    return ffi::Error::Success();
-  }
   thread_local std::vector<float> xbuf;
   const float* xf = RowsAsF32(x, xbuf);
+  float* out = y->typed_data();
   const bool f32 = w.element_type() == ffi::DataType::F32;
+  const void* wp = w.untyped_data();
   if constexpr (kTable) {
-    if (f32) RunUnembed(xf, nullptr, static_cast<const float*>(wp), out, R, C, O);
-    else RunUnembed(xf, xb, wb, out, R, C, O);
+    if (f32) RunUnembed(xf, static_cast<const float*>(wp), out, R, C, O);
+    else RunUnembed(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   } else {
     if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
-    else RunDense(xf, wb, out, R, C, O);
+    else RunDense(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   }
   return ffi::Error::Success();
 }
