@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
+import platform
 from typing import Any, Callable
 
 from specjax.cli import option
@@ -16,6 +18,28 @@ class TargetRunOptions:
                                help="target dtype (default: the checkpoint's)")
     attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
                                  help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def machine_description() -> str:
+    """The machine a figure was measured on: CPU model and cores, accelerator, JAX version and backend."""
+    import jax  # here, not at the top: the decode bench sets XLA's thread flags before jax is first imported
+    dev = jax.devices()[0]
+    kind = getattr(dev, "device_kind", dev.platform)
+    acc = "no accelerator" if dev.platform == "cpu" else f"{len(jax.devices())} x {kind}"
+    return (f"{os.cpu_count()}-core CPU ({cpu_model()}, {platform.machine()}), {acc}, JAX {jax.__version__} "
+            f"{dev.platform.upper()}")
 
 
 def write_json(path: str | None, results: Any, indent: int = 2) -> None:

@@ -29,14 +29,13 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import statistics
 import sys
 import time
 
 import numpy as np
 
-from specjax.bench.common import print_table, report
+from specjax.bench.common import machine_description, print_table, report
 from specjax.bench.llamacpp import LlamaCppRunner
 from specjax.cli import option, parse_options
 
@@ -140,15 +139,6 @@ def set_cpu_threads(n: int) -> None:
         torch.set_num_threads(n)
     except ImportError:
         pass
-
-
-def machine_description() -> str:
-    import jax
-    dev = jax.devices()[0]
-    kind = getattr(dev, "device_kind", dev.platform)
-    acc = "no accelerator" if dev.platform == "cpu" else f"{len(jax.devices())} x {kind}"
-    return (f"{os.cpu_count()}-core CPU ({platform.machine()}), {acc}, JAX {jax.__version__} "
-            f"{dev.platform.upper()}")
 
 
 def _resolve_model(args) -> str:

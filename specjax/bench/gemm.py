@@ -16,8 +16,8 @@ import os
 import sys
 import time
 
-from specjax.bench.common import print_table, report
-from specjax.bench.decode import machine_description, set_cpu_threads
+from specjax.bench.common import machine_description, print_table, report
+from specjax.bench.decode import set_cpu_threads
 from specjax.cli import option, parse_options
 
 LAYOUTS = ("in_out", "out_in")

@@ -27,13 +27,12 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import platform
 import sys
 import time
 
 import jax
 
-from specjax.bench.common import TargetRunOptions, write_json
+from specjax.bench.common import TargetRunOptions, machine_description, write_json
 from specjax.bench.spec import load_prompts, load_target
 from specjax.cli import option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
@@ -117,7 +116,7 @@ def tune(args) -> dict:
     return dict(format=tune_lib.FORMAT, algorithm=args.algorithm, target=model_note, draft=args.draft,
                 prompts=prompt_note, num_prompts=len(prompts), max_new_tokens=args.max_new_tokens,
                 temperature=args.temperature, timed=not args.outputs_only,
-                machine=f"{platform.machine()} {os.cpu_count()} cores",
+                machine=machine_description(),
                 load_average=os.getloadavg()[0],
                 batch_sizes={str(b): (dict(zip(("num_steps", "eagle_topk", "num_draft_tokens"), r["shape"]))
                                       if r["shape"] else None) for b, r in best.items()},
