@@ -401,8 +401,18 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
         if sliding_window is not None:
             raise ValueError("sliding-window models use the XLA attention path; do not pass a kernel")
         return kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale, layer=layer)
-    return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
-                           sliding_window=sliding_window, layer=layer, causal=causal, keys_in_pool=keys_in_pool)
+    def xla(q, k, v, mask, k_pages, v_pages, page_table, lengths):
+        return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
+                               sliding_window=sliding_window, layer=layer, causal=causal, keys_in_pool=keys_in_pool)
+
+    if sliding_window is not None or not cpu_dense.supports_attention(q, k_pages):
+        return xla(q, k, v, mask, k_pages, v_pages, page_table, lengths)
+
+    def kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths):
+        pools, at = ((k_pages, v_pages), layer) if layer is not None else ((k_pages[None], v_pages[None]), 0)
+        return cpu_dense.paged_attention(q, k, v, mask, *pools, page_table, lengths, at, sm_scale,
+                                         keys_in_pool).astype(q.dtype)
+    return jax.lax.platform_dependent(q, k, v, mask, k_pages, v_pages, page_table, lengths, cpu=kernel, default=xla)
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]

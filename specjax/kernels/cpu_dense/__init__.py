@@ -29,15 +29,19 @@ from pathlib import Path
 import jax
 import jax.numpy as jnp
 import jaxlib
+import numpy as np
 
 from specjax.batching import MIN_PREFILL_BUCKET
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "disabled", "dense", "unembed", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+__all__ = ["available", "supports", "supports_attention", "disabled", "dense", "unembed", "paged_attention",
+           "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
-SOURCE = Path(__file__).with_name("dense.cc")
+HERE = Path(__file__).parent
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc")  # compiled together; both include pool.h
+HEADERS = (HERE / "pool.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
 # the decode step it must equal, bit for bit. Prefill chunks (never shorter than MIN_PREFILL_BUCKET tokens) keep
@@ -60,19 +64,20 @@ def _cpu_signature() -> str:
 
 def library_path() -> Path:
     """Where the compiled library for this source, jaxlib and CPU lives."""
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), jaxlib.__version__, " ".join(FLAGS), _cpu_signature()])
+    texts = [p.read_text() for p in SOURCES + HEADERS]
+    key = hashlib.sha256("\0".join([*texts, jaxlib.__version__, " ".join(FLAGS), _cpu_signature()])
                          .encode()).hexdigest()[:16]
     return Path(default_cache_dir()) / "kernels" / f"specjax_cpu_dense_{key}.so"
 
 
 def _compile(out: Path) -> None:
-    """Compile dense.cc into ``out`` (written under a temporary name and renamed, so concurrent builds are safe)."""
+    """Compile the kernels' sources into ``out`` (written under a temporary name and renamed, so concurrent builds are safe)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
     try:
-        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), str(SOURCE), "-o", tmp]
+        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(HERE), *map(str, SOURCES), "-o", tmp]
         subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
         os.replace(tmp, out)
     finally:
@@ -99,6 +104,8 @@ def _library() -> ctypes.CDLL | None:
     lib.specjax_cpu_threads.restype = ctypes.c_int
     jax.ffi.register_ffi_target("specjax_dense", jax.ffi.pycapsule(lib.SpecjaxDense), platform="cpu")
     jax.ffi.register_ffi_target("specjax_unembed", jax.ffi.pycapsule(lib.SpecjaxUnembed), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_paged_attention", jax.ffi.pycapsule(lib.SpecjaxPagedAttention),
+                                platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -185,3 +192,23 @@ dense = _kernel_product(
 unembed = _kernel_product(
     "specjax_unembed", lambda t: t.shape[0], lambda x, t: jnp.dot(x, t.T, preferred_element_type=jnp.float32),
     "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")
+
+
+def supports_attention(q, k_pages) -> bool:
+    """Whether cache attention of q [B, T, N, H] over pools like ``k_pages`` runs in the kernel on a CPU: fp32 or
+    bf16 queries and pools, at most MAX_TOKENS new tokens, the kernels built and not ``disabled``."""
+    return (q.dtype in DTYPES and k_pages.dtype in DTYPES and q.ndim == 4 and q.size > 0
+            and q.shape[1] <= MAX_TOKENS and not _disabled[0] and available())
+
+
+def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer, sm_scale: float,
+                    keys_in_pool: bool):
+    """``layers.paged_attention``'s result (f32 [B, T, N, H]) from the kernel ``specjax_paged_attention``: q
+    [B, T, N, H]; k, v [B, T, K, H] the new keys (read only without ``keys_in_pool``); mask bool[B, T, T]; the pools
+    [L, P, K, Z, H] (lane-packed or not) read in place at ``layer`` (an int or a traced scalar); page_table
+    i32[B, pps]; lengths i32[B]. Not differentiable (no cache is ever differentiated)."""
+    out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
+    call = jax.ffi.ffi_call("specjax_paged_attention", out, vmap_method="sequential")
+    return call(q, k.astype(q.dtype), v.astype(q.dtype), mask, k_pages, v_pages, page_table.astype(jnp.int32),
+                lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32), sm_scale=np.float32(sm_scale),
+                keys_in_pool=np.int64(bool(keys_in_pool)))

@@ -1,0 +1,254 @@
+// specjax's CPU attention for the few new tokens of a decode step, a verified tree or a draft step over the paged
+// KV pool: an XLA FFI custom call.
+//
+//   specjax_paged_attention: q [B, T, N, H], k_new, v_new [B, Tk, K, H], mask bool[B, T, Tk], the K and V pools
+//   [L, P, K, Z, H] (or lane-packed [L, P, K, Z/f, f*H], the same bytes), page_table i32[B, pps], lengths i32[B],
+//   layer i32[] -> o f32[B, T, N, H]
+//
+// Query (b, t, n) sees the pool positions p < lengths[b] of its row and the new keys j that mask[b, t, j] lets it
+// see: with ``keys_in_pool`` those are already in the pool at position lengths[b] + j (a decode step, a verified
+// chain), else they are read from k_new, v_new (a tree, a draft step's tree buffer). Scores in float32 (q.k * sm_scale), an exact softmax (the row's
+// maximum first), the values summed with float32 weights; a query that sees nothing gives 0. Positions past a
+// row's page table are not seen (as on the XLA path, where they are never gathered).
+// Why: XLA:CPU ran the block loop of ``layers.paged_attention`` (page gathers, masks, small einsums, copies) at
+// about a third of a SmolLM2 decode step. Here each (row, kv head) is one chunk for the thread pool; it reads each
+// key and value once for all of its queries (the heads sharing the kv head, the new tokens). Every query is one
+// fixed sequence of operations over its keys in position order, so with ``keys_in_pool`` a verified chain row is
+// bitwise the decode step at its position, whatever the rows, tokens or threads beside it (tests/test_cpu_dense.py).
+#include <cmath>
+#include <limits>
+
+#include "pool.h"
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+using namespace specjax_cpu;
+
+namespace {
+
+constexpr float kNegInf = -std::numeric_limits<float>::infinity();
+
+template <typename P>
+struct AttnJob {
+  const float* q;      // [B, T, N, H]
+  const float* k_new;  // [B, Tk, K, H] (unused with keys_in_pool)
+  const float* v_new;
+  const bool* mask;  // [B, T, Tk]
+  const P* k_pool;   // [L, P, K, Z, H]
+  const P* v_pool;
+  const int32_t* page_table;  // [B, pps]
+  const int32_t* lengths;     // [B]
+  float* out;                 // [B, T, N, H]
+  int64_t batch, tokens, new_keys, heads, kv_heads, head_dim, page_size, pages, pps, layer;
+  float scale;
+  bool keys_in_pool;
+};
+
+// sum_h a[h] * b[h]: sixteen lane sums over the whole vectors, reduced in one fixed order, then the tail.
+template <typename P>
+inline float Dot(const float* a, const P* b, int64_t h) {
+  int64_t i = 0;
+  float s = 0.f;
+#if defined(__AVX512F__)
+  __m512 acc = _mm512_setzero_ps();
+  for (; i + kLanes <= h; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), Load16(b + i), acc);
+  s = _mm512_reduce_add_ps(acc);
+#endif
+  for (; i < h; ++i) s = __builtin_fmaf(a[i], load(b, i), s);
+  return s;
+}
+
+// acc[h] += w * v[h]
+template <typename P>
+inline void Axpy(float* __restrict acc, float w, const P* v, int64_t h) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 wv = _mm512_set1_ps(w);
+  for (; i + kLanes <= h; i += kLanes)
+    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, Load16(v + i), _mm512_loadu_ps(acc + i)));
+#endif
+  for (; i < h; ++i) acc[i] = __builtin_fmaf(w, load(v, i), acc[i]);
+}
+
+// exp(x) for x <= 0 (-inf gives 0), elementwise over n values in place: a degree-6 polynomial after the reduction
+// x = k ln2 + r, the same bits for a value whatever its neighbours.
+inline void ExpInPlace(float* x, int64_t n) {
+  int64_t i = 0;
+#if defined(__AVX512F__)
+  const __m512 lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
+  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+  for (; i + kLanes <= n; i += kLanes) {
+    __m512 v = _mm512_loadu_ps(x + i);
+    const __mmask16 gone = _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ);
+    v = _mm512_max_ps(v, lo);
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
+    r = _mm512_fnmadd_ps(k, ln2_lo, r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
+    p = _mm512_scalef_ps(p, k);
+    _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(static_cast<__mmask16>(~gone), p));
+  }
+#endif
+  for (; i < n; ++i) x[i] = x[i] < -87.3f ? 0.f : std::exp(x[i]);
+}
+
+// One (row, kv head): its tokens x the query heads sharing the kv head.
+template <typename P>
+void AttnChunk(const void* ctx, int chunk) {
+  const auto& j = *static_cast<const AttnJob<P>*>(ctx);
+  const int64_t K = j.kv_heads, H = j.head_dim, T = j.tokens, Tk = j.new_keys, N = j.heads, G = N / K;
+  const int64_t Z = j.page_size;
+  const int64_t b = chunk / K, kh = chunk % K;
+  // Positions past the page table (a released slot's stale length) are not seen, as on the XLA path.
+  const int64_t cap = j.pps * Z, len = j.lengths[b], prefix = std::clamp<int64_t>(len, 0, cap);
+  const int64_t keys = prefix + Tk;  // candidate keys: the prefix, then the new ones
+  const int64_t stride = (keys + kLanes - 1) / kLanes * kLanes;  // a score row, whole vectors
+  const int64_t nq = T * G;
+  thread_local std::vector<float> scores, acc, qbuf;
+  scores.assign(nq * stride, kNegInf);
+  acc.assign(nq * H, 0.f);
+  qbuf.resize(nq * H);
+  for (int64_t t = 0; t < T; ++t)  // the queries of this kv head, [t, g] rows
+    for (int64_t g = 0; g < G; ++g)
+      std::memcpy(&qbuf[(t * G + g) * H], j.q + ((b * T + t) * N + kh * G + g) * H, H * sizeof(float));
+  const bool* mask = j.mask + b * T * Tk;
+  auto in_table = [&](int64_t s) {  // a new key stored in the pool has a slot there
+    const int64_t p = len + (s - prefix);
+    return !j.keys_in_pool || (p >= 0 && p < cap);
+  };
+  auto sees = [&](int64_t t, int64_t s) { return s < prefix || (mask[t * Tk + (s - prefix)] && in_table(s)); };
+  auto key_of = [&](const P* pool, const float* fresh, int64_t s) -> const void* {
+    if (s >= prefix && !j.keys_in_pool) return fresh + ((b * Tk + (s - prefix)) * K + kh) * H;
+    const int64_t p = s < prefix ? s : len + (s - prefix);
+    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + p / Z], 0, j.pages - 1);
+    return pool + (((j.layer * j.pages + page) * K + kh) * Z + p % Z) * H;
+  };
+  auto visible_to_any = [&](int64_t s) {
+    if (s < prefix) return true;
+    if (!in_table(s)) return false;
+    for (int64_t t = 0; t < T; ++t)
+      if (mask[t * Tk + (s - prefix)]) return true;
+    return false;
+  };
+  auto dot = [&](const float* qv, const void* kp, bool fresh) {
+    return fresh ? Dot(qv, static_cast<const float*>(kp), H) : Dot(qv, static_cast<const P*>(kp), H);
+  };
+  for (int64_t s = 0; s < keys; ++s) {  // scores, one key at a time for all queries
+    if (!visible_to_any(s)) continue;
+    const bool fresh = s >= prefix && !j.keys_in_pool;
+    const void* kp = key_of(j.k_pool, j.k_new, s);
+    for (int64_t t = 0; t < T; ++t) {
+      if (!sees(t, s)) continue;
+      for (int64_t g = 0; g < G; ++g) {
+        const int64_t i = t * G + g;
+        scores[i * stride + s] = dot(&qbuf[i * H], kp, fresh) * j.scale;
+      }
+    }
+  }
+  std::vector<float> total(nq);
+  for (int64_t i = 0; i < nq; ++i) {  // softmax weights: exp(score - max), their sum in position order
+    float* row = &scores[i * stride];
+    float m = kNegInf;
+    for (int64_t s = 0; s < keys; ++s) m = std::max(m, row[s]);
+    if (m == kNegInf) {  // sees nothing: weights stay 0
+      std::fill(row, row + stride, 0.f);
+      total[i] = 0.f;
+      continue;
+    }
+    for (int64_t s = 0; s < stride; ++s) row[s] -= m;
+    ExpInPlace(row, stride);
+    float l = 0.f;
+    for (int64_t s = 0; s < keys; ++s) l += row[s];
+    total[i] = l;
+  }
+  for (int64_t s = 0; s < keys; ++s) {  // values, one at a time for all queries that weigh them
+    if (!visible_to_any(s)) continue;
+    const bool fresh = s >= prefix && !j.keys_in_pool;
+    const void* vp = key_of(j.v_pool, j.v_new, s);
+    for (int64_t i = 0; i < nq; ++i) {
+      const float w = scores[i * stride + s];
+      if (w == 0.f) continue;
+      if (fresh) Axpy(&acc[i * H], w, static_cast<const float*>(vp), H);
+      else Axpy(&acc[i * H], w, static_cast<const P*>(vp), H);
+    }
+  }
+  for (int64_t t = 0; t < T; ++t)
+    for (int64_t g = 0; g < G; ++g) {
+      const int64_t i = t * G + g;
+      float* o = j.out + ((b * T + t) * N + kh * G + g) * H;
+      for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
+    }
+}
+
+// A buffer of float32 or bfloat16 as float32 (small operands: the queries, the new keys and values).
+const float* AsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
+  if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
+  const auto* p = static_cast<const uint16_t*>(x.untyped_data());
+  buf.resize(x.element_count());
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(p[i]);
+  return buf.data();
+}
+
+bool FloatType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+
+ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::PRED> mask,
+                         ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,
+                         ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer, float sm_scale,
+                         int64_t keys_in_pool, ffi::Result<ffi::Buffer<ffi::F32>> out) {
+  auto qd = q.dimensions(), kd = k_new.dimensions(), pd = k_pool.dimensions(), td = page_table.dimensions();
+  if (qd.size() != 4 || kd.size() != 4 || v_new.dimensions().size() != 4 || pd.size() != 5 || td.size() != 2 ||
+      mask.dimensions().size() != 3)
+    return ffi::Error::InvalidArgument("specjax cpu attention: q, k_new [B, T, *, H], pools [L, P, K, R, W]");
+  const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], Tk = kd[1], K = kd[2];
+  auto md = mask.dimensions(), vd = v_new.dimensions();
+  if (!FloatType(q.element_type()) || k_new.element_type() != q.element_type() ||
+      v_new.element_type() != q.element_type() || !FloatType(k_pool.element_type()) ||
+      v_pool.element_type() != k_pool.element_type())
+    return ffi::Error::InvalidArgument("specjax cpu attention: float32 or bfloat16 operands");
+  if (kd[0] != B || kd[3] != H || md[0] != B || md[1] != T || md[2] != Tk || vd[0] != B || vd[1] != Tk ||
+      vd[2] != K || vd[3] != H || K < 1 || N % K != 0 || pd[2] != K || (pd[3] * pd[4]) % H != 0 ||
+      td[0] != B || lengths.element_count() != static_cast<size_t>(B) || v_pool.element_count() != k_pool.element_count())
+    return ffi::Error::InvalidArgument("specjax cpu attention: shapes do not match");
+  const int64_t Z = pd[3] * pd[4] / H, L = pd[0], pps = td[1];
+  const int64_t li = *layer.typed_data();
+  if (li < 0 || li >= L) return ffi::Error::InvalidArgument("specjax cpu attention: layer out of range");
+  const int32_t* len = lengths.typed_data();
+  thread_local std::vector<float> qbuf, kbuf, vbuf;
+  const float* qf = AsF32(q, qbuf);
+  const float* kf = AsF32(k_new, kbuf);
+  const float* vf = AsF32(v_new, vbuf);
+  const bool* m = reinterpret_cast<const bool*>(mask.typed_data());
+  auto run = [&](auto tag) {
+    using P = decltype(tag);
+    AttnJob<P> job{qf, kf, vf, m, static_cast<const P*>(k_pool.untyped_data()),
+                   static_cast<const P*>(v_pool.untyped_data()), page_table.typed_data(), len,
+                   out->typed_data(), B, T, Tk, N, K, H, Z, pd[1], pps, li, sm_scale, keys_in_pool != 0};
+    Parallel(AttnChunk<P>, &job, static_cast<int>(B * K));
+  };
+  if (k_pool.element_type() == ffi::DataType::F32) run(float{});
+  else run(uint16_t{});
+  return ffi::Error::Success();
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxPagedAttention, AttentionImpl,
+                              ffi::Ffi::Bind()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::PRED>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Attr<float>("sm_scale")
+                                  .Attr<int64_t>("keys_in_pool")
+                                  .Ret<ffi::Buffer<ffi::F32>>());

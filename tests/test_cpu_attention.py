@@ -1,0 +1,119 @@
+"""specjax's CPU paged-attention kernel (``kernels.cpu_dense.paged_attention``): agreement with the XLA
+``layers.paged_attention`` (new keys from the pool or from k, v; fewer or more new keys than queries; packed pools;
+bf16), bits of a chain row equal to the decode step at its position whatever the tokens or threads, and that
+``layers.attend`` routes cache attention to it on a CPU."""
+
+import shutil
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from specjax import kv_cache, layers
+from specjax.kernels import cpu_dense
+
+pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's attention)")
+
+L, K, G, H, Z = 3, 2, 3, 64, 16
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _built():
+    assert cpu_dense.available(), "the kernels failed to build (see the specjax log warning)"
+    before = cpu_dense.threads()
+    yield
+    cpu_dense.set_threads(before)
+
+
+def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False):
+    ks = jax.random.split(jax.random.key(seed), 6)
+    pages = b * pps + 2
+    shape = (L, pages, K, Z, H)
+    kp = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
+    vp = jax.random.normal(ks[1], shape, jnp.float32).astype(dtype)
+    if packed:  # the lane-packed layout: the same bytes as [L, P, K, Z/2, 2H]
+        kp, vp = kp.reshape(L, pages, K, Z // 2, 2 * H), vp.reshape(L, pages, K, Z // 2, 2 * H)
+    q = jax.random.normal(ks[2], (b, t, K * G, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[3], (b, tk, K, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[4], (b, tk, K, H), jnp.float32).astype(dtype)
+    mask = jax.random.bernoulli(ks[5], 0.6, (b, t, tk))
+    table = jnp.asarray(np.random.default_rng(seed).permutation(pages)[:b * pps].reshape(b, pps), jnp.int32)
+    return q, k, v, mask, kp, vp, table, jnp.asarray(lengths[:b], jnp.int32)
+
+
+def _xla(q, k, v, mask, kp, vp, table, lengths, layer, keys_in_pool):
+    return layers.paged_attention(q, k, v, mask, kp, vp, table, lengths, None, H ** -0.5, layer=layer,
+                                  keys_in_pool=keys_in_pool)
+
+
+@pytest.mark.parametrize("keys_in_pool", [False, True])
+@pytest.mark.parametrize("dtype,packed,tk", [(jnp.float32, False, 4), (jnp.float32, True, 4),
+                                             (jnp.bfloat16, False, 4), (jnp.float32, False, 7)])
+def test_matches_xla_paged_attention(keys_in_pool, dtype, packed, tk):
+    if keys_in_pool and tk != 4:
+        pytest.skip("new keys in the pool are the queries' own tokens")
+    q, k, v, mask, kp, vp, table, lengths = _case(tk=tk, dtype=dtype, packed=packed)
+    for layer in (0, 2):
+        want = _xla(q, k, v, mask, kp, vp, table, lengths, layer, keys_in_pool)
+        got = cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, lengths, layer, H ** -0.5, keys_in_pool)
+        tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5  # XLA rounds the softmax weights to bf16 for a bf16 pool
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+def test_a_query_that_sees_nothing_gives_zero():
+    q, k, v, mask, kp, vp, table, _ = _case()
+    got = cpu_dense.paged_attention(q, k, v, jnp.zeros_like(mask), kp, vp, table, jnp.zeros((3,), jnp.int32), 1,
+                                    H ** -0.5, False)
+    assert not np.asarray(got).any()
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_chain_rows_are_the_decode_steps_bits(dtype):
+    """Row t of a causal chain over keys in the pool == a one-token step at lengths + t, bit for bit, 1 or 2 threads."""
+    q, k, v, _, kp, vp, table, lengths = _case(t=5, tk=5, dtype=dtype)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (3, 5, 5))
+    for threads in (1, 2):
+        cpu_dense.set_threads(threads)
+        chain = np.asarray(cpu_dense.paged_attention(q, k, v, causal, kp, vp, table, lengths, 1, H ** -0.5, True))
+        for t in range(5):
+            one = cpu_dense.paged_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], jnp.ones((3, 1, 1), bool),
+                                            kp, vp, table, lengths + t, 1, H ** -0.5, True)
+            np.testing.assert_array_equal(np.asarray(one)[:, 0], chain[:, t])
+
+
+def test_positions_past_the_page_table_are_not_seen():
+    """A released slot keeps a stale length (up to the table's capacity, the new tokens past it): as on the XLA path,
+    only the positions the page table holds are read."""
+    q, k, v, mask, kp, vp, table, _ = _case(t=1, tk=1)
+    full = jnp.asarray([8 * Z, 8 * Z - 1, 8 * Z + 5], jnp.int32)  # 8 pages per row
+    for in_pool in (True, False):
+        want = _xla(q, k, v, mask, kp, vp, table, full, 1, in_pool)
+        got = cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, full, 1, H ** -0.5, in_pool)
+        np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=2e-5, atol=2e-5)
+
+
+def test_bad_operands_are_refused():
+    q, k, v, mask, kp, vp, table, lengths = _case()
+    with pytest.raises(Exception, match="layer out of range"):
+        jax.block_until_ready(cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, lengths, L, 0.1, True))
+    with pytest.raises(Exception, match="shapes do not match"):
+        jax.block_until_ready(cpu_dense.paged_attention(q, k, v, mask[:, :, :2], kp, vp, table, lengths, 0, 0.1,
+                                                        False))
+
+
+def test_attend_routes_cache_attention_to_the_kernel():
+    q, k, v, mask, kp, vp, table, lengths = _case()
+    args = (q, k, v, mask, kp, vp, table, lengths)
+    run = jax.jit(lambda q, k, v, mask, *cache: layers.attend(q, k, v, mask, H ** -0.5, *cache, layer=1))
+    assert "specjax_paged_attention" in run.lower(*args).as_text()
+    with cpu_dense.disabled():
+        run_xla = jax.jit(lambda q, k, v, mask, *cache: layers.attend(q, k, v, mask, H ** -0.5, *cache, layer=1))
+        assert "specjax_paged_attention" not in run_xla.lower(*args).as_text()
+        want = run_xla(*args)
+    np.testing.assert_allclose(np.asarray(run(*args)), np.asarray(want), rtol=2e-5, atol=2e-5)
+    # one layer's pool, no layer axis
+    np.testing.assert_allclose(np.asarray(layers.attend(q, k, v, mask, H ** -0.5, kp[1], vp[1], table, lengths)),
+                               np.asarray(want), rtol=2e-5, atol=2e-5)
+    assert kv_cache.page_size_of(kp, H) == Z
