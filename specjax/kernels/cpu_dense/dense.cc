@@ -135,35 +135,50 @@ inline float FinishDot(const float (&lanes)[kLanes], const float* x, const T* t,
   return s;
 }
 
-// Table row v against rows r0..r0+R of x: the row is loaded once per vector for all R.
-template <typename T, int R>
-void UnembedRow(const UnembedJob<T>& j, int64_t r0, int64_t v) {
+// Table rows v..v+VT against rows r0..r0+R of x: each vector of a table row is loaded once for all R rows, each
+// vector of x once for all VT table rows, and the R x VT sums are independent chains (the fma latency is hidden).
+// Each output's lane sums are the same sequence whatever R and VT.
+template <typename T, int R, int VT>
+void UnembedTile(const UnembedJob<T>& j, int64_t r0, int64_t v) {
   const int64_t D = j.d_dim, V = j.v_dim, d_vec = D / kLanes * kLanes;
   const float* __restrict x = j.x + r0 * D;
-  const T* tv = j.t + v * D;
-  float lanes[R][kLanes];
+  float lanes[R][VT][kLanes];
 #if defined(__AVX512F__)
-  __m512 acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
+  __m512 acc[R][VT];
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < VT; ++u) acc[r][u] = _mm512_setzero_ps();
   for (int64_t d = 0; d < d_vec; d += kLanes) {
-    const __m512 tl = Load16(tv + d);
-    for (int r = 0; r < R; ++r) acc[r] = _mm512_fmadd_ps(_mm512_loadu_ps(x + r * D + d), tl, acc[r]);
+    __m512 tl[VT];
+    for (int u = 0; u < VT; ++u) tl[u] = Load16(j.t + (v + u) * D + d);
+    for (int r = 0; r < R; ++r) {
+      const __m512 xr = _mm512_loadu_ps(x + r * D + d);
+      for (int u = 0; u < VT; ++u) acc[r][u] = _mm512_fmadd_ps(xr, tl[u], acc[r][u]);
+    }
   }
-  for (int r = 0; r < R; ++r) _mm512_storeu_ps(lanes[r], acc[r]);
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < VT; ++u) _mm512_storeu_ps(lanes[r][u], acc[r][u]);
 #else
   for (int r = 0; r < R; ++r)
-    for (int l = 0; l < kLanes; ++l) lanes[r][l] = 0.f;
+    for (int u = 0; u < VT; ++u)
+      for (int l = 0; l < kLanes; ++l) lanes[r][u][l] = 0.f;
   for (int64_t d = 0; d < d_vec; d += kLanes)
     for (int r = 0; r < R; ++r)
-      for (int l = 0; l < kLanes; ++l) lanes[r][l] = __builtin_fmaf(x[r * D + d + l], load(tv, d + l), lanes[r][l]);
+      for (int u = 0; u < VT; ++u)
+        for (int l = 0; l < kLanes; ++l)
+          lanes[r][u][l] = __builtin_fmaf(x[r * D + d + l], load(j.t + (v + u) * D, d + l), lanes[r][u][l]);
 #endif
   float* y = j.y + r0 * V;
-  for (int r = 0; r < R; ++r) y[r * V + v] = FinishDot(lanes[r], x + r * D, tv, d_vec, D);
+  for (int r = 0; r < R; ++r)
+    for (int u = 0; u < VT; ++u) y[r * V + v + u] = FinishDot(lanes[r][u], x + r * D, j.t + (v + u) * D, d_vec, D);
 }
 
+// Table rows [v0, v1) against rows r0..r0+R of x, tiles of table rows sized so that the sums stay in registers.
 template <typename T, int R>
 void UnembedRows(const UnembedJob<T>& j, int64_t r0, int64_t v0, int64_t v1) {
-  for (int64_t v = v0; v < v1; ++v) UnembedRow<T, R>(j, r0, v);
+  constexpr int VT = R == 1 ? 8 : R <= 4 ? 4 : 2;
+  int64_t v = v0;
+  for (; v + VT <= v1; v += VT) UnembedTile<T, R, VT>(j, r0, v);
+  for (; v < v1; ++v) UnembedTile<T, R, 1>(j, r0, v);
 }
 
 // Table rows [v0, v1): a run of 64 table rows (L1/L2-resident) for each group of kGroup rows of x.
