@@ -209,6 +209,9 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer,
     i32[B, pps]; lengths i32[B]. Not differentiable (no cache is ever differentiated)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call("specjax_paged_attention", out, vmap_method="sequential")
+    if k_pages.dtype == jnp.bfloat16:  # as their bits: the pools come out of a scatter on bits (``kv_cache.on_bits``),
+        # and a bf16 view of them handed to a custom call is a copy of every layer's pool
+        k_pages, v_pages = (jax.lax.bitcast_convert_type(p, jnp.uint16) for p in (k_pages, v_pages))
     return call(q, k.astype(q.dtype), v.astype(q.dtype), mask, k_pages, v_pages, page_table.astype(jnp.int32),
                 lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32), sm_scale=np.float32(sm_scale),
                 keys_in_pool=np.int64(bool(keys_in_pool)))

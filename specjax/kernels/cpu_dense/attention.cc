@@ -2,14 +2,14 @@
 // KV pool: an XLA FFI custom call.
 //
 //   specjax_paged_attention: q [B, T, N, H], k_new, v_new [B, Tk, K, H], mask bool[B, T, Tk], the K and V pools
-//   [L, P, K, Z, H] (or lane-packed [L, P, K, Z/f, f*H], the same bytes), page_table i32[B, pps], lengths i32[B],
-//   layer i32[] -> o f32[B, T, N, H]
+//   [L, P, K, Z, H] (or lane-packed [L, P, K, Z/f, f*H], the same bytes; bf16 as bf16 or as its uint16 bits),
+//   page_table i32[B, pps], lengths i32[B], layer i32[] -> o f32[B, T, N, H]
 //
 // Query (b, t, n) sees the pool positions p < lengths[b] of its row and the new keys j that mask[b, t, j] lets it
 // see: with ``keys_in_pool`` those are already in the pool at position lengths[b] + j (a decode step, a verified
-// chain), else they are read from k_new, v_new (a tree, a draft step's tree buffer). Scores in float32 (q.k * sm_scale), an exact softmax (the row's
-// maximum first), the values summed with float32 weights; a query that sees nothing gives 0. Positions past a
-// row's page table are not seen (as on the XLA path, where they are never gathered).
+// chain), else they are read from k_new, v_new (a tree, a draft step's tree buffer). Scores in float32
+// (q.k * sm_scale), an exact softmax (the row's maximum first), the values summed with float32 weights; a query that
+// sees nothing gives 0. Positions past a row's page table are not seen (as on the XLA path: never gathered).
 // Why: XLA:CPU ran the block loop of ``layers.paged_attention`` (page gathers, masks, small einsums, copies) at
 // about a third of a SmolLM2 decode step. Here each (row, kv head) is one chunk for the thread pool; it reads each
 // key and value once for all of its queries (the heads sharing the kv head, the new tokens). Every query is one
@@ -196,6 +196,8 @@ const float* AsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
 }
 
 bool FloatType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
+// Pools: float32, bfloat16, or bfloat16 passed as its uint16 bits.
+bool PoolType(ffi::DataType t) { return FloatType(t) || t == ffi::DataType::U16; }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::PRED> mask,
                          ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,
@@ -208,12 +210,13 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer 
   const int64_t B = qd[0], T = qd[1], N = qd[2], H = qd[3], Tk = kd[1], K = kd[2];
   auto md = mask.dimensions(), vd = v_new.dimensions();
   if (!FloatType(q.element_type()) || k_new.element_type() != q.element_type() ||
-      v_new.element_type() != q.element_type() || !FloatType(k_pool.element_type()) ||
+      v_new.element_type() != q.element_type() || !PoolType(k_pool.element_type()) ||
       v_pool.element_type() != k_pool.element_type())
     return ffi::Error::InvalidArgument("specjax cpu attention: float32 or bfloat16 operands");
   if (kd[0] != B || kd[3] != H || md[0] != B || md[1] != T || md[2] != Tk || vd[0] != B || vd[1] != Tk ||
       vd[2] != K || vd[3] != H || K < 1 || N % K != 0 || pd[2] != K || (pd[3] * pd[4]) % H != 0 ||
-      td[0] != B || lengths.element_count() != static_cast<size_t>(B) || v_pool.element_count() != k_pool.element_count())
+      td[0] != B || lengths.element_count() != static_cast<size_t>(B) ||
+      v_pool.element_count() != k_pool.element_count())
     return ffi::Error::InvalidArgument("specjax cpu attention: shapes do not match");
   const int64_t Z = pd[3] * pd[4] / H, L = pd[0], pps = td[1];
   const int64_t li = *layer.typed_data();
