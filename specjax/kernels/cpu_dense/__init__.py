@@ -40,8 +40,8 @@ __all__ = ["available", "supports", "supports_attention", "disabled", "dense", "
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc")  # compiled together; both include pool.h
-HEADERS = (HERE / "pool.h",)
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc")  # compiled together; both include common.h
+HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
 # the decode step it must equal, bit for bit. Prefill chunks (never shorter than MIN_PREFILL_BUCKET tokens) keep

@@ -18,7 +18,7 @@
 #include <cmath>
 #include <limits>
 
-#include "pool.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -184,15 +184,6 @@ void AttnChunk(const void* ctx, int chunk) {
       float* o = j.out + ((b * T + t) * N + kh * G + g) * H;
       for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
     }
-}
-
-// A buffer of float32 or bfloat16 as float32 (small operands: the queries, the new keys and values).
-const float* AsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
-  if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
-  const auto* p = static_cast<const uint16_t*>(x.untyped_data());
-  buf.resize(x.element_count());
-  for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(p[i]);
-  return buf.data();
 }
 
 bool FloatType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }

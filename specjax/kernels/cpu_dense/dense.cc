@@ -13,7 +13,7 @@
 // number of threads, or which thread computed it (tests/test_cpu_dense.py).
 #include <type_traits>
 
-#include "pool.h"
+#include "common.h"
 #include "xla/ffi/api/ffi.h"
 
 namespace ffi = xla::ffi;
@@ -227,15 +227,6 @@ void UnembedChunk(const void* ctx, int chunk) {
   }
 }
 
-// x as float32: bf16 rows are widened into a per-thread buffer.
-const float* RowsAsF32(ffi::AnyBuffer x, std::vector<float>& buf) {
-  if (x.element_type() == ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
-  const auto* p = static_cast<const uint16_t*>(x.untyped_data());
-  buf.resize(x.element_count());
-  for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(p[i]);
-  return buf.data();
-}
-
 template <typename T>
 void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int64_t V) {
   const Split split = MakeSplit(V, 1, 64);
@@ -256,7 +247,7 @@ ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buff
   if (wd[kTable ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
   thread_local std::vector<float> xbuf;
-  const float* xf = RowsAsF32(x, xbuf);
+  const float* xf = AsF32(x, xbuf);
   float* out = y->typed_data();
   const bool f32 = w.element_type() == ffi::DataType::F32;
   const void* wp = w.untyped_data();

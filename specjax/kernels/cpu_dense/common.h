@@ -1,5 +1,5 @@
-// The parts every specjax CPU kernel shares: float loads (bf16 widened), and one pool of worker threads that the
-// kernels' chunks run on (one pool per process, whichever kernel calls it).
+// The parts every specjax CPU kernel shares: float loads (bf16 widened), small operands as float32, and one pool of
+// worker threads that the kernels' chunks run on (one pool per process, whichever kernel calls it).
 #pragma once
 
 #include <algorithm>
@@ -16,6 +16,8 @@
 #if defined(__AVX512F__)
 #include <immintrin.h>
 #endif
+
+#include "xla/ffi/api/ffi.h"
 
 namespace specjax_cpu {
 
@@ -177,6 +179,15 @@ inline Split MakeSplit(int64_t total, int64_t align, int64_t min_width) {
   width = (width + align - 1) / align * align;
   int n = static_cast<int>((total + width - 1) / width);
   return {width, n < 1 ? 1 : n};
+}
+
+// A float32 or bfloat16 buffer (rows of x, queries, new keys) as float32: bf16 is widened into ``buf``.
+inline const float* AsF32(xla::ffi::AnyBuffer x, std::vector<float>& buf) {
+  if (x.element_type() == xla::ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());
+  const auto* p = static_cast<const uint16_t*>(x.untyped_data());
+  buf.resize(x.element_count());
+  for (size_t i = 0; i < buf.size(); ++i) buf[i] = bf16_to_f32(p[i]);
+  return buf.data();
 }
 
 }  // namespace specjax_cpu
