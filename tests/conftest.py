@@ -35,6 +35,16 @@ import pytest  # noqa: E402
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="module")
+def cpu_kernels():
+    """specjax's CPU kernels built (the test module fails if they are not); their thread count restored after."""
+    from specjax.kernels import cpu_dense
+    assert cpu_dense.available(), "the kernels failed to build (see the specjax log warning)"
+    before = cpu_dense.threads()
+    yield
+    cpu_dense.set_threads(before)
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program after each test module. XLA:CPU maps each executable's machine code into memory:

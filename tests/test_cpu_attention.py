@@ -13,18 +13,11 @@ import pytest
 from specjax import kv_cache, layers
 from specjax.kernels import cpu_dense
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's attention)")
+pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's attention)"),
+              pytest.mark.usefixtures("cpu_kernels")]
 
 L, K, G, H, Z = 3, 2, 3, 64, 16
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _built():
-    assert cpu_dense.available(), "the kernels failed to build (see the specjax log warning)"
-    before = cpu_dense.threads()
-    yield
-    cpu_dense.set_threads(before)
 
 
 def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False):

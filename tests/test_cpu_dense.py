@@ -12,8 +12,9 @@ import pytest
 from specjax import layers
 from specjax.kernels import cpu_dense
 
-pytestmark = pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
-                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's dots)")
+pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
+                                reason="no C++ compiler: the kernels cannot be built (layers keep XLA's dots)"),
+              pytest.mark.usefixtures("cpu_kernels")]
 
 # (C, O): one contraction block (C < 256), several blocks with a row tail (C % 16 != 0), a column tail (O % 16 != 0)
 SHAPES = [(64, 48), (200, 37), (576, 96), (1000, 130)]
@@ -28,14 +29,6 @@ def _operands(rows, c, o, dtype, seed=0):
 
 def _reference(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
-
-
-@pytest.fixture(scope="module", autouse=True)
-def _built():
-    assert cpu_dense.available(), "the kernels failed to build (see the specjax log warning)"
-    before = cpu_dense.threads()
-    yield
-    cpu_dense.set_threads(before)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
