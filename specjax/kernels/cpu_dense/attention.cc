@@ -98,6 +98,22 @@ inline void ExpInPlace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] < -87.3f ? 0.f : std::exp(x[i]);
 }
 
+// One query's scores (-inf where unseen, ``keys`` of them, the row padded to ``stride``) -> exp(score - max) in
+// place; returns their sum in position order (0, and all weights 0, when the query sees nothing).
+inline float SoftmaxWeights(float* row, int64_t keys, int64_t stride) {
+  float m = kNegInf;
+  for (int64_t s = 0; s < keys; ++s) m = std::max(m, row[s]);
+  if (m == kNegInf) {
+    std::fill(row, row + stride, 0.f);
+    return 0.f;
+  }
+  for (int64_t s = 0; s < stride; ++s) row[s] -= m;
+  ExpInPlace(row, stride);
+  float l = 0.f;
+  for (int64_t s = 0; s < keys; ++s) l += row[s];
+  return l;
+}
+
 // One (row, kv head): its tokens x the query heads sharing the kv head.
 template <typename P>
 void AttnChunk(const void* ctx, int chunk) {
@@ -151,22 +167,9 @@ void AttnChunk(const void* ctx, int chunk) {
       }
     }
   }
-  std::vector<float> total(nq);
-  for (int64_t i = 0; i < nq; ++i) {  // softmax weights: exp(score - max), their sum in position order
-    float* row = &scores[i * stride];
-    float m = kNegInf;
-    for (int64_t s = 0; s < keys; ++s) m = std::max(m, row[s]);
-    if (m == kNegInf) {  // sees nothing: weights stay 0
-      std::fill(row, row + stride, 0.f);
-      total[i] = 0.f;
-      continue;
-    }
-    for (int64_t s = 0; s < stride; ++s) row[s] -= m;
-    ExpInPlace(row, stride);
-    float l = 0.f;
-    for (int64_t s = 0; s < keys; ++s) l += row[s];
-    total[i] = l;
-  }
+  thread_local std::vector<float> total;
+  total.resize(nq);
+  for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], keys, stride);
   for (int64_t s = 0; s < keys; ++s) {  // values, one at a time for all queries that weigh them
     if (!visible_to_any(s)) continue;
     const bool fresh = s >= prefix && !j.keys_in_pool;
