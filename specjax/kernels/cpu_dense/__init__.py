@@ -6,9 +6,11 @@ batch-1 decode step read its weights at one core's rate whatever the thread coun
 bf16 weights as bf16, and gives every output element one fixed sequence of fused multiply-adds: its bits do not
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
 
-The library is compiled from ``dense.cc`` with the system C++ compiler on first use (a few seconds; ``-march=native``)
-into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and registered with XLA. Without a
-compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers.dense`` keeps XLA's own dots.
+``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
+same pool. The library is compiled from both sources (and ``common.h``) with the system C++ compiler on first use (a
+few seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
+registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
+keeps XLA's own dots and attention.
 ``SPECJAX_CPU_THREADS`` (default: the CPUs this process may run on) or ``set_threads`` sets the pool size.
 """
 
@@ -71,7 +73,8 @@ def library_path() -> Path:
 
 
 def _compile(out: Path) -> None:
-    """Compile the kernels' sources into ``out`` (written under a temporary name and renamed, so concurrent builds are safe)."""
+    """Compile the kernels' sources into ``out`` (written under a temporary name and renamed: concurrent builds are
+    safe)."""
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
@@ -204,7 +207,7 @@ def supports_attention(q, k_pages) -> bool:
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer, sm_scale: float,
                     keys_in_pool: bool):
     """``layers.paged_attention``'s result (f32 [B, T, N, H]) from the kernel ``specjax_paged_attention``: q
-    [B, T, N, H]; k, v [B, T, K, H] the new keys (read only without ``keys_in_pool``); mask bool[B, T, T]; the pools
+    [B, T, N, H]; k, v [B, Tk, K, H] the new keys (read only without ``keys_in_pool``); mask bool[B, T, Tk]; the pools
     [L, P, K, Z, H] (lane-packed or not) read in place at ``layer`` (an int or a traced scalar); page_table
     i32[B, pps]; lengths i32[B]. Not differentiable (no cache is ever differentiated)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
