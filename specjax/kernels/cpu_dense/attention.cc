@@ -42,6 +42,7 @@ struct AttnJob {
   int64_t batch, tokens, new_keys, heads, kv_heads, head_dim, page_size, pages, pps, layer;
   float scale;
   bool keys_in_pool;
+  int64_t parts;  // chunks per (row, kv head), each a run of its queries
 };
 
 // sum_h a[h] * b[h]: sixteen lane sums over the whole vectors, reduced in one fixed order, then the tail.
@@ -98,41 +99,49 @@ inline void ExpInPlace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] < -87.3f ? 0.f : std::exp(x[i]);
 }
 
-// One query's scores (-inf where unseen, ``keys`` of them, the row padded to ``stride``) -> exp(score - max) in
-// place; returns their sum in position order (0, and all weights 0, when the query sees nothing).
-inline float SoftmaxWeights(float* row, int64_t keys, int64_t stride) {
-  float m = kNegInf;
-  for (int64_t s = 0; s < keys; ++s) m = std::max(m, row[s]);
+// One query's scores (-inf where unseen, the row padded with -inf to ``stride``, whole vectors) -> exp(score - max)
+// in place; returns their sum (0, and all weights 0, when the query sees nothing). The sum is sixteen lane sums (key
+// s in lane s % 16, in position order) added in one fixed tree, so a weight of 0 (a key the query does not see)
+// leaves it unchanged: a chain row's sum is the decode step's.
+inline float SoftmaxWeights(float* row, int64_t stride) {
+  float lanes[kLanes];
+  std::fill(lanes, lanes + kLanes, kNegInf);
+  for (int64_t s = 0; s < stride; s += kLanes)  // the maximum (exact in any order)
+    for (int l = 0; l < kLanes; ++l) lanes[l] = std::max(lanes[l], row[s + l]);
+  const float m = *std::max_element(lanes, lanes + kLanes);
   if (m == kNegInf) {
     std::fill(row, row + stride, 0.f);
     return 0.f;
   }
   for (int64_t s = 0; s < stride; ++s) row[s] -= m;
   ExpInPlace(row, stride);
-  float l = 0.f;
-  for (int64_t s = 0; s < keys; ++s) l += row[s];
-  return l;
+  std::fill(lanes, lanes + kLanes, 0.f);
+  for (int64_t s = 0; s < stride; s += kLanes)
+    for (int l = 0; l < kLanes; ++l) lanes[l] += row[s + l];
+  for (int w = kLanes / 2; w >= 1; w /= 2)
+    for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
+  return lanes[0];
 }
 
-// One (row, kv head): its tokens x the query heads sharing the kv head.
+// One run of the queries of a (row, kv head): its tokens x the query heads sharing the kv head, [t, g] in order.
 template <typename P>
 void AttnChunk(const void* ctx, int chunk) {
   const auto& j = *static_cast<const AttnJob<P>*>(ctx);
   const int64_t K = j.kv_heads, H = j.head_dim, T = j.tokens, Tk = j.new_keys, N = j.heads, G = N / K;
   const int64_t Z = j.page_size;
-  const int64_t b = chunk / K, kh = chunk % K;
+  const int64_t b = chunk / (K * j.parts), kh = chunk / j.parts % K, part = chunk % j.parts;
+  const int64_t i0 = T * G * part / j.parts, i1 = T * G * (part + 1) / j.parts;  // this chunk's queries
   // Positions past the page table (a released slot's stale length) are not seen, as on the XLA path.
   const int64_t cap = j.pps * Z, len = j.lengths[b], prefix = std::clamp<int64_t>(len, 0, cap);
   const int64_t keys = prefix + Tk;  // candidate keys: the prefix, then the new ones
   const int64_t stride = (keys + kLanes - 1) / kLanes * kLanes;  // a score row, whole vectors
-  const int64_t nq = T * G;
+  const int64_t nq = i1 - i0, t0 = i0 / G, t1 = (i1 - 1) / G + 1;  // its tokens [t0, t1)
   thread_local std::vector<float> scores, acc, qbuf;
   scores.assign(nq * stride, kNegInf);
   acc.assign(nq * H, 0.f);
   qbuf.resize(nq * H);
-  for (int64_t t = 0; t < T; ++t)  // the queries of this kv head, [t, g] rows
-    for (int64_t g = 0; g < G; ++g)
-      std::memcpy(&qbuf[(t * G + g) * H], j.q + ((b * T + t) * N + kh * G + g) * H, H * sizeof(float));
+  for (int64_t i = 0; i < nq; ++i)  // query i0 + i = (t, g)
+    std::memcpy(&qbuf[i * H], j.q + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H, H * sizeof(float));
   const bool* mask = j.mask + b * T * Tk;
   auto in_table = [&](int64_t s) {  // a new key stored in the pool has a slot there
     const int64_t p = len + (s - prefix);
@@ -148,29 +157,35 @@ void AttnChunk(const void* ctx, int chunk) {
   auto visible_to_any = [&](int64_t s) {
     if (s < prefix) return true;
     if (!in_table(s)) return false;
-    for (int64_t t = 0; t < T; ++t)
+    for (int64_t t = t0; t < t1; ++t)
       if (mask[t * Tk + (s - prefix)]) return true;
     return false;
   };
   auto dot = [&](const float* qv, const void* kp, bool fresh) {
     return fresh ? Dot(qv, static_cast<const float*>(kp), H) : Dot(qv, static_cast<const P*>(kp), H);
   };
+  // Pool rows are prefetched a few keys ahead: a row's page is found through the page table, where the hardware
+  // prefetchers do not follow.
+  constexpr int64_t kAhead = 8;
+  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(P));
+  auto prefetch_row = [&](const P* pool, int64_t s) {
+    if (s >= keys || (s >= prefix && !j.keys_in_pool) || !in_table(s)) return;
+    const void* r = key_of(pool, nullptr, s);
+    for (int64_t off = 0; off < row_bytes; off += 64) PrefetchAhead<3>(r, off);
+  };
   for (int64_t s = 0; s < keys; ++s) {  // scores, one key at a time for all queries
+    prefetch_row(j.k_pool, s + kAhead);
     if (!visible_to_any(s)) continue;
     const bool fresh = s >= prefix && !j.keys_in_pool;
     const void* kp = key_of(j.k_pool, j.k_new, s);
-    for (int64_t t = 0; t < T; ++t) {
-      if (!sees(t, s)) continue;
-      for (int64_t g = 0; g < G; ++g) {
-        const int64_t i = t * G + g;
-        scores[i * stride + s] = dot(&qbuf[i * H], kp, fresh) * j.scale;
-      }
-    }
+    for (int64_t i = 0; i < nq; ++i)
+      if (sees((i0 + i) / G, s)) scores[i * stride + s] = dot(&qbuf[i * H], kp, fresh) * j.scale;
   }
   thread_local std::vector<float> total;
   total.resize(nq);
-  for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], keys, stride);
+  for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride);
   for (int64_t s = 0; s < keys; ++s) {  // values, one at a time for all queries that weigh them
+    prefetch_row(j.v_pool, s + kAhead);
     if (!visible_to_any(s)) continue;
     const bool fresh = s >= prefix && !j.keys_in_pool;
     const void* vp = key_of(j.v_pool, j.v_new, s);
@@ -181,12 +196,10 @@ void AttnChunk(const void* ctx, int chunk) {
       else Axpy(&acc[i * H], w, static_cast<const P*>(vp), H);
     }
   }
-  for (int64_t t = 0; t < T; ++t)
-    for (int64_t g = 0; g < G; ++g) {
-      const int64_t i = t * G + g;
-      float* o = j.out + ((b * T + t) * N + kh * G + g) * H;
-      for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
-    }
+  for (int64_t i = 0; i < nq; ++i) {
+    float* o = j.out + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H;
+    for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
+  }
 }
 
 bool FloatType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
@@ -221,12 +234,15 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer 
   const float* kf = AsF32(k_new, kbuf);
   const float* vf = AsF32(v_new, vbuf);
   const bool* m = reinterpret_cast<const bool*>(mask.typed_data());
+  // Each (row, kv head)'s queries cut into runs so that the pool's threads get about four chunks each (a batch-1
+  // step has only as many (row, kv head) pairs as kv heads); a query's arithmetic does not depend on its run.
+  const int64_t parts = std::clamp<int64_t>((4 * PoolThreads() + B * K - 1) / (B * K), 1, T * (N / K));
   auto run = [&](auto tag) {
     using P = decltype(tag);
     AttnJob<P> job{qf, kf, vf, m, static_cast<const P*>(k_pool.untyped_data()),
                    static_cast<const P*>(v_pool.untyped_data()), page_table.typed_data(), len,
-                   out->typed_data(), B, T, Tk, N, K, H, Z, pd[1], pps, li, sm_scale, keys_in_pool != 0};
-    Parallel(AttnChunk<P>, &job, static_cast<int>(B * K));
+                   out->typed_data(), B, T, Tk, N, K, H, Z, pd[1], pps, li, sm_scale, keys_in_pool != 0, parts};
+    Parallel(AttnChunk<P>, &job, static_cast<int>(B * K * parts));
   };
   if (k_pool.element_type() == ffi::DataType::F32) run(float{});
   else run(uint16_t{});

@@ -42,6 +42,13 @@ inline __m512 Load16(const uint16_t* p) {
 }
 #endif
 
+// Ask for the cache line ``bytes`` past ``p`` ahead of its use; ``kLocality`` 3 into L1, 2 into L2. A prefetch
+// never faults, so the line may lie past a buffer's end (the address is formed as an integer).
+template <int kLocality>
+inline void PrefetchAhead(const void* p, int64_t bytes) {
+  __builtin_prefetch(reinterpret_cast<const void*>(reinterpret_cast<uintptr_t>(p) + bytes), 0, kLocality);
+}
+
 // ---------------------------------------------------------------------------------------------------------------
 // A pool of worker threads for one product at a time. The caller publishes a job (a function over chunk indices)
 // and takes chunks itself; workers that are awake take the others. A worker spins for a short while after its last

@@ -39,11 +39,29 @@ struct DenseJob {
 inline int DenseBlocks(int64_t c_dim) { return static_cast<int>(std::clamp<int64_t>(c_dim / 128, 1, 4)); }
 inline int64_t BlockStart(int64_t c_dim, int blocks, int k) { return c_dim * k / blocks; }
 
+// Software prefetches of w for DenseRows, one per cache line, kPasses passes (of B rows of w) ahead. Without them a
+// pass that does several fmas per loaded vector (a few rows of x, or bf16's widening) keeps too few loads in flight
+// for the hardware prefetchers, and 4 rows cost 1.3x one row, bf16 weights 0.8x fp32's time for half the bytes
+// (docs/benchmarks.md, twenty-first session). One fp32 row streams as fast without (with, 2-5% slower).
+template <typename T, int R>
+struct DensePrefetch {
+  static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
+  static constexpr bool kOn = R >= 2 || kBf16;
+  static constexpr int kPasses = kBf16 ? 2 : 1;
+  // bf16 passes (4 rows of w, 4.6 KB at 576 columns) into L1; fp32 ones (16 rows, 37 KB) into L2: two fill L1.
+  static constexpr int kLocality = kBf16 ? 3 : 2;
+  static void Line(const T* w, int64_t i, int64_t ahead) {  // the line of w[i], if it starts one
+    if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
+  }
+};
+
 // acc[r, o] (= 0 first) += x[r, c0:c1] w[c0:c1, o] for every column, B rows of w per pass.
 template <typename T, int R, int B>
 void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_vec) {
   const int64_t C = j.c_dim, O = j.o_dim;
   const T* __restrict w = j.w + c * O;
+  using Pf = DensePrefetch<T, R>;
+  const int64_t ahead = Pf::kPasses * B * O * static_cast<int64_t>(sizeof(T));
   acc += r0 * O;
   float xs[R][B];  // this block's x, copied so that no store to acc can alias it
   for (int r = 0; r < R; ++r)
@@ -60,6 +78,7 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
     for (int b = 0; b < B; ++b) {
       __m512 a[V];
       for (int v = 0; v < V; ++v) a[v] = Load16(w + b * O + o + v * kLanes);
+      for (int v = 0; v < V; ++v) Pf::Line(w, b * O + o + v * kLanes, ahead);
       for (int r = 0; r < R; ++r) {
         const __m512 xb = _mm512_set1_ps(xs[r][b]);
         for (int v = 0; v < V; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
@@ -71,6 +90,7 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
   for (; o < o_vec; o += kLanes) {
     __m512 a[B];
     for (int b = 0; b < B; ++b) a[b] = Load16(w + b * O + o);
+    for (int b = 0; b < B; ++b) Pf::Line(w, b * O + o, ahead);
     for (int r = 0; r < R; ++r) {
       float* yr = acc + r * O + o;
       __m512 s = _mm512_loadu_ps(yr);
@@ -173,6 +193,9 @@ void UnembedTile(const UnembedJob<T>& j, int64_t r0, int64_t v) {
   for (int64_t d = 0; d < d_vec; d += kLanes) {
     __m512 tl[VT];
     for (int u = 0; u < VT; ++u) tl[u] = Load16(j.t + (v + u) * D + d);
+    // the next tile's rows (past the table's end at its last tile: harmless). Without it R rows of x took ~R/2
+    // times one row's time: too few table loads in flight among the R x VT fmas per step.
+    for (int u = 0; u < VT; ++u) PrefetchAhead<3>(j.t + (v + u) * D + d, VT * D * static_cast<int64_t>(sizeof(T)));
     for (int r = 0; r < R; ++r) {
       const __m512 xr = _mm512_loadu_ps(x + r * D + d);
       for (int u = 0; u < VT; ++u) acc[r][u] = _mm512_fmadd_ps(xr, tl[u], acc[r][u]);
