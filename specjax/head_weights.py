@@ -104,10 +104,21 @@ def check_vocab_map(d2t: np.ndarray, t2d: np.ndarray, head_cfg: Eagle3Config) ->
 
 
 # ---- EAGLE3 ----------------------------------------------------------------------------------------------------
+def stored_matrix_dtype(a: np.ndarray, dtype) -> jnp.dtype:
+    """The dtype a head tensor ``a`` (as read) is kept in when the head computes in ``dtype``: a bf16 matrix stays
+    bf16 under fp32 (widening is exact, so every product is the fp32 one, from half the bytes: a draft step reads its
+    matrices from memory, ``layers.dense``); everything else takes ``dtype``."""
+    dtype = jnp.dtype(dtype)
+    if a.ndim >= 2 and a.dtype == jnp.bfloat16 and dtype == jnp.float32:
+        return jnp.dtype(jnp.bfloat16)
+    return dtype
+
+
 def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = None
               ) -> tuple[Eagle3Config, Eagle3Params, VocabMap]:
     """Read an HF EAGLE3 head folder (config.json + safetensors) for ``target_cfg``; params in ``dtype`` (default:
-    the config's torch_dtype). Every tensor's shape is checked and every key must be used or known-ignorable."""
+    the config's torch_dtype), except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every
+    tensor's shape is checked and every key must be used or known-ignorable."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors)")
     hf = eagle3.read_hf_config(path)
@@ -131,7 +142,8 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
             raise HeadFormatError(f"head {path}: tensor {key!r} has shape {got}, expected {tuple(shape)} for this "
                                   f"config")
         consumed.add(key)
-        return jnp.asarray(from_hf(np.asarray(ckpt.tensor(raw[key])))).astype(dt)
+        a = from_hf(np.asarray(ckpt.tensor(raw[key])))
+        return jnp.asarray(a).astype(stored_matrix_dtype(a, dt))
 
     top = {field: need(key, shape, from_hf) for key, (field, shape, _, from_hf) in top_table(head_cfg).items()}
     lays = []

@@ -60,6 +60,39 @@ def smollm2_pair():
     return path, cfg, params, make_draft("EAGLE3", dcfg, dparams, params, vocab), load_tokenizer(path)
 
 
+def test_fp32_draft_keeps_its_bf16_matrices_and_computes_the_fp32_products(smollm2_pair):
+    """Under an fp32 target the head's bf16 matrices stay bf16 (half the bytes a draft step reads) and its norms
+    and activations are fp32: every output is bit for bit the one of the head widened to fp32 (widening is exact)."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.models import eagle3
+    _, cfg, _, draft, _ = smollm2_pair
+    p = draft.params
+    lp = p.layers[0]
+    assert {a.dtype for a in (p.fc, p.lm_head, lp.wq, lp.wk, lp.wv, lp.wo, lp.w_gate, lp.w_up, lp.w_down)} == {
+        jnp.dtype(jnp.bfloat16)}
+    assert {a.dtype for a in (p.norm, lp.input_norm, lp.hidden_norm, lp.post_norm)} == {jnp.dtype(jnp.float32)}
+    wide = jax.tree.map(lambda a: a.astype(jnp.float32), p)
+    rng = np.random.default_rng(0)
+    aux = jnp.asarray(rng.standard_normal((1, 4, 3 * H)), jnp.float32)
+    emb = jnp.asarray(rng.standard_normal((1, 4, H)) * 0.05, jnp.float32)
+    positions = jnp.arange(4, dtype=jnp.int32)[None]
+
+    @jax.jit
+    def run(params):  # attention stood in for by q itself: every matrix of the head is used once
+        feat = eagle3.project_aux(params, aux)
+        h, k, v = eagle3.forward(params, draft.cfg, emb, feat, positions, lambda i, q, kk, vv: q)
+        return feat, h, k, v, eagle3.draft_logits(params, draft.cfg, h)
+
+    from specjax.kernels import cpu_dense
+    if cpu_dense.available():  # the mixed products run in the kernels, reading the bf16 matrices as they are
+        assert run.lower(p).as_text().count("specjax_dense") >= 9
+    for got, want in zip(run(p), run(wide)):
+        assert got.dtype == jnp.float32
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
 def test_shipped_head_is_lossless_and_accepted_on_mtbench(smollm2_pair):
     from specjax.bench.spec import load_prompts
     from specjax.generate import generate

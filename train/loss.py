@@ -146,7 +146,7 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
     position_ids: i32[B, T] (default arange(T)).
     """
     b, t = input_ids.shape
-    dt = head_params.fc.dtype
+    dt = head_params.norm.dtype  # the activations' (a loaded head may keep its matrices narrower)
     sm_scale = head_cfg.head_dim ** -0.5
     if position_ids is None:
         position_ids = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32)[None], (b, t))

@@ -159,8 +159,9 @@ def init_params_from_target(cfg: Eagle3Config, key: jax.Array, embed, lm_head, f
 
 
 def project_aux(params: Eagle3Params, aux):
-    """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H]."""
-    return layers.dense(aux.astype(params.fc.dtype), params.fc)
+    """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H], in the head's activation dtype (its
+    norms'; its matrices may be stored narrower, ``head_weights.stored_matrix_dtype``)."""
+    return layers.dense(aux.astype(params.norm.dtype), params.fc)
 
 
 def layer_input(lp: HeadLayerParams, cfg: Eagle3Config, emb, hidden):

@@ -166,9 +166,10 @@ def tokens_per_sequence(x) -> int:
 
 
 def supports(x, w) -> bool:
-    """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), at
-    most MAX_TOKENS rows per sequence, the kernels built and not ``disabled``."""
-    return (x.dtype == w.dtype and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
+    """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), or
+    fp32 x with bf16 w (the fp32 product with the widened w: a draft head's matrices kept as their bf16 checkpoint
+    stores them), at most MAX_TOKENS rows per sequence, the kernels built and not ``disabled``."""
+    return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
             and tokens_per_sequence(x) <= MAX_TOKENS and not _disabled[0] and available())
 
 
@@ -191,7 +192,7 @@ def _kernel_product(target: str, out_cols, xla_product, doc: str):
 
 dense = _kernel_product(
     "specjax_dense", lambda w2: w2.shape[1], lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
-    "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32 or both bfloat16); differentiable.")
+    "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32, or w2 bfloat16); differentiable.")
 unembed = _kernel_product(
     "specjax_unembed", lambda t: t.shape[0], lambda x, t: jnp.dot(x, t.T, preferred_element_type=jnp.float32),
     "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")

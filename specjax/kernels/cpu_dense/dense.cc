@@ -3,9 +3,10 @@
 //   specjax_dense:   x [R, C] . w [C, O] -> y [R, O] float32   (every decoder/head weight, as ``layers.dense``)
 //   specjax_unembed: x [R, D] . t [V, D]^T -> y [R, V] float32 (a tied lm_head read as the embedding table)
 //
-// x and w are both float32 or both bfloat16 (read as bfloat16); products accumulate in float32 with fused
-// multiply-adds. Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed its
-// weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
+// x and w are both float32, or w is bfloat16 (read as bfloat16; x of either type, taken as float32: float32 x with
+// bfloat16 w is the float32 product with the widened w, from half its bytes); products accumulate in float32 with
+// fused multiply-adds. Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed
+// its weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
 // front to back, a few rows of w at a time, into its own partial sums, added in block order), ``unembed`` into
 // runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
@@ -264,9 +265,10 @@ ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buff
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
     return ffi::Error::InvalidArgument("specjax cpu dense: x, w and y must be 2-D");
-  if (x.element_type() != w.element_type() ||
-      (x.element_type() != ffi::DataType::F32 && x.element_type() != ffi::DataType::BF16))
-    return ffi::Error::InvalidArgument("specjax cpu dense: x and w must both be float32 or both bfloat16");
+  const auto xt = x.element_type(), wt = w.element_type();
+  if (!((xt == ffi::DataType::F32 || xt == ffi::DataType::BF16) && (wt == xt || wt == ffi::DataType::BF16)))
+    return ffi::Error::InvalidArgument("specjax cpu dense: x and w must be float32 or bfloat16, and w bfloat16 "
+                                       "unless both are float32");
   const int64_t R = xd[0], C = xd[1], O = wd[kTable ? 0 : 1];
   if (wd[kTable ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
