@@ -49,7 +49,7 @@ struct DensePrefetch {
   static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   static constexpr bool kOn = R >= 2 || kBf16;
   static constexpr int kPasses = kBf16 ? 2 : 1;
-  // bf16 passes (4 rows of w, 4.6 KB at 576 columns) into L1; fp32 ones (16 rows, 37 KB) into L2: two fill L1.
+  // bf16 passes (4 rows of w, 4.6 KB at 576 columns) into L1; fp32 ones (8 rows, 18 KB) into L2 (into L1: no faster).
   static constexpr int kLocality = kBf16 ? 3 : 2;
   static void Line(const T* w, int64_t i, int64_t ahead) {  // the line of w[i], if it starts one
     if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
@@ -131,19 +131,32 @@ void DenseRowsAll(const DenseJob<T>& j, float* acc, int64_t c, int64_t o_vec) {
   }
 }
 
+// Rows c0..c1 of w, B at a time (the rest one at a time), against every row of x.
+template <typename T, int B>
+void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64_t o_vec) {
+  int64_t c = c0;
+  for (; c + B <= c1; c += B) DenseRowsAll<T, B>(j, acc, c, o_vec);
+  for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_vec);
+}
+
 template <typename T>
 void DenseChunk(const void* ctx, int k) {
-  // Rows of w per pass over y: sixteen for fp32; four for bf16, whose weight reads ran at 8.3 GB/s per thread with
-  // sixteen concurrent row streams and at 10 GB/s with four (fp32 streams the same either way).
-  constexpr int B = std::is_same_v<T, uint16_t> ? 4 : 16;
   const auto& j = *static_cast<const DenseJob<T>*>(ctx);
   float* acc = k == 0 ? j.y : j.part + (k - 1) * j.rows * j.o_dim;
   const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
   const int64_t o_vec = j.o_dim / kLanes * kLanes;
   std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
-  int64_t c = c0;
-  for (; c + B <= c1; c += B) DenseRowsAll<T, B>(j, acc, c, o_vec);
-  for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_vec);
+  // Rows of w per pass over y: four for bf16, whose weight reads ran at 8.3 GB/s per thread with sixteen concurrent
+  // row streams and at 10 GB/s with four; sixteen for one fp32 row of x, eight for more (the 30-layer SmolLM2
+  // product chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight; one row:
+  // 15.5 either way; kernel alone, twenty-second session). The passes are of any length: each column's sums are
+  // the same sequence of fmas, so the bits do not change.
+  if constexpr (std::is_same_v<T, uint16_t>) {
+    DenseStream<T, 4>(j, acc, c0, c1, o_vec);
+  } else {
+    if (j.rows == 1) DenseStream<T, 16>(j, acc, c0, c1, o_vec);
+    else DenseStream<T, 8>(j, acc, c0, c1, o_vec);
+  }
 }
 
 template <typename T>
