@@ -66,6 +66,7 @@ def test_fp32_draft_keeps_its_bf16_matrices_and_computes_the_fp32_products(smoll
     import jax
     import jax.numpy as jnp
 
+    from specjax.kernels import cpu_dense
     from specjax.models import eagle3
     _, cfg, _, draft, _ = smollm2_pair
     p = draft.params
@@ -85,7 +86,6 @@ def test_fp32_draft_keeps_its_bf16_matrices_and_computes_the_fp32_products(smoll
         h, k, v = eagle3.forward(params, draft.cfg, emb, feat, positions, lambda i, q, kk, vv: q)
         return feat, h, k, v, eagle3.draft_logits(params, draft.cfg, h)
 
-    from specjax.kernels import cpu_dense
     if cpu_dense.available():  # the mixed products run in the kernels, reading the bf16 matrices as they are
         assert run.lower(p).as_text().count("specjax_dense") >= 9
     for got, want in zip(run(p), run(wide)):

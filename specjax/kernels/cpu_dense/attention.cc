@@ -99,12 +99,22 @@ inline void ExpInPlace(float* x, int64_t n) {
   for (; i < n; ++i) x[i] = x[i] < -87.3f ? 0.f : std::exp(x[i]);
 }
 
-// acc[i, :] += w[i, s] * v_s for every key s in order (rows[s] null: skipped; fresh[s]: a float32 row, else a pool
-// row; a zero weight skipped), for the nq queries: each query the same fma sequence as Axpy over its keys. With
-// AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows.
+// Pool rows are prefetched this many keys ahead: a row's page comes from the page table, where the hardware
+// prefetchers do not follow. Rows at or past ``fresh_from`` are the new keys' float32 rows, not pool rows.
+constexpr int64_t kAhead = 8;
+
+template <typename P>
+inline void PrefetchRow(const void* const* rows, int64_t s, int64_t keys, int64_t fresh_from, int64_t H) {
+  if (s < keys && s < fresh_from && rows[s])
+    for (int64_t off = 0; off < H * static_cast<int64_t>(sizeof(P)); off += 64) PrefetchAhead<3>(rows[s], off);
+}
+
+// acc[i, :] += w[i, s] * v_s for every key s in order (rows[s] null: skipped; s >= fresh_from: a float32 row, else
+// a pool row; a zero weight skipped), for the nq queries: each query the same fma sequence as Axpy over its keys.
+// With AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows.
 #if defined(__AVX512F__)
 template <typename P, int HV>
-void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const void* const* rows, const char* fresh,
+void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                             int64_t keys, float* acc) {
   constexpr int QG = 16 / HV;  // queries per pass: QG x HV sums in registers
   constexpr int64_t H = HV * kLanes;
@@ -115,11 +125,10 @@ void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const vo
       for (int h = 0; h < HV; ++h) a[q][h] = _mm512_setzero_ps();
     for (int64_t s = 0; s < keys; ++s) {
       if (!rows[s]) continue;
-      if (i == 0 && s + 8 < keys && rows[s + 8] && !fresh[s + 8])
-        for (int64_t off = 0; off < H * static_cast<int64_t>(sizeof(P)); off += 64) PrefetchAhead<3>(rows[s + 8], off);
+      if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
       __m512 v[HV];
       for (int h = 0; h < HV; ++h)
-        v[h] = fresh[s] ? _mm512_loadu_ps(static_cast<const float*>(rows[s]) + h * kLanes)
+        v[h] = s >= fresh_from ? _mm512_loadu_ps(static_cast<const float*>(rows[s]) + h * kLanes)
                         : Load16(static_cast<const P*>(rows[s]) + h * kLanes);
       for (int q = 0; q < QG; ++q) {
         if (q >= qn) break;
@@ -136,18 +145,20 @@ void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const vo
 #endif
 
 template <typename P>
-void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* rows, const char* fresh,
+void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                  int64_t keys, int64_t H, float* acc) {
+  for (int64_t s = 0; s < kAhead; ++s) PrefetchRow<P>(rows, s, keys, fresh_from, H);
 #if defined(__AVX512F__)
-  if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh, keys, acc);
-  if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh, keys, acc);
+  if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh_from, keys, acc);
+  if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh_from, keys, acc);
 #endif
   for (int64_t s = 0; s < keys; ++s) {
+    PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
     if (!rows[s]) continue;
     for (int64_t i = 0; i < nq; ++i) {
       const float ws = w[i * stride + s];
       if (ws == 0.f) continue;
-      if (fresh[s]) Axpy(&acc[i * H], ws, static_cast<const float*>(rows[s]), H);
+      if (s >= fresh_from) Axpy(&acc[i * H], ws, static_cast<const float*>(rows[s]), H);
       else Axpy(&acc[i * H], ws, static_cast<const P*>(rows[s]), H);
     }
   }
@@ -216,31 +227,23 @@ void AttnChunk(const void* ctx, int chunk) {
     return false;
   };
   // Each key's K and V rows (null where no query of this chunk sees it), found once: a row's page comes from the
-  // page table. Pool rows are prefetched a few keys ahead, where the hardware prefetchers do not follow.
+  // page table. The new keys' rows are float32 ones of k_new / v_new unless they were written to the pool.
+  const int64_t fresh_from = j.keys_in_pool ? keys : prefix;
   thread_local std::vector<const void*> krows, vrows;
-  thread_local std::vector<char> is_fresh;
   krows.assign(keys, nullptr);
   vrows.assign(keys, nullptr);
-  is_fresh.assign(keys, 0);
   for (int64_t s = 0; s < keys; ++s) {
     if (!visible_to_any(s)) continue;
-    is_fresh[s] = s >= prefix && !j.keys_in_pool;
     krows[s] = key_of(j.k_pool, j.k_new, s);
     vrows[s] = key_of(j.v_pool, j.v_new, s);
   }
-  constexpr int64_t kAhead = 8;
-  const int64_t row_bytes = H * static_cast<int64_t>(sizeof(P));
-  auto prefetch_row = [&](const std::vector<const void*>& rows, int64_t s) {
-    if (s < keys && rows[s] && !is_fresh[s])
-      for (int64_t off = 0; off < row_bytes; off += 64) PrefetchAhead<3>(rows[s], off);
-  };
   for (int64_t s = 0; s < keys; ++s) {  // scores, one key at a time for all queries
-    prefetch_row(krows, s + kAhead);
+    PrefetchRow<P>(krows.data(), s + kAhead, keys, fresh_from, H);
     if (!krows[s]) continue;
     for (int64_t i = 0; i < nq; ++i) {
       if (!sees((i0 + i) / G, s)) continue;
       const float* qv = &qbuf[i * H];
-      const float d = is_fresh[s] ? Dot(qv, static_cast<const float*>(krows[s]), H)
+      const float d = s >= fresh_from ? Dot(qv, static_cast<const float*>(krows[s]), H)
                                   : Dot(qv, static_cast<const P*>(krows[s]), H);
       scores[i * stride + s] = d * j.scale;
     }
@@ -248,8 +251,7 @@ void AttnChunk(const void* ctx, int chunk) {
   thread_local std::vector<float> total;
   total.resize(nq);
   for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride);
-  for (int64_t s = 0; s < kAhead && s < keys; ++s) prefetch_row(vrows, s);
-  WeighValues<P>(scores.data(), stride, nq, vrows.data(), is_fresh.data(), keys, H, acc.data());
+  WeighValues<P>(scores.data(), stride, nq, vrows.data(), fresh_from, keys, H, acc.data());
   for (int64_t i = 0; i < nq; ++i) {
     float* o = j.out + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H;
     for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
