@@ -8,8 +8,10 @@ from typing import Sequence
 import numpy as np
 
 from specjax import sampling
+from specjax.kernels.cpu_dense import MAX_TOKENS as KERNEL_MAX_TOKENS
 
-MIN_PREFILL_BUCKET = 16  # the shortest padded prefill chunk
+# The shortest padded prefill chunk: longer than any product the CPU kernels take, so a prefill keeps XLA's GEMMs.
+MIN_PREFILL_BUCKET = KERNEL_MAX_TOKENS + 1
 MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
 PREFILL_CHUNK = 512  # the widest prefill call: a longer prompt runs as several chunks
 

@@ -1,5 +1,6 @@
 """specjax's CPU product kernels (``kernels.cpu_dense``): agreement with XLA's dots, bits independent of the row and
-thread counts, autodiff and vmap, concurrent callers, and that ``layers.dense`` / ``layers.unembed`` route to them."""
+thread counts, autodiff and vmap, concurrent callers, and that ``layers.dense`` / ``layers.unembed`` route to them;
+the argmax kernel against ``jnp.argmax`` (ties, NaN, infinities) and ``sampling.argmax`` routing to it."""
 
 import concurrent.futures
 import shutil
@@ -9,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import layers
+from specjax import layers, sampling
 from specjax.kernels import cpu_dense
 
 pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -121,3 +122,44 @@ def test_layers_route_few_rows_to_the_kernels():
     assert "specjax_dense" not in _targets(layers.dense, x16, w16)
     with cpu_dense.disabled():
         assert "specjax_dense" not in _targets(layers.dense, jnp.ones((1, 1, 64)), jnp.ones((64, 8)))
+
+
+def _argmax_cases():
+    rng = np.random.default_rng(0)
+    cases = [rng.standard_normal((5, v)).astype(np.float32) for v in (1, 7, 16, 49, 1000)]
+    tie = rng.standard_normal((4, 100)).astype(np.float32)
+    tie[:, [3, 40, 99]] = 9.0  # the first of equal maxima
+    tie[1, 40] = np.nextafter(np.float32(9.0), np.float32(10.0))  # one ulp above: that one
+    special = np.full((6, 50), -np.inf, np.float32)  # all -inf: index 0
+    special[1, 17] = np.nan  # a NaN wins, the first one
+    special[1, 30] = np.nan
+    special[2, 33] = np.inf
+    special[3, :] = 0.0
+    special[3, 20] = -0.0  # -0.0 == 0.0: the first zero
+    special[4, 48] = np.nan  # a NaN in the tail after the last whole vector
+    special[4, 2] = 1.0
+    special[5, 5:] = rng.standard_normal(45)
+    return cases + [tie, special]
+
+
+def test_argmax_matches_jnp_argmax():
+    f = jax.jit(cpu_dense.argmax)
+    for n in (1, 2):
+        cpu_dense.set_threads(n)
+        for x in _argmax_cases():
+            got = np.asarray(f(x))
+            assert got.dtype == np.int32 and got.shape == x.shape[:-1]
+            np.testing.assert_array_equal(got, np.asarray(jnp.argmax(x, axis=-1)))
+    logits = jax.random.normal(jax.random.key(3), (2, 4, 3000))  # [B, M, V]: a verified tree's rows
+    np.testing.assert_array_equal(np.asarray(f(logits)), np.asarray(jnp.argmax(logits, -1)))
+    np.testing.assert_array_equal(np.asarray(jax.vmap(f)(logits)), np.asarray(jnp.argmax(logits, -1)))
+
+
+def test_sampling_argmax_routes_fp32_to_the_kernel():
+    x = jnp.ones((2, 3, 64), jnp.float32)
+    assert "specjax_argmax" in _targets(sampling.argmax, x)
+    assert "specjax_argmax" not in _targets(sampling.argmax, x.astype(jnp.bfloat16))
+    with cpu_dense.disabled():  # another shape: a traced program is cached by shape
+        assert "specjax_argmax" not in _targets(sampling.argmax, jnp.ones((5, 64), jnp.float32))
+    y = sampling.argmax(x.astype(jnp.bfloat16))
+    assert y.dtype == jnp.int32 and y.shape == (2, 3)

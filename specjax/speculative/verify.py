@@ -117,8 +117,7 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
     promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
     counted and their logprobs recorded)."""
     x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
-    argmax = jnp.argmax(x, axis=-1).astype(jnp.int32)
-    greedy = greedy_accept(tree, argmax, num_steps)
+    greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
     fn = sample_accept_fn or sample_accept
 

@@ -7,7 +7,8 @@ bf16 weights as bf16, and gives every output element one fixed sequence of fused
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
-same pool. The library is compiled from both sources (and ``common.h``) with the system C++ compiler on first use (a
+same pool, and ``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each
+verified node). The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a
 few seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
 registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
 keeps XLA's own dots and attention.
@@ -33,23 +34,22 @@ import jax.numpy as jnp
 import jaxlib
 import numpy as np
 
-from specjax.batching import MIN_PREFILL_BUCKET
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_attention", "disabled", "dense", "unembed", "paged_attention",
-           "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+__all__ = ["available", "supports", "supports_attention", "supports_argmax", "disabled", "dense", "unembed",
+           "paged_attention", "argmax", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc")  # compiled together; both include common.h
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc")  # compiled together; all include common.h
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
-# the decode step it must equal, bit for bit. Prefill chunks (never shorter than MIN_PREFILL_BUCKET tokens) keep
-# XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the kernels, a 32-token prefill ran
-# 10-55% slower; docs/benchmarks.md).
-MAX_TOKENS = MIN_PREFILL_BUCKET - 1
+# the decode step it must equal, bit for bit. Prefill chunks (never shorter than ``batching.MIN_PREFILL_BUCKET``,
+# defined as MAX_TOKENS + 1) keep XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the
+# kernels, a 32-token prefill ran 10-55% slower; docs/benchmarks.md).
+MAX_TOKENS = 15
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
@@ -109,6 +109,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target("specjax_unembed", jax.ffi.pycapsule(lib.SpecjaxUnembed), platform="cpu")
     jax.ffi.register_ffi_target("specjax_paged_attention", jax.ffi.pycapsule(lib.SpecjaxPagedAttention),
                                 platform="cpu")
+    jax.ffi.register_ffi_target("specjax_argmax", jax.ffi.pycapsule(lib.SpecjaxArgmax), platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -219,3 +220,17 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer,
     return call(q, k.astype(q.dtype), v.astype(q.dtype), mask, k_pages, v_pages, page_table.astype(jnp.int32),
                 lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32), sm_scale=np.float32(sm_scale),
                 keys_in_pool=np.int64(bool(keys_in_pool)))
+
+
+def supports_argmax(x) -> bool:
+    """Whether the argmax over the last axis of x runs in the kernel on a CPU: fp32 logits, the kernels built and not
+    ``disabled``."""
+    return x.dtype == jnp.float32 and x.ndim >= 1 and x.size > 0 and not _disabled[0] and available()
+
+
+def argmax(x):
+    """i32[...] the first index of the largest value along the last axis of fp32 x [..., V] (``jnp.argmax``'s
+    answer, NaN included), from the kernel ``specjax_argmax``."""
+    v = x.shape[-1]
+    out = jax.ShapeDtypeStruct((x.size // v,), jnp.int32)
+    return jax.ffi.ffi_call("specjax_argmax", out, vmap_method="sequential")(x.reshape(-1, v)).reshape(x.shape[:-1])
