@@ -8,8 +8,8 @@
 // fused multiply-adds. Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed
 // its weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
-// front to back, a few rows of w at a time, into its own partial sums, added in block order), ``unembed`` into
-// runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
+// front to back, a few rows of w at a time, into its own partial sums, added in block order; bf16 w is read 32
+// columns per load, the even and the odd ones widened apart), ``unembed`` into runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
 // Every output element is one fixed sequence of operations, so its bits do not depend on the number of rows, the
 // number of threads, or which thread computed it (tests/test_cpu_dense.py).
 #include <type_traits>
@@ -49,7 +49,7 @@ struct DensePrefetch {
   static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   static constexpr bool kOn = R >= 2 || kBf16;
   static constexpr int kPasses = kBf16 ? 2 : 1;
-  // bf16 passes (4 rows of w, 4.6 KB at 576 columns) into L1; fp32 ones (8 rows, 18 KB) into L2 (into L1: no faster).
+  // bf16 passes (8 rows of w, 9.2 KB at 576 columns) into L1; fp32 ones (8 rows, 18 KB) into L2 (into L1: no faster).
   static constexpr int kLocality = kBf16 ? 3 : 2;
   static void Line(const T* w, int64_t i, int64_t ahead) {  // the line of w[i], if it starts one
     if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
@@ -58,7 +58,7 @@ struct DensePrefetch {
 
 // acc[r, o] (= 0 first) += x[r, c0:c1] w[c0:c1, o] for every column, B rows of w per pass.
 template <typename T, int R, int B>
-void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_vec) {
+void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_from, int64_t o_vec) {
   const int64_t C = j.c_dim, O = j.o_dim;
   const T* __restrict w = j.w + c * O;
   using Pf = DensePrefetch<T, R>;
@@ -72,7 +72,7 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
   // of B fmas alone is latency-bound), each column's sequence unchanged. Two fp32 rows ran 4% faster with V = 1 than
   // with 2 (bf16 ones 4% slower), four rows 15% slower with V = 4 than with 1 (kernel alone, twenty-second session).
   constexpr int V = R == 1 ? 4 : R == 2 && Pf::kBf16 ? 2 : 1;
-  int64_t o = 0;
+  int64_t o = o_from;
   for (; V > 1 && o + V * kLanes <= o_vec; o += V * kLanes) {
     __m512 s[R][V];
     for (int r = 0; r < R; ++r)
@@ -101,11 +101,11 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
     }
   }
 #else
-  o_vec = 0;
+  o_vec = o_from;
 #endif
   for (int r = 0; r < R; ++r) {
     float* yr = acc + r * O;
-    for (int64_t o = o_vec; o < O; ++o) {
+    for (int64_t o = std::max(o_vec, o_from); o < O; ++o) {
       float s = yr[o];
       for (int b = 0; b < B; ++b) s = __builtin_fmaf(xs[r][b], load(w + b * O, o), s);
       yr[o] = s;
@@ -113,30 +113,114 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
   }
 }
 
+#if defined(__AVX512F__)
+// bf16 w, 32 columns per 64-byte load: the low half of each 32-bit lane is an even column and the high half the odd
+// one after it, each widened by one instruction (a shift, a mask) where Load16 spends two per 16 columns: half the
+// loads and widenings per byte of w, so more of its lines are in flight (the bf16 products streamed about 20%
+// slower per byte than fp32's in a decode step; docs/benchmarks.md, twenty-third session). The sums of columns
+// o..o+31 are kept in acc as [16 even columns, 16 odd ones] (``UnpairColumns`` restores the order at the end of a
+// chunk); each column's fmas are the same sequence as in DenseRows, so the bits are DenseRows' bits.
+template <int R, int B, int VP>
+inline void PairedGroup(const uint16_t* __restrict w, float* __restrict acc, const float (&xs)[R][B], int64_t O,
+                        int64_t o, int64_t ahead) {
+  using Pf = DensePrefetch<uint16_t, R>;
+  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  __m512 s[R][VP][2];
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VP; ++v)
+      for (int h = 0; h < 2; ++h) s[r][v][h] = _mm512_loadu_ps(acc + r * O + o + v * 32 + h * kLanes);
+  for (int b = 0; b < B; ++b) {
+    __m512 even[VP], odd[VP];
+    for (int v = 0; v < VP; ++v) {
+      const uint16_t* p = w + b * O + o + v * 32;
+      const __m512i raw = _mm512_loadu_si512(p);
+      PrefetchAhead<Pf::kLocality>(p, ahead);
+      even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+      odd[v] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
+    }
+    for (int r = 0; r < R; ++r) {
+      const __m512 xb = _mm512_set1_ps(xs[r][b]);
+      for (int v = 0; v < VP; ++v) {
+        s[r][v][0] = _mm512_fmadd_ps(xb, even[v], s[r][v][0]);
+        s[r][v][1] = _mm512_fmadd_ps(xb, odd[v], s[r][v][1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r)
+    for (int v = 0; v < VP; ++v)
+      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + r * O + o + v * 32 + h * kLanes, s[r][v][h]);
+}
+
+template <int R, int B>
+void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_pair) {
+  const int64_t C = j.c_dim, O = j.o_dim;
+  const uint16_t* __restrict w = j.w + c * O;
+  const int64_t ahead = DensePrefetch<uint16_t, R>::kPasses * B * O * static_cast<int64_t>(sizeof(uint16_t));
+  acc += r0 * O;
+  float xs[R][B];
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) xs[r][b] = j.x[(r0 + r) * C + c + b];
+  constexpr int VP = R == 1 ? 2 : 1;  // 64 columns (two lines of a row of w) per group for one row of x
+  int64_t o = 0;
+  for (; VP > 1 && o + VP * 32 <= o_pair; o += VP * 32) PairedGroup<R, B, VP>(w, acc, xs, O, o, ahead);
+  for (; o < o_pair; o += 32) PairedGroup<R, B, 1>(w, acc, xs, O, o, ahead);
+}
+
+// Columns 0..o_pair of each of ``rows`` rows of acc from [evens, odds] per 32 back to their order.
+inline void UnpairColumns(float* acc, int64_t rows, int64_t o_dim, int64_t o_pair) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  for (int64_t r = 0; r < rows; ++r)
+    for (int64_t o = 0; o < o_pair; o += 32) {
+      float* p = acc + r * o_dim + o;
+      const __m512 even = _mm512_loadu_ps(p), odd = _mm512_loadu_ps(p + kLanes);
+      _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, first, odd));
+      _mm512_storeu_ps(p + kLanes, _mm512_permutex2var_ps(even, second, odd));
+    }
+}
+#endif
+
+// Columns of w handled in pairs (bf16 with AVX-512: the whole 32-column groups), the rest by DenseRows.
+template <typename T>
+inline int64_t PairedColumns(int64_t o_dim) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, uint16_t>) return o_dim / 32 * 32;
+#endif
+  return 0;
+}
+
+template <typename T, int R, int B>
+inline void DenseRowsAny(const DenseJob<T>& j, float* acc, int64_t r0, int64_t c, int64_t o_pair, int64_t o_vec) {
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, uint16_t>) DenseRowsPaired<R, B>(j, acc, r0, c, o_pair);
+#endif
+  if (o_pair < j.o_dim) DenseRows<T, R, B>(j, acc, r0, c, o_pair, o_vec);
+}
+
 // Rows c..c+B of w against every row of x, kGroup rows of x at a time: the block of w is read from memory by the
 // first group and from cache by the others.
 template <typename T, int B>
-void DenseRowsAll(const DenseJob<T>& j, float* acc, int64_t c, int64_t o_vec) {
+void DenseRowsAll(const DenseJob<T>& j, float* acc, int64_t c, int64_t o_pair, int64_t o_vec) {
   for (int64_t r0 = 0; r0 < j.rows; r0 += kGroup) {
     switch (std::min<int64_t>(kGroup, j.rows - r0)) {
-      case 1: DenseRows<T, 1, B>(j, acc, r0, c, o_vec); break;
-      case 2: DenseRows<T, 2, B>(j, acc, r0, c, o_vec); break;
-      case 3: DenseRows<T, 3, B>(j, acc, r0, c, o_vec); break;
-      case 4: DenseRows<T, 4, B>(j, acc, r0, c, o_vec); break;
-      case 5: DenseRows<T, 5, B>(j, acc, r0, c, o_vec); break;
-      case 6: DenseRows<T, 6, B>(j, acc, r0, c, o_vec); break;
-      case 7: DenseRows<T, 7, B>(j, acc, r0, c, o_vec); break;
-      default: DenseRows<T, 8, B>(j, acc, r0, c, o_vec); break;
+      case 1: DenseRowsAny<T, 1, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 2: DenseRowsAny<T, 2, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 3: DenseRowsAny<T, 3, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 4: DenseRowsAny<T, 4, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 5: DenseRowsAny<T, 5, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 6: DenseRowsAny<T, 6, B>(j, acc, r0, c, o_pair, o_vec); break;
+      case 7: DenseRowsAny<T, 7, B>(j, acc, r0, c, o_pair, o_vec); break;
+      default: DenseRowsAny<T, 8, B>(j, acc, r0, c, o_pair, o_vec); break;
     }
   }
 }
 
 // Rows c0..c1 of w, B at a time (the rest one at a time), against every row of x.
 template <typename T, int B>
-void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64_t o_vec) {
+void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64_t o_pair, int64_t o_vec) {
   int64_t c = c0;
-  for (; c + B <= c1; c += B) DenseRowsAll<T, B>(j, acc, c, o_vec);
-  for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_vec);
+  for (; c + B <= c1; c += B) DenseRowsAll<T, B>(j, acc, c, o_pair, o_vec);
+  for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_pair, o_vec);
 }
 
 template <typename T>
@@ -144,18 +228,22 @@ void DenseChunk(const void* ctx, int k) {
   const auto& j = *static_cast<const DenseJob<T>*>(ctx);
   float* acc = k == 0 ? j.y : j.part + (k - 1) * j.rows * j.o_dim;
   const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
-  const int64_t o_vec = j.o_dim / kLanes * kLanes;
+  const int64_t o_vec = j.o_dim / kLanes * kLanes, o_pair = PairedColumns<T>(j.o_dim);
   std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
-  // Rows of w per pass over y: four for bf16, whose weight reads ran at 8.3 GB/s per thread with sixteen concurrent
-  // row streams and at 10 GB/s with four; sixteen for one fp32 row of x, eight for more (the 30-layer SmolLM2
-  // product chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight; one row:
-  // 15.5 either way; kernel alone, twenty-second session). The passes are of any length: each column's sums are
-  // the same sequence of fmas, so the bits do not change.
+  // Rows of w per pass over y: eight for bf16 (read in column pairs, four were better before: the 30-layer bf16
+  // chain at 1 / 2 / 4 / 8 rows, 10.0-11.3 / 10.9-11.2 / 12.9-13.1 / 18.3-19.2 ms with four, 9.3-9.9 / 9.8-10.6 /
+  // 11.8-12.4 / 16.8-18.3 with eight, sixteen no better; twenty-third session); sixteen for one fp32 row of x, eight
+  // for more (the fp32 chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight;
+  // one row: 15.5 either way; twenty-second session). The passes are of any length: each column's sums are the
+  // same sequence of fmas, so the bits do not change.
   if constexpr (std::is_same_v<T, uint16_t>) {
-    DenseStream<T, 4>(j, acc, c0, c1, o_vec);
+    DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
+#if defined(__AVX512F__)
+    UnpairColumns(acc, j.rows, j.o_dim, o_pair);
+#endif
   } else {
-    if (j.rows == 1) DenseStream<T, 16>(j, acc, c0, c1, o_vec);
-    else DenseStream<T, 8>(j, acc, c0, c1, o_vec);
+    if (j.rows == 1) DenseStream<T, 16>(j, acc, c0, c1, o_pair, o_vec);
+    else DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
   }
 }
 
