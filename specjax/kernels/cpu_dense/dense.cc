@@ -54,19 +54,28 @@ struct DensePrefetch {
   static void Line(const T* w, int64_t i, int64_t ahead) {  // the line of w[i], if it starts one
     if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
   }
+  static int64_t Ahead(int rows_per_pass, int64_t o_dim) {  // bytes from a line of w to the one to prefetch
+    return kPasses * rows_per_pass * o_dim * static_cast<int64_t>(sizeof(T));
+  }
 };
+
+// Rows r0..r0+R of x at columns c..c+B, copied so that no store to acc can alias them.
+template <typename T, int R, int B>
+inline void BlockOfX(const DenseJob<T>& j, int64_t r0, int64_t c, float (&xs)[R][B]) {
+  for (int r = 0; r < R; ++r)
+    for (int b = 0; b < B; ++b) xs[r][b] = j.x[(r0 + r) * j.c_dim + c + b];
+}
 
 // acc[r, o] (= 0 first) += x[r, c0:c1] w[c0:c1, o] for every column, B rows of w per pass.
 template <typename T, int R, int B>
 void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_from, int64_t o_vec) {
-  const int64_t C = j.c_dim, O = j.o_dim;
+  const int64_t O = j.o_dim;
   const T* __restrict w = j.w + c * O;
   using Pf = DensePrefetch<T, R>;
-  const int64_t ahead = Pf::kPasses * B * O * static_cast<int64_t>(sizeof(T));
+  const int64_t ahead = Pf::Ahead(B, O);
   acc += r0 * O;
-  float xs[R][B];  // this block's x, copied so that no store to acc can alias it
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) xs[r][b] = j.x[(r0 + r) * C + c + b];
+  float xs[R][B];
+  BlockOfX<T, R, B>(j, r0, c, xs);
 #if defined(__AVX512F__)
   // With one row of x (two bf16 rows), V vectors of columns at a time: V x R independent chains of fmas (one chain
   // of B fmas alone is latency-bound), each column's sequence unchanged. Two fp32 rows ran 4% faster with V = 1 than
@@ -153,13 +162,12 @@ inline void PairedGroup(const uint16_t* __restrict w, float* __restrict acc, con
 
 template <int R, int B>
 void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_pair) {
-  const int64_t C = j.c_dim, O = j.o_dim;
+  const int64_t O = j.o_dim;
   const uint16_t* __restrict w = j.w + c * O;
-  const int64_t ahead = DensePrefetch<uint16_t, R>::kPasses * B * O * static_cast<int64_t>(sizeof(uint16_t));
+  const int64_t ahead = DensePrefetch<uint16_t, R>::Ahead(B, O);
   acc += r0 * O;
   float xs[R][B];
-  for (int r = 0; r < R; ++r)
-    for (int b = 0; b < B; ++b) xs[r][b] = j.x[(r0 + r) * C + c + b];
+  BlockOfX<uint16_t, R, B>(j, r0, c, xs);
   constexpr int VP = R == 1 ? 2 : 1;  // 64 columns (two lines of a row of w) per group for one row of x
   int64_t o = 0;
   for (; VP > 1 && o + VP * 32 <= o_pair; o += VP * 32) PairedGroup<R, B, VP>(w, acc, xs, O, o, ahead);
