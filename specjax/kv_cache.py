@@ -20,6 +20,8 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax.kernels import cpu_dense
+
 
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
@@ -120,7 +122,9 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
     A donated pool is updated in place only where every read of it comes before the scatter in the data flow.
     Model layers therefore write their own K/V before their attention reads the pool (``layer``; see
     ``target.forward(write_valid=...)``): a write of every layer after the forward does not follow the last layer's
-    reads, and XLA:CPU then copied the whole pool twice per step.
+    reads, and XLA:CPU then copied the whole pool twice per step. On a CPU with specjax's kernels the write is one
+    custom call aliased to the pools (``cpu_dense.kv_write``): XLA's scatter into a bf16 pool ran on its uint16 bits
+    (``on_bits``), and the bits views of the donated pools were two copies of each per step.
     """
     if layer is not None:
         k_new, v_new = k_new[None], v_new[None]
@@ -130,8 +134,21 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
     kh, h = k_new.shape[3:]
     f = cache.k.shape[-1] // h  # slots per row (lane-packed pools)
     page, slot = slot_indices(cache.page_table, positions, cache.k.shape[-2] * f, valid)
-    if f > 1:
-        return _write_packed(cache, k_new, v_new, layer_ids, page, slot, f)
+    xla = (lambda c: _write_packed(c, k_new, v_new, layer_ids, page, slot, f)) if f > 1 else (
+        lambda c: _write_rows(c, k_new, v_new, layer_ids, page, slot))
+    if not cpu_dense.supports_kv_write(cache.k, k_new):
+        return xla(cache)
+
+    def kernel(c):  # the pools written where they lie (a CPU program)
+        k, v = cpu_dense.kv_write(c.k, c.v, k_new, v_new, page, slot, 0 if layer is None else layer)
+        return dataclasses.replace(c, k=k, v=v)
+
+    return jax.lax.platform_dependent(cache, cpu=kernel, default=xla)
+
+
+def _write_rows(cache: KVCache, k_new, v_new, layer_ids, page, slot) -> KVCache:
+    """``write`` into an unpacked pool [L, P, K, Z, H] by XLA."""
+    kh = k_new.shape[3]
     # One row of H per (layer, page, kv head, slot): a scatter whose window is the minor (head_dim) axis, which a
     # TPU performs in the pool's own layout (a window over several axes made XLA scatter into a transposed copy of
     # the whole pool at one kv head per chip).

@@ -1,8 +1,10 @@
 """specjax's CPU product kernels (``kernels.cpu_dense``): agreement with XLA's dots, bits independent of the row and
 thread counts, autodiff and vmap, concurrent callers, and that ``layers.dense`` / ``layers.unembed`` route to them;
-the argmax kernel against ``jnp.argmax`` (ties, NaN, infinities) and ``sampling.argmax`` routing to it."""
+the argmax kernel against ``jnp.argmax`` (ties, NaN, infinities) and ``sampling.argmax`` routing to it; the K/V
+write against XLA's scatter."""
 
 import concurrent.futures
+import dataclasses
 import shutil
 
 import jax
@@ -163,3 +165,31 @@ def test_sampling_argmax_routes_fp32_to_the_kernel():
         assert "specjax_argmax" not in _targets(sampling.argmax, jnp.ones((5, 64), jnp.float32))
     y = sampling.argmax(x.astype(jnp.bfloat16))
     assert y.dtype == jnp.int32 and y.shape == (2, 3)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("head_dim", [64, 24])  # fp32 at 64: a lane-packed pool [L, P, K, Z/2, 128]
+def test_kv_write_matches_xla_scatter(dtype, head_dim):
+    """``kv_cache.write`` through the kernel (in place) writes what XLA's scatter does: one layer (a traced index)
+    or all of them, tokens past the page table or invalid dropped, into donated pools."""
+    from specjax import kv_cache
+    cache = kv_cache.init_cache(3, 2, head_dim, 2, 64, dtype=dtype, num_pages=9)
+    cache = dataclasses.replace(cache, k=cache.k + 1, v=cache.v - 1, page_table=jnp.asarray([[3, 1, 7, 0],
+                                                                                             [2, 8, 5, 4]]))
+    rng = np.random.default_rng(0)
+    pos = jnp.asarray([[5, 16, 40], [63, 64, 17]])  # 64: past the page table
+    valid = jnp.asarray([[True, True, False], [True, True, True]])
+    new = lambda *s: jnp.asarray(rng.normal(size=s), jnp.float32)
+    one = (new(2, 3, 2, head_dim), new(2, 3, 2, head_dim))
+    every = (new(3, 2, 3, 2, head_dim), new(3, 2, 3, 2, head_dim))
+    for args, kw in ((one, dict(layer=jnp.int32(2))), (every, {})):
+        write = jax.jit(lambda c, k, v: kv_cache.write(c, k, v, pos, valid, **kw), donate_argnums=(0,))
+        got = write(jax.tree.map(jnp.copy, cache), *args)
+        with cpu_dense.disabled():
+            want = jax.jit(lambda c, k, v: kv_cache.write(c, k, v, pos, valid, **kw))(cache, *args)
+        assert got.k.dtype == dtype
+        np.testing.assert_array_equal(np.asarray(got.k, np.float32), np.asarray(want.k, np.float32))
+        np.testing.assert_array_equal(np.asarray(got.v, np.float32), np.asarray(want.v, np.float32))
+        assert not np.array_equal(np.asarray(got.k, np.float32), np.asarray(cache.k, np.float32))
+    hlo = write.lower(cache, *every).as_text()
+    assert "specjax_kv_write" in hlo

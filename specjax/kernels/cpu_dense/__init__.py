@@ -7,9 +7,10 @@ bf16 weights as bf16, and gives every output element one fixed sequence of fused
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
-same pool, and ``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each
-verified node). The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a
-few seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
+same pool, ``kv_write.cc`` the write of their keys and values into that pool in place (``kv_write``), and
+``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node).
+The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a few
+seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
 registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
 keeps XLA's own dots and attention.
 ``SPECJAX_CPU_THREADS`` (default: the CPUs this process may run on) or ``set_threads`` sets the pool size.
@@ -36,13 +37,14 @@ import numpy as np
 
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_attention", "supports_argmax", "disabled", "dense", "unembed",
-           "paged_attention", "argmax", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_kv_write", "disabled", "dense",
+           "unembed", "paged_attention", "argmax", "kv_write", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc")  # compiled together; all include common.h
+# compiled together; all include common.h
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "kv_write.cc")
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
@@ -110,6 +112,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target("specjax_paged_attention", jax.ffi.pycapsule(lib.SpecjaxPagedAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target("specjax_argmax", jax.ffi.pycapsule(lib.SpecjaxArgmax), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_kv_write", jax.ffi.pycapsule(lib.SpecjaxKvWrite), platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -214,12 +217,27 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer,
     i32[B, pps]; lengths i32[B]. Not differentiable (no cache is ever differentiated)."""
     out = jax.ShapeDtypeStruct(q.shape, jnp.float32)
     call = jax.ffi.ffi_call("specjax_paged_attention", out, vmap_method="sequential")
-    if k_pages.dtype == jnp.bfloat16:  # as their bits: the pools come out of a scatter on bits (``kv_cache.on_bits``),
-        # and a bf16 view of them handed to a custom call is a copy of every layer's pool
-        k_pages, v_pages = (jax.lax.bitcast_convert_type(p, jnp.uint16) for p in (k_pages, v_pages))
     return call(q, k.astype(q.dtype), v.astype(q.dtype), mask, k_pages, v_pages, page_table.astype(jnp.int32),
                 lengths.astype(jnp.int32), jnp.asarray(layer, jnp.int32), sm_scale=np.float32(sm_scale),
                 keys_in_pool=np.int64(bool(keys_in_pool)))
+
+
+def supports_kv_write(pool, new) -> bool:
+    """Whether new keys or values ``new`` [..., K, H] are written into a pool like ``pool`` [L, P, K, R, W] by the
+    kernel on a CPU: fp32 or bf16 pools, the kernels built and not ``disabled``."""
+    return (pool.dtype in DTYPES and pool.ndim == 5 and new.size > 0 and not _disabled[0] and available())
+
+
+def kv_write(k_pool, v_pool, k_new, v_new, page, slot, layer):
+    """The pools with k_new, v_new [Ln, B, T, K, H] written at layers ``layer`` .. ``layer + Ln - 1`` (an int or a
+    traced scalar), page i32[B, T] (an index outside the pool drops the token), slot i32[B, T], from the kernel
+    ``specjax_kv_write``: in place when the pools are donated (their only other readers come after the write).
+    bf16 pools are written as bf16 (no bits view: a view of a donated pool is a copy of it)."""
+    k_new, v_new = k_new.astype(k_pool.dtype), v_new.astype(v_pool.dtype)
+    out = (jax.ShapeDtypeStruct(k_pool.shape, k_pool.dtype), jax.ShapeDtypeStruct(v_pool.shape, v_pool.dtype))
+    call = jax.ffi.ffi_call("specjax_kv_write", out, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
+    return call(k_pool, v_pool, k_new, v_new, page.astype(jnp.int32), slot.astype(jnp.int32),
+                jnp.asarray(layer, jnp.int32))
 
 
 def supports_argmax(x) -> bool:
