@@ -136,7 +136,7 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
     page, slot = slot_indices(cache.page_table, positions, cache.k.shape[-2] * f, valid)
     xla = (lambda c: _write_packed(c, k_new, v_new, layer_ids, page, slot, f)) if f > 1 else (
         lambda c: _write_rows(c, k_new, v_new, layer_ids, page, slot))
-    if not cpu_dense.supports_kv_write(cache.k, k_new):
+    if not cpu_dense.supports_pages(cache.k) or k_new.size == 0:
         return xla(cache)
 
     def kernel(c):  # the pools written where they lie (a CPU program)
@@ -210,6 +210,18 @@ def gather_layer(k_pages, v_pages, page_table, head_dim: int | None = None):
 
 def take_pages(pages, at, head_dim: int):
     """The pages ``pages[at]`` of a pool ([P, K, Z, H], lane-packed [P, K, Z/f, f*H], or stacked over layers with
-    ``at = (layer, cols)``), unpacked to [..., K, Z, H]; half-precision pools are indexed on their bits on a CPU
-    (``on_bits``)."""
-    return unpack_pages(on_bits(lambda pool: pool[at], pages), head_dim)
+    ``at = (layer, cols)``; cols i32[B, n]), unpacked to [..., K, Z, H]. On a CPU, specjax's kernel copies the pages
+    out of the pool in place (``cpu_dense.take_pages``: a bits view of a bf16 pool entering the attention loop was a
+    copy of the whole pool per layer); without it, half-precision pools are indexed on their bits (``on_bits``)."""
+    def xla(pages):
+        return on_bits(lambda pool: pool[at], pages)
+
+    stacked = isinstance(at, tuple)
+    layer, cols = at if stacked else (0, at)
+
+    def kernel(pages):  # in place, any dtype (a CPU program)
+        return cpu_dense.take_pages(pages if stacked else pages[None], cols, layer)
+
+    if not cpu_dense.supports_pages(pages if stacked else pages[None]) or cols.ndim != 2:
+        return unpack_pages(xla(pages), head_dim)
+    return unpack_pages(jax.lax.platform_dependent(pages, cpu=kernel, default=xla), head_dim)

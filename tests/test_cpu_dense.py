@@ -193,3 +193,21 @@ def test_kv_write_matches_xla_scatter(dtype, head_dim):
         assert not np.array_equal(np.asarray(got.k, np.float32), np.asarray(cache.k, np.float32))
     hlo = write.lower(cache, *every).as_text()
     assert "specjax_kv_write" in hlo
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_take_pages_matches_xla_gather(dtype):
+    """``kv_cache.take_pages`` through the kernel reads the pages XLA's gather does, from a stacked pool at a traced
+    layer and from one layer's pool, indices past the pool clamped."""
+    from specjax import kv_cache
+    rng = np.random.default_rng(1)
+    pool = jnp.asarray(rng.normal(size=(3, 9, 2, 8, 128)), dtype)
+    cols = jnp.asarray([[3, 1, 8, 0], [2, 8, 5, 11]])  # 11: past the pool, clamped to page 8
+    for pages, at in ((pool, (jnp.int32(2), cols)), (pool[1], cols)):
+        take = jax.jit(lambda p, a: kv_cache.take_pages(p, a, 64))
+        got = take(pages, at)
+        with cpu_dense.disabled():
+            want = jax.jit(lambda p, a: kv_cache.take_pages(p, a, 64))(pages, at)
+        assert got.dtype == dtype and got.shape == (2, 4, 2, 16, 64)
+        np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+        assert "specjax_take_pages" in take.lower(pages, at).as_text()

@@ -202,7 +202,8 @@ def test_server_steps_write_the_kv_pool_in_place(dtype):
     params = target.init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
     active = np.zeros((2,), bool)
     active[0] = True
-    plain = PlainRunner(cfg, params, max_batch=2, pages_per_seq=8, page_size=16, num_pages=97, attention_impl="xla")
+    # 40 pages per sequence: the XLA attention path of a prompt chunk reads the pool in a loop of 3 blocks
+    plain = PlainRunner(cfg, params, max_batch=2, pages_per_seq=40, page_size=16, num_pages=97, attention_impl="xla")
     st = plain.init_state()
     view = kv_cache.KVCache(k=st.cache.k, v=st.cache.v, page_table=st.cache.page_table[:1],
                             lengths=st.cache.lengths[:1])
@@ -218,7 +219,7 @@ def test_server_steps_write_the_kv_pool_in_place(dtype):
     assert pool_copies(hlo, st.cache.k) == []
     row = sampling.SamplingBatch.make(1, vocab=cfg.vocab_size)
     hlo = plain._prefill_jit.lower(plain.params, st, np.int32(0), np.zeros((16,), np.int32), np.int32(3), np.int32(0),
-                                   np.zeros((8,), np.int32), row, npages=4).compile().as_text()
+                                   np.zeros((40,), np.int32), row, npages=40).compile().as_text()
     assert pool_copies(hlo, st.cache.k) == []
 
     tcfg = tiny_config(vocab=96, hidden=256, layers=2, dtype=dtype)  # head dim 64: a lane-packed fp32 pool

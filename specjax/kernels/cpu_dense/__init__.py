@@ -7,7 +7,8 @@ bf16 weights as bf16, and gives every output element one fixed sequence of fused
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
-same pool, ``kv_write.cc`` the write of their keys and values into that pool in place (``kv_write``), and
+same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
+a block of its pages (``take_pages``, for the XLA attention path of prompt chunks), and
 ``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node).
 The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a few
 seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
@@ -37,14 +38,15 @@ import numpy as np
 
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_kv_write", "disabled", "dense",
-           "unembed", "paged_attention", "argmax", "kv_write", "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "disabled", "dense",
+           "unembed", "paged_attention", "argmax", "kv_write", "take_pages", "set_threads", "threads", "MAX_TOKENS",
+           "DTYPES"]
 
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
 # compiled together; all include common.h
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "kv_write.cc")
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "pages.cc")
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
@@ -113,6 +115,7 @@ def _library() -> ctypes.CDLL | None:
                                 platform="cpu")
     jax.ffi.register_ffi_target("specjax_argmax", jax.ffi.pycapsule(lib.SpecjaxArgmax), platform="cpu")
     jax.ffi.register_ffi_target("specjax_kv_write", jax.ffi.pycapsule(lib.SpecjaxKvWrite), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_take_pages", jax.ffi.pycapsule(lib.SpecjaxTakePages), platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -222,10 +225,10 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer,
                 keys_in_pool=np.int64(bool(keys_in_pool)))
 
 
-def supports_kv_write(pool, new) -> bool:
-    """Whether new keys or values ``new`` [..., K, H] are written into a pool like ``pool`` [L, P, K, R, W] by the
-    kernel on a CPU: fp32 or bf16 pools, the kernels built and not ``disabled``."""
-    return (pool.dtype in DTYPES and pool.ndim == 5 and new.size > 0 and not _disabled[0] and available())
+def supports_pages(pool) -> bool:
+    """Whether pages of a pool like ``pool`` [L, P, K, R, W] are written (``kv_write``) and read (``take_pages``) by
+    the kernels on a CPU: fp32 or bf16 pools, the kernels built and not ``disabled``."""
+    return pool.dtype in DTYPES and pool.ndim == 5 and pool.size > 0 and not _disabled[0] and available()
 
 
 def kv_write(k_pool, v_pool, k_new, v_new, page, slot, layer):
@@ -238,6 +241,14 @@ def kv_write(k_pool, v_pool, k_new, v_new, page, slot, layer):
     call = jax.ffi.ffi_call("specjax_kv_write", out, vmap_method="sequential", input_output_aliases={0: 0, 1: 1})
     return call(k_pool, v_pool, k_new, v_new, page.astype(jnp.int32), slot.astype(jnp.int32),
                 jnp.asarray(layer, jnp.int32))
+
+
+def take_pages(pool, cols, layer):
+    """The pages ``pool[layer, cols]`` [B, n, K, R, W] of a pool [L, P, K, R, W] (cols i32[B, n], clamped into the
+    pool; ``layer`` an int or a traced scalar) from the kernel ``specjax_take_pages``, read in place in any dtype."""
+    out = jax.ShapeDtypeStruct((*cols.shape, *pool.shape[2:]), pool.dtype)
+    return jax.ffi.ffi_call("specjax_take_pages", out, vmap_method="sequential")(
+        pool, cols.astype(jnp.int32), jnp.asarray(layer, jnp.int32))
 
 
 def supports_argmax(x) -> bool:
