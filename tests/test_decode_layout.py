@@ -222,10 +222,12 @@ def test_server_steps_write_the_kv_pool_in_place(dtype):
                                    np.zeros((40,), np.int32), row, npages=40).compile().as_text()
     assert pool_copies(hlo, st.cache.k) == []
 
-    tcfg = tiny_config(vocab=96, hidden=256, layers=2, dtype=dtype)  # head dim 64: a lane-packed fp32 pool
+    # head dim 64: a lane-packed fp32 pool; 40 pages per sequence: the target's and the draft's prompt chunks read
+    # three blocks of pages
+    tcfg = tiny_config(vocab=96, hidden=256, layers=2, dtype=dtype)
     tp, e3 = random_models(tcfg)[:2]
     spec = spec_runner.SpecRunner(tcfg, tp, "EAGLE3", *e3, num_steps=2, topk=1, num_draft_tokens=3, max_batch=2,
-                                  pages_per_seq=8, page_size=16, num_pages=97, attention_impl="xla", prefill_chunk=16)
+                                  pages_per_seq=40, page_size=16, num_pages=97, attention_impl="xla", prefill_chunk=16)
     st = spec.init_state()
     if dtype == "float32":
         assert st.cache.k.shape[-1] == 128 and st.draft_k.shape[-1] == 128
