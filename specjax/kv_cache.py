@@ -216,12 +216,12 @@ def take_pages(pages, at, head_dim: int):
     def xla(pages):
         return on_bits(lambda pool: pool[at], pages)
 
-    stacked = isinstance(at, tuple)
-    layer, cols = at if stacked else (0, at)
+    layer, cols = at if isinstance(at, tuple) else (0, at)
+    as_stacked = (lambda p: p) if isinstance(at, tuple) else (lambda p: p[None])  # [L, P, K, R, W]
 
     def kernel(pages):  # in place, any dtype (a CPU program)
-        return cpu_dense.take_pages(pages if stacked else pages[None], cols, layer)
+        return cpu_dense.take_pages(as_stacked(pages), cols, layer)
 
-    if not cpu_dense.supports_pages(pages if stacked else pages[None]) or cols.ndim != 2:
+    if not cpu_dense.supports_pages(as_stacked(pages)) or cols.ndim != 2:
         return unpack_pages(xla(pages), head_dim)
     return unpack_pages(jax.lax.platform_dependent(pages, cpu=kernel, default=xla), head_dim)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from specjax import layers, sampling
+from specjax import kv_cache, layers, sampling
 from specjax.kernels import cpu_dense
 
 pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g++") is None,
@@ -172,7 +172,6 @@ def test_sampling_argmax_routes_fp32_to_the_kernel():
 def test_kv_write_matches_xla_scatter(dtype, head_dim):
     """``kv_cache.write`` through the kernel (in place) writes what XLA's scatter does: one layer (a traced index)
     or all of them, tokens past the page table or invalid dropped, into donated pools."""
-    from specjax import kv_cache
     cache = kv_cache.init_cache(3, 2, head_dim, 2, 64, dtype=dtype, num_pages=9)
     cache = dataclasses.replace(cache, k=cache.k + 1, v=cache.v - 1, page_table=jnp.asarray([[3, 1, 7, 0],
                                                                                              [2, 8, 5, 4]]))
@@ -199,7 +198,6 @@ def test_kv_write_matches_xla_scatter(dtype, head_dim):
 def test_take_pages_matches_xla_gather(dtype):
     """``kv_cache.take_pages`` through the kernel reads the pages XLA's gather does, from a stacked pool at a traced
     layer and from one layer's pool, indices past the pool clamped."""
-    from specjax import kv_cache
     rng = np.random.default_rng(1)
     pool = jnp.asarray(rng.normal(size=(3, 9, 2, 8, 128)), dtype)
     cols = jnp.asarray([[3, 1, 8, 0], [2, 8, 5, 11]])  # 11: past the pool, clamped to page 8

@@ -258,9 +258,6 @@ void AttnChunk(const void* ctx, int chunk) {
   }
 }
 
-bool FloatType(ffi::DataType t) { return t == ffi::DataType::F32 || t == ffi::DataType::BF16; }
-// Pools: float32, bfloat16, or bfloat16 passed as its uint16 bits.
-bool PoolType(ffi::DataType t) { return FloatType(t) || t == ffi::DataType::U16; }
 
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::PRED> mask,
                          ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,

@@ -188,6 +188,13 @@ inline Split MakeSplit(int64_t total, int64_t align, int64_t min_width) {
   return {width, n < 1 ? 1 : n};
 }
 
+// The element types the kernels take for activations (float32, bfloat16) and for KV pools (those, or bfloat16 passed
+// as its uint16 bits).
+inline bool FloatType(xla::ffi::DataType t) {
+  return t == xla::ffi::DataType::F32 || t == xla::ffi::DataType::BF16;
+}
+inline bool PoolType(xla::ffi::DataType t) { return FloatType(t) || t == xla::ffi::DataType::U16; }
+
 // A float32 or bfloat16 buffer (rows of x, queries, new keys) as float32: bf16 is widened into ``buf``.
 inline const float* AsF32(xla::ffi::AnyBuffer x, std::vector<float>& buf) {
   if (x.element_type() == xla::ffi::DataType::F32) return static_cast<const float*>(x.untyped_data());

@@ -28,10 +28,6 @@ using namespace specjax_cpu;
 
 namespace {
 
-bool PoolType(ffi::DataType t) {
-  return t == ffi::DataType::F32 || t == ffi::DataType::BF16 || t == ffi::DataType::U16;
-}
-
 // Copy ``pool`` into ``out`` unless XLA already handed the same buffer (it does when the operand is aliased).
 void Alias(ffi::AnyBuffer pool, ffi::Result<ffi::AnyBuffer>& out) {
   if (out->untyped_data() != pool.untyped_data())
