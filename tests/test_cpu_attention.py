@@ -20,7 +20,7 @@ pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g
 L, K, G, H, Z = 3, 2, 3, 64, 16
 
 
-def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False):
+def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False, K=K):
     ks = jax.random.split(jax.random.key(seed), 6)
     pages = b * pps + 2
     shape = (L, pages, K, Z, H)
@@ -55,6 +55,28 @@ def test_matches_xla_paged_attention(keys_in_pool, dtype, packed, tk):
         got = cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, lengths, layer, H ** -0.5, keys_in_pool)
         tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5  # XLA rounds the softmax weights to bf16 for a bf16 pool
         np.testing.assert_allclose(np.asarray(got), np.asarray(want, np.float32), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_one_kv_head_shared_among_threads(dtype):
+    """With fewer (row, kv head) pairs than threads (one kv head at batch 1) a pair's queries are cut into runs, one
+    per thread: XLA's result, and the same bits as on one thread and as each token's one-token step."""
+    q, k, v, _, kp, vp, table, lengths = _case(b=1, t=4, tk=4, lengths=(70,), dtype=dtype, K=1)
+    causal = jnp.broadcast_to(jnp.tril(jnp.ones((4, 4), bool)), (1, 4, 4))
+    runs = []
+    for threads in (2, 1):
+        cpu_dense.set_threads(threads)
+        runs.append(np.asarray(cpu_dense.paged_attention(q, k, v, causal, kp, vp, table, lengths, 1, H ** -0.5,
+                                                         True)))
+    np.testing.assert_array_equal(runs[0], runs[1])
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5
+    want = _xla(q, k, v, causal, kp, vp, table, lengths, 1, True)
+    np.testing.assert_allclose(runs[0], np.asarray(want, np.float32), rtol=tol, atol=tol)
+    cpu_dense.set_threads(2)
+    for t in range(4):
+        one = cpu_dense.paged_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], jnp.ones((1, 1, 1), bool),
+                                        kp, vp, table, lengths + t, 1, H ** -0.5, True)
+        np.testing.assert_array_equal(np.asarray(one)[:, 0], runs[0][:, t])
 
 
 def test_a_query_that_sees_nothing_gives_zero():
