@@ -20,17 +20,17 @@ pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g
 L, K, G, H, Z = 3, 2, 3, 64, 16
 
 
-def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False, K=K):
+def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False, kv_heads=K):
     ks = jax.random.split(jax.random.key(seed), 6)
     pages = b * pps + 2
-    shape = (L, pages, K, Z, H)
+    shape = (L, pages, kv_heads, Z, H)
     kp = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[1], shape, jnp.float32).astype(dtype)
     if packed:  # the lane-packed layout: the same bytes as [L, P, K, Z/2, 2H]
-        kp, vp = kp.reshape(L, pages, K, Z // 2, 2 * H), vp.reshape(L, pages, K, Z // 2, 2 * H)
-    q = jax.random.normal(ks[2], (b, t, K * G, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[3], (b, tk, K, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[4], (b, tk, K, H), jnp.float32).astype(dtype)
+        kp, vp = (p.reshape(L, pages, kv_heads, Z // 2, 2 * H) for p in (kp, vp))
+    q = jax.random.normal(ks[2], (b, t, kv_heads * G, H), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[3], (b, tk, kv_heads, H), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[4], (b, tk, kv_heads, H), jnp.float32).astype(dtype)
     mask = jax.random.bernoulli(ks[5], 0.6, (b, t, tk))
     table = jnp.asarray(np.random.default_rng(seed).permutation(pages)[:b * pps].reshape(b, pps), jnp.int32)
     return q, k, v, mask, kp, vp, table, jnp.asarray(lengths[:b], jnp.int32)
@@ -61,7 +61,7 @@ def test_matches_xla_paged_attention(keys_in_pool, dtype, packed, tk):
 def test_one_kv_head_shared_among_threads(dtype):
     """With fewer (row, kv head) pairs than threads (one kv head at batch 1) a pair's queries are cut into runs, one
     per thread: XLA's result, and the same bits as on one thread and as each token's one-token step."""
-    q, k, v, _, kp, vp, table, lengths = _case(b=1, t=4, tk=4, lengths=(70,), dtype=dtype, K=1)
+    q, k, v, _, kp, vp, table, lengths = _case(b=1, t=4, tk=4, lengths=(70,), dtype=dtype, kv_heads=1)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((4, 4), bool)), (1, 4, 4))
     runs = []
     for threads in (2, 1):

@@ -258,7 +258,6 @@ void AttnChunk(const void* ctx, int chunk) {
   }
 }
 
-
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::PRED> mask,
                          ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,
                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer, float sm_scale,
@@ -287,12 +286,11 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer 
   const float* kf = AsF32(k_new, kbuf);
   const float* vf = AsF32(v_new, vbuf);
   const bool* m = reinterpret_cast<const bool*>(mask.typed_data());
-  // Each (row, kv head)'s queries cut into runs only when there are fewer (row, kv head) pairs than threads (one kv
-  // head at batch 1): each run reads all of the pair's keys and values. Cut into runs for about four chunks per
-  // thread (three runs of one query each for SmolLM2's three kv heads at batch 1, two threads), a bf16 step's
-  // attention took 5.1 ms at a 1024-token context, against 3.9 with two runs and 3.3 with one (fp32 5.6 against
-  // 4.2; 128 tokens: bf16 1.05 against 0.82, fp32 equal; twenty-fifth session). A query's arithmetic does not depend
-  // on its run.
+  // A (row, kv head)'s queries are cut into runs only when there are fewer such pairs than threads (one kv head at
+  // batch 1), since every run reads all of the pair's keys and values. SmolLM2 at batch 1 (three kv heads, two
+  // threads), a bf16 step's attention at a 1024-token context: 5.1 ms with three runs per pair (the old rule: about
+  // four chunks per thread), 3.9 with two, 3.3 with one (fp32 5.6 against 4.2; twenty-fifth session). A query's
+  // arithmetic does not depend on its run.
   const int64_t parts = std::clamp<int64_t>((PoolThreads() + B * K - 1) / (B * K), 1, T * (N / K));
   auto run = [&](auto tag) {
     using P = decltype(tag);

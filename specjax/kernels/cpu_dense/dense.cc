@@ -49,8 +49,8 @@ struct DensePrefetch {
   static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   static constexpr bool kOn = R >= 2 || kBf16;
   static constexpr int kPasses = kBf16 ? 2 : 1;
-  // Into L2 (prefetcht1). bf16 passes went into L1 until the twenty-fifth session, when L2 streamed the SmolLM2
-  // layer products 15-25% faster at 1-8 rows (a C++ chain of 150 products; docs/benchmarks.md); fp32 into L1: no faster.
+  // Into L2 (prefetcht1) for both types: bf16 passes prefetched into L1 streamed SmolLM2's layer products 15-25%
+  // slower at 1-8 rows (a C++ chain of its 150 products, twenty-fifth session); fp32 ones into L1: no faster.
   static constexpr int kLocality = 2;
   static void Line(const T* w, int64_t i, int64_t ahead) {  // the line of w[i], if it starts one
     if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
@@ -239,13 +239,12 @@ void DenseChunk(const void* ctx, int k) {
   const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
   const int64_t o_vec = j.o_dim / kLanes * kLanes, o_pair = PairedColumns<T>(j.o_dim);
   std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
-  // Rows of w per pass over y: for bf16 (read in column pairs) eight for up to three rows of x, four for more. With
-  // the L2 prefetches of the twenty-fifth session, the 30-layer bf16 chain streamed at 26-27 / 24 / 19 / 13 / 9.5
-  // GB/s at 1 / 2 / 4 / 5 / 8 rows with eight, 25 / 23 / 21 / 19 / 15 with four (twenty-third session, L1
-  // prefetches: eight better than four at 1-8 rows). Sixteen for one fp32 row of x, eight for more (the fp32
-  // chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight; one row: 15.5
-  // either way; twenty-second session; four: no better, twenty-fifth). The passes are of any length: each column's
-  // sums are the same sequence of fmas, so the bits do not change.
+  // Rows of w per pass over y. bf16 (read in column pairs): eight for up to three rows of x, four for more (the
+  // 30-layer bf16 chain with L2 prefetches at 1 / 2 / 4 / 5 / 8 rows: 26-27 / 24 / 19 / 13 / 9.5 GB/s with eight,
+  // 25 / 23 / 21 / 19 / 15 with four; twenty-fifth session). fp32: sixteen for one row of x, eight for more (the
+  // fp32 chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight, one row 15.5
+  // either way, twenty-second session; four no better, twenty-fifth). Passes of any length give the same bits: each
+  // column's sums are the same sequence of fmas.
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (j.rows >= 4) DenseStream<T, 4>(j, acc, c0, c1, o_pair, o_vec);
     else DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
