@@ -35,20 +35,22 @@ struct DenseJob {
   float* part;     // [blocks - 1, R, O]: the partial sums of blocks 1.. (block 0 writes y)
   int64_t rows, c_dim, o_dim;
   int blocks;
+  int runs;  // runs of consecutive blocks, one per thread (``DenseRun``)
 };
 
 inline int DenseBlocks(int64_t c_dim) { return static_cast<int>(std::clamp<int64_t>(c_dim / 128, 1, 4)); }
 inline int64_t BlockStart(int64_t c_dim, int blocks, int k) { return c_dim * k / blocks; }
 
-// Software prefetches of w for DenseRows, one per cache line, kPasses passes (of B rows of w) ahead. Without them a
-// pass that does several fmas per loaded vector (a few rows of x, or bf16's widening) keeps too few loads in flight
-// for the hardware prefetchers, and 4 rows cost 1.3x one row, bf16 weights 0.8x fp32's time for half the bytes
-// (docs/benchmarks.md, twenty-first session). One fp32 row streams as fast without (with, 2-5% slower).
+// Software prefetches of w for DenseRows, one per cache line, one pass (of B rows of w) ahead. Without them a pass
+// that does several fmas per loaded vector (a few rows of x, or bf16's widening) keeps too few loads in flight for
+// the hardware prefetchers, and 4 rows cost 1.3x one row, bf16 weights 0.8x fp32's time for half the bytes
+// (docs/benchmarks.md, twenty-first session). One fp32 row streams as fast without (with, 2-5% slower). bf16 passes
+// two ahead streamed SmolLM2's layer products 2-5% slower than one ahead (1-8 rows, twenty-sixth session): the
+// first passes of a run of w are not prefetched, and the farther ahead, the more of them.
 template <typename T, int R>
 struct DensePrefetch {
   static constexpr bool kBf16 = std::is_same_v<T, uint16_t>;
   static constexpr bool kOn = R >= 2 || kBf16;
-  static constexpr int kPasses = kBf16 ? 2 : 1;
   // Into L2 (prefetcht1) for both types: bf16 passes prefetched into L1 streamed SmolLM2's layer products 15-25%
   // slower at 1-8 rows (a C++ chain of its 150 products, twenty-fifth session); fp32 ones into L1: no faster.
   static constexpr int kLocality = 2;
@@ -56,7 +58,7 @@ struct DensePrefetch {
     if (kOn && (i * static_cast<int64_t>(sizeof(T))) % 64 == 0) PrefetchAhead<kLocality>(w + i, ahead);
   }
   static int64_t Ahead(int rows_per_pass, int64_t o_dim) {  // bytes from a line of w to the one to prefetch
-    return kPasses * rows_per_pass * o_dim * static_cast<int64_t>(sizeof(T));
+    return rows_per_pass * o_dim * static_cast<int64_t>(sizeof(T));
   }
 };
 
@@ -257,13 +259,24 @@ void DenseChunk(const void* ctx, int k) {
   }
 }
 
+// Blocks [blocks * i / runs, blocks * (i + 1) / runs): one run of consecutive blocks, i.e. one contiguous stretch of
+// w, per thread. The prefetches at the end of a block then fetch the first passes of the next, which the same
+// thread streams; with the blocks taken one at a time, every block began with passes read from memory unprefetched
+// (a run per thread streamed SmolLM2's layer products 2-4% faster at one row of x, 3-14% at 2-8; twenty-sixth
+// session). The bits are those of the blocks, whichever thread runs them.
+template <typename T>
+void DenseRun(const void* ctx, int i) {
+  const auto& j = *static_cast<const DenseJob<T>*>(ctx);
+  for (int k = j.blocks * i / j.runs; k < j.blocks * (i + 1) / j.runs; ++k) DenseChunk<T>(ctx, k);
+}
+
 template <typename T>
 void RunDense(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O) {
   const int blocks = DenseBlocks(C);
   thread_local std::vector<float> part;
   part.resize((blocks - 1) * R * O);
-  DenseJob<T> job{x, w, y, part.data(), R, C, O, blocks};
-  Parallel(DenseChunk<T>, &job, blocks);
+  DenseJob<T> job{x, w, y, part.data(), R, C, O, blocks, std::min(blocks, PoolThreads())};
+  Parallel(DenseRun<T>, &job, job.runs);
   const int64_t n = R * O;
   for (int k = 1; k < blocks; ++k) {
     const float* p = part.data() + (k - 1) * n;
