@@ -8,8 +8,9 @@ depend on the number of rows or threads, so a verified tree row is bitwise the o
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
 same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
-a block of its pages (``take_pages``, for the XLA attention path of prompt chunks), and
-``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node).
+a block of its pages (``take_pages``, for the XLA attention path of prompt chunks),
+``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node), and
+``norm.cc`` an RMSNorm of any number of rows (``rms_norm``, every CPU ``layers.rms_norm``).
 The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a few
 seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
 registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
@@ -38,15 +39,15 @@ import numpy as np
 
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "disabled", "dense",
-           "unembed", "paged_attention", "argmax", "kv_write", "take_pages", "set_threads", "threads", "MAX_TOKENS",
-           "DTYPES"]
+__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
+           "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages", "rms_norm",
+           "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
 # compiled together; all include common.h
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "pages.cc")
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "pages.cc", HERE / "norm.cc")
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
@@ -116,6 +117,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target("specjax_argmax", jax.ffi.pycapsule(lib.SpecjaxArgmax), platform="cpu")
     jax.ffi.register_ffi_target("specjax_kv_write", jax.ffi.pycapsule(lib.SpecjaxKvWrite), platform="cpu")
     jax.ffi.register_ffi_target("specjax_take_pages", jax.ffi.pycapsule(lib.SpecjaxTakePages), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_rms_norm", jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -263,3 +265,26 @@ def argmax(x):
     v = x.shape[-1]
     out = jax.ShapeDtypeStruct((x.size // v,), jnp.int32)
     return jax.ffi.ffi_call("specjax_argmax", out, vmap_method="sequential")(x.reshape(-1, v)).reshape(x.shape[:-1])
+
+
+def supports_norm(x, weight) -> bool:
+    """Whether ``layers.rms_norm`` of x [..., D] with ``weight`` [D] runs in the kernel on a CPU: fp32 or bf16 x and
+    weight, the kernels built and not ``disabled``."""
+    return (x.dtype in DTYPES and weight.dtype in DTYPES and weight.ndim == 1 and x.ndim >= 1 and x.size > 0
+            and x.shape[-1] == weight.shape[0] and not _disabled[0] and available())
+
+
+def rms_norm(x2, weight, eps: float, xla_norm):
+    """x2 [R, D] RMS-normalised and scaled by ``weight`` [D], in x2's dtype, from the kernel ``specjax_rms_norm``:
+    ``xla_norm(x2, weight, eps)`` (``layers.rms_norm``'s XLA program) with an IEEE reciprocal square root, each row's
+    bits independent of the others; differentiable (its tangents are ``xla_norm``'s)."""
+    @jax.custom_jvp
+    def norm(x2, weight):
+        out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
+        return jax.ffi.ffi_call("specjax_rms_norm", out, vmap_method="sequential")(x2, weight, eps=np.float32(eps))
+
+    @norm.defjvp
+    def _jvp(primals, tangents):
+        return norm(*primals), jax.jvp(lambda x, w: xla_norm(x, w, eps), primals, tangents)[1]
+
+    return norm(x2, weight)
