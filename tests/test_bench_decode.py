@@ -34,6 +34,22 @@ def test_model_mode_table(tmp_path, capsys):
         assert r["specjax"]["generate_tok_s"] > 0 and r["hf"]["generate_tok_s"] > 0
 
 
+def test_also_dtype_runs_both_dtypes_in_one_run(tmp_path, capsys):
+    """--also-dtype: bf16 beside fp32 in the same interleaved run, with the ratio and the greedy agreement."""
+    out = tmp_path / "res.json"
+    folder = _tiny_llama_folder(tmp_path / "m")
+    assert bench.main(["--model", folder, "--batch-sizes", "1", "--new-tokens", "3", "--prompt-len", "5",
+                       "--repeats", "1", "--copy-mib", "4", "--no-hf", "--also-dtype", "bfloat16",
+                       "--json", str(out)]) == 0
+    table = capsys.readouterr().out
+    assert "specjax bfloat16 decode tok/s" in table and "bfloat16 / float32" in table
+    row = json.loads(out.read_text())["rows"][0]
+    assert row["specjax also"]["decode_tok_s"] > 0
+    assert row["also_agreement"]["rows"] == 1 and 0 <= row["also_agreement"]["mean_common_prefix"] <= 3
+    with pytest.raises(SystemExit, match="is --dtype already"):
+        bench.main(["--model", folder, "--no-hf", "--also-dtype", "float32"])
+
+
 def test_random_llama_mode(monkeypatch, tmp_path, capsys):
     small = dict(bench.LLAMA_31_8B, vocab_size=512, hidden_size=64, intermediate_size=128, num_attention_heads=4,
                  num_key_value_heads=2, head_dim=16)

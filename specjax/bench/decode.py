@@ -182,6 +182,12 @@ def bench_model(args) -> dict:
     print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
     cfg, params = load_model(model_path, dtype=args.dtype)
     params = target.unstack_layers(params)  # the decode layout (weights read in place), once
+    other = None
+    if args.also_dtype is not None:
+        if args.also_dtype == args.dtype:
+            raise SystemExit(f"error: --also-dtype {args.also_dtype} is --dtype already")
+        other_cfg, other = load_model(model_path, dtype=args.also_dtype)
+        other = target.unstack_layers(other)
     hf_model = None
     if not args.no_hf:
         import torch
@@ -197,6 +203,8 @@ def bench_model(args) -> dict:
     for b in args.batch_sizes:
         prompts = make_prompts(cfg.vocab_size, b, args.prompt_len, seed=b)
         runners = {"specjax": specjax_runner(params, cfg, prompts)}
+        if other is not None:
+            runners["specjax also"] = specjax_runner(other, other_cfg, prompts)
         if hf_model is not None:
             runners["hf"] = hf_runner(hf_model, prompts, pad)
         for name, path in ggufs.items():
@@ -205,13 +213,17 @@ def bench_model(args) -> dict:
         print(f"batch {b}: {', '.join(runners)} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         row = {"batch": b, **measure(runners, b, args.new_tokens, args.repeats), "load_avg_1min": os.getloadavg()[0]}
+        ours = runners["specjax"](args.new_tokens)
         if "llama.cpp" in runners:
-            row["llama_agreement"] = _agreement(runners["specjax"](args.new_tokens), runners["llama.cpp"](args.new_tokens))
+            row["llama_agreement"] = _agreement(ours, runners["llama.cpp"](args.new_tokens))
+        if other is not None:
+            row["also_agreement"] = _agreement(ours, runners["specjax also"](args.new_tokens))
         rows.append(row)
         for run in runners.values():
             getattr(run, "close", lambda: None)()
         print(f"  {time.perf_counter() - t0:.0f}s", file=sys.stderr, flush=True)
-    return {"mode": "model", "model": model_path, "dtype": args.dtype, "prompt_len": args.prompt_len,
+    return {"mode": "model", "model": model_path, "dtype": args.dtype, "also_dtype": args.also_dtype,
+            "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
             "machine": machine_description(), "rows": rows, "read_bandwidth_Bps": bw, "read_mib": args.copy_mib or 256,
             "product_read_Bps": bw_product, "stream_read_Bps": bw_streams, "stream_threads": threads,
@@ -242,6 +254,13 @@ def print_model_table(res: dict) -> None:
                ("specjax of limit", lambda r: of_limit(r, "specjax"))]
     prefill = lambda r, e: f"{r['batch'] * res['prompt_len'] / r[e]['first_token_s']:.0f}"
     columns += [("specjax prefill tok/s", lambda r: prefill(r, "specjax"))]
+    also = res.get("also_dtype")
+    if also is not None:
+        columns += [(f"specjax {also} decode tok/s", lambda r: f"{r['specjax also']['decode_tok_s']:.1f}"),
+                    (f"{also} / {res['dtype']}",
+                     lambda r: f"{r['specjax also']['decode_tok_s'] / r['specjax']['decode_tok_s']:.2f}x"),
+                    (f"same tokens as {res['dtype']}",
+                     lambda r: "{rows_identical}/{rows}".format(**r["also_agreement"]))]
     if any("hf" in r for r in res["rows"]):
         columns += [("HF prefill tok/s", lambda r: prefill(r, "hf")),
                     ("HF gen tok/s", lambda r: f"{r['hf']['generate_tok_s']:.1f}"),
@@ -396,6 +415,10 @@ class DecodeOptions:
     dtype: str = option("float32", choices=("float32", "bfloat16"), help="weight and activation dtype of both engines")
     repeats: int = option(3, help="timed repeats per measurement, interleaved across engines (the fastest is reported)")
     no_hf: bool = option(False, help="skip the transformers baseline")
+    also_dtype: str | None = option(None, choices=("float32", "bfloat16"),
+                                    help="also run specjax with these weights and activations in the same run, "
+                                         "interleaved with the others: the dtype ratio from one run, and its greedy "
+                                         "agreement with --dtype")
     vs: str | None = option(None, choices=("llama.cpp",), help="also run llama.cpp on the same weights and threads "
                                                                "(needs llama-cpp-python)")
     gguf: str | None = option(None, metavar="PATH", help="with --vs llama.cpp and --model: a GGUF of the same weights "
