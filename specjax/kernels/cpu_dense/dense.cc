@@ -8,8 +8,9 @@
 // fused multiply-adds. Why: XLA:CPU runs one matrix-vector product on one thread, so a batch-1 decode step streamed
 // its weights at one core's read rate, and its bf16 dots ran no faster than fp32. Here a product is cut into chunks
 // that a small pool of threads takes in turn: ``dense`` into up to four blocks of the contraction axis (each read
-// front to back, a few rows of w at a time, into its own partial sums, added in block order; bf16 w is read 32
-// columns per load, the even and the odd ones widened apart), ``unembed`` into runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
+// front to back, a few rows of w at a time, into its own partial sums, added in block order; one run of consecutive
+// blocks per thread; bf16 w is read 32 columns per load, the even and the odd ones widened apart), ``unembed`` into
+// runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
 // Every output element is one fixed sequence of operations, so its bits do not depend on the number of rows, the
 // number of threads, or which thread computed it (tests/test_cpu_dense.py).
 #include <type_traits>
