@@ -213,7 +213,7 @@ def bench_model(args) -> dict:
         print(f"batch {b}: {', '.join(runners)} ...", file=sys.stderr, flush=True)
         t0 = time.perf_counter()
         row = {"batch": b, **measure(runners, b, args.new_tokens, args.repeats), "load_avg_1min": os.getloadavg()[0]}
-        ours = runners["specjax"](args.new_tokens)
+        ours = runners["specjax"](args.new_tokens) if "llama.cpp" in runners or other is not None else None
         if "llama.cpp" in runners:
             row["llama_agreement"] = _agreement(ours, runners["llama.cpp"](args.new_tokens))
         if other is not None:

@@ -274,17 +274,15 @@ def supports_norm(x, weight) -> bool:
             and x.shape[-1] == weight.shape[0] and not _disabled[0] and available())
 
 
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
 def rms_norm(x2, weight, eps: float, xla_norm):
     """x2 [R, D] RMS-normalised and scaled by ``weight`` [D], in x2's dtype, from the kernel ``specjax_rms_norm``:
     ``xla_norm(x2, weight, eps)`` (``layers.rms_norm``'s XLA program) with an IEEE reciprocal square root, each row's
     bits independent of the others; differentiable (its tangents are ``xla_norm``'s)."""
-    @jax.custom_jvp
-    def norm(x2, weight):
-        out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
-        return jax.ffi.ffi_call("specjax_rms_norm", out, vmap_method="sequential")(x2, weight, eps=np.float32(eps))
+    out = jax.ShapeDtypeStruct(x2.shape, x2.dtype)
+    return jax.ffi.ffi_call("specjax_rms_norm", out, vmap_method="sequential")(x2, weight, eps=np.float32(eps))
 
-    @norm.defjvp
-    def _jvp(primals, tangents):
-        return norm(*primals), jax.jvp(lambda x, w: xla_norm(x, w, eps), primals, tangents)[1]
 
-    return norm(x2, weight)
+@rms_norm.defjvp
+def _rms_norm_jvp(eps, xla_norm, primals, tangents):
+    return rms_norm(*primals, eps, xla_norm), jax.jvp(lambda x, w: xla_norm(x, w, eps), primals, tangents)[1]
