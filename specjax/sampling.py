@@ -341,15 +341,18 @@ def sample_rows(probs, subkeys):
     return jax.vmap(one)(probs, subkeys).astype(jnp.int32)
 
 
-def token_logprobs(x, sb: SamplingBatch, tokens):
-    """SGLang's logprobs of ``tokens`` i32[B, W] under penalised logits x f32[B, W, V]: (f32[B, W], top ids
-    i32[B, W, TOP_LOGPROBS], top logprobs f32[B, W, TOP_LOGPROBS]); computed only when a row asks for them."""
-    b, w, _ = x.shape
+def token_logprobs(x, sb: SamplingBatch, tokens, x_rows=None):
+    """SGLang's logprobs of ``tokens`` i32[B, W] under penalised logits x f32[B, W, V] (or, with ``x_rows``
+    i32[B, W], under rows ``x_rows`` of x f32[B, M, V]: the nodes of a verified tree that emitted them, gathered
+    only when needed): (f32[B, W], top ids i32[B, W, TOP_LOGPROBS], top logprobs f32[B, W, TOP_LOGPROBS]);
+    computed only when a row asks for them."""
+    b, w = tokens.shape
     k = min(TOP_LOGPROBS, x.shape[-1])
 
     def compute():
+        xs = x if x_rows is None else jnp.take_along_axis(x, x_rows[:, :, None], axis=1)
         t = jnp.where(sb.greedy, 1.0, sb.temperature)[:, None, None]
-        lp = jax.nn.log_softmax(x / t, axis=-1)
+        lp = jax.nn.log_softmax(xs / t, axis=-1)
         lp = jnp.maximum(lp, jnp.finfo(jnp.float32).min)  # -inf (min_new_tokens, bias) -> finite, as SGLang
         top_lp, top_ids = jax.lax.top_k(lp, k)
         pad = TOP_LOGPROBS - k
@@ -364,9 +367,10 @@ def token_logprobs(x, sb: SamplingBatch, tokens):
     return jax.lax.cond(sb.want_logprobs.any(), compute, skip)
 
 
-def record(sb: SamplingBatch, tokens, n, x=None, active=None) -> SamplingBatch:
+def record(sb: SamplingBatch, tokens, n, x=None, active=None, x_rows=None) -> SamplingBatch:
     """The row state after emitting ``tokens`` i32[B, W] (the first ``n`` i32[B] of each row): counts, generated and,
-    from the penalised logits ``x`` f32[B, W, V] that produced them, their logprobs. Inactive rows keep theirs."""
+    from the penalised logits ``x`` f32[B, W, V] that produced them (rows ``x_rows`` of x: ``token_logprobs``), their
+    logprobs. Inactive rows keep theirs."""
     w = tokens.shape[1]
     take = jnp.arange(w)[None, :] < n[:, None]
     if active is not None:
@@ -379,7 +383,7 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None) -> SamplingBatch:
     if x is not None:
         pad = sb.logprob.shape[1] - w  # a speculative row's prefill emits 1 of its W tokens per step
         lp, ids, top = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
-                        for a in token_logprobs(x, sb, tokens))
+                        for a in token_logprobs(x, sb, tokens, x_rows))
         keep = lambda a, b: jnp.where(_expand(active, a.ndim), a, b) if active is not None else a
         new = dataclasses.replace(new, logprob=keep(lp, sb.logprob), top_ids=keep(ids, sb.top_ids),
                                   top_logprobs=keep(top, sb.top_logprobs))

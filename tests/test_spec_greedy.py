@@ -120,7 +120,7 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
         tree = spec_step.root_tree(state)
         out = spec_step.verify_phase(tp, cfg, d, scfg, state, tree, active)
         state = dataclasses.replace(state, cache=out.cache)
-        acc, sb = verify.accept(tree, out.logits, state.sampling, 0, may_sample=False)
+        acc, sb = verify.accept(tree, out.logits, state.sampling, 0, may_sample=False, active=active)
         return spec_step.commit_phase(tp, d, scfg, state, acc, out, active, sb), acc.tokens
 
     lean, full = jax.jit(spec_step.target_step, static_argnums=(1, 3)), jax.jit(full_commit)
@@ -136,3 +136,35 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
     for x, y in [(a.draft_k, b.draft_k), (a.draft_v, b.draft_v), (a.root_h, b.root_h)]:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a.cache.lengths), np.asarray(b.cache.lengths))
+
+
+@pytest.mark.parametrize("tree", [(3, 1, 4), None], ids=["spec_step", "target_step"])
+def test_a_step_leaves_inactive_rows_sampling_state_and_counts_the_active_ones(models, tree):
+    """The per-row sampling state (token counts for penalties, generated, logprobs, random key) of a row outside
+    ``active`` is the same after a speculative or target-only step; an active row's counts grow by what it emitted."""
+    import jax
+    import jax.numpy as jnp
+    from specjax.speculative import draft as draft_lib, spec_step
+    from specjax.speculative.spec_generate import _prefill_prompts
+    cfg = models["cfg"]
+    tp, heads = models["bigram"]
+    d = draft_lib.as_draft(heads["EAGLE3"], "EAGLE3", tp)
+    scfg = spec_step.SpecConfig(3, 1, 4, sampling=True)
+    prompts = models["prompts"]
+    state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
+    state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
+    active = jnp.array([True, False, True, True])
+    step = jax.jit(spec_step.spec_step if tree else spec_step.target_step, static_argnums=(1, 3))
+    before = jax.tree.map(np.asarray, state.sampling)
+    state, toks, counts = step(tp, cfg, d, scfg, state, active)
+    after = jax.tree.map(np.asarray, state.sampling)
+    for name, old, new in zip(before.__dataclass_fields__, jax.tree.leaves(before), jax.tree.leaves(after)):
+        np.testing.assert_array_equal(old[1], new[1], err_msg=name)
+    toks, counts = np.asarray(toks), np.asarray(counts)
+    assert counts[1] == 0 and (counts[[0, 2, 3]] >= 1).all()
+    for r in (0, 2, 3):
+        grown = after.counts[r] - before.counts[r]
+        assert grown.sum() == counts[r]
+        np.testing.assert_array_equal(grown, np.bincount(toks[r, :counts[r]], minlength=cfg.vocab_size))
+    assert (after.generated[[0, 2, 3]] - before.generated[[0, 2, 3]] == counts[[0, 2, 3]]).all()
+    assert not (after.key[[0, 2, 3]] == before.key[[0, 2, 3]]).all()

@@ -110,12 +110,13 @@ def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Ac
 
 
 def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None,
-           may_sample: bool = True):
+           may_sample: bool = True, active=None):
     """Acceptance for a batch mixing greedy, sampling and penalised rows. logits: f32[B, M, V] target logits after
     each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
     distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
     promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
-    counted and their logprobs recorded)."""
+    counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep their state but the
+    key, which every row advances."""
     x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
@@ -134,5 +135,6 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
         return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
 
     acc = greedy if not may_sample else jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
-    x_path = jnp.take_along_axis(x, acc.path[:, :, None], axis=1)  # f32[B, S+1, V] the logits of each emitted token
-    return acc, sampling_lib.record(dataclasses.replace(sb, key=keys), acc.tokens, acc.accept_len + 1, x_path)
+    # The logits of each emitted token are the path's nodes' (gathered only when a row wants logprobs).
+    return acc, sampling_lib.record(dataclasses.replace(sb, key=keys), acc.tokens, acc.accept_len + 1, x, active,
+                                    x_rows=acc.path)
