@@ -84,15 +84,52 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None) -
     raise ValueError(f"unsupported rope type {rtype!r}")
 
 
-def apply_rope(x, positions, inv_freq):
-    """HF rotate-half RoPE. x: [B, T, N, H]; positions: i32[B, T]; inv_freq: f32[H/2]."""
+def rope_cos_sin(positions, inv_freq):
+    """cos and sin f32[B, T, H/2] of the rotation angles at positions i32[B, T] (inv_freq: f32[H/2])."""
     ang = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)[None, None, :]  # f32[B, T, H/2]
-    cos = jnp.cos(ang)[:, :, None, :]  # [B, T, 1, H/2]
-    sin = jnp.sin(ang)[:, :, None, :]
+    return jnp.cos(ang), jnp.sin(ang)
+
+
+def _rotate(x, cos, sin):
+    """x [B, T, N, H] rotated by cos, sin f32[B, T, H/2] (HF's rotate-half), in x's dtype."""
+    cos, sin = cos[:, :, None, :], sin[:, :, None, :]  # [B, T, 1, H/2]
     xf = x.astype(jnp.float32)
     x1, x2 = jnp.split(xf, 2, axis=-1)
     out = jnp.concatenate([x1 * cos - x2 * sin, x2 * cos + x1 * sin], axis=-1)
     return out.astype(x.dtype)
+
+
+def apply_rope(x, positions, inv_freq):
+    """HF rotate-half RoPE. x: [B, T, N, H]; positions: i32[B, T]; inv_freq: f32[H/2]."""
+    return _rotate(x, *rope_cos_sin(positions, inv_freq))
+
+
+def rope_qkv(qkv, positions, inv_freq):
+    """q [B, T, K*G, H], k and v [B, T, K, H] of a fused projection's output qkv [B, T, K, G + 2, H] (per kv head
+    its G query heads, its key, its value), q and k rotated (``apply_rope``).
+    On a CPU, a few tokens per sequence (a decode step, a verified tree) take one kernel call
+    (``kernels.cpu_dense.rope_qkv``, XLA's bits), where XLA:CPU ran five fusions per layer."""
+    cos, sin = rope_cos_sin(positions, inv_freq)
+    if cpu_dense.supports_rope(qkv):
+        def kernel(qkv, cos, sin):
+            b, t, kv, g2, h = qkv.shape
+            q, k, v = cpu_dense.rope_qkv(qkv.reshape(b * t, kv, g2, h), cos.reshape(b * t, -1),
+                                         sin.reshape(b * t, -1), _xla_rope_qkv4)
+            return q.reshape(b, t, kv * (g2 - 2), h), k.reshape(b, t, kv, h), v.reshape(b, t, kv, h)
+        return jax.lax.platform_dependent(qkv, cos, sin, cpu=kernel, default=_xla_rope_qkv)
+    return _xla_rope_qkv(qkv, cos, sin)
+
+
+def _xla_rope_qkv(qkv, cos, sin):
+    g = qkv.shape[-2] - 2
+    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], -1, qkv.shape[-1])
+    return _rotate(q, cos, sin), _rotate(qkv[..., g, :], cos, sin), qkv[..., g + 1, :]
+
+
+def _xla_rope_qkv4(qkv4, cos, sin):
+    """``_xla_rope_qkv`` of rows: qkv4 [R, K, G + 2, H], cos, sin [R, H/2] (the kernel's shapes)."""
+    q, k, v = _xla_rope_qkv(qkv4[:, None], cos[:, None], sin[:, None])
+    return q[:, 0], k[:, 0], v[:, 0]
 
 
 # A dense layer over 2..ROWWISE_MAX_ROWS rows of x runs on a CPU as one matrix-vector product per row (``dense``).

@@ -120,7 +120,9 @@ def test_fused_projections_equal_separate_ones(model):
         pos = jnp.arange(rows, dtype=jnp.int32)[None]
         out = [target.forward(p, cfg, toks, pos, aux_layers=()) for p in (fused, separate)]
         np.testing.assert_allclose(out[0].logits, out[1].logits, rtol=1e-6, atol=1e-6)
-        np.testing.assert_allclose(out[0].aux, out[1].aux, rtol=1e-6, atol=1e-6)
+        # the fused layout rotates q and k from cos and sin computed once (``layers.rope_qkv``), the separate one from
+        # XLA's per-element cos and sin, whose last bits differ at some angles
+        np.testing.assert_allclose(out[0].aux, out[1].aux, rtol=1e-6, atol=1e-5)
     mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tp",))
     on_two = jax.device_put(params, jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec()))
     assert target.unstack_layers(on_two).layers[0].w_qkv is None

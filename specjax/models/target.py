@@ -292,14 +292,7 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
     sm_scale = cfg.head_dim ** -0.5
     y = layers.rms_norm(h, lp.attn_norm, cfg.rms_norm_eps)
-    q, k, v = _qkv(y, lp)  # [B, T, N, H], [B, T, K, H] x 2
-    if lp.bq is not None:
-        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
-    if lp.q_norm is not None:
-        q = layers.rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
-        k = layers.rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
-    q = layers.apply_rope(q, positions, inv_freq)
-    k = layers.apply_rope(k, positions, inv_freq)
+    q, k, v = _qkv(cfg, y, lp, positions, inv_freq)  # [B, T, N, H], [B, T, K, H] x 2, q and k rotated
     q = constrain(q, ("batch", "seq", "heads", "head_dim"))
     if write_valid is not None:
         cache = kv_cache.write(cache, k, v, positions, write_valid, layer=index)
@@ -313,14 +306,24 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
 
 
-def _qkv(y, lp: LayerParams):
-    """q [B, T, N, H], k and v [B, T, K, H] of y [B, T, D], from the separate or the fused projections."""
+def _qkv(cfg: ModelConfig, y, lp: LayerParams, positions, inv_freq):
+    """q [B, T, N, H], k and v [B, T, K, H] of y [B, T, D], from the separate or the fused projections, with their
+    biases and q/k norms, q and k rotated. The fused projection of a model with neither (Llama, SmolLM2) is split and
+    rotated by ``layers.rope_qkv`` (one kernel call on a CPU)."""
+    if lp.w_qkv is not None and lp.bq is None and lp.q_norm is None:
+        return layers.rope_qkv(layers.dense(y, lp.w_qkv), positions, inv_freq)  # qkv [B, T, K, G + 2, H]
     if lp.w_qkv is None:
-        return layers.dense(y, lp.wq), layers.dense(y, lp.wk), layers.dense(y, lp.wv)
-    qkv = layers.dense(y, lp.w_qkv)  # [B, T, K, G + 2, H]
-    g = qkv.shape[-2] - 2
-    q = qkv[..., :g, :].reshape(*qkv.shape[:-3], -1, qkv.shape[-1])
-    return q, qkv[..., g, :], qkv[..., g + 1, :]
+        q, k, v = layers.dense(y, lp.wq), layers.dense(y, lp.wk), layers.dense(y, lp.wv)
+    else:
+        qkv = layers.dense(y, lp.w_qkv)
+        g = qkv.shape[-2] - 2
+        q, k, v = qkv[..., :g, :].reshape(*qkv.shape[:-3], -1, qkv.shape[-1]), qkv[..., g, :], qkv[..., g + 1, :]
+    if lp.bq is not None:
+        q, k, v = q + lp.bq, k + lp.bk, v + lp.bv
+    if lp.q_norm is not None:
+        q = layers.rms_norm(q, lp.q_norm, cfg.rms_norm_eps)
+        k = layers.rms_norm(k, lp.k_norm, cfg.rms_norm_eps)
+    return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq), v
 
 
 def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, return_kv: bool):

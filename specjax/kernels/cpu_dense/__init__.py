@@ -10,7 +10,8 @@ depend on the number of rows or threads, so a verified tree row is bitwise the o
 same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
 a block of its pages (``take_pages``, for the XLA attention path of prompt chunks),
 ``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node), and
-``norm.cc`` an RMSNorm of any number of rows (``rms_norm``, every CPU ``layers.rms_norm``).
+``norm.cc`` an RMSNorm of any number of rows (``rms_norm``, every CPU ``layers.rms_norm``), ``rope.cc`` the split of a
+fused q/k/v projection with the rotary embedding of q and k (``rope_qkv``, ``layers.rope_qkv``).
 The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a few
 seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
 registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
@@ -40,14 +41,16 @@ import numpy as np
 from specjax.hub import default_cache_dir
 
 __all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
-           "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages", "rms_norm",
+           "supports_rope", "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
+           "rms_norm", "rope_qkv",
            "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
 HERE = Path(__file__).parent
 # compiled together; all include common.h
-SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "pages.cc", HERE / "norm.cc")
+SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / "pages.cc", HERE / "norm.cc",
+           HERE / "rope.cc")
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
@@ -118,6 +121,7 @@ def _library() -> ctypes.CDLL | None:
     jax.ffi.register_ffi_target("specjax_kv_write", jax.ffi.pycapsule(lib.SpecjaxKvWrite), platform="cpu")
     jax.ffi.register_ffi_target("specjax_take_pages", jax.ffi.pycapsule(lib.SpecjaxTakePages), platform="cpu")
     jax.ffi.register_ffi_target("specjax_rms_norm", jax.ffi.pycapsule(lib.SpecjaxRmsNorm), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_rope_qkv", jax.ffi.pycapsule(lib.SpecjaxRopeQkv), platform="cpu")
     lib.specjax_cpu_set_threads(_env_threads())
     return lib
 
@@ -286,3 +290,29 @@ def rms_norm(x2, weight, eps: float, xla_norm):
 @rms_norm.defjvp
 def _rms_norm_jvp(eps, xla_norm, primals, tangents):
     return rms_norm(*primals, eps, xla_norm), jax.jvp(lambda x, w: xla_norm(x, w, eps), primals, tangents)[1]
+
+
+def supports_rope(qkv) -> bool:
+    """Whether ``layers.rope_qkv`` of a fused projection's output qkv [..., T, K, G + 2, H] runs in the kernel on a
+    CPU: fp32 or bf16, at most MAX_TOKENS tokens per sequence (as the products that feed it), H even and <= 512, the
+    kernels built and not ``disabled``."""
+    return (qkv.dtype in DTYPES and qkv.ndim >= 4 and qkv.size > 0 and qkv.shape[-2] >= 3
+            and qkv.shape[-1] % 2 == 0 and qkv.shape[-1] <= 512 and (qkv.ndim < 5 or qkv.shape[-4] <= MAX_TOKENS)
+            and not _disabled[0] and available())
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
+def rope_qkv(qkv4, cos, sin, xla_rope):
+    """(q [R, K*G, H], k [R, K, H], v [R, K, H]) of qkv4 [R, K, G + 2, H] with q and k rotated by cos, sin f32
+    [R, H/2], in qkv4's dtype, from the kernel ``specjax_rope_qkv``: the bits of ``xla_rope(qkv4, cos, sin)``
+    (``layers.rope_qkv``'s XLA program); differentiable (its tangents are ``xla_rope``'s)."""
+    r, kv, g2, h = qkv4.shape
+    out = (jax.ShapeDtypeStruct((r, kv * (g2 - 2), h), qkv4.dtype), jax.ShapeDtypeStruct((r, kv, h), qkv4.dtype),
+           jax.ShapeDtypeStruct((r, kv, h), qkv4.dtype))
+    return tuple(jax.ffi.ffi_call("specjax_rope_qkv", out, vmap_method="sequential")(
+        qkv4, cos.astype(jnp.float32), sin.astype(jnp.float32)))
+
+
+@rope_qkv.defjvp
+def _rope_qkv_jvp(xla_rope, primals, tangents):
+    return rope_qkv(*primals, xla_rope), jax.jvp(xla_rope, primals, tangents)[1]

@@ -31,6 +31,21 @@ inline float bf16_to_f32(uint16_t v) {
   return f;
 }
 
+// float32 -> bfloat16 bits, rounded to nearest even (XLA's convert; a NaN stays a quiet NaN).
+inline uint16_t F32ToBf16(float f) {
+  uint32_t b;
+  std::memcpy(&b, &f, sizeof b);
+  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
+  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
+}
+
+// Round to bfloat16 and back: the value a bfloat16 array holds.
+inline float HeldBf16(float f) { return bf16_to_f32(F32ToBf16(f)); }
+
+// A float32 result stored as the output's type (bfloat16: rounded to nearest even).
+inline void Store(float* out, float v) { *out = v; }
+inline void Store(uint16_t* out, float v) { *out = F32ToBf16(v); }
+
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 

@@ -24,20 +24,6 @@ using namespace specjax_cpu;
 
 namespace {
 
-// float32 -> bfloat16 bits, rounded to nearest even (XLA's convert; a NaN stays a quiet NaN).
-inline uint16_t F32ToBf16(float f) {
-  uint32_t b;
-  std::memcpy(&b, &f, sizeof b);
-  if ((b & 0x7fffffffu) > 0x7f800000u) return static_cast<uint16_t>((b >> 16) | 0x40);
-  return static_cast<uint16_t>((b + 0x7fffu + ((b >> 16) & 1u)) >> 16);
-}
-
-// Round to bfloat16 and back: the value a bfloat16 array holds.
-inline float HeldBf16(float f) { return bf16_to_f32(F32ToBf16(f)); }
-
-inline void Store(float* out, float v) { *out = v; }
-inline void Store(uint16_t* out, float v) { *out = F32ToBf16(v); }
-
 // Rows of x (float32 values) normalised and scaled by w (already of x's type) into out, of x's type T: per row the
 // sum of squares in the fixed tree, then w * round(x * r).
 template <typename T>
