@@ -55,6 +55,20 @@ def _median(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
+def _median_steps(step, state, repeats: int) -> float:
+    """Median seconds of ``state = step(state)`` on a copy of ``state`` (``step`` donates it), after one warm call."""
+    import jax
+    import jax.numpy as jnp
+    state = jax.tree.map(jnp.copy, state)
+    state = jax.block_until_ready(step(state))  # compile / warm
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(step(state))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
 def prompt_texts(spec: str, n: int) -> tuple[list[str], str, bool]:
     """The first ``n`` prompt texts of ``spec`` ('mtbench' or a file), a note on where they came from, and whether
     they are chat turns."""
@@ -151,7 +165,12 @@ def load_head(args, tcfg):
 
 def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill, of a target-only
-    step (what the server runs where the tree does not pay) and of a plain decode step."""
+    step (what the server runs where the tree does not pay) and of a plain decode step.
+
+    The phases are timed on the same state, undonated (each call writes a fresh copy of its outputs). The three
+    whole steps run as the server and the generate loops run them: each on its own copy of the state, donated and
+    advanced step after step, so their K/V writes land in place and the ratio of a step to a plain one is the
+    served one."""
     import jax
     import jax.numpy as jnp
     import numpy as np
@@ -161,7 +180,8 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 
     n = len(prompt)
     page = 16
-    state = step_lib.init_state(tcfg, draft, scfg, 1, -(-(n + 2 * scfg.num_steps + 8) // page) * page, page_size=page)
+    room = (repeats + 2) * scfg.tokens_per_step + 8  # the whole steps advance the state every call
+    state = step_lib.init_state(tcfg, draft, scfg, 1, -(-(n + room) // page) * page, page_size=page)
     t = -(-n // page) * page
     toks = np.zeros((1, t), np.int32)
     toks[0, :n] = prompt
@@ -178,9 +198,10 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     f_verify = jax.jit(step_lib.verify_phase, **st)
     f_accept = jax.jit(verify_lib.accept, static_argnames=("num_steps", "may_sample"))
     f_commit = jax.jit(step_lib.commit_phase, static_argnames=("scfg",))
-    f_step = jax.jit(step_lib.spec_step, **st)
-    f_target = jax.jit(step_lib.target_step, **st)
-    f_plain = jax.jit(decode.decode, static_argnames=("cfg",))
+    donated = dict(st, donate_argnames=("state",))
+    f_step = jax.jit(step_lib.spec_step, **donated)
+    f_target = jax.jit(step_lib.target_step, **donated)
+    f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"), donate_argnames=("cache",))
     tree = f_draft(tparams, draft, scfg, state)
     out = f_verify(tparams, tcfg, draft, scfg, state, tree, active)
     acc, sb = f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps, may_sample=False)
@@ -189,10 +210,12 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
                 accept=_median(lambda: f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps,
                                                 may_sample=False), repeats),
                 commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
-                fused_step=_median(lambda: f_step(tparams, tcfg, draft, scfg, state, active), repeats),
-                target_only_step=_median(lambda: f_target(tparams, tcfg, draft, scfg, state, active), repeats),
-                plain_decode_step=_median(lambda: f_plain(tparams, tcfg, state.cache, state.last_token, active),
-                                          repeats))
+                fused_step=_median_steps(lambda s: f_step(tparams, tcfg, draft, scfg, s, active)[0], state, repeats),
+                target_only_step=_median_steps(lambda s: f_target(tparams, tcfg, draft, scfg, s, active)[0], state,
+                                               repeats),
+                plain_decode_step=_median_steps(
+                    lambda c: f_plain(tparams, tcfg, c, state.last_token, active,
+                                      cache_attention=scfg.cache_attention)[0], state.cache, repeats))
 
 
 def bench_spec(args) -> dict:
