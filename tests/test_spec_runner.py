@@ -215,3 +215,33 @@ def test_live_tree_choice_turns_a_losing_tree_off_and_keeps_probing(setup):
     assert max(probes) > 1  # the probes draft with the tree (and this head is accepted there)
     live = trees._live[(3, 2, 5)]
     assert live[0] / live[1] > 1.0 and live[1] > 4  # the 4 probes' tokens were recorded
+
+
+def test_target_only_steps_with_penalties_equal_plain_runner_steps(setup):
+    """Greedy rows with repetition, frequency and presence penalties: a SpecRunner that runs only target-only steps
+    (``batch_shapes={1: None}``, the root-only tree's logits penalised as a plain step's) emits the PlainRunner's
+    tokens, the penalties counting the same tokens."""
+    cfg, tp, _ = setup
+    _, _, e3, _ = bigram_models(cfg, seed=3)
+    kw = dict(max_batch=2, pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES)
+    spec = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, batch_shapes={1: None},
+                      attention_impl="xla", prefill_chunk=16, **kw)
+    plain = PlainRunner(cfg, tp, **kw)
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (11, 6)]
+    params = [{"temperature": 0.0, "repetition_penalty": 2.0, "frequency_penalty": 3.0},
+              {"temperature": 0.0, "repetition_penalty": 3.0, "presence_penalty": 5.0}]
+    outs = []
+    for runner, rows in ((spec, params), (plain, params), (plain, [{"temperature": 0.0}] * 2)):
+        state, out = runner.init_state(), [[], []]
+        for r, p in enumerate(prompts):
+            state, first = runner.prefill(state, r, np.asarray(p), np.arange(r * PPS, (r + 1) * PPS), rows[r])
+            out[r].append(first)
+        for _ in range(MAX_NEW):
+            state, toks, counts = runner.step(state, np.ones(2, bool))
+            assert (counts == 1).all()
+            for r in range(2):
+                out[r] += toks[r, :1].tolist()
+        outs.append(out)
+    assert outs[0] == outs[1]
+    assert all(a != b for a, b in zip(outs[1], outs[2]))  # the penalties change both rows' greedy output

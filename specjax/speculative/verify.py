@@ -117,7 +117,12 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
     promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
     counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep their state but the
     key, which every row advances."""
-    x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
+    if logits.shape[1] == 1:  # a root-only tree (a target-only step): a plain step's [B, V] logits (no tree penalty:
+        # its root is already counted). As [B, 1, V] through the penalty's cond, XLA:CPU copied them (its two
+        # branches chose different layouts for the unit axis): 3 MB, 0.7 ms of a batch-16 step.
+        x = sampling_lib.process_logits(logits[:, 0], sb)[:, None]
+    else:
+        x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
     fn = sample_accept_fn or sample_accept
