@@ -56,17 +56,16 @@ def _median(fn, repeats: int) -> float:
 
 
 def _median_steps(step, state, repeats: int) -> float:
-    """Median seconds of ``state = step(state)`` on a copy of ``state`` (``step`` donates it), after one warm call."""
+    """``_median`` of ``state = step(state)`` on a copy of ``state`` (``step`` donates it)."""
     import jax
     import jax.numpy as jnp
-    state = jax.tree.map(jnp.copy, state)
-    state = jax.block_until_ready(step(state))  # compile / warm
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        state = jax.block_until_ready(step(state))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    box = [jax.tree.map(jnp.copy, state)]
+
+    def one():
+        box[0] = step(box[0])
+        return box[0]
+
+    return _median(one, repeats)
 
 
 def prompt_texts(spec: str, n: int) -> tuple[list[str], str, bool]:

@@ -235,8 +235,7 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
     """Write the accepted path's target K/V at consecutive positions (rejected nodes are dropped), run the draft
     over the a+1 new pairs (feature at path[j], token after it) to extend its cache and get the next root.
     ``root=False`` (a target-only step): only the draft cache is extended, and the root is left stale. ``sb``: from
-    ``verify.accept(..., active=active)``, which leaves the inactive rows' state but their keys as they were; their
-    keys are restored here (a select over the key, not over the [B, V] token counts)."""
+    ``verify.accept(..., active=active)``, which leaves the inactive rows' sampling state as it was."""
     s1 = acc.path.shape[1]  # num_steps + 1 (1 for a target-only step)
     cache = state.cache
     j = jnp.arange(s1, dtype=jnp.int32)
@@ -260,10 +259,9 @@ def commit_phase(tparams: target.TargetParams, draft: Draft, scfg: SpecConfig, s
         new_root, root_feat, stale = at_last(h).astype(state.root_h.dtype), state.root_feat, False
     else:
         new_root, root_feat, stale = state.root_h, at_last(feat).astype(state.root_feat.dtype), True
-    last_token, root_h, root_feat, root_stale, key = _where_rows(
-        active, (acc.bonus, new_root, root_feat, jnp.full_like(state.root_stale, stale), sb.key),
-        (state.last_token, state.root_h, state.root_feat, state.root_stale, state.sampling.key))
-    sb = dataclasses.replace(sb, key=key)
+    last_token, root_h, root_feat, root_stale = _where_rows(
+        active, (acc.bonus, new_root, root_feat, jnp.full_like(state.root_stale, stale)),
+        (state.last_token, state.root_h, state.root_feat, state.root_stale))
     return SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
                      sampling=sb, root_feat=root_feat, root_stale=root_stale)
 

@@ -115,14 +115,8 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
     each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
     distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
     promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
-    counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep their state but the
-    key, which every row advances."""
-    if logits.shape[1] == 1:  # a root-only tree (a target-only step): a plain step's [B, V] logits (no tree penalty:
-        # its root is already counted). As [B, 1, V] through the penalty's cond, XLA:CPU copied them (its two
-        # branches chose different layouts for the unit axis): 3 MB, 0.7 ms of a batch-16 step.
-        x = sampling_lib.process_logits(logits[:, 0], sb)[:, None]
-    else:
-        x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
+    counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep theirs."""
+    x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
     fn = sample_accept_fn or sample_accept
@@ -140,6 +134,8 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
         return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
 
     acc = greedy if not may_sample else jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
+    if active is not None:
+        keys = jnp.where(active[:, None], keys, sb.key)
     # The logits of each emitted token are the path's nodes' (gathered only when a row wants logprobs).
     return acc, sampling_lib.record(dataclasses.replace(sb, key=keys), acc.tokens, acc.accept_len + 1, x, active,
                                     x_rows=acc.path)

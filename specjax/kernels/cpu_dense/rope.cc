@@ -60,15 +60,13 @@ ffi::Error RopeQkvImpl(ffi::AnyBuffer qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffe
   const auto t = qkv.element_type();
   if (!FloatType(t) || q->element_type() != t || k->element_type() != t || v->element_type() != t)
     return ffi::Error::InvalidArgument("specjax cpu rope_qkv: float32 or bfloat16 qkv, outputs of its type");
-  if (t == ffi::DataType::BF16) {
-    RopeRows(static_cast<const uint16_t*>(qkv.untyped_data()), cos.typed_data(), sin.typed_data(), R, K, G, H,
-             static_cast<uint16_t*>(q->untyped_data()), static_cast<uint16_t*>(k->untyped_data()),
-             static_cast<uint16_t*>(v->untyped_data()));
-  } else {
-    RopeRows(static_cast<const float*>(qkv.untyped_data()), cos.typed_data(), sin.typed_data(), R, K, G, H,
-             static_cast<float*>(q->untyped_data()), static_cast<float*>(k->untyped_data()),
-             static_cast<float*>(v->untyped_data()));
-  }
+  auto run = [&](auto tag) {
+    using T = decltype(tag);
+    RopeRows(static_cast<const T*>(qkv.untyped_data()), cos.typed_data(), sin.typed_data(), R, K, G, H,
+             static_cast<T*>(q->untyped_data()), static_cast<T*>(k->untyped_data()), static_cast<T*>(v->untyped_data()));
+  };
+  if (t == ffi::DataType::BF16) run(uint16_t{});
+  else run(float{});
   return ffi::Error::Success();
 }
 
