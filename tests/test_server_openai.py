@@ -145,3 +145,32 @@ def test_bench_serve_against_this_server(server, capsys):
     rows = [line for line in out.splitlines() if line.startswith("|") and "conc" not in line and "---" not in line]
     assert [r.split("|")[1].strip() for r in rows] == ["1", "3"]
     assert all(r.split("|")[2].strip() == "4" for r in rows)  # every request completed
+
+
+def test_bench_serve_interleaved_levels_alternate(server, monkeypatch, capsys):
+    """--interleave: every configuration's server is up at once and each level runs them back to back, the order
+    reversed on every other level (here both "servers" are the test server, started once)."""
+    import contextlib
+
+    from specjax.bench import serve as bench_serve
+    started, order = [], []
+    real_level = bench_serve.Target.level
+
+    @contextlib.contextmanager
+    def launched(name, args):
+        started.append(name)
+        yield server.url
+
+    def level(self, c, args):
+        order.append((self.name, c))
+        return real_level(self, c, args)
+
+    monkeypatch.setattr(bench_serve, "launched", launched)
+    monkeypatch.setattr(bench_serve.Target, "level", level)
+    assert bench_serve.main(["--launch", "plain,eagle3", "--interleave", "--model-path", "unused", "--draft",
+                             "unused", "--concurrency", "1", "2", "--num-prompts", "2", "--max-tokens", "4",
+                             "--prompts", "builtin", "--ignore-eos", "--warmup-requests", "0"]) == 0
+    assert started == ["plain", "eagle3"]
+    assert order == [("plain", 1), ("eagle3", 1), ("eagle3", 2), ("plain", 2)]
+    out = capsys.readouterr().out
+    assert "side by side" in out and "eagle3/plain" in out

@@ -7,13 +7,15 @@ token and inter-chunk latency percentiles per concurrency level.
 Requests go to /v1/chat/completions with streaming (each prompt is one user turn), so any OpenAI-compatible server
 works. TTFT = time to the first chunk with text; TPOT = (last chunk - first chunk) / (completion tokens - 1) per
 request; ITL = gaps between text chunks (a speculative step may deliver several tokens in one chunk). With
-``--launch`` each configuration gets its own server in turn, and the tables are printed side by side.
+``--launch`` each configuration gets its own server in turn, and the tables are printed side by side; with
+``--interleave`` too, all the servers start at once and every concurrency level runs them back to back.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import dataclasses
 import json
 import os
@@ -151,20 +153,33 @@ def served_model(url: str, headers: dict) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-def sweep(url: str, args) -> list[dict]:
-    headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-    model = served_model(url, headers)
-    prompts = load_prompts(args.prompts, args.num_prompts)
-    if args.warmup_requests:
-        asyncio.run(run_level(url, model, prompts[:args.warmup_requests], min(args.warmup_requests, 4), args,
-                              headers))
-    rows = []
-    for c in args.concurrency:
-        rows.append(asyncio.run(run_level(url, model, prompts, c, args, headers)))
-        r = rows[-1]
-        print(f"  concurrency {c}: {r['out_tok_per_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms",
-              file=sys.stderr)
-    return rows
+def sweep(url: str, args, levels=None) -> list[dict]:
+    """Warm the server up, then run each concurrency level (``levels``, default ``args.concurrency``) in turn."""
+    target = Target(url, args)
+    target.warm(args)
+    return [target.level(c, args) for c in (args.concurrency if levels is None else levels)]
+
+
+class Target:
+    """One server under load: its URL, auth headers, served model name and the prompts."""
+
+    def __init__(self, url: str, args, name: str = ""):
+        self.url, self.name = url, name
+        self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        self.model = served_model(url, self.headers)
+        self.prompts = load_prompts(args.prompts, args.num_prompts)
+
+    def warm(self, args) -> None:
+        if args.warmup_requests:
+            asyncio.run(run_level(self.url, self.model, self.prompts[:args.warmup_requests],
+                                  min(args.warmup_requests, 4), args, self.headers))
+
+    def level(self, c: int, args) -> dict:
+        r = asyncio.run(run_level(self.url, self.model, self.prompts, c, args, self.headers))
+        tag = f"[{self.name}] " if self.name else ""
+        print(f"  {tag}concurrency {c}: {r['out_tok_per_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
+              f"load {os.getloadavg()[0]:.2f}", file=sys.stderr)
+        return r
 
 
 COLUMNS = [("concurrency", "conc", "{:d}"), ("requests", "reqs", "{:d}"), ("req_per_s", "req/s", "{:.2f}"),
@@ -230,7 +245,10 @@ def launch_flags(name: str, args) -> list[str]:
         args.spec_args or "")
 
 
-def launch_and_sweep(name: str, args) -> list[dict]:
+@contextlib.contextmanager
+def launched(name: str, args):
+    """Start the server of configuration ``name`` on a free port; yields its URL once /health answers, stops it on
+    exit."""
     import httpx
     port = _free_port()
     cmd = [sys.executable, "-m", "specjax.serve", *launch_flags(name, args), "--port", str(port), "--log-level",
@@ -256,13 +274,32 @@ def launch_and_sweep(name: str, args) -> list[dict]:
                 raise SystemExit(f"[{name}] server not up after {args.launch_timeout}s (log: {log.name})")
             time.sleep(1)
         print(f"[{name}] up in {time.time() - t0:.0f}s", file=sys.stderr)
-        return sweep(url, args)
+        yield url
     finally:
         proc.terminate()
         try:
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def launch_and_sweep(name: str, args) -> list[dict]:
+    with launched(name, args) as url:
+        return sweep(url, args)
+
+
+def launch_interleaved(names: list[str], args) -> dict[str, list[dict]]:
+    """Every configuration's server up at once; each concurrency level runs them back to back (in reverse order on
+    every other level), so a drifting machine shifts all of them alike."""
+    with contextlib.ExitStack() as stack:
+        targets = [Target(stack.enter_context(launched(n, args)), args, n) for n in names]
+        for t in targets:
+            t.warm(args)
+        results: dict[str, list[dict]] = {n: [] for n in names}
+        for i, c in enumerate(args.concurrency):
+            for t in targets if i % 2 == 0 else targets[::-1]:
+                results[t.name].append(t.level(c, args))
+        return results
 
 
 _LAUNCH = "launch mode: start a server per configuration and compare"
@@ -288,6 +325,9 @@ class ServeBenchOptions:
     spec_args: str = option("", group=_LAUNCH, help="extra flags for speculative servers, e.g. "
                                                    "\"--speculative-num-steps 3 --speculative-eagle-topk 1 "
                                                    "--speculative-num-draft-tokens 4\"")
+    interleave: bool = option(False, group=_LAUNCH,
+                              help="start every configuration's server at once and run them back to back at each "
+                                   "concurrency level (fair on a drifting machine; needs memory for all of them)")
     launch_timeout: float = option(1800.0, group=_LAUNCH,
                                    help="seconds to wait for a launched server to become healthy")
 
@@ -299,9 +339,11 @@ def main(argv=None) -> int:
     if args.launch:
         if not args.model_path:
             ap.error("--launch needs --model-path")
-        results = {}
-        for name in [n.strip() for n in args.launch.split(",") if n.strip()]:
-            results[name] = launch_and_sweep(name, args)
+        names = [n.strip() for n in args.launch.split(",") if n.strip()]
+        results = launch_interleaved(names, args) if args.interleave else {}
+        for name in names:
+            if not args.interleave:
+                results[name] = launch_and_sweep(name, args)
             print_table(results[name], title=name)
         if len(results) > 1:
             print_side_by_side(results)
