@@ -93,6 +93,28 @@ def test_fp32_draft_keeps_its_bf16_matrices_and_computes_the_fp32_products(smoll
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
 
 
+def test_prefill_draft_widens_the_bf16_matrices_once(smollm2_pair):
+    """A prefill's many-row products take the head's matrices widened once (``draft.for_prefill``; XLA converted
+    each on every call), with the same values; the draft vocab head (unused by a prefill) stays bf16, and a head
+    with nothing narrower is returned as is."""
+    import jax
+    import jax.numpy as jnp
+
+    from specjax.speculative.draft import for_prefill
+    _, _, _, draft, _ = smollm2_pair
+    wide = for_prefill(draft)
+    p, w = draft.params, wide.params
+    assert w.lm_head is p.lm_head and w.norm is p.norm
+    for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
+        a, b = getattr(p.layers[0], name), getattr(w.layers[0], name)
+        assert b.dtype == jnp.float32 and b.shape == a.shape, name
+        np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.float32)))
+    assert w.fc.dtype == jnp.float32 and wide.ids is draft.ids and wide.cfg == draft.cfg
+    assert for_prefill(wide) is wide
+    all_fp32 = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, draft)
+    assert for_prefill(all_fp32) is all_fp32
+
+
 def test_shipped_head_is_lossless_and_accepted_on_mtbench(smollm2_pair):
     from specjax.bench.spec import load_prompts
     from specjax.generate import generate

@@ -157,6 +157,7 @@ class SpecRunner(RunnerCommon):
         self.mesh = mesh
         if mesh is not None:
             self.draft = jax.tree.map(self._on_mesh, self.draft)
+        self.prefill_draft = draft_lib.for_prefill(self.draft)
 
     def _on_mesh(self, x, spec=P()):
         if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh:
@@ -205,10 +206,10 @@ class SpecRunner(RunnerCommon):
             valid = np.arange(t)[None, :] < m
             is_last = pos + m >= len(rest)
             with use_mesh(self.mesh):
-                state, f = _prefill_slot(self.target_params, self.target_cfg, self.draft, self.scfg.for_prefill(),
-                                         state, jnp.int32(slot), jnp.asarray(toks), jnp.asarray(nxt),
-                                         jnp.asarray(valid), jnp.asarray([is_last]), jnp.asarray([int(cached)],
-                                                                                                   jnp.int32))
+                state, f = _prefill_slot(self.target_params, self.target_cfg, self.prefill_draft,
+                                         self.scfg.for_prefill(), state, jnp.int32(slot), jnp.asarray(toks),
+                                         jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray([is_last]),
+                                         jnp.asarray([int(cached)], jnp.int32))
             if is_last:
                 first = int(f)
             pos += m

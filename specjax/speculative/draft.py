@@ -101,6 +101,27 @@ def draft_head_dims(cfg) -> tuple[int, int, int]:
     return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
 
 
+def for_prefill(draft: Draft) -> Draft:
+    """The head for a prompt's prefill: its matrices stored narrower than it computes
+    (``head_weights.stored_matrix_dtype``: bf16 under an fp32 head) widened once, here. A prefill's many-row products
+    go to XLA's dot, which widened each of them on every call (5M elements for the SmolLM2 head, ~5% of a 128-token
+    prefill); decode-sized products read the narrow copies in place (``layers.dense``), so the steps keep them. The
+    same values (widening bf16 to fp32 is exact). The draft vocab head, which a prefill does not use, is left as it
+    is. Returns ``draft`` itself when no matrix is narrower."""
+    act = jnp.dtype(draft.cfg.dtype)
+
+    def widen(path, a):
+        name = jax.tree_util.keystr(path)
+        if a.ndim < 2 or a.dtype == act or not jnp.issubdtype(a.dtype, jnp.floating) or "lm_head" in name:
+            return a
+        return a.astype(act)
+
+    params = jax.tree_util.tree_map_with_path(widen, draft.params)
+    if all(x is y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(draft.params))):
+        return draft
+    return dataclasses.replace(draft, params=params)
+
+
 def as_draft(draft, algorithm: str, target_params) -> Draft:
     """``draft`` itself when it is a ``Draft``, else ``make_draft`` over its (cfg, params, vocab map or token map)."""
     if isinstance(draft, Draft):
