@@ -16,6 +16,7 @@ class Metrics:
         self.enabled = enabled
         self._lock = threading.Lock()
         self._window: collections.deque = collections.deque()  # (time, generated tokens) per decode step
+        self._window_tokens = 0  # their sum (read every scheduler iteration: no walk over the window)
         if not enabled:
             return
         from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -57,8 +58,8 @@ class Metrics:
         now = time.monotonic()
         with self._lock:
             self._window.append((now, tokens))
-            while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
-                self._window.popleft()
+            self._window_tokens += tokens
+            self._prune(now)
         if self.enabled and tokens:
             self._l(self.generation_tokens).inc(tokens)
             self._l(self.itl).observe(seconds * batch / tokens)
@@ -73,14 +74,18 @@ class Metrics:
         if req.first_token_time is not None:
             self._l(self.ttft).observe(req.first_token_time - req.arrival)
 
+    def _prune(self, now: float) -> None:
+        while self._window and now - self._window[0][0] > THROUGHPUT_WINDOW_S:
+            self._window_tokens -= self._window.popleft()[1]
+
     def throughput(self) -> float:
+        """Generated tokens per second over the last ``THROUGHPUT_WINDOW_S`` seconds of decode steps."""
         now = time.monotonic()
         with self._lock:
-            recent = [(t, n) for t, n in self._window if now - t <= THROUGHPUT_WINDOW_S]
-        if not recent:
-            return 0.0
-        span = max(now - recent[0][0], 1e-3)
-        return sum(n for _, n in recent) / span
+            self._prune(now)
+            if not self._window:
+                return 0.0
+            return self._window_tokens / max(now - self._window[0][0], 1e-3)
 
     def set_gauges(self, snap: dict) -> None:
         if not self.enabled:

@@ -230,3 +230,22 @@ def test_radix_cache_disabled_and_match_limit():
     rc.insert([1, 2, 3, 4], [1, 2], [])
     assert len(rc.match([1, 2, 3, 4, 5], max_pages=1)) == 1
     assert len(rc.match([1, 2, 3], max_pages=5)) == 1  # only full pages of the query count
+
+
+def test_throughput_window_counts_the_last_ten_seconds(monkeypatch):
+    """/get_server_info's gen_throughput: tokens of the decode steps in the last THROUGHPUT_WINDOW_S seconds over the
+    time since the oldest of them (steps that fell out of the window no longer count)."""
+    from specjax.serve import metrics as metrics_lib
+    clock = [100.0]
+    monkeypatch.setattr(metrics_lib.time, "monotonic", lambda: clock[0])
+    m = metrics_lib.Metrics(enabled=False)
+    assert m.throughput() == 0.0
+    for t, n in ((100.0, 16), (102.0, 16), (104.0, 8)):
+        clock[0] = t
+        m.on_step(n, 16, 0.05)
+    clock[0] = 108.0
+    assert m.throughput() == pytest.approx(40 / 8.0)
+    clock[0] = 111.0  # the step at 100 s left the window
+    assert m.throughput() == pytest.approx(24 / 9.0)
+    clock[0] = 120.0
+    assert m.throughput() == 0.0
