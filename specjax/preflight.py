@@ -500,7 +500,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     reports = []
     for t in (buckets if all_buckets else buckets[-1:]):
         reports.append(_compile(setup, f"{algorithm} prefill T={t}", _attention_used(setup, t),
-                                spec_runner._prefill_slot, runner.target_params, cfg, runner.draft,
+                                spec_runner._prefill_slot, runner.target_params, cfg, runner.prefill_draft,
                                 runner.scfg.for_prefill(), state, s(()), s((1, t)), s((1, t)), s((1, t), jnp.bool_),
                                 s((1,), jnp.bool_), s((1,))))
     sc = runner.scfg
