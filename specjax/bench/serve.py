@@ -336,6 +336,8 @@ def main(argv=None) -> int:
     ap = options_parser(ServeBenchOptions, "python -m specjax.bench serve", __doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args = parse_into(ServeBenchOptions, ap, argv)
+    if args.interleave and not args.launch:
+        ap.error("--interleave runs the servers of --launch side by side; give --launch plain,eagle3 (or others)")
     if args.launch:
         if not args.model_path:
             ap.error("--launch needs --model-path")
