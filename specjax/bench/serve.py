@@ -153,11 +153,11 @@ def served_model(url: str, headers: dict) -> str:
     return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
 
 
-def sweep(url: str, args, levels=None) -> list[dict]:
-    """Warm the server up, then run each concurrency level (``levels``, default ``args.concurrency``) in turn."""
+def sweep(url: str, args) -> list[dict]:
+    """Warm the server up, then run each concurrency level in turn."""
     target = Target(url, args)
     target.warm(args)
-    return [target.level(c, args) for c in (args.concurrency if levels is None else levels)]
+    return [target.level(c, args) for c in args.concurrency]
 
 
 class Target:
@@ -342,10 +342,9 @@ def main(argv=None) -> int:
         if not args.model_path:
             ap.error("--launch needs --model-path")
         names = [n.strip() for n in args.launch.split(",") if n.strip()]
-        results = launch_interleaved(names, args) if args.interleave else {}
+        results = launch_interleaved(names, args) if args.interleave else {n: launch_and_sweep(n, args)
+                                                                            for n in names}
         for name in names:
-            if not args.interleave:
-                results[name] = launch_and_sweep(name, args)
             print_table(results[name], title=name)
         if len(results) > 1:
             print_side_by_side(results)
