@@ -245,3 +245,31 @@ def test_target_only_steps_with_penalties_equal_plain_runner_steps(setup):
         outs.append(out)
     assert outs[0] == outs[1]
     assert all(a != b for a, b in zip(outs[1], outs[2]))  # the penalties change both rows' greedy output
+
+
+def test_bf16_matrix_head_prefills_widened_and_decodes_plain_greedy(setup):
+    """A head whose matrices are stored in bf16 under an fp32 target (as the shipped head loads): the runner's steps
+    read the bf16 matrices, its prefill the same matrices widened once (``draft.for_prefill``), and every request's
+    greedy output is still plain greedy decoding's (prompt chunked across prefill calls included)."""
+    import jax
+    import jax.numpy as jnp
+    cfg, tp, _ = setup
+    _, _, (dcfg, dparams, vmap), _ = bigram_models(cfg, seed=3)
+    narrow = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim >= 2 else a, dparams)
+    runner = SpecRunner(cfg, tp, "EAGLE3", dcfg, narrow, vmap, num_steps=3, topk=2, num_draft_tokens=5, max_batch=2,
+                        pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16)
+    assert runner.draft.params.layers[0].w_up.dtype == jnp.bfloat16
+    assert runner.prefill_draft.params.layers[0].w_up.dtype == jnp.float32
+    assert runner.prefill_draft.params.lm_head is runner.draft.params.lm_head
+    rng = np.random.default_rng(5)
+    prompts = [rng.integers(0, 64, n).tolist() for n in (21, 7)]  # 21 tokens: two prefill chunks of at most 16
+    state, out = runner.init_state(), [[], []]
+    for r, p in enumerate(prompts):
+        state, first = runner.prefill(state, r, np.asarray(p), np.arange(r * PPS, (r + 1) * PPS), {"temperature": 0.0})
+        out[r].append(first)
+    while min(len(o) for o in out) < MAX_NEW:
+        state, toks, counts = runner.step(state, np.ones(2, bool))
+        for r in range(2):
+            out[r] += toks[r, :counts[r]].tolist()
+    ref = generate(tp, cfg, prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
+    assert [o[:MAX_NEW] for o in out] == ref
