@@ -161,9 +161,9 @@ def test_bench_serve_interleaved_levels_alternate(server, monkeypatch, capsys):
         started.append(name)
         yield server.url
 
-    def level(self, c, args):
+    def level(self, c):
         order.append((self.name, c))
-        return real_level(self, c, args)
+        return real_level(self, c)
 
     monkeypatch.setattr(bench_serve, "launched", launched)
     monkeypatch.setattr(bench_serve.Target, "level", level)

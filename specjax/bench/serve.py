@@ -156,26 +156,26 @@ def served_model(url: str, headers: dict) -> str:
 def sweep(url: str, args) -> list[dict]:
     """Warm the server up, then run each concurrency level in turn."""
     target = Target(url, args)
-    target.warm(args)
-    return [target.level(c, args) for c in args.concurrency]
+    target.warm()
+    return [target.level(c) for c in args.concurrency]
 
 
 class Target:
     """One server under load: its URL, auth headers, served model name and the prompts."""
 
     def __init__(self, url: str, args, name: str = ""):
-        self.url, self.name = url, name
+        self.url, self.args, self.name = url, args, name
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.model = served_model(url, self.headers)
         self.prompts = load_prompts(args.prompts, args.num_prompts)
 
-    def warm(self, args) -> None:
-        if args.warmup_requests:
-            asyncio.run(run_level(self.url, self.model, self.prompts[:args.warmup_requests],
-                                  min(args.warmup_requests, 4), args, self.headers))
+    def warm(self) -> None:
+        n = self.args.warmup_requests
+        if n:
+            asyncio.run(run_level(self.url, self.model, self.prompts[:n], min(n, 4), self.args, self.headers))
 
-    def level(self, c: int, args) -> dict:
-        r = asyncio.run(run_level(self.url, self.model, self.prompts, c, args, self.headers))
+    def level(self, c: int) -> dict:
+        r = asyncio.run(run_level(self.url, self.model, self.prompts, c, self.args, self.headers))
         tag = f"[{self.name}] " if self.name else ""
         print(f"  {tag}concurrency {c}: {r['out_tok_per_s']:.1f} out tok/s, TTFT p50 {r['ttft_p50_ms']:.0f} ms, "
               f"load {os.getloadavg()[0]:.2f}", file=sys.stderr)
@@ -294,11 +294,11 @@ def launch_interleaved(names: list[str], args) -> dict[str, list[dict]]:
     with contextlib.ExitStack() as stack:
         targets = [Target(stack.enter_context(launched(n, args)), args, n) for n in names]
         for t in targets:
-            t.warm(args)
+            t.warm()
         results: dict[str, list[dict]] = {n: [] for n in names}
         for i, c in enumerate(args.concurrency):
             for t in targets if i % 2 == 0 else targets[::-1]:
-                results[t.name].append(t.level(c, args))
+                results[t.name].append(t.level(c))
         return results
 
 

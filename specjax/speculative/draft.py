@@ -109,14 +109,11 @@ def for_prefill(draft: Draft) -> Draft:
     same values (widening bf16 to fp32 is exact). The draft vocab head, which a prefill does not use, is left as it
     is. Returns ``draft`` itself when no matrix is narrower."""
     act = jnp.dtype(draft.cfg.dtype)
-
-    def widen(path, a):
-        name = jax.tree_util.keystr(path)
-        if a.ndim < 2 or a.dtype == act or not jnp.issubdtype(a.dtype, jnp.floating) or "lm_head" in name:
-            return a
-        return a.astype(act)
-
-    params = jax.tree_util.tree_map_with_path(widen, draft.params)
+    widen = lambda a: a.astype(act) if a.ndim >= 2 and a.dtype != act and jnp.issubdtype(a.dtype, jnp.floating) \
+        else a
+    params = jax.tree.map(widen, draft.params)
+    if getattr(draft.params, "lm_head", None) is not None:
+        params = dataclasses.replace(params, lm_head=draft.params.lm_head)
     if all(x is y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(draft.params))):
         return draft
     return dataclasses.replace(draft, params=params)
