@@ -75,6 +75,9 @@ class ServerArgs:
     schedule_policy: str = option("fcfs", group=_MEM, choices=["fcfs", "lpm"], help="order of admission: first "
                                   "come first served, or longest cached prefix first")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
+    disable_overlap_schedule: bool = option(False, group=_MEM, help="collect each decode step before launching the "
+                                            "next (by default the host emits step N's tokens while the device runs "
+                                            "step N+1)")
     random_seed: int = option(0, group=_MEM, help="seed for requests that bring none")
     attention_impl: str = option("auto", group=_MEM, choices=["auto", "xla", "pallas"],
                                  help="attention kernel: pallas (TPU), xla (reference), auto = pallas on TPU else xla")

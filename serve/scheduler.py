@@ -4,13 +4,18 @@ Every iteration it (1) takes new requests, aborts and control calls from its inb
 free slots when their KV pages can be reserved (evicting unreferenced cached prefixes if needed), (3) spends up to
 ``chunked_prefill_size`` prompt tokens on prefill, and (4) runs one decode step (plain or speculative) for every
 slot that has finished its prefill. Requests join and leave between steps (continuous batching). Output events go
-to each request's sink as they are produced. Nothing here raises out of the loop: a failing request is finished
-with an abort reason, and a failing batch step fails the running batch and resets the device state.
+to each request's sink as they are produced. With the overlap schedule (the default, as SGLang's) step (4) launches
+this iteration's step and only then collects the previous one, so emitting tokens, detokenizing and finishing
+requests run while the device computes; a request that finished in the collected step has run one more step, whose
+tokens are dropped (its pages cover two steps past its budget). Nothing here raises out of the loop: a failing
+request is finished with an abort reason, and a failing batch step fails the running batch and resets the device
+state.
 """
 
 from __future__ import annotations
 
 import concurrent.futures
+import dataclasses
 import logging
 import queue
 import threading
@@ -24,20 +29,29 @@ import numpy as np
 from .metrics import Metrics
 from .pages import PagePool, RadixCache
 from .request import Request, RequestError, SamplingParams
+from .runners.base import Launched
 
 log = logging.getLogger("specjax.serve")
+
+
+@dataclasses.dataclass
+class _Inflight:
+    """A launched step: the runner's handle, the request each slot held at launch (None: not in the step), when."""
+    launched: Launched
+    reqs: list[Request | None]
+    t0: float
 
 
 class Scheduler:
     def __init__(self, runner, tokenizer, *, context_length: int, vocab_size: int, eos_ids=(),
                  chunked_prefill_size: int | None = 512, enable_radix_cache: bool = True,
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
-                 metrics: Metrics | None = None):
+                 metrics: Metrics | None = None, overlap_schedule: bool = True):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        self.policy, self.spec = schedule_policy, spec
+        self.policy, self.spec, self.overlap = schedule_policy, spec, overlap_schedule
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -47,6 +61,8 @@ class Scheduler:
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * runner.max_batch
         self.state = runner.init_state()
+        self._pending: _Inflight | None = None  # the step launched last iteration, not collected yet
+        self._last_collect = 0.0
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = {}
@@ -131,7 +147,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                idle = not self.waiting and not any(self.slots)
+                idle = not self.waiting and not any(self.slots) and self._pending is None
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break
@@ -183,7 +199,8 @@ class Scheduler:
 
     # ---- admission -----------------------------------------------------------------------------------------------
     def _pages_needed(self, prompt_len: int, max_new: int) -> int:
-        tokens = prompt_len + max_new + self.runner.tokens_per_step
+        # a step writes up to tokens_per_step positions past the length; overlapped, one more step may run
+        tokens = prompt_len + max_new + self.runner.tokens_per_step * (2 if self.overlap else 1)
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
 
     def _admit(self) -> None:
@@ -249,29 +266,68 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def _decode_round(self) -> None:
+        """Launch this iteration's step, then collect the one launched last iteration. A step is collected before
+        the next launch when a running request could outrun its pages (a context-capped one near its end), and at
+        once when one of its requests asks for logprobs (they are read from the state it leaves)."""
+        pending, self._pending = self._pending, None
+        if pending is not None and not self._overlappable():
+            self._collect(pending)
+            pending = None
+        ok, launched = self._launch()
+        if not ok or (pending is not None and not self._collect(pending)):
+            return  # the state was reset: the running batch failed, steps in flight with it
+        if launched is not None:
+            if self.overlap and not any(r is not None and r.params.return_logprob for r in launched.reqs):
+                self._pending = launched
+            else:
+                self._collect(launched)
+
+    def _overlappable(self) -> bool:
+        """Every running request can take a step while one is in flight without writing past its pages."""
+        reach = 2 * self.runner.tokens_per_step
+        return all(len(r.prompt_ids) + len(r.output_ids) + reach <= len(r.pages) * self.page_size
+                   for r in self.slots if r is not None and r.prefill_done and not r.finished)
+
+    def _launch(self) -> tuple[bool, _Inflight | None]:
         active = np.array([r is not None and r.prefill_done and not r.finished for r in self.slots])
         if not active.any():
-            return
+            return True, None
         t0 = time.perf_counter()
         try:
-            self.state, tokens, counts = self.runner.step(self.state, active)
+            self.state, launched = self.runner.launch(self.state, active)
         except Exception as e:  # noqa: BLE001
             log.exception("decode step failed")
             self._recover(f"decode step failed: {type(e).__name__}: {e}")
-            return
-        tokens, counts = np.asarray(tokens), np.asarray(counts)
-        lps = self._logprobs([self.slots[b] for b in np.nonzero(active)[0]])
+            return False, None
+        return True, _Inflight(launched, [r if a else None for r, a in zip(self.slots, active)], t0)
+
+    def _collect(self, inflight: _Inflight) -> bool:
+        """Emit a launched step's tokens to the requests still in the slots it ran (one that finished or left
+        since its launch gets nothing). False when the step failed (the batch is failed and the state reset)."""
+        reqs = inflight.reqs
+        keep = np.array([r is not None and self.slots[b] is r and not r.finished for b, r in enumerate(reqs)])
+        try:
+            tokens, counts = self.runner.collect(inflight.launched, keep)
+        except Exception as e:  # noqa: BLE001
+            log.exception("decode step failed")
+            self._recover(f"decode step failed: {type(e).__name__}: {e}")
+            return False
+        rows = np.nonzero(keep)[0]
+        lps = self._logprobs([reqs[b] for b in rows])
         n_out = 0
-        for b in np.nonzero(active)[0]:
-            req = self.slots[b]
+        for b in rows:
+            req = reqs[b]
             req.spec_verify_ct += 1
             c = int(counts[b])
             n_out += c
             self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
-        self.metrics.on_step(n_out, int(active.sum()), time.perf_counter() - t0)
+        now = time.perf_counter()
+        self.metrics.on_step(n_out, len(rows), now - max(inflight.t0, self._last_collect))
+        self._last_collect = now
         if self.spec:
-            self.totals["spec_verify_ct"] += int(active.sum())
+            self.totals["spec_verify_ct"] += len(rows)
             self.totals["spec_tokens"] += n_out
+        return True
 
     def _first_token(self, req: Request, tok: int) -> None:
         """Emit the prefill's token (with the prompt's logprobs when asked for). As SGLang: prompt tokens from
@@ -376,6 +432,7 @@ class Scheduler:
                 except Exception:  # noqa: BLE001
                     log.exception("while failing request %s", req.rid)
         self.slots = [None] * self.runner.max_batch
+        self._pending = None
         self.radix.reset()
         self.pool.reset()
         try:

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from specjax.serve.request import RequestError, SamplingParams
+from specjax.serve.runners.base import Launched
 from specjax.serve.scheduler import Scheduler
 
 V = 50
@@ -35,13 +36,16 @@ class FakeRunner:
         self.tokens_per_step = tokens_per_step
         self.fail_prefill_on: int | None = None
         self.fail_steps = 0
+        self.fail_collects = 0  # a step that fails when its tokens are read (an asynchronous device error)
         self.prefix_checks = 0
+        self.launches = 0
 
     def init_state(self):
         return {"pool": np.full((self.num_pages, self.page_size), -1), "rows": {}, "len": {}, "last": {}}
 
     def _write(self, state, slot, pos, tok):
         row = state["rows"][slot]
+        assert row[pos // self.page_size] != 0, f"slot {slot} wrote position {pos} outside its pages"  # 0: scratch
         state["pool"][row[pos // self.page_size], pos % self.page_size] = tok
 
     def prefill(self, state, slot, tokens, page_row, sampling, cached=0):
@@ -58,11 +62,12 @@ class FakeRunner:
         state["last"][slot] = (tokens[-1] + 1) % V
         return state, state["last"][slot]
 
-    def step(self, state, active):
+    def launch(self, state, active):
         if self.fail_steps:
             self.fail_steps -= 1
             raise RuntimeError("device fault")
         w = self.tokens_per_step
+        self.launches += bool(np.any(active))
         toks = np.zeros((self.max_batch, w), np.int32)
         counts = np.zeros((self.max_batch,), np.int32)
         for b in np.nonzero(active)[0]:
@@ -73,7 +78,13 @@ class FakeRunner:
                 toks[b, j] = t = (t + 1) % V
             state["last"][b] = t
             counts[b] = w
-        return state, toks, counts
+        return state, Launched(np.asarray(active, bool), self.max_batch, toks, counts)
+
+    def collect(self, launched, keep=None):
+        if self.fail_collects:
+            self.fail_collects -= 1
+            raise RuntimeError("device fault at read")
+        return launched.read(launched.active if keep is None else keep, self.tokens_per_step)
 
     def release(self, state, slot):
         state["rows"].pop(slot, None)
@@ -115,10 +126,10 @@ def wait_idle(sched):
     return sched.stats()
 
 
-@pytest.mark.parametrize("w", [1, 3])
-def test_many_requests_through_a_small_pool(w):
+@pytest.mark.parametrize("w,overlap", [(1, True), (3, True), (3, False)])
+def test_many_requests_through_a_small_pool(w, overlap):
     runner = FakeRunner(tokens_per_step=w)
-    sched = make(runner, chunked_prefill_size=5)
+    sched = make(runner, chunked_prefill_size=5, overlap_schedule=overlap)
     rng = np.random.default_rng(w)
     shared = [int(x) for x in rng.integers(0, 30, 9)]
     jobs = []
@@ -155,6 +166,31 @@ def test_refusal_and_clamping():
     sched.shutdown()
 
 
+def test_overlap_falls_back_where_a_step_could_outrun_the_pages():
+    """Four tokens a step and a context-capped request: its page row (32 positions) covers one step past its budget,
+    not two, so near its end each step is collected before the next launches (the fake runner fails on a write
+    outside a slot's pages); the tokens are the same either way."""
+    runner = FakeRunner(tokens_per_step=4, max_batch=2)
+    sched = make(runner)
+    ids, meta = run(sched, [1, 2], 100, ignore_eos=True)
+    assert ids == expected([1, 2], 26) and meta["finish_reason"]["type"] == "length"
+    sched.shutdown()
+
+
+def test_overlap_reserves_pages_for_the_step_after_the_last():
+    """The step launched before the finishing one is collected writes up to two steps past the budget: with one-token
+    pages the reservation is exact, and a request whose last step overshoots its budget by three tokens needs it."""
+    runner = FakeRunner(tokens_per_step=4, page_size=1, pages_per_seq=40, num_pages=60)
+    sched = make(runner)
+    for n in (9, 10, 11, 12):
+        before = runner.launches
+        assert run(sched, [1, 2], n, ignore_eos=True)[0] == expected([1, 2], n)
+        wait_idle(sched)
+        # overlapped to the end: the steps its tokens need (the prefill gave the first), plus one launched unseen
+        assert runner.launches - before == -(-(n - 1) // 4) + 1
+    sched.shutdown()
+
+
 def test_failures_stay_contained():
     runner = FakeRunner()
     sched = make(runner)
@@ -173,6 +209,11 @@ def test_failures_stay_contained():
     runner.fail_steps = 1
     ids, meta = run(sched, [1, 2], 5, ignore_eos=True)
     assert meta["finish_reason"]["type"] == "abort" and "device fault" in meta["finish_reason"]["message"]
+    assert run(sched, [1, 2], 5, ignore_eos=True)[0] == expected([1, 2], 5)
+    # so does one whose failure shows only when its tokens are read, a step after it was launched
+    runner.fail_collects = 1
+    ids, meta = run(sched, [1, 2], 5, ignore_eos=True)
+    assert meta["finish_reason"]["type"] == "abort" and "fault at read" in meta["finish_reason"]["message"]
     assert run(sched, [1, 2], 5, ignore_eos=True)[0] == expected([1, 2], 5)
     assert sched.alive and wait_idle(sched)["kv_pages_used"] == 0
     sched.shutdown()

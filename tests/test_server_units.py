@@ -6,9 +6,11 @@ from __future__ import annotations
 
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import pytest
 
+from specjax.bench.serve import launch_flags
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import Request, RequestError, SamplingParams
@@ -32,7 +34,7 @@ def test_cli_every_spec_flag_parses():
              "bfloat16", "--tp-size", "1", "--dp-size", "1", "--mem-fraction-static", "0.5",
              "--max-running-requests", "4", "--max-total-tokens", "1024", "--context-length", "512",
              "--chunked-prefill-size", "128", "--page-size", "16", "--schedule-policy", "lpm",
-             "--disable-radix-cache", "--random-seed", "3", "--served-model-name", "x", "--api-key", "k",
+             "--disable-radix-cache", "--disable-overlap-schedule", "--random-seed", "3", "--served-model-name", "x", "--api-key", "k",
              "--log-level", "debug", "--enable-metrics", "--skip-server-warmup", "--trust-remote-code",
              "--chat-template", "chatml", "--attention-impl", "xla", "--speculative-algorithm", "EAGLE",
              "--speculative-draft-model-path", "d", "--speculative-num-steps", "4", "--speculative-eagle-topk", "2",
@@ -42,6 +44,7 @@ def test_cli_every_spec_flag_parses():
              "--attention-backend", "fa3"]
     a = parse_args(flags)
     assert a.schedule_policy == "lpm" and a.disable_radix_cache and a.api_key == "k"
+    assert a.disable_overlap_schedule and not parse_args(["--model", "m"]).disable_overlap_schedule
     assert len(a.notices()) == 4 and all("no effect" in n for n in a.notices())
 
 
@@ -57,6 +60,18 @@ def test_cli_every_spec_flag_parses():
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
         parse_args(["--model-path", "m", *argv])
+
+
+def test_bench_serve_configuration_flags():
+    """``bench serve --launch``: a configuration's own flags after a colon go to its server alone."""
+    args = SimpleNamespace(model_path="m", server_args="--page-size 8", draft="d", spec_args="--speculative-eagle-topk 1")
+    assert launch_flags("plain", args) == ["--model-path", "m", "--page-size", "8"]
+    assert launch_flags("plain:--disable-overlap-schedule", args)[-1] == "--disable-overlap-schedule"
+    eagle = launch_flags("eagle3:--speculative-num-steps 3", args)
+    assert eagle[4:6] == ["--speculative-num-steps", "3"] and eagle[-2:] == ["--speculative-eagle-topk", "1"]
+    assert ["--speculative-algorithm", "EAGLE3"] == eagle[6:8]
+    with pytest.raises(SystemExit, match="unknown configuration 'medusa'"):
+        launch_flags("medusa:--x", args)
 
 
 def test_cli_help_and_error_exit():

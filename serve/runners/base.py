@@ -2,7 +2,9 @@
 
 A runner owns a fixed number of slots (the running batch, ``max_batch``). Requests join a free slot (``prefill``)
 and leave it between steps; ``step`` advances every active slot by one plain decode step or one speculative
-draft-verify-commit step, entirely on device. The target and draft KV caches share one page table: page ids handed
+draft-verify-commit step, entirely on device. ``step`` is ``launch`` (dispatch the step, return at once) then
+``collect`` (read its tokens): the scheduler's overlap schedule launches step N+1 before it collects step N, so the
+host's work on a step's tokens runs while the device computes the next one. The target and draft KV caches share one page table: page ids handed
 out by the scheduler index both pools.
 
 Implementations:
@@ -43,13 +45,51 @@ class Runner(Protocol):
         """One decode step for all slots with ``active`` (bool[B]) set.
         Returns (state, tokens i32[B, W], counts i32[B]): slot b emitted tokens[b, :counts[b]] (0 if inactive)."""
 
+    def launch(self, state: Any, active: np.ndarray) -> tuple[Any, "Launched"]:
+        """Dispatch ``step`` without waiting for it: returns (state, a handle for ``collect``). A slot may be
+        released (and given to a new request) before its launched step is collected; the step's writes stay within
+        ``2 * tokens_per_step`` positions past what the host has collected for that slot."""
+
+    def collect(self, launched: "Launched", keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(tokens i32[B, W], counts i32[B]) of a launched step, for the slots in ``keep`` (default: all it ran;
+        a slot released since its launch is left out: its counts are 0 and its host mirror is untouched)."""
+
     def release(self, state: Any, slot: int) -> Any:
         """Mark the slot free (its pages are returned by the scheduler)."""
+
+
+@dataclasses.dataclass
+class Launched:
+    """A step on its way through the device: ``tokens`` / ``counts`` are its (unread) device outputs."""
+    active: np.ndarray  # bool[B]: the slots it runs
+    nb: int = 0  # the batch bucket: tokens / counts cover slots [0, nb)
+    tokens: Any = None  # i32[nb, W'] on device (None when nothing ran)
+    counts: Any = None  # i32[nb] on device (None: one token per active slot)
+    shape: tuple[int, int, int] | None = None  # the tree shape it ran (speculative runners)
+
+    def read(self, keep: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
+        """Host (tokens i32[B, width], counts i32[B]) of the ``keep`` slots (zeros elsewhere); waits for the step."""
+        b = len(self.active)
+        tokens, counts = np.zeros((b, width), np.int32), np.zeros((b,), np.int32)
+        if self.tokens is None:
+            return tokens, counts
+        toks = np.asarray(self.tokens).reshape(self.nb, -1)
+        tokens[:self.nb, :toks.shape[1]] = toks
+        counts[:self.nb] = self.active[:self.nb] if self.counts is None else np.asarray(self.counts)
+        keep = np.asarray(keep, bool) & self.active
+        tokens[~keep], counts[~keep] = 0, 0
+        return tokens, counts
 
 
 class RunnerCommon:
     """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh``, ``pages_per_seq``,
     ``prefill_buckets`` and ``_lengths`` (the host mirror of the slots' committed lengths)."""
+
+    def step(self, state, active: np.ndarray, **launch_kw):
+        """``launch`` then ``collect``: one step, its tokens read (the ``Runner`` protocol)."""
+        state, launched = self.launch(state, active, **launch_kw)
+        tokens, counts = self.collect(launched)
+        return state, tokens, counts
 
     def step_at_zero(self, state, active: np.ndarray, **step_kw):
         """A step of the ``active`` slots at length 0 over the scratch page (warmup): compiles the step's shape

@@ -25,7 +25,7 @@ from specjax.batching import MIN_PREFILL_BUCKET, PREFILL_CHUNK, page_buckets, pi
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
-from specjax.serve.runners.base import RunnerCommon
+from specjax.serve.runners.base import Launched, RunnerCommon
 from specjax.sharding import put_kv_pool, use_mesh
 
 log = logging.getLogger("specjax.serve")
@@ -147,12 +147,11 @@ class PlainRunner(RunnerCommon):
         self._active[slot] = True
         return state, int(tok)
 
-    def step(self, state, active):
+    def launch(self, state, active):
         active = np.asarray(active, bool)
-        b = self.max_batch
         idx = np.nonzero(active)[0]
         if len(idx) == 0:
-            return state, np.zeros((b, 1), np.int32), np.zeros((b,), np.int32)
+            return state, Launched(active)
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         longest = int(self._lengths[idx].max()) + 1
         npages = pick(self.page_buckets, -(-longest // self.page_size))
@@ -160,10 +159,11 @@ class PlainRunner(RunnerCommon):
         with use_mesh(self.mesh):
             state, tok = self._step_jit(self.params, state, active, nb=nb, npages=npages)
         self._note_compile(("step", nb, npages), t0)
-        tokens = np.zeros((b, 1), np.int32)
-        tokens[:nb, 0] = np.asarray(tok)
-        self._lengths[idx] += 1
-        return state, tokens, active.astype(np.int32)
+        self._lengths[idx] += 1  # one token per active slot: the mirror is exact at launch
+        return state, Launched(active, nb, tok)
+
+    def collect(self, launched: Launched, keep=None):
+        return launched.read(launched.active if keep is None else keep, 1)
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

@@ -22,7 +22,7 @@ from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
 from specjax.models import target
-from specjax.serve.runners.base import RunnerCommon
+from specjax.serve.runners.base import Launched, RunnerCommon
 from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
@@ -152,6 +152,7 @@ class SpecRunner(RunnerCommon):
         self.page_buckets = page_buckets(page_size, pages_per_seq, xla_path=attend is None)
         self._seeds = sampling_lib.Seeds()
         self._lengths = np.zeros((max_batch,), np.int64)  # committed tokens per slot, mirrored on the host
+        self._inflight = np.zeros((max_batch,), np.int64)  # most tokens the launched, uncollected steps may add
         # On a (dp, tp) mesh the target params arrive sharded (weights.load_model(mesh=...)); the draft is small and
         # replicated, the KV pools are split over kv heads on tp like the attention weights.
         self.mesh = mesh
@@ -165,6 +166,7 @@ class SpecRunner(RunnerCommon):
         return jax.device_put(x, NamedSharding(self.mesh, spec))
 
     def init_state(self) -> step_lib.SpecState:
+        self._lengths[:] = self._inflight[:] = 0
         state = step_lib.init_state(self.target_cfg, self.draft, self.scfg, self.max_batch,
                                     self.pages_per_seq * self.page_size, page_size=self.page_size,
                                     num_pages=self.num_pages, width=self.tokens_per_step)
@@ -213,33 +215,38 @@ class SpecRunner(RunnerCommon):
             if is_last:
                 first = int(f)
             pos += m
-        self._lengths[slot] = n
+        self._lengths[slot], self._inflight[slot] = n, 0
         return state, first
 
-    def step(self, state, active: np.ndarray, tree=_CHOOSE):
-        """One step of the ``active`` slots; ``tree``: a (num_steps, topk, num_draft_tokens) shape or None (a
-        target-only step); by default the runner chooses it for the batch bucket (``batch_shapes``)."""
+    def launch(self, state, active: np.ndarray, tree=_CHOOSE):
+        """Dispatch one step of the ``active`` slots; ``tree``: a (num_steps, topk, num_draft_tokens) shape or None
+        (a target-only step); by default the runner chooses it for the batch bucket (``batch_shapes``)."""
         active = np.asarray(active, bool)
-        b, w = self.max_batch, self.tokens_per_step
+        w = self.tokens_per_step
         idx = np.nonzero(active)[0]
         if len(idx) == 0:
-            return state, np.zeros((b, w), np.int32), np.zeros((b,), np.int32)
+            return state, Launched(active)
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
-        longest = int(self._lengths[idx].max()) + w  # the tree reaches w positions past the committed length
+        # the tree reaches w positions past the committed length, which steps in flight may each advance by w
+        longest = int((self._lengths[idx] + self._inflight[idx]).max()) + w
         npages = pick(self.page_buckets, -(-longest // self.page_size))
         scfg = self.shape_for(nb) if tree is _CHOOSE else None if tree is None else self._configs[tuple(tree)]
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
                                              state, jnp.asarray(active), nb=nb, npages=npages,
                                              draft_tokens=scfg is not None)
-        tokens = np.zeros((b, w), np.int32)
-        num = np.zeros((b,), np.int32)
-        toks = np.asarray(toks)
-        tokens[:nb, :toks.shape[1]], num[:nb] = toks, np.asarray(counts)
+        self._inflight[idx] += w
+        chosen = scfg.shape if scfg is not None and tree is _CHOOSE else None  # recorded for the live acceptance
+        return state, Launched(active, nb, toks, counts, chosen)
+
+    def collect(self, launched: Launched, keep=None):
+        keep = launched.active if keep is None else np.asarray(keep, bool) & launched.active
+        tokens, num = launched.read(keep, self.tokens_per_step)
         self._lengths += num
-        if self.trees is not None and scfg is not None and tree is _CHOOSE:
-            self.trees.record(scfg.shape, int(num.sum()), len(idx))
-        return state, tokens, num
+        self._inflight[keep] -= self.tokens_per_step
+        if self.trees is not None and launched.shape is not None:
+            self.trees.record(launched.shape, int(num.sum()), int(keep.sum()))
+        return tokens, num
 
     def warmup(self, state, log_fn=log.info):
         """Compile every prefill bucket, and the step of every batch bucket (in its tree shape) at the shortest page
@@ -265,5 +272,5 @@ class SpecRunner(RunnerCommon):
         return None if tree is None else self._configs[tree]
 
     def release(self, state, slot: int):
-        self._lengths[slot] = 0
+        self._lengths[slot] = self._inflight[slot] = 0
         return _release_slot(state, jnp.int32(slot))

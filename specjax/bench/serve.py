@@ -233,12 +233,15 @@ def _free_port() -> int:
 
 
 def launch_flags(name: str, args) -> list[str]:
-    flags = ["--model-path", args.model_path] + shlex.split(args.server_args or "")
-    if name == "plain":
+    """The server flags of configuration ``name``: plain, eagle3 or eagle, optionally ``:FLAGS`` for that server
+    alone (e.g. ``plain:--disable-overlap-schedule``)."""
+    base, _, own = name.partition(":")
+    flags = ["--model-path", args.model_path] + shlex.split(args.server_args or "") + shlex.split(own)
+    if base == "plain":
         return flags
-    algo = {"eagle3": "EAGLE3", "eagle": "EAGLE"}.get(name.lower())
+    algo = {"eagle3": "EAGLE3", "eagle": "EAGLE"}.get(base.lower())
     if algo is None:
-        raise SystemExit(f"--launch: unknown configuration {name!r} (plain, eagle3, eagle)")
+        raise SystemExit(f"--launch: unknown configuration {base!r} (plain, eagle3, eagle)")
     if not args.draft:
         raise SystemExit(f"--launch {name} needs --draft HEAD_FOLDER")
     return flags + ["--speculative-algorithm", algo, "--speculative-draft-model-path", args.draft] + shlex.split(
@@ -255,7 +258,8 @@ def launched(name: str, args):
            "warning"]
     if args.api_key:
         cmd += ["--api-key", args.api_key]
-    log = tempfile.NamedTemporaryFile("w+", prefix=f"specjax_bench_{name}_", suffix=".log", delete=False)
+    log = tempfile.NamedTemporaryFile("w+", prefix=f"specjax_bench_{name.partition(':')[0]}_", suffix=".log",
+                                      delete=False)
     print(f"[{name}] starting: {shlex.join(cmd)}  (log: {log.name})", file=sys.stderr)
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}"
@@ -318,7 +322,9 @@ class ServeBenchOptions:
     warmup_requests: int = option(2, help="untimed requests before the sweep")
     request_timeout: float = option(600.0, help="seconds before a request counts as failed")
     json: str | None = option(None, help="also write the results here")
-    launch: str | None = option(None, group=_LAUNCH, help="comma-separated configurations: plain, eagle3, eagle")
+    launch: str | None = option(None, group=_LAUNCH, help="comma-separated configurations: plain, eagle3, eagle, "
+                                "each optionally with flags of its own after a colon, e.g. "
+                                "\"plain,plain:--disable-overlap-schedule\"")
     model_path: str | None = option(None, group=_LAUNCH, help="target model the launched servers load")
     draft: str | None = option(None, group=_LAUNCH, help="draft head folder for eagle3 / eagle")
     server_args: str = option("", group=_LAUNCH, help="extra flags for every server, e.g. \"--context-length 2048\"")
