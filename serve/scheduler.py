@@ -273,7 +273,7 @@ class Scheduler:
         if pending is not None and not self._overlappable():
             self._collect(pending)
             pending = None
-        ok, launched = self._launch()
+        ok, launched = self._launch(pending)
         if not ok or (pending is not None and not self._collect(pending)):
             return  # the state was reset: the running batch failed, steps in flight with it
         if launched is not None:
@@ -288,8 +288,14 @@ class Scheduler:
         return all(len(r.prompt_ids) + len(r.output_ids) + reach <= len(r.pages) * self.page_size
                    for r in self.slots if r is not None and r.prefill_done and not r.finished)
 
-    def _launch(self) -> tuple[bool, _Inflight | None]:
-        active = np.array([r is not None and r.prefill_done and not r.finished for r in self.slots])
+    def _launch(self, pending: _Inflight | None = None) -> tuple[bool, _Inflight | None]:
+        """Launch a step of every running request, except one that the step in flight (``pending``) finishes for
+        certain (it emits at least one token: one left in the budget)."""
+        def runs(b, r):
+            if r is None or not r.prefill_done or r.finished:
+                return False
+            return pending is None or pending.reqs[b] is not r or len(r.output_ids) + 1 < r.params.max_new_tokens
+        active = np.array([runs(b, r) for b, r in enumerate(self.slots)])
         if not active.any():
             return True, None
         t0 = time.perf_counter()
