@@ -174,6 +174,7 @@ def test_bench_serve_interleaved_levels_alternate(server, monkeypatch, capsys):
     assert order == [("plain", 1), ("eagle3", 1), ("eagle3", 2), ("plain", 2)]
     out = capsys.readouterr().out
     assert "side by side" in out and "eagle3/plain" in out
+    assert "eagle3 accept" not in out  # a server that reports no accept length (here plain) gets no such column
     with pytest.raises(SystemExit):  # --interleave without --launch: a usage error, not a silently ignored flag
         bench_serve.main(["--url", server.url, "--interleave"])
     assert "--interleave runs the servers of --launch" in capsys.readouterr().err

@@ -205,16 +205,17 @@ def print_table(rows: list[dict], title: str = "") -> None:
 def print_side_by_side(results: dict[str, list[dict]]) -> None:
     names = list(results)
     base = names[0]
+    spec = [n for n in names[1:] if any("accept_len" in r for r in results[n])]  # speculative servers report it
     print(f"\nside by side (output tokens/s, TPOT p50 ms, accept length; speedup vs {base})")
     head = ["conc"] + [f"{n} tok/s" for n in names] + [f"{n} TPOT" for n in names] + [
-        f"{n} accept" for n in names[1:]] + [f"{n}/{base}" for n in names[1:]]
+        f"{n} accept" for n in spec] + [f"{n}/{base}" for n in names[1:]]
     rows = []
     for i, c in enumerate(results[base]):
         row = [str(c["concurrency"])]
         row += [f"{results[n][i]['out_tok_per_s']:.1f}" if i < len(results[n]) else "-" for n in names]
         row += [f"{results[n][i]['tpot_p50_ms']:.1f}" if i < len(results[n]) else "-" for n in names]
-        row += [f"{results[n][i].get('accept_len', float('nan')):.2f}" if i < len(results[n]) else "-"
-                for n in names[1:]]
+        row += [f"{results[n][i]['accept_len']:.2f}" if i < len(results[n]) and "accept_len" in results[n][i]
+                else "-" for n in spec]
         row += [f"{results[n][i]['out_tok_per_s'] / c['out_tok_per_s']:.2f}x" if i < len(results[n]) and c[
             'out_tok_per_s'] else "-" for n in names[1:]]
         rows.append(row)
