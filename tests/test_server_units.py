@@ -34,7 +34,8 @@ def test_cli_every_spec_flag_parses():
              "bfloat16", "--tp-size", "1", "--dp-size", "1", "--mem-fraction-static", "0.5",
              "--max-running-requests", "4", "--max-total-tokens", "1024", "--context-length", "512",
              "--chunked-prefill-size", "128", "--page-size", "16", "--schedule-policy", "lpm",
-             "--disable-radix-cache", "--disable-overlap-schedule", "--random-seed", "3", "--served-model-name", "x", "--api-key", "k",
+             "--disable-radix-cache", "--disable-overlap-schedule", "--random-seed", "3", "--served-model-name", "x",
+             "--api-key", "k",
              "--log-level", "debug", "--enable-metrics", "--skip-server-warmup", "--trust-remote-code",
              "--chat-template", "chatml", "--attention-impl", "xla", "--speculative-algorithm", "EAGLE",
              "--speculative-draft-model-path", "d", "--speculative-num-steps", "4", "--speculative-eagle-topk", "2",
@@ -64,7 +65,8 @@ def test_cli_validation(argv, message):
 
 def test_bench_serve_configuration_flags():
     """``bench serve --launch``: a configuration's own flags after a colon go to its server alone."""
-    args = SimpleNamespace(model_path="m", server_args="--page-size 8", draft="d", spec_args="--speculative-eagle-topk 1")
+    args = SimpleNamespace(model_path="m", server_args="--page-size 8", draft="d",
+                           spec_args="--speculative-eagle-topk 1")
     assert launch_flags("plain", args) == ["--model-path", "m", "--page-size", "8"]
     assert launch_flags("plain:--disable-overlap-schedule", args)[-1] == "--disable-overlap-schedule"
     eagle = launch_flags("eagle3:--speculative-num-steps 3", args)

@@ -74,6 +74,38 @@ def test_slots_join_between_steps_and_match_plain(setup):
     assert sum(len(out[n]) - 1 for n in "abc") > 1.3 * sum(steps.values())  # several tokens per step
 
 
+def test_steps_in_flight_match_plain_and_a_released_slot_gets_nothing(setup):
+    """The overlap schedule's pattern: each step launched before the previous one is collected; a slot released while
+    its step is in flight gets nothing from that step, and the next request in that slot starts clean. Every output
+    equals plain greedy."""
+    cfg, tp, runner = setup
+    rng = np.random.default_rng(7)
+    a, b, c = (rng.integers(0, 64, n).tolist() for n in (13, 7, 10))
+    greedy = {"temperature": 0.0}
+    state = runner.init_state()
+    state, fa = runner.prefill(state, 0, np.asarray(a), np.arange(PPS), greedy)
+    state, fb = runner.prefill(state, 1, np.asarray(b), np.arange(PPS, 2 * PPS), greedy)
+    out = [[fa], [fb], []]
+    both = np.array([True, True, False])
+    state, pending = runner.launch(state, both)
+    while min(len(out[0]), len(out[1])) < MAX_NEW:
+        state, launched = runner.launch(state, both)  # step N+1 on its way before step N is read
+        toks, counts = runner.collect(pending)
+        for r in (0, 1):
+            out[r] += toks[r, :counts[r]].tolist()
+        pending = launched
+    state = runner.release(state, 1)  # slot 1 leaves with a step in flight
+    toks, counts = runner.collect(pending, keep=np.array([True, False, False]))
+    assert counts[1] == 0 and counts[0] > 0
+    state, fc = runner.prefill(state, 1, np.asarray(c), np.arange(2 * PPS, 3 * PPS), greedy)
+    out[2].append(fc)
+    while len(out[2]) < MAX_NEW:
+        state, toks, counts = runner.step(state, np.array([False, True, False]))
+        out[2] += toks[1, :counts[1]].tolist()
+    ref = generate(tp, cfg, [a, b, c], max_new_tokens=MAX_NEW, stop_token_ids=())
+    assert [o[:MAX_NEW] for o in out] == ref
+
+
 def test_pallas_tree_attention_hook_is_exact(setup):
     """attention_impl='pallas' routes the verify forward (tree mask) and the draft extends through the tree-attention
     kernel (interpreted on CPU); output still equals plain greedy."""

@@ -4,8 +4,8 @@ A runner owns a fixed number of slots (the running batch, ``max_batch``). Reques
 and leave it between steps; ``step`` advances every active slot by one plain decode step or one speculative
 draft-verify-commit step, entirely on device. ``step`` is ``launch`` (dispatch the step, return at once) then
 ``collect`` (read its tokens): the scheduler's overlap schedule launches step N+1 before it collects step N, so the
-host's work on a step's tokens runs while the device computes the next one. The target and draft KV caches share one page table: page ids handed
-out by the scheduler index both pools.
+host's work on a step's tokens runs while the device computes the next one. The target and draft KV caches share
+one page table: page ids handed out by the scheduler index both pools.
 
 Implementations:
 - ``serve.runners.plain.PlainRunner``: plain decoding (one token per step).

@@ -228,7 +228,7 @@ class SpecRunner(RunnerCommon):
             return state, Launched(active)
         nb = pick(self.batch_buckets, int(idx[-1]) + 1)
         # the tree reaches w positions past the committed length, which steps in flight may each advance by w
-        longest = int((self._lengths[idx] + self._inflight[idx]).max()) + w
+        longest = min(int((self._lengths[idx] + self._inflight[idx]).max()) + w, self.pages_per_seq * self.page_size)
         npages = pick(self.page_buckets, -(-longest // self.page_size))
         scfg = self.shape_for(nb) if tree is _CHOOSE else None if tree is None else self._configs[tuple(tree)]
         with use_mesh(self.mesh):
