@@ -84,7 +84,7 @@ class FakeRunner:
         if self.fail_collects:
             self.fail_collects -= 1
             raise RuntimeError("device fault at read")
-        return launched.read(launched.active if keep is None else keep, self.tokens_per_step)
+        return launched.read(self.tokens_per_step, keep)
 
     def release(self, state, slot):
         state["rows"].pop(slot, None)

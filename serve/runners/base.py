@@ -67,8 +67,12 @@ class Launched:
     counts: Any = None  # i32[nb] on device (None: one token per active slot)
     shape: tuple[int, int, int] | None = None  # the tree shape it ran (speculative runners)
 
-    def read(self, keep: np.ndarray, width: int) -> tuple[np.ndarray, np.ndarray]:
-        """Host (tokens i32[B, width], counts i32[B]) of the ``keep`` slots (zeros elsewhere); waits for the step."""
+    def kept(self, keep: np.ndarray | None = None) -> np.ndarray:
+        """bool[B]: the slots of ``keep`` (default: every slot) that this step ran."""
+        return self.active.copy() if keep is None else np.asarray(keep, bool) & self.active
+
+    def read(self, width: int, keep: np.ndarray | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """Host (tokens i32[B, width], counts i32[B]) of the ``kept`` slots (zeros elsewhere); waits for the step."""
         b = len(self.active)
         tokens, counts = np.zeros((b, width), np.int32), np.zeros((b,), np.int32)
         if self.tokens is None:
@@ -76,8 +80,8 @@ class Launched:
         toks = np.asarray(self.tokens).reshape(self.nb, -1)
         tokens[:self.nb, :toks.shape[1]] = toks
         counts[:self.nb] = self.active[:self.nb] if self.counts is None else np.asarray(self.counts)
-        keep = np.asarray(keep, bool) & self.active
-        tokens[~keep], counts[~keep] = 0, 0
+        dropped = ~self.kept(keep)
+        tokens[dropped], counts[dropped] = 0, 0
         return tokens, counts
 
 

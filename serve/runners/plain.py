@@ -163,7 +163,7 @@ class PlainRunner(RunnerCommon):
         return state, Launched(active, nb, tok)
 
     def collect(self, launched: Launched, keep=None):
-        return launched.read(launched.active if keep is None else keep, 1)
+        return launched.read(1, keep)
 
     def release(self, state, slot: int):
         self._lengths[slot] = 0

@@ -240,8 +240,8 @@ class SpecRunner(RunnerCommon):
         return state, Launched(active, nb, toks, counts, chosen)
 
     def collect(self, launched: Launched, keep=None):
-        keep = launched.active if keep is None else np.asarray(keep, bool) & launched.active
-        tokens, num = launched.read(keep, self.tokens_per_step)
+        keep = launched.kept(keep)
+        tokens, num = launched.read(self.tokens_per_step, keep)
         self._lengths += num
         self._inflight[keep] -= self.tokens_per_step
         if self.trees is not None and launched.shape is not None:
