@@ -10,8 +10,10 @@ import numpy as np
 from specjax import sampling
 from specjax.kernels.cpu_dense import MAX_TOKENS as KERNEL_MAX_TOKENS
 
-# The shortest padded prefill chunk: longer than any product the CPU kernels take, so a prefill keeps XLA's GEMMs.
+# The shortest prefill chunk that keeps XLA's GEMMs: longer than any product the CPU kernels take. Offline
+# generation pads every prompt to at least this; a server on a CPU also has the few-row buckets below.
 MIN_PREFILL_BUCKET = KERNEL_MAX_TOKENS + 1
+MIN_FEW_ROW_PREFILL = 8  # the shortest prefill chunk of a server whose products take the CPU kernels
 MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
 PREFILL_CHUNK = 512  # the widest prefill call: a longer prompt runs as several chunks
 
@@ -48,6 +50,20 @@ def page_buckets(page_size: int, pages_per_seq: int, xla_path: bool = False) -> 
 def pow2_bucket(n: int, lo: int, hi: int) -> int:
     """The bucket of ``pow2_buckets(lo, hi)`` that holds ``n``, or ``hi`` when ``n`` is larger (the caller chunks)."""
     return pick(pow2_buckets(lo, hi), min(n, hi))
+
+
+def serving_prefill_buckets(limit: int, few_rows: bool) -> list[int]:
+    """The widths a server pads one request's prefill chunk to, the widest ``limit``: powers of two from
+    MIN_PREFILL_BUCKET (XLA's GEMMs). With ``few_rows`` (the CPU kernels take the products: ``cpu_dense``) also
+    powers of two from MIN_FEW_ROW_PREFILL and KERNEL_MAX_TOKENS itself, so that a short uncached tail (a reused
+    prefix, a short prompt, the end of a chunked one) reads the weights once through the kernels instead of padding
+    to 16 rows of GEMM: a 1-15-token tail of SmolLM2 fp32 took 25-36 ms against 60 ms (docs/benchmarks.md).
+    Both runners take these buckets, so a prompt gets the same chunks (and K/V bits) in either."""
+    limit = max(int(limit), 1)
+    out = set(pow2_buckets(MIN_PREFILL_BUCKET, limit))
+    if few_rows:
+        out |= {b for b in pow2_buckets(MIN_FEW_ROW_PREFILL, KERNEL_MAX_TOKENS) if b < limit}
+    return sorted(out)
 
 
 def prefill_chunks(longest: int) -> tuple[int, int]:

@@ -451,6 +451,7 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
     from jax.sharding import NamedSharding, PartitionSpec as P
 
     from specjax import sampling
+    from specjax.batching import serving_prefill_buckets
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.serve.runners.plain import PlainRunner
     args, cfg = setup.args, setup.tcfg
@@ -458,6 +459,7 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
                          page_size=args.page_size, num_pages=plan.num_pages, max_prefill_tokens=plan.prefill_chunk,
                          attention_impl=args.attention_impl, mesh=setup.mesh)
     runner.cache_attention = make_cache_attention(args.attention_impl, cfg.sliding_window, "tpu")  # as on a TPU
+    runner.prefill_buckets = serving_prefill_buckets(runner.prefill_buckets[-1], few_rows=False)  # no CPU kernels
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)
@@ -482,6 +484,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
     import jax.numpy as jnp
     from jax.sharding import NamedSharding, PartitionSpec as P
 
+    from specjax.batching import serving_prefill_buckets
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.serve.runners import spec as spec_runner
     args, cfg = setup.args, setup.tcfg
@@ -493,6 +496,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
         attention_impl=args.attention_impl, prefill_chunk=plan.prefill_chunk, mesh=setup.mesh)
     runner.scfg = dataclasses.replace(runner.scfg, cache_attention=make_cache_attention(
         args.attention_impl, cfg.sliding_window, "tpu"))  # as on a TPU
+    runner.prefill_buckets = serving_prefill_buckets(runner.prefill_buckets[-1], few_rows=False)  # no CPU kernels
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
     rep = NamedSharding(setup.shard_mesh, P())
     s = lambda shape, dt=jnp.int32: _sds(shape, dt, rep)

@@ -2,7 +2,8 @@
 
 import pytest
 
-from specjax.batching import pick, pow2_bucket, pow2_buckets, validate_requests
+from specjax.batching import pick, pow2_bucket, pow2_buckets, serving_prefill_buckets, validate_requests
+from specjax.kernels import cpu_dense
 
 
 def doubling(n: int, lo: int, hi: int) -> int:
@@ -25,6 +26,17 @@ def test_buckets_and_pick():
     assert pick([16, 32, 48], 33) == 48
     with pytest.raises(ValueError, match="exceeds the largest bucket 48"):
         pick([16, 32, 48], 49)
+
+
+def test_serving_prefill_buckets():
+    """XLA's powers of two from 16, and with the few-row kernels 8 and their MAX_TOKENS below the widest chunk."""
+    assert cpu_dense.MAX_TOKENS == 15
+    assert serving_prefill_buckets(512, few_rows=False) == [16, 32, 64, 128, 256, 512]
+    assert serving_prefill_buckets(512, few_rows=True) == [8, 15, 16, 32, 64, 128, 256, 512]
+    assert serving_prefill_buckets(48, few_rows=True) == [8, 15, 16, 32, 48]
+    assert serving_prefill_buckets(10, few_rows=True) == [8, 10]
+    assert serving_prefill_buckets(10, few_rows=False) == [10]
+    assert serving_prefill_buckets(3, few_rows=True) == [3]
 
 
 def test_validate_requests():

@@ -210,7 +210,7 @@ def test_warmup_compiles_each_bucket_in_each_of_its_shapes(setup):
                         batch_shapes={1: (3, 2, 5), 2: (2, 1, 3), 3: None})
     lines = []
     state = runner.warmup(runner.init_state(), log_fn=lines.append)
-    assert "compiled 1 prefill and 3 step shapes" in lines[0]
+    assert f"compiled {len(runner.prefill_buckets)} prefill and 3 step shapes" in lines[0]
     assert np.asarray(state.cache.lengths).tolist() == [0, 0, 0] and not runner._lengths.any()
     prompt = [5, 9, 2, 7]
     state, first = runner.prefill(state, 1, np.asarray(prompt), np.arange(PPS, 2 * PPS), {"temperature": 0.0})
@@ -233,7 +233,8 @@ def test_live_tree_choice_turns_a_losing_tree_off_and_keeps_probing(setup):
                         batch_shapes=trees)
     lines = []
     state = runner.warmup(runner.init_state(), log_fn=lines.append)
-    assert "compiled 1 prefill and 4 step shapes" in lines[0]  # buckets 1, 2 x (tree, target-only)
+    # buckets 1, 2 x (tree, target-only)
+    assert f"compiled {len(runner.prefill_buckets)} prefill and 4 step shapes" in lines[0]
     prompt = np.random.default_rng(5).integers(0, 64, 9).tolist()
     state, first = runner.prefill(state, 0, np.asarray(prompt), np.arange(PPS), {"temperature": 0.0})
     out, counts_seen = [first], []

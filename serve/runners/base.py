@@ -17,10 +17,13 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Protocol
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
 from specjax import prompt_logprobs as prompt_logprobs_lib, sampling
+from specjax.batching import serving_prefill_buckets
+from specjax.kernels import cpu_dense
 from specjax.sampling import SamplingRow
 
 
@@ -83,6 +86,13 @@ class Launched:
         dropped = ~self.kept(keep)
         tokens[dropped], counts[dropped] = 0, 0
         return tokens, counts
+
+
+def prefill_buckets(limit: int, mesh=None) -> list[int]:
+    """``batching.serving_prefill_buckets`` for a runner on ``mesh`` (None: the default backend): the few-row buckets
+    where its products take the CPU kernels (a CPU, the kernels built)."""
+    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+    return serving_prefill_buckets(limit, few_rows=platform == "cpu" and cpu_dense.available())
 
 
 class RunnerCommon:

@@ -1,8 +1,9 @@
 """PlainRunner: the ``specjax.serve.runners.base.Runner`` protocol for plain decoding (one token per slot per step).
 
 Shapes are bucketed so that a handful of compiled programs cover every request mix:
-- prefill runs one slot at a time on a B=1 view of the shared page pool, its new tokens padded to a power of two
-  (16 .. max_prefill_tokens);
+- prefill runs one slot at a time on a B=1 view of the shared page pool, its new tokens padded to a bucket of
+  ``runners.base.prefill_buckets`` (powers of two from 16 to max_prefill_tokens; on a CPU also 8 and 15, which
+  the few-row kernels take);
 - decode runs the first ``nb`` slots only (nb = power of two covering the highest active slot; the scheduler hands
   out the lowest free slot first, so the running batch stays packed at the front);
 - both see ``np`` page-table columns (``batching.page_buckets``: the whole table on the XLA path, a power of two
@@ -21,11 +22,11 @@ import numpy as np
 from jax.sharding import Mesh
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import MIN_PREFILL_BUCKET, PREFILL_CHUNK, page_buckets, pick, pow2_buckets
+from specjax.batching import PREFILL_CHUNK, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
-from specjax.serve.runners.base import Launched, RunnerCommon
+from specjax.serve.runners.base import Launched, RunnerCommon, prefill_buckets
 from specjax.sharding import put_kv_pool, use_mesh
 
 log = logging.getLogger("specjax.serve")
@@ -53,7 +54,7 @@ class PlainRunner(RunnerCommon):
             num_pages
         self.cache_attention = make_cache_attention(attention_impl, cfg.sliding_window)
         max_tokens = pages_per_seq * page_size
-        self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, min(max(max_prefill_tokens, 1), max_tokens))
+        self.prefill_buckets = prefill_buckets(min(max(max_prefill_tokens, 1), max_tokens), mesh)
         self.batch_buckets = pow2_buckets(1, max_batch)
         self.page_buckets = page_buckets(page_size, pages_per_seq, xla_path=self.cache_attention is None)
         self._lengths = np.zeros((max_batch,), np.int64)  # host mirror of cache lengths, for bucketing

@@ -17,12 +17,12 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import sampling as sampling_lib
-from specjax.batching import MIN_PREFILL_BUCKET, PREFILL_CHUNK, page_buckets, pick, pow2_buckets
+from specjax.batching import PREFILL_CHUNK, page_buckets, pick, pow2_buckets
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.kv_cache import KVCache
 from specjax.models import target
-from specjax.serve.runners.base import Launched, RunnerCommon
+from specjax.serve.runners.base import Launched, RunnerCommon, prefill_buckets
 from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
@@ -147,7 +147,7 @@ class SpecRunner(RunnerCommon):
             num_pages
         self.tokens_per_step = max(c.tokens_per_step for c in shapes)
         self.prefill_chunk = prefill_chunk
-        self.prefill_buckets = pow2_buckets(MIN_PREFILL_BUCKET, prefill_chunk)
+        self.prefill_buckets = prefill_buckets(prefill_chunk, mesh)
         self.batch_buckets = pow2_buckets(1, max_batch)
         self.page_buckets = page_buckets(page_size, pages_per_seq, xla_path=attend is None)
         self._seeds = sampling_lib.Seeds()

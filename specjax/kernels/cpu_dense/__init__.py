@@ -54,9 +54,10 @@ SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / 
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
-# the decode step it must equal, bit for bit. Prefill chunks (never shorter than ``batching.MIN_PREFILL_BUCKET``,
-# defined as MAX_TOKENS + 1) keep XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the
-# kernels, a 32-token prefill ran 10-55% slower; docs/benchmarks.md).
+# the decode step it must equal, bit for bit. Prefill chunks from ``batching.MIN_PREFILL_BUCKET`` (MAX_TOKENS + 1)
+# tokens keep XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the kernels, a 32-token
+# prefill ran 10-55% slower; docs/benchmarks.md); a server's shorter chunks (8 and 15 tokens:
+# ``batching.serving_prefill_buckets``) take the kernels, 2-2.5x faster than a 16-token GEMM.
 MAX_TOKENS = 15
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
