@@ -36,10 +36,11 @@ def _reference(x, w):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("c,o", SHAPES)
-def test_dense_matches_float64_reference(dtype, c, o):
-    x, w = _operands(8, c, o, dtype)
+@pytest.mark.parametrize("rows", [8, 23])  # fp32: passes over y up to 16 rows, register tiles from 17
+def test_dense_matches_float64_reference(dtype, c, o, rows):
+    x, w = _operands(rows, c, o, dtype)
     got = np.asarray(jax.jit(cpu_dense.dense)(x, w))
-    assert got.dtype == np.float32 and got.shape == (8, o)
+    assert got.dtype == np.float32 and got.shape == (rows, o)
     np.testing.assert_allclose(got, _reference(x, w), rtol=0, atol=1e-4 * np.sqrt(c))
 
 
@@ -53,8 +54,8 @@ def test_unembed_matches_float64_reference(dtype):
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_bits_do_not_depend_on_rows_or_threads(dtype):
-    """A row's result is the same bits alone, among 2..8 rows, and on 1 or 2 threads: a verified tree row equals the
-    one-row decode step bit for bit."""
+    """A row's result is the same bits alone, among 2..19 rows (fp32: the passes over y up to 16 rows, the register
+    tiles from 17), and on 1 or 2 threads: a verified tree row equals the one-row decode step bit for bit."""
     x, w = _operands(19, 1000, 130, dtype, seed=1)
     table = _operands(1, 130, 1000, dtype, seed=2)[1]  # [V=130, D=1000]
     dense, unembed = jax.jit(cpu_dense.dense), jax.jit(cpu_dense.unembed)

@@ -235,12 +235,83 @@ void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64
   for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_pair, o_vec);
 }
 
+#if defined(__AVX512F__)
+// Many rows of x against fp32 w (a batch of 17 or more decode rows, verified trees or draft rows): tiles of kTileR
+// rows of x by kTileV vectors of columns whose sums stay in registers over the whole block of the contraction axis,
+// where the passes above load and store each row's sums once per few rows of w. The first tile of rows reads its
+// columns of the block from memory, prefetching the next columns' lines; the other tiles find them in cache. Each
+// output is the same sequence of fmas as in DenseRows (from 0, over c0..c1 in order), so the bits are the same.
+// The 30-layer SmolLM2 chain on two threads (docs/benchmarks.md, thirtieth session):
+// 24 / 32 / 48 rows 36 / 46 / 59 ms against 43 / 55 / 81 with passes, 16 rows the same (31 ms), 8 rows slower
+// (29.6 against 24.9 ms: one tile's column walk streams w worse than passes along its rows), hence kTileRows.
+constexpr int kTileRows = 17, kTileR = 6, kTileV = 4;
+
+template <int RT, int VT>
+inline void DenseTile(const DenseJob<float>& j, float* acc, int64_t r0, int64_t c0, int64_t c1, int64_t o,
+                      bool prefetch) {
+  const int64_t O = j.o_dim, C = j.c_dim;
+  const float* __restrict x = j.x + r0 * C;
+  const float* __restrict w = j.w + o;
+  __m512 s[RT][VT];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512 a[VT];
+    for (int v = 0; v < VT; ++v) a[v] = _mm512_loadu_ps(w + c * O + v * kLanes);
+    if (prefetch)
+      for (int v = 0; v < VT; ++v) PrefetchAhead<3>(w + c * O + v * kLanes, VT * kLanes * sizeof(float));
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
+      for (int v = 0; v < VT; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < VT; ++v) _mm512_storeu_ps(acc + (r0 + r) * O + o + v * kLanes, s[r][v]);
+}
+
+// Columns o..o+VT*16 of rows c0..c1 of w against every row of x, kTileR rows at a time.
+template <int VT>
+void DenseTileColumns(const DenseJob<float>& j, float* acc, int64_t c0, int64_t c1, int64_t o) {
+  for (int64_t r0 = 0; r0 < j.rows; r0 += kTileR) {
+    const bool first = r0 == 0;
+    switch (std::min<int64_t>(kTileR, j.rows - r0)) {
+      case 1: DenseTile<1, VT>(j, acc, r0, c0, c1, o, first); break;
+      case 2: DenseTile<2, VT>(j, acc, r0, c0, c1, o, first); break;
+      case 3: DenseTile<3, VT>(j, acc, r0, c0, c1, o, first); break;
+      case 4: DenseTile<4, VT>(j, acc, r0, c0, c1, o, first); break;
+      case 5: DenseTile<5, VT>(j, acc, r0, c0, c1, o, first); break;
+      default: DenseTile<kTileR, VT>(j, acc, r0, c0, c1, o, first); break;
+    }
+  }
+}
+
+// Rows c0..c1 of fp32 w against every row of x into acc (written, not added to), tile by tile; the last columns
+// (fewer than 16) one by one.
+void DenseTiles(const DenseJob<float>& j, float* acc, int64_t c0, int64_t c1) {
+  const int64_t O = j.o_dim, C = j.c_dim;
+  int64_t o = 0;
+  for (; o + kTileV * kLanes <= O; o += kTileV * kLanes) DenseTileColumns<kTileV>(j, acc, c0, c1, o);
+  for (; o + kLanes <= O; o += kLanes) DenseTileColumns<1>(j, acc, c0, c1, o);
+  for (int64_t r = 0; r < j.rows; ++r)
+    for (int64_t oo = o; oo < O; ++oo) {
+      float s = 0.f;
+      for (int64_t c = c0; c < c1; ++c) s = __builtin_fmaf(j.x[r * C + c], j.w[c * O + oo], s);
+      acc[r * O + oo] = s;
+    }
+}
+#endif
+
 template <typename T>
 void DenseChunk(const void* ctx, int k) {
   const auto& j = *static_cast<const DenseJob<T>*>(ctx);
   float* acc = k == 0 ? j.y : j.part + (k - 1) * j.rows * j.o_dim;
   const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
   const int64_t o_vec = j.o_dim / kLanes * kLanes, o_pair = PairedColumns<T>(j.o_dim);
+#if defined(__AVX512F__)
+  if constexpr (std::is_same_v<T, float>) {
+    if (j.rows >= kTileRows) return DenseTiles(j, acc, c0, c1);
+  }
+#endif
   std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
   // Rows of w per pass over y. bf16 (read in column pairs): eight for up to three rows of x, four for more (the
   // 30-layer bf16 chain with L2 prefetches at 1 / 2 / 4 / 5 / 8 rows: 26-27 / 24 / 19 / 13 / 9.5 GB/s with eight,
