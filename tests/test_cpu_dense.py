@@ -109,13 +109,16 @@ def _targets(f, *args) -> str:
 
 def test_layers_route_few_rows_to_the_kernels():
     """``layers.dense`` / ``layers.unembed`` call the kernels for fp32/bf16 x [..., T, C] with T <= MAX_TOKENS on a
-    CPU, at any batch; longer chunks, other dtypes and ``disabled()`` keep XLA's dot."""
-    t_max = cpu_dense.MAX_TOKENS
+    CPU, at any batch, and for longer fp32 chunks of at most MAX_PROMPT_ROWS rows in all; longer chunks, other dtypes
+    and ``disabled()`` keep XLA's dot."""
+    t_max, rows = cpu_dense.MAX_TOKENS, cpu_dense.MAX_PROMPT_ROWS
     for dtype in (jnp.float32, jnp.bfloat16):
         w = jnp.ones((64, 4, 8), dtype)
         table = jnp.ones((100, 64), dtype)
+        fp32 = dtype == jnp.float32
         for shape, expect in (((1, 1, 64), True), ((16, 1, 64), True), ((3, t_max, 64), True),
-                              ((1, t_max + 1, 64), False)):
+                              ((1, t_max + 1, 64), fp32), ((2, rows // 2, 64), fp32), ((1, rows + 1, 64), False),
+                              ((3, t_max + 1, 64), False)):
             x = jnp.ones(shape, dtype)
             assert ("specjax_dense" in _targets(layers.dense, x, w)) is expect
             assert ("specjax_unembed" in _targets(layers.unembed, x, table)) is expect

@@ -43,7 +43,7 @@ from specjax.hub import default_cache_dir
 __all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
            "supports_rope", "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
            "rms_norm", "rope_qkv",
-           "set_threads", "threads", "MAX_TOKENS", "DTYPES"]
+           "set_threads", "threads", "MAX_TOKENS", "MAX_PROMPT_ROWS", "DTYPES"]
 
 log = logging.getLogger("specjax")
 
@@ -59,6 +59,10 @@ HEADERS = (HERE / "common.h",)
 # prefill ran 10-55% slower; docs/benchmarks.md); a server's shorter chunks (8 and 15 tokens:
 # ``batching.serving_prefill_buckets``) take the kernels, 2-2.5x faster than a 16-token GEMM.
 MAX_TOKENS = 15
+# A longer fp32 product of at most this many rows in all (a prompt chunk of 16-32 tokens at batch 1, two of 16 at
+# batch 2) also runs in the kernels, on their register tiles (17+ rows): a 17-32-token SmolLM2 prefill took 62 ms
+# against XLA's 73-74 (docs/benchmarks.md, thirtieth session). bf16 products of that size keep XLA's.
+MAX_PROMPT_ROWS = 32
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
@@ -182,9 +186,12 @@ def tokens_per_sequence(x) -> int:
 def supports(x, w) -> bool:
     """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), or
     fp32 x with bf16 w (the fp32 product with the widened w: a draft head's matrices kept as their bf16 checkpoint
-    stores them), at most MAX_TOKENS rows per sequence, the kernels built and not ``disabled``."""
+    stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, the kernels built and
+    not ``disabled``."""
+    few = tokens_per_sequence(x) <= MAX_TOKENS or (
+        x.dtype == w.dtype == jnp.float32 and x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS)
     return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
-            and tokens_per_sequence(x) <= MAX_TOKENS and not _disabled[0] and available())
+            and few and not _disabled[0] and available())
 
 
 def _kernel_product(target: str, out_cols, xla_product, doc: str):
