@@ -10,8 +10,10 @@ import numpy as np
 from specjax import sampling
 from specjax.kernels.cpu_dense import MAX_TOKENS as KERNEL_MAX_TOKENS
 
-# The shortest prefill chunk that keeps XLA's GEMMs: longer than any product the CPU kernels take. Offline
-# generation pads every prompt to at least this; a server on a CPU also has the few-row buckets below.
+# The shortest prefill chunk past the attention and RoPE kernels' tokens (``cpu_dense.MAX_TOKENS``): offline
+# generation pads every prompt to at least this; a server on a CPU also has the few-row buckets below. (The
+# products of an fp32 chunk of up to ``cpu_dense.MAX_PROMPT_ROWS`` rows in all take the kernels too; larger ones
+# keep XLA's GEMMs.)
 MIN_PREFILL_BUCKET = KERNEL_MAX_TOKENS + 1
 MIN_FEW_ROW_PREFILL = 8  # the shortest prefill chunk of a server whose products take the CPU kernels
 MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
@@ -54,7 +56,7 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
 
 def serving_prefill_buckets(limit: int, few_rows: bool) -> list[int]:
     """The widths a server pads one request's prefill chunk to, the widest ``limit``: powers of two from
-    MIN_PREFILL_BUCKET (XLA's GEMMs). With ``few_rows`` (the CPU kernels take the products: ``cpu_dense``) also
+    MIN_PREFILL_BUCKET (XLA's attention; XLA's GEMMs past ``cpu_dense.MAX_PROMPT_ROWS`` rows). With ``few_rows`` (the CPU kernels take the products: ``cpu_dense``) also
     powers of two from MIN_FEW_ROW_PREFILL and KERNEL_MAX_TOKENS itself, so that a short uncached tail (a reused
     prefix, a short prompt, the end of a chunked one) reads the weights once through the kernels instead of padding
     to 16 rows of GEMM: a 1-15-token tail of SmolLM2 fp32 took 25-36 ms against 60 ms (docs/benchmarks.md).

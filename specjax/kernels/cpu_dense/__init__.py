@@ -54,10 +54,10 @@ SOURCES = (HERE / "dense.cc", HERE / "attention.cc", HERE / "argmax.cc", HERE / 
 HEADERS = (HERE / "common.h",)
 # Products whose x has at most this many rows per sequence (x [..., T, C]: a decode step, a verified tree of up to
 # 15 tokens, a draft step) take the kernels, whatever the batch, so a verified row goes through the same kernel as
-# the decode step it must equal, bit for bit. Prefill chunks from ``batching.MIN_PREFILL_BUCKET`` (MAX_TOKENS + 1)
-# tokens keep XLA's GEMMs, which use more of the cores' arithmetic over many rows (through the kernels, a 32-token
-# prefill ran 10-55% slower; docs/benchmarks.md); a server's shorter chunks (8 and 15 tokens:
-# ``batching.serving_prefill_buckets``) take the kernels, 2-2.5x faster than a 16-token GEMM.
+# the decode step it must equal, bit for bit. A server's short prefill chunks (8 and 15 tokens:
+# ``batching.serving_prefill_buckets``) take them too, 2-2.5x faster than a 16-token GEMM. Longer prefill chunks
+# (from ``batching.MIN_PREFILL_BUCKET``, MAX_TOKENS + 1 tokens) keep XLA's attention, and XLA's GEMMs past
+# MAX_PROMPT_ROWS rows, which use more of the cores' arithmetic over many rows (docs/benchmarks.md).
 MAX_TOKENS = 15
 # A longer fp32 product of at most this many rows in all (a prompt chunk of 16-32 tokens at batch 1, two of 16 at
 # batch 2) also runs in the kernels, on their register tiles (17+ rows): a 17-32-token SmolLM2 prefill took 62 ms
