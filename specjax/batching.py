@@ -56,10 +56,10 @@ def pow2_bucket(n: int, lo: int, hi: int) -> int:
 
 def serving_prefill_buckets(limit: int, few_rows: bool) -> list[int]:
     """The widths a server pads one request's prefill chunk to, the widest ``limit``: powers of two from
-    MIN_PREFILL_BUCKET (XLA's attention; XLA's GEMMs past ``cpu_dense.MAX_PROMPT_ROWS`` rows). With ``few_rows`` (the CPU kernels take the products: ``cpu_dense``) also
+    MIN_PREFILL_BUCKET (XLA's attention). With ``few_rows`` (the CPU kernels take the products: ``cpu_dense``) also
     powers of two from MIN_FEW_ROW_PREFILL and KERNEL_MAX_TOKENS itself, so that a short uncached tail (a reused
-    prefix, a short prompt, the end of a chunked one) reads the weights once through the kernels instead of padding
-    to 16 rows of GEMM: a 1-15-token tail of SmolLM2 fp32 took 25-36 ms against 60 ms (docs/benchmarks.md).
+    prefix, a short prompt, the end of a chunked one) runs wholly in the kernels instead of padding to 16 tokens:
+    a 1-15-token tail of SmolLM2 fp32 took 32-38 ms against 63-65 ms (docs/benchmarks.md).
     Both runners take these buckets, so a prompt gets the same chunks (and K/V bits) in either."""
     limit = max(int(limit), 1)
     out = set(pow2_buckets(MIN_PREFILL_BUCKET, limit))
