@@ -57,6 +57,18 @@ inline __m512 Load16(const uint16_t* p) {
 }
 #endif
 
+// AMD Zen cores (as GCC's -march=native names them). Their streamed reads of weights prefetched into L1 ran 1.3-2x
+// slower than prefetched into L2 (the tied lm_head's product at 1-8 rows, the register tiles at 24-32 rows; a C++
+// chain on a 2-core EPYC, docs/benchmarks.md, thirty-first session), where Intel cores chose L1 for those.
+#if defined(__znver1__) || defined(__znver2__) || defined(__znver3__) || defined(__znver4__) || defined(__znver5__)
+constexpr bool kZen = true;
+#else
+constexpr bool kZen = false;
+#endif
+// The cache level that the prefetches of the lm_head's table and of the tiles' columns target: L2 on Zen, L1 on
+// the Intel cores they were tuned on (``PrefetchAhead``'s kLocality).
+constexpr int kStreamLocality = kZen ? 2 : 3;
+
 // Ask for the cache line ``bytes`` past ``p`` ahead of its use; ``kLocality`` 3 into L1, 2 into L2. A prefetch
 // never faults, so the line may lie past a buffer's end (the address is formed as an integer).
 template <int kLocality>
