@@ -233,7 +233,7 @@ class SpecRunner(RunnerCommon):
         scfg = self.shape_for(nb) if tree is _CHOOSE else None if tree is None else self._configs[tuple(tree)]
         with use_mesh(self.mesh):
             state, toks, counts = _step_rows(self.target_params, self.target_cfg, self.draft, scfg or self.scfg,
-                                             state, jnp.asarray(active), nb=nb, npages=npages,
+                                             state, active, nb=nb, npages=npages,
                                              draft_tokens=scfg is not None)
         self._inflight[idx] += w
         chosen = scfg.shape if scfg is not None and tree is _CHOOSE else None  # recorded for the live acceptance
