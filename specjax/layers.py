@@ -366,7 +366,11 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     nblocks_max = -(-pps // bp)
     pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-
+    # fp32 pages contract in fp32. At JAX's default precision a TPU multiplies fp32 in one bf16 pass, and XLA then
+    # converted the whole loop-invariant pool to bf16 ahead of the loops: a bf16 copy of the draft's fp32 K/V pool on
+    # every speculative step (1 GiB per chip at SmolLM2's shapes, the TPU preflight's temp column). Half-precision
+    # pages keep the default.
+    prec = jax.lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
     g = n // kh
 
     def update(carry, s_, valid, pv_of):  # one online-softmax step over a block of keys
@@ -397,8 +401,8 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
 
         def pv_of(p):
             p = p.reshape(b, kh, g, t, bp, z).astype(vb.dtype)
-            return jnp.einsum("bkgtpz,bpkzh->bkgth", p, vb, preferred_element_type=jnp.float32)
-        s_ = jnp.einsum("btkgh,bpkzh->bkgtpz", qg, kb, preferred_element_type=jnp.float32)
+            return jnp.einsum("bkgtpz,bpkzh->bkgth", p, vb, preferred_element_type=jnp.float32, precision=prec)
+        s_ = jnp.einsum("btkgh,bpkzh->bkgtpz", qg, kb, preferred_element_type=jnp.float32, precision=prec)
         return update(carry, s_.reshape(b, kh, g, t, bp * z), valid, pv_of)
 
     carry = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
