@@ -45,6 +45,15 @@ def cpu_kernels():
     cpu_dense.set_threads(before)
 
 
+@pytest.fixture
+def default_precision():
+    """JAX's default matmul precision, as the CLIs run, instead of the suite's "highest" (for parity checks). The TPU
+    preflight compiles what the server and trainer would: at "highest" every fp32 product is emulated in several bf16
+    passes, which doubled the TPU compile times and is not the program a user runs."""
+    with jax.default_matmul_precision(None):
+        yield
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program after each test module. XLA:CPU maps each executable's machine code into memory:

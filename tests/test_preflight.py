@@ -128,7 +128,7 @@ def test_topology_names():
         preflight.get_topology("v4-3")
 
 
-def test_preflight_train_step_small(capsys):
+def test_preflight_train_step_small(capsys, default_precision):
     """The CLI path on a v5e-4 with the SmolLM2 recipe cut to 2 layers and short sequences: compiles, fits, and the
     table names the collectives."""
     one_chip("v5e")
@@ -159,7 +159,7 @@ def test_shipped_configs_resolve_from_any_directory(tmp_path):
 
 
 @pytest.mark.slow
-def test_preflight_qwen25_7b_train_v4_32(capsys):
+def test_preflight_qwen25_7b_train_v4_32(capsys, default_precision):
     """The card's recipe, full size (minutes of CPU)."""
     one_chip("v4")
     assert preflight.main(["train", "--config", "qwen2.5-7b.yaml", "--topology", "v4-32"]) == 0

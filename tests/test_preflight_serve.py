@@ -15,6 +15,7 @@ from specjax.serve.launch import plan_pool
 
 preflight = pytest.importorskip("specjax.preflight")
 
+pytestmark = pytest.mark.usefixtures("default_precision")
 GIB = 2 ** 30
 SMOLLM2 = os.path.expanduser("~/.cache/specjax/SmolLM2-135M-Instruct")
 HEAD = os.path.join(os.path.dirname(preflight.__file__), "heads", "smollm2-135m-instruct-eagle3")
