@@ -28,9 +28,8 @@ def test_two_processes_match_one(tmp_path):
                                 "--checkpoint.every", "100", "--mesh.dp", "4", "--mesh.tp", "4", *extra)
 
     def env(devices):
-        return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                    SPECJAX_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false",
-                    JAX_COMPILATION_CACHE_DIR="", JAX_ENABLE_COMPILATION_CACHE="false")
+        return tf.subprocess_env(devices, SPECJAX_CACHE=str(tmp_path / "cache"), JAX_COMPILATION_CACHE_DIR="",
+                                 JAX_ENABLE_COMPILATION_CACHE="false")
 
     one = subprocess.run(cmd("one"), cwd=ROOT, env=env(16), capture_output=True, text=True, timeout=400)
     assert one.returncode == 0, one.stdout[-3000:] + one.stderr[-3000:]

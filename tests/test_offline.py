@@ -17,8 +17,7 @@ STEPS = 3
 def test_offline_matches_online(tmp_path):
     model = tf.make_tiny_model(str(tmp_path / "model"))
     data = tf.write_jsonl(str(tmp_path / "data.jsonl"), tf.make_conversations(60, seed=2))
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=4", JAX_PLATFORMS="cpu",
-               SPECJAX_CACHE=str(tmp_path / "cache"), TOKENIZERS_PARALLELISM="false")
+    env = tf.subprocess_env(4, SPECJAX_CACHE=str(tmp_path / "cache"))
 
     def run(ckpt, *extra):
         cmd = tf.train_command(model, data, str(tmp_path / ckpt), STEPS, "--mesh.tp", "2", *extra)

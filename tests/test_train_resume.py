@@ -35,9 +35,9 @@ def _cmd(assets, run: str, *extra):
 
 def _env(assets, devices=4):
     root = assets[0]
-    return dict(os.environ, XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}", JAX_PLATFORMS="cpu",
-                SPECJAX_CACHE=str(root / "cache"), JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
-                JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0", TOKENIZERS_PARALLELISM="false")
+    return tf.subprocess_env(devices, SPECJAX_CACHE=str(root / "cache"),
+                             JAX_COMPILATION_CACHE_DIR=str(root / "jax_cache"),
+                             JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0")
 
 
 def _losses(path):

@@ -98,8 +98,7 @@ def test_finetune_keeps_head_map(tmp_path):
     ck.save(7, params=eagle3.init_params(head, jax.random.PRNGKey(3)), train={"step": np.int32(7)}, vocab=vm,
             meta={"head_config": head_config_to_dict(head), "target_model_path": model})
     ck.close()
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               SPECJAX_CACHE=str(tmp_path / "cache"))
+    env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                         "--data.paths", f"[{data}]", "--data.buckets", "[256]", "--training.max_steps", "1",
                         "--training.ttt_length", "1", "--logging.eval_every", "0", "--logging.progress", "false",
@@ -118,8 +117,7 @@ def test_train_with_no_usable_conversations_is_a_clear_error(tmp_path):
     model = tf.make_tiny_model(str(tmp_path / "model"))
     data = tmp_path / "prompts.jsonl"
     data.write_text(json.dumps({"conversations": [{"from": "human", "value": "a question, no answer"}]}) + "\n")
-    env = dict(os.environ, XLA_FLAGS="--xla_force_host_platform_device_count=2", JAX_PLATFORMS="cpu",
-               SPECJAX_CACHE=str(tmp_path / "cache"))
+    env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                         "--data.paths", f"[{data}]", "--checkpoint.dir", str(tmp_path / "ck")],
                        capture_output=True, text=True, env=env, timeout=240,

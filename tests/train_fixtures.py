@@ -136,6 +136,16 @@ if __name__ == "__main__":
     print(f"tiny model in {root}/model, data in {root}/data.jsonl")
 
 
+def subprocess_env(devices: int, **extra: str) -> dict:
+    """The environment of a CLI run in a child process on ``devices`` fake CPU devices: this process's XLA flags (with
+    the suite's fast-compile flags, tests/conftest.py, unless the suite runs with XLA's defaults) at that device
+    count, JAX on the CPU, the tokenizers single-threaded, and ``extra``."""
+    flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
+             if not f.startswith("--xla_force_host_platform_device_count")]
+    return dict(os.environ, XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *flags]),
+                JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", **extra)
+
+
 def train_command(model: str, data: str, ckpt_dir: str, steps: int, *extra: str) -> list[str]:
     """``python -m specjax.train`` on configs/tiny.yaml with a tiny model and data: 128-token rows, TTT length 2,
     ``steps`` steps with an eval at the last one and a metrics line every step, then ``extra`` overrides."""
