@@ -338,6 +338,20 @@ def xla_cache_attention(q, k, v, mask, k_pages, v_pages, page_table, cache_valid
 CACHE_BLOCK_TOKENS = 256  # paged_attention reads the cache in blocks of this many tokens (whole pages)
 
 
+def _pages_einsum(dims: str, x, pages):
+    """``einsum(dims, x, pages)`` in f32 over a block of gathered KV pages. fp32 pages on a TPU contract at HIGHEST
+    precision: at JAX's default a TPU multiplies fp32 in one bf16 pass, and XLA then converted the whole
+    loop-invariant pool to bf16 ahead of the attention loops (a bf16 copy of the draft's fp32 K/V pool on every
+    speculative step, 1 GiB per chip at SmolLM2's shapes; 20 GiB for a 512-token prefill chunk on the XLA path: the
+    TPU preflight's temp column). Other platforms and half-precision pages keep the default precision (a GPU runs fp32
+    as TF32 and converts nothing)."""
+    def dot(precision):
+        return lambda x, pages: jnp.einsum(dims, x, pages, preferred_element_type=jnp.float32, precision=precision)
+    if pages.dtype != jnp.float32:
+        return dot(None)(x, pages)
+    return jax.lax.platform_dependent(x, pages, tpu=dot(jax.lax.Precision.HIGHEST), default=dot(None))
+
+
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
                     sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None,
                     causal: bool = False, keys_in_pool: bool = False):
@@ -366,11 +380,6 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
     nblocks_max = -(-pps // bp)
     pt = jnp.pad(page_table, ((0, 0), (0, nblocks_max * bp - pps)))  # padded columns are masked by lengths
     qg = q.reshape(b, t, kh, n // kh, h)  # [B, T, K, G, H]
-    # fp32 pages contract in fp32. At JAX's default precision a TPU multiplies fp32 in one bf16 pass, and XLA then
-    # converted the whole loop-invariant pool to bf16 ahead of the loops: a bf16 copy of the draft's fp32 K/V pool on
-    # every speculative step (1 GiB per chip at SmolLM2's shapes, the TPU preflight's temp column). Half-precision
-    # pages keep the default.
-    prec = jax.lax.Precision.HIGHEST if k_pages.dtype == jnp.float32 else None
     g = n // kh
 
     def update(carry, s_, valid, pv_of):  # one online-softmax step over a block of keys
@@ -401,8 +410,8 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
 
         def pv_of(p):
             p = p.reshape(b, kh, g, t, bp, z).astype(vb.dtype)
-            return jnp.einsum("bkgtpz,bpkzh->bkgth", p, vb, preferred_element_type=jnp.float32, precision=prec)
-        s_ = jnp.einsum("btkgh,bpkzh->bkgtpz", qg, kb, preferred_element_type=jnp.float32, precision=prec)
+            return _pages_einsum("bkgtpz,bpkzh->bkgth", p, vb)
+        s_ = _pages_einsum("btkgh,bpkzh->bkgtpz", qg, kb)
         return update(carry, s_.reshape(b, kh, g, t, bp * z), valid, pv_of)
 
     carry = (jnp.full((b, kh, g, t), NEG_INF, jnp.float32), jnp.zeros((b, kh, g, t), jnp.float32),
