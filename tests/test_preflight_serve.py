@@ -3,52 +3,23 @@ and the EAGLE3 / EAGLE steps compiled by the real TPU compiler for abstract TPU 
 with their per-chip memory. Small Llama-shaped configs keep it fast; the full 8B programs are marked slow. Skipped
 with a reason when libtpu is not installed."""
 
-import json
 import os
-import re
 
 import jax
 import pytest
+from preflight_helpers import GIB, SMALL_FLAGS, preflight, rows, small_config, v5e_4
 
 from specjax.models import target
 from specjax.serve.launch import plan_pool
 
-preflight = pytest.importorskip("specjax.preflight")
-
 pytestmark = pytest.mark.usefixtures("default_precision")
-GIB = 2 ** 30
 SMOLLM2 = os.path.expanduser("~/.cache/specjax/SmolLM2-135M-Instruct")
 HEAD = os.path.join(os.path.dirname(preflight.__file__), "heads", "smollm2-135m-instruct-eagle3")
 
 
 @pytest.fixture(scope="module")
 def v5e():
-    try:
-        return preflight.get_topology("v5e-4")
-    except preflight.PreflightError as e:
-        pytest.skip(str(e))
-
-
-def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=3, head_dim=64, context=256):
-    """A Llama shaped like a small slice of a real one (head dim 64), so each program compiles in seconds."""
-    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=heads * head_dim,
-               intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads,
-               num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=context, rms_norm_eps=1e-5,
-               rope_theta=10000.0, tie_word_embeddings=False, torch_dtype=dtype, bos_token_id=1, eos_token_id=2)
-    path = tmp_path / f"config-{heads}-{kv_heads}-{dtype}-{head_dim}-{context}.json"
-    path.write_text(json.dumps(cfg))
-    return str(path)
-
-
-# The server's flags, small: 4 slots, a 4096-token pool, one prefill bucket (16), a 3-step tree.
-SMALL_FLAGS = ["--max-running-requests", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
-               "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
-
-
-def rows(out: str) -> dict:
-    """{program: (args GiB, temp GiB, total GiB, fits)} from the printed tables."""
-    pat = re.compile(r"^(\S.*?)\s+[\d.]+\s+([\d.]+)\s+([\d.]+)\s+([\d.]+)\s+\d+\s+(yes|NO)\s", re.M)
-    return {m[0].strip(): (float(m[1]), float(m[2]), float(m[3]), m[4] == "yes") for m in pat.findall(out)}
+    return v5e_4()
 
 
 def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
@@ -70,31 +41,6 @@ def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (4 layers" in out
     pool = 2 * 4 * 257 * 16 * 1 * 64 * 4  # K and V, 4 layers, 257 pages (scratch incl.), 1 kv head per chip
     assert got["EAGLE3 step B=4 S=2 k=2 M=4"][0] * GIB >= pool - 0.01 * GIB
-
-
-@pytest.mark.parametrize("heads, kv_heads, head_dim, dtype, tp, context", [
-    (8, 4, 128, "bfloat16", 2, 131072), (14, 2, 128, "bfloat16", 2, 131072), (9, 3, 64, "float32", 1, 8192)],
-    ids=["llama-8b-like", "qwen2.5-7b-like", "smollm2-135m-like"])
-def test_kv_pool_is_read_and_written_in_place_at_long_context(v5e, tmp_path, capsys, heads, kv_heads, head_dim,
-                                                              dtype, tp, context):
-    """Llama-8B's per-chip attention shape (2 kv heads x 128, bf16, tp=2) and Qwen2.5-7B's at tp 4 (7 heads, ONE kv
-    head per chip) at a 128k context with 32 slots, and SmolLM2-135M's on one chip (3 kv heads x 64, fp32): the
-    kernel serves all three, the programs hold no copy of the KV pool (head-major pages tile without padding, head
-    dim 64 lane-packed two slots per 128-lane row; the kernel reads the stacked pool at its layer, the XLA path
-    gathers from it, the K/V write scatters rows of head_dim in place) and the page table (32 x 8193 pages, over
-    1 MiB) needs no SMEM of that size (the kernel fetches one sequence's row at a time)."""
-    path = small_config(tmp_path, heads=heads, kv_heads=kv_heads, dtype=dtype, head_dim=head_dim, context=context)
-    rc = preflight.main(["serve", "--model-path", path, "--tp-size", str(tp), "--topology", "v5e-4", "--programs",
-                         "plain,EAGLE3", "--largest-bucket-only", "--max-running-requests", "32",
-                         "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5"])
-    out = capsys.readouterr().out
-    assert rc == 0, out
-    got = rows(out)
-    pool = float(re.search(r"KV pool .*?\(3 layers, ([\d.]+) GiB per chip\)", out)[1])
-    assert pool > 5 and f"context {context}" in out, out
-    assert out.count("attention: Pallas kernel") == 4, out
-    for name, (_, temp, _, fits) in got.items():
-        assert fits and temp < 0.05 * pool, (name, temp, pool, out)
 
 
 def test_serve_preflight_reports_the_xla_fallback(v5e, tmp_path, capsys):
