@@ -54,6 +54,13 @@ def default_precision():
         yield
 
 
+@pytest.fixture(scope="module")
+def v5e():
+    """An abstract v5e-4 (libtpu) for the server preflight tests; they skip with the reason without libtpu."""
+    from preflight_helpers import topology
+    return topology("v5e-4")
+
+
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drop every compiled program after each test module. XLA:CPU maps each executable's machine code into memory:

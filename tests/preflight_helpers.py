@@ -1,5 +1,5 @@
-"""What the TPU preflight tests of the server's programs share (tests/test_preflight_serve.py,
-tests/test_preflight_kv_pool.py): small Llama-shaped configs, the printed table's rows, the v5e-4 topology."""
+"""What the TPU preflight tests share (tests/test_preflight*.py): the abstract topologies, small Llama-shaped
+configs, the printed table's rows."""
 
 import json
 import re
@@ -11,10 +11,10 @@ preflight = pytest.importorskip("specjax.preflight")
 GIB = 2 ** 30
 
 
-def v5e_4():
-    """The abstract v5e-4 topology (libtpu); skips the test with the reason when libtpu is missing."""
+def topology(name: str):
+    """The abstract TPU topology ``name`` (libtpu); skips the test with the reason when libtpu is missing."""
     try:
-        return preflight.get_topology("v5e-4")
+        return preflight.get_topology(name)
     except preflight.PreflightError as e:
         pytest.skip(str(e))
 

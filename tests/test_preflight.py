@@ -11,21 +11,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from preflight_helpers import preflight, topology
 
 from specjax import configs, kv_cache
 from specjax.kernels.tree_attention import make_cache_attention, tree_attention, tpu_unsupported_reason
 from specjax.kernels.tree_attention import kernel as kernel_lib
 import specjax.kernels.tree_attention as hook_pkg
 
-preflight = pytest.importorskip("specjax.preflight")
-
-
 @functools.lru_cache(maxsize=None)
 def one_chip(generation: str):
-    try:
-        return preflight.get_topology(f"{generation}-{2 if generation in ('v4', 'v5p') else 1}").devices[0]
-    except preflight.PreflightError as e:
-        pytest.skip(str(e))
+    return topology(f"{generation}-{2 if generation in ('v4', 'v5p') else 1}").devices[0]
 
 
 def compile_kernel(chip, *, groups, kv_heads, head_dim, t, page_size, dtype, fn=tree_attention, b=2, pps=8,

@@ -5,14 +5,9 @@ run last (tests/conftest.py)."""
 import re
 
 import pytest
-from preflight_helpers import preflight, rows, small_config, v5e_4
+from preflight_helpers import preflight, rows, small_config
 
 pytestmark = pytest.mark.usefixtures("default_precision")
-
-
-@pytest.fixture(scope="module")
-def v5e():
-    return v5e_4()
 
 
 @pytest.mark.parametrize("heads, kv_heads, head_dim, dtype, tp, context", [

@@ -7,7 +7,7 @@ import os
 
 import jax
 import pytest
-from preflight_helpers import GIB, SMALL_FLAGS, preflight, rows, small_config, v5e_4
+from preflight_helpers import GIB, SMALL_FLAGS, preflight, rows, small_config
 
 from specjax.models import target
 from specjax.serve.launch import plan_pool
@@ -15,11 +15,6 @@ from specjax.serve.launch import plan_pool
 pytestmark = pytest.mark.usefixtures("default_precision")
 SMOLLM2 = os.path.expanduser("~/.cache/specjax/SmolLM2-135M-Instruct")
 HEAD = os.path.join(os.path.dirname(preflight.__file__), "heads", "smollm2-135m-instruct-eagle3")
-
-
-@pytest.fixture(scope="module")
-def v5e():
-    return v5e_4()
 
 
 def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):

@@ -129,13 +129,6 @@ def write_jsonl(path: str, records) -> str:
     return path
 
 
-if __name__ == "__main__":
-    root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/specjax-tiny"
-    make_tiny_model(os.path.join(root, "model"))
-    write_jsonl(os.path.join(root, "data.jsonl"), make_conversations(200))
-    print(f"tiny model in {root}/model, data in {root}/data.jsonl")
-
-
 def subprocess_env(devices: int, **extra: str) -> dict:
     """The environment of a CLI run in a child process on ``devices`` fake CPU devices: this process's XLA flags (with
     the suite's fast-compile flags, tests/conftest.py, unless the suite runs with XLA's defaults) at that device
@@ -159,3 +152,10 @@ def metrics(path, key: str = "loss") -> dict:
     """step -> record, for the lines of a run's metrics.jsonl that hold ``key``."""
     with open(path) as f:
         return {r["step"]: r for r in map(json.loads, f) if key in r}
+
+
+if __name__ == "__main__":
+    root = sys.argv[1] if len(sys.argv) > 1 else "/tmp/specjax-tiny"
+    make_tiny_model(os.path.join(root, "model"))
+    write_jsonl(os.path.join(root, "data.jsonl"), make_conversations(200))
+    print(f"tiny model in {root}/model, data in {root}/data.jsonl")
