@@ -8,6 +8,7 @@ import argparse
 import dataclasses
 import logging
 
+from specjax import kv_cache
 from specjax.cli import add_options, option
 from specjax.config import ConfigError
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
@@ -71,7 +72,9 @@ class ServerArgs:
     chunked_prefill_size: int = option(512, group=_MEM, help="max prompt tokens computed per scheduler iteration, "
                                                              "so long prompts interleave with decoding (-1: whole "
                                                              "prompt at once)")
-    page_size: int = option(16, group=_MEM, help="tokens per KV page (radix cache granularity)")
+    page_size: int | None = option(None, group=_MEM, help="tokens per KV page (radix cache granularity; default 16, on "
+                                   "a TPU the smallest page that packs the pool's small head dims into 128-lane "
+                                   "rows: 32 for bf16 at head dim 64)")
     schedule_policy: str = option("fcfs", group=_MEM, choices=["fcfs", "lpm"], help="order of admission: first "
                                   "come first served, or longest cached prefix first")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
@@ -195,10 +198,11 @@ class ServerArgs:
             raise ArgsError(f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ArgsError("--max-running-requests must be >= 1")
-        if self.max_total_tokens is not None and self.max_total_tokens < self.page_size:
-            raise ArgsError(f"--max-total-tokens must hold at least one page ({self.page_size} tokens)")
-        if self.page_size < 1:
+        if self.page_size is not None and self.page_size < 1:
             raise ArgsError("--page-size must be >= 1")
+        page = self.page_size or kv_cache.DEFAULT_PAGE_SIZE
+        if self.max_total_tokens is not None and self.max_total_tokens < page:
+            raise ArgsError(f"--max-total-tokens must hold at least one page ({page} tokens)")
         if self.context_length is not None and self.context_length < 2:
             raise ArgsError("--context-length must be >= 2")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
@@ -237,6 +241,13 @@ class ServerArgs:
     @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
+
+    def resolve_page_size(self, head_dim: int, dtype, platform: str) -> int:
+        """``--page-size``, or when it was not given the default for this model's pool on ``platform``
+        (``kv_cache.default_page_size``), which it becomes."""
+        if self.page_size is None:
+            self.page_size = kv_cache.default_page_size(head_dim, dtype, platform)
+        return self.page_size
 
     def notices(self) -> list[str]:
         """One line per GPU-only flag that was set (it has no effect here)."""

@@ -235,6 +235,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         draft = load_draft(args.speculative_draft_model_path, args.speculative_algorithm, cfg,
                            token_map=args.speculative_token_map)
     param_bytes = sum(x.nbytes for x in jax.tree.leaves(params)) // max(1, args.tp_size)
+    args.resolve_page_size(cfg.head_dim, cfg.dtype, jax.default_backend())
     plan = plan_pool(args, cfg, getattr(draft[0], "num_layers", 1) if spec else None, param_bytes,
                      device_bytes_limit())
     context_length, pages_per_seq, max_running, num_pages, chunk = (

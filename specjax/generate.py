@@ -131,7 +131,7 @@ def _round_up(n: int, m: int) -> int:
 
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
-             page_size: int = 16, cache_attention=None, mesh=None,
+             page_size: int | None = None, cache_attention=None, mesh=None,
              rows: Sequence[sampling.SamplingRow] | None = None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
 
@@ -144,10 +144,11 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     With ``mesh`` (a (dp, tp) mesh the params are sharded on, e.g. by ``weights.load_target_params``), the KV cache
     is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
     ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
-    scalar sampling arguments.
+    scalar sampling arguments. ``page_size``: slots per KV page (default: ``kv_cache.default_page_size``).
     """
     if not prompts:
         return []
+    page_size = page_size or kv_cache.default_page_size(cfg.head_dim, cfg.dtype, jax.default_backend())
     # The decode layout, once per call and outside jit, exactly as ``speculative_generate`` takes it (unstacked inside
     # the jitted prefill the layers ran under a scan and unfused, other bits in bf16); pass unstacked params to skip
     # the copy.

@@ -53,14 +53,32 @@ def on_bits(fn, *arrays):
     return jax.lax.platform_dependent(*arrays, cpu=bits, default=fn)
 
 
+DEFAULT_PAGE_SIZE = 16
+
+
+def _packing(head_dim: int, dtype) -> tuple[int, int]:
+    """(slots per 128-lane row, the smallest page size whose packed rows fill whole sublane tiles: 8 rows fp32, 16
+    bf16) for a head dim under 128 that divides it; (1, 1) for the others (never packed)."""
+    if head_dim >= _LANES or _LANES % head_dim:
+        return 1, 1
+    f = _LANES // head_dim
+    return f, f * 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
 def pack_factor(head_dim: int, page_size: int, dtype=jnp.float32) -> int:
     """Slots per 128-lane row of a pool page: ``128 // head_dim`` for head dims under 128 that divide it, when the
     page's packed rows stay a multiple of the dtype's sublane tile (8 rows fp32, 16 bf16); else 1 (unpacked)."""
-    if head_dim >= _LANES or _LANES % head_dim:
-        return 1
-    f = _LANES // head_dim
-    sublanes = 8 * (4 // jnp.dtype(dtype).itemsize)
-    return f if page_size % (f * sublanes) == 0 else 1
+    f, min_page = _packing(head_dim, dtype)
+    return f if page_size % min_page == 0 else 1
+
+
+def default_page_size(head_dim: int, dtype, platform: str) -> int:
+    """Slots per page when none is asked for: 16, or on a TPU the smallest page size (>= 16) whose pool packs
+    (``pack_factor``), e.g. 32 for bf16 at head dim 64. An unpacked small-head-dim pool is padded to 128 lanes on a
+    TPU, and its K/V write copied it on every step (docs/07-preflight.md)."""
+    if platform != "tpu":
+        return DEFAULT_PAGE_SIZE
+    return max(DEFAULT_PAGE_SIZE, _packing(head_dim, dtype)[1])
 
 
 def pool_shape(num_layers: int, num_pages: int, num_kv_heads: int, page_size: int, head_dim: int,
@@ -85,7 +103,7 @@ def unpack_pages(pages, head_dim: int):
 
 
 def init_cache(num_layers: int, num_kv_heads: int, head_dim: int, batch: int, max_len: int, *,
-               page_size: int = 16, dtype=jnp.bfloat16, num_pages: int | None = None) -> KVCache:
+               page_size: int = DEFAULT_PAGE_SIZE, dtype=jnp.bfloat16, num_pages: int | None = None) -> KVCache:
     """A cache with a contiguous page table; ``num_pages`` defaults to exactly enough pages for the batch."""
     pps = -(-max_len // page_size)
     if num_pages is None:

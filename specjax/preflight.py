@@ -327,6 +327,7 @@ def serve_setup(args, topo: Topology, *, model_config: str | None = None, num_la
         shard_mesh = make_mesh(dp=args.dp_size, tp=args.tp_size, devices=topo.devices[:n])
     except ShardingError as e:
         raise PreflightError(f"--tp-size {args.tp_size} x --dp-size {args.dp_size} on {topo.name}: {e}") from None
+    args.resolve_page_size(tcfg.head_dim, tcfg.dtype, "tpu")
     params = _unstacked_shapes(tcfg, shard_mesh)
     param_bytes = sum(a.dtype.itemsize * math.prod(a.shape) for a in jax.tree.leaves(params)) // args.tp_size
     return ServeSetup(args, tcfg, shard_mesh if n > 1 else None, shard_mesh, params, param_bytes, topo)

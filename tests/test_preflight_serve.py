@@ -87,6 +87,13 @@ def test_abstract_setup_matches_what_the_server_builds(v5e, tmp_path):
     page = 2 * 3 * 16 * 1 * 64 * 4  # K and V, 3 layers, 16 tokens, 1 of 2 kv heads per chip, fp32
     assert plan.page_bytes == page
     assert plan.num_pages - 1 == int(0.85 * v5e.hbm_bytes - setup.param_bytes) // page
+    # bf16 at head dim 64: without --page-size, pages of 32 slots (two per 128-lane row on a TPU); a given size stays
+    for flags, z in (([], 32), (["--page-size", "16"], 16)):
+        ns = preflight._serve_parser().parse_args(["--model-path", small_config(tmp_path, dtype="bfloat16"),
+                                                   "--topology", "v5e-4", *flags])
+        args, _ = preflight._serve_args(ns)
+        preflight.serve_setup(args, v5e)
+        assert args.page_size == z
 
 
 @pytest.mark.slow

@@ -164,6 +164,30 @@ def test_write_into_a_lane_packed_pool():
     np.testing.assert_array_equal(np.asarray(got.v).reshape(want.v.shape), np.asarray(want.v))
 
 
+def test_tpu_default_page_size_packs_small_head_dims():
+    """Without --page-size a TPU pool of a small head dim gets the smallest page that packs it (an unpacked one is
+    padded to 128 lanes there, and its write copied it every step); other platforms and head dim 128 keep 16."""
+    f32, bf16 = jnp.float32, jnp.bfloat16
+    want = {(64, f32): 16, (64, bf16): 32, (32, f32): 32, (32, bf16): 64, (128, bf16): 16, (96, f32): 16}
+    for (h, dtype), z in want.items():
+        assert kv_cache.default_page_size(h, dtype, "tpu") == z, (h, dtype)
+        assert kv_cache.pack_factor(h, z, dtype) == (128 // h if h < 128 and 128 % h == 0 else 1)
+        assert kv_cache.default_page_size(h, dtype, "cpu") == kv_cache.default_page_size(h, dtype, "gpu") == 16
+    assert kv_cache.pack_factor(64, 16, bf16) == 1  # the old default: unpacked
+    # a head dim 32 pool packs four slots per row: written where the unpacked pool has them
+    rng = np.random.default_rng(4)
+    nl, kh, h, b, z = 2, 3, 32, 2, 32
+    packed = kv_cache.init_cache(nl, kh, h, b, 96, page_size=z, dtype=f32, num_pages=8)
+    assert packed.k.shape == (nl, 8, kh, z // 4, 4 * h)
+    plain = dataclasses.replace(packed, k=packed.k.reshape(nl, 8, kh, z, h), v=packed.v.reshape(nl, 8, kh, z, h))
+    k_new, v_new = (jnp.asarray(rng.standard_normal((nl, b, 100, kh, h)), f32) for _ in range(2))
+    positions = jnp.broadcast_to(jnp.arange(100, dtype=jnp.int32)[None], (b, 100))  # 96.. fall off the table
+    valid = jnp.asarray(rng.random((b, 100)) < 0.7)
+    got, want_cache = (kv_cache.write(c, k_new, v_new, positions, valid) for c in (packed, plain))
+    np.testing.assert_array_equal(np.asarray(got.k).reshape(want_cache.k.shape), np.asarray(want_cache.k))
+    np.testing.assert_array_equal(np.asarray(got.v).reshape(want_cache.v.shape), np.asarray(want_cache.v))
+
+
 def test_reference_and_layers_attention_agree_on_a_full_cache():
     """Lengths at full capacity (every slot visible) through both oracles; the kernel is covered above."""
     args = make_case(7, t=5, kv_heads=2, groups=2, head_dim=64, page_size=4, pages_per_seq=2, lengths=[8, 8])

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax import sampling as sampling_lib
+from specjax import kv_cache, sampling as sampling_lib
 from specjax.batching import prefill_plan, validate_requests
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
@@ -57,7 +57,7 @@ def _prefill_prompts(target_params, target_cfg: ModelConfig, d, scfg, state, pro
 def speculative_generate(target_params: target.TargetParams, target_cfg: ModelConfig, draft, prompts, *,
                          algorithm: str = "EAGLE3", num_steps: int = 5, topk: int = 4, num_draft_tokens: int = 8,
                          max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
-                         stop_token_ids: Sequence[int] | None = None, page_size: int = 16,
+                         stop_token_ids: Sequence[int] | None = None, page_size: int | None = None,
                          attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None,
                          rows: Sequence[sampling_lib.SamplingRow] | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
@@ -71,7 +71,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     ``compiler_options``: XLA options for the jitted calls (tests use {"xla_backend_optimization_level": 0} to
     compile faster on CPU). ``sample_accept_fn``: tests only, replaces the sampling acceptance rule.
     ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
-    scalar sampling arguments.
+    scalar sampling arguments. ``page_size``: slots per KV page (default: ``kv_cache.default_page_size``).
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
@@ -91,6 +91,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
     max_new_tokens = int(budget.max())
+    page_size = page_size or kv_cache.default_page_size(target_cfg.head_dim, target_cfg.dtype, jax.default_backend())
     lengths = np.asarray([len(p) for p in prompts])
     # Bucketed (multiples of 64 tokens) so that prompts of similar lengths share one compiled loop.
     bucket = max(64, page_size)

@@ -97,8 +97,9 @@ def draft_cache(state: SpecState) -> KVCache:
     return KVCache(k=state.draft_k, v=state.draft_v, page_table=state.cache.page_table, lengths=state.cache.lengths)
 
 
-def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, max_len: int, *, page_size: int = 16,
-               num_pages: int | None = None, dtype=None, width: int | None = None) -> SpecState:
+def init_state(tcfg: ModelConfig, draft: Draft, scfg: SpecConfig, batch: int, max_len: int, *,
+               page_size: int = kv_cache.DEFAULT_PAGE_SIZE, num_pages: int | None = None, dtype=None,
+               width: int | None = None) -> SpecState:
     """Empty state: contiguous page table when ``num_pages`` covers the batch, else zeros (the server assigns).
     ``width`` (default: ``scfg.tokens_per_step``) sizes the per-step logprob buffers for the deepest of several tree
     shapes run on the same state."""
