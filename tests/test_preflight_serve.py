@@ -139,23 +139,34 @@ def test_kernel_query_block_limit_routes_long_prefill_chunks_to_xla():
     assert tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=256) is None
     assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=256) is None  # SmolLM2, fp32
     assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=8) is None
+    # SmolLM2 in bf16: a 512-token query block is only 576 KiB, but its 9 heads' [512, 512] fp32 scores (9 MiB) are
+    # not (slow test below)
+    assert "VMEM" in tpu_unsupported_reason(9, 3, 64, 32, "bfloat16", tree_tokens=512)
+    assert tpu_unsupported_reason(9, 3, 64, 32, "bfloat16", tree_tokens=256) is None
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("t, compiles", [(256, True), (512, False)])
-def test_kernel_query_block_limit_is_mosaics(v5e, t, compiles):
-    """The limit is measured: at Llama-8B's per-chip heads the kernel compiles at T=256 and exceeds the scoped VMEM
-    at T=512 (about 15 s of CPU each)."""
+@pytest.mark.parametrize("heads, kv_heads, head_dim, t, compiles", [
+    (8, 2, 128, 256, True), (8, 2, 128, 512, False), (9, 3, 64, 384, True), (9, 3, 64, 512, False)],
+    ids=["llama-8b-tp4-256", "llama-8b-tp4-512", "smollm2-384", "smollm2-512"])
+def test_kernel_query_block_limit_is_mosaics(v5e, heads, kv_heads, head_dim, t, compiles):
+    """The limits are measured: at Llama-8B's per-chip heads the kernel compiles at T=256 and exceeds the scoped VMEM
+    at T=512; SmolLM2's heads in bf16 (lane-packed 32-slot pages) compile at T=384, not at T=512 (about 5-15 s of
+    CPU each). ``tpu_unsupported_reason`` agrees on each."""
     import functools
 
     import jax.numpy as jnp
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-    from specjax.kernels.tree_attention import tree_attention
+    from specjax import kv_cache
+    from specjax.kernels.tree_attention import tpu_unsupported_reason, tree_attention
+    z = kv_cache.default_page_size(head_dim, jnp.bfloat16, "tpu")
+    assert (tpu_unsupported_reason(heads, kv_heads, head_dim, z, "bfloat16", tree_tokens=t) is None) == compiles
     sh = NamedSharding(Mesh([v5e.devices[0]], ("x",)), P())
     s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
-    args = (s((1, t, 8, 128)), s((1, t, 2, 128)), s((1, t, 2, 128)), s((1, t, t), jnp.bool_), s((1000, 2, 16, 128)),
-            s((1000, 2, 16, 128)), s((1, 8192), jnp.int32), s((1,), jnp.int32))  # pages [P, K, Z, H]
+    pages = (1000, *kv_cache.pool_shape(1, 1, kv_heads, z, head_dim, jnp.bfloat16)[2:])  # [P, K, Z / f, f * H]
+    args = (s((1, t, heads, head_dim)), s((1, t, kv_heads, head_dim)), s((1, t, kv_heads, head_dim)),
+            s((1, t, t), jnp.bool_), s(pages), s(pages), s((1, 8192), jnp.int32), s((1,), jnp.int32))
     fn = jax.jit(functools.partial(tree_attention, sm_scale=128 ** -0.5))
     if compiles:
         fn.lower(*args).compile()

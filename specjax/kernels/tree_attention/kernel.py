@@ -306,6 +306,11 @@ def _tree_attention_kernel(
 # `python -m specjax.preflight` on v5e and v4 (2026-11-23), blocks of 512 KiB (Llama-8B heads per chip at T=256) and
 # 576 KiB (SmolLM2, fp32, T=256) compile, blocks of 1 MiB and more (the same at T=512) exceed the scoped VMEM.
 MAX_QUERY_BLOCK_BYTES = 640 * 1024
+# The new tokens' fp32 scores against each other, [T, T] per query head, also bound it, whatever the dtype: measured
+# with tests/test_preflight_serve.py's shapes (2026-12-02), SmolLM2's heads in bf16 (9 x 64, a 288 KiB query block
+# at T=256) compile at T=384 (5.1 MiB of such scores) and exceed the scoped VMEM at T=448 on v4 (6.9 MiB) and at
+# T=512 on v5e (9 MiB); 4 heads at T=512 (4 MiB) compile on both.
+MAX_TREE_SCORE_BYTES = 6 * 2**20
 
 
 def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
@@ -320,6 +325,10 @@ def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, pag
     if block > MAX_QUERY_BLOCK_BYTES:
         return (f"{tree_tokens} query tokens x {num_heads} heads x {head_dim} ({block >> 10} KiB per sequence; the "
                 f"kernel keeps a sequence's queries in VMEM, at most {MAX_QUERY_BLOCK_BYTES >> 10} KiB)")
+    scores = num_heads * tree_tokens * tree_tokens * 4
+    if scores > MAX_TREE_SCORE_BYTES:
+        return (f"{tree_tokens} query tokens x {num_heads} heads ({scores / 2**20:.1f} MiB of fp32 scores of the new "
+                f"tokens against each other in VMEM, at most {MAX_TREE_SCORE_BYTES >> 20} MiB)")
     if head_dim % 64:
         return f"head_dim {head_dim} (the kernel needs a multiple of 64 lanes)"
     sublanes = 8 * (4 // dt.itemsize)
