@@ -145,16 +145,14 @@ def test_lane_packed_pool_gives_the_same_attention(name):
         np.testing.assert_allclose(np.asarray(fn(*pargs), np.float32), np.asarray(want, np.float32), atol=tol, rtol=0)
 
 
-def test_write_into_a_lane_packed_pool():
-    """kv_cache.write scatters rows of head_dim into the packed pool where the unpacked pool has them (dropped
-    entries and out-of-table positions included)."""
+@pytest.mark.parametrize("h, z", [(64, 16), (32, 32)])
+def test_write_into_a_lane_packed_pool(h, z):
+    """kv_cache.write scatters rows of head_dim into the packed pool (two slots per 128-lane row at head dim 64, four
+    at 32) where the unpacked pool has them (dropped entries and out-of-table positions included)."""
     rng = np.random.default_rng(3)
-    nl, kh, h, b, z = 2, 3, 64, 2, 16
-    assert kv_cache.pool_shape(nl, 12, kh, z, h, jnp.float32) == (nl, 12, kh, z // 2, 2 * h)
-    assert kv_cache.pool_shape(nl, 12, kh, z, h, jnp.bfloat16) == (nl, 12, kh, z, h)  # 8-row bf16 tiles: unpacked
-    assert kv_cache.pool_shape(nl, 12, kh, z, 128, jnp.float32) == (nl, 12, kh, z, 128)
+    nl, kh, b, f = 2, 3, 2, 128 // h
     packed = kv_cache.init_cache(nl, kh, h, b, 64, page_size=z, dtype=jnp.float32, num_pages=12)
-    assert packed.k.shape == (nl, 12, kh, z // 2, 2 * h)
+    assert packed.k.shape == (nl, 12, kh, z // f, f * h)
     plain = dataclasses.replace(packed, k=packed.k.reshape(nl, 12, kh, z, h), v=packed.v.reshape(nl, 12, kh, z, h))
     k_new, v_new = (jnp.asarray(rng.standard_normal((nl, b, 70, kh, h)), jnp.float32) for _ in range(2))
     positions = jnp.broadcast_to(jnp.arange(70, dtype=jnp.int32)[None], (b, 70))  # 64.. fall off the table
@@ -168,24 +166,15 @@ def test_tpu_default_page_size_packs_small_head_dims():
     """Without --page-size a TPU pool of a small head dim gets the smallest page that packs it (an unpacked one is
     padded to 128 lanes there, and its write copied it every step); other platforms and head dim 128 keep 16."""
     f32, bf16 = jnp.float32, jnp.bfloat16
+    assert kv_cache.pool_shape(2, 12, 3, 16, 64, f32) == (2, 12, 3, 8, 128)
+    assert kv_cache.pool_shape(2, 12, 3, 16, 64, bf16) == (2, 12, 3, 16, 64)  # 8-row bf16 tiles: unpacked
+    assert kv_cache.pool_shape(2, 12, 3, 32, 64, bf16) == (2, 12, 3, 16, 128)
+    assert kv_cache.pool_shape(2, 12, 3, 16, 128, f32) == (2, 12, 3, 16, 128)
     want = {(64, f32): 16, (64, bf16): 32, (32, f32): 32, (32, bf16): 64, (128, bf16): 16, (96, f32): 16}
     for (h, dtype), z in want.items():
         assert kv_cache.default_page_size(h, dtype, "tpu") == z, (h, dtype)
         assert kv_cache.pack_factor(h, z, dtype) == (128 // h if h < 128 and 128 % h == 0 else 1)
         assert kv_cache.default_page_size(h, dtype, "cpu") == kv_cache.default_page_size(h, dtype, "gpu") == 16
-    assert kv_cache.pack_factor(64, 16, bf16) == 1  # the old default: unpacked
-    # a head dim 32 pool packs four slots per row: written where the unpacked pool has them
-    rng = np.random.default_rng(4)
-    nl, kh, h, b, z = 2, 3, 32, 2, 32
-    packed = kv_cache.init_cache(nl, kh, h, b, 96, page_size=z, dtype=f32, num_pages=8)
-    assert packed.k.shape == (nl, 8, kh, z // 4, 4 * h)
-    plain = dataclasses.replace(packed, k=packed.k.reshape(nl, 8, kh, z, h), v=packed.v.reshape(nl, 8, kh, z, h))
-    k_new, v_new = (jnp.asarray(rng.standard_normal((nl, b, 100, kh, h)), f32) for _ in range(2))
-    positions = jnp.broadcast_to(jnp.arange(100, dtype=jnp.int32)[None], (b, 100))  # 96.. fall off the table
-    valid = jnp.asarray(rng.random((b, 100)) < 0.7)
-    got, want_cache = (kv_cache.write(c, k_new, v_new, positions, valid) for c in (packed, plain))
-    np.testing.assert_array_equal(np.asarray(got.k).reshape(want_cache.k.shape), np.asarray(want_cache.k))
-    np.testing.assert_array_equal(np.asarray(got.v).reshape(want_cache.v.shape), np.asarray(want_cache.v))
 
 
 def test_reference_and_layers_attention_agree_on_a_full_cache():
