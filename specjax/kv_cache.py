@@ -56,13 +56,18 @@ def on_bits(fn, *arrays):
 DEFAULT_PAGE_SIZE = 16
 
 
+def sublane_rows(dtype) -> int:
+    """Rows of a TPU tile of ``dtype`` (a (rows, 128) block): 8 for 32-bit, 16 for 16-bit values."""
+    return 8 * (4 // jnp.dtype(dtype).itemsize)
+
+
 def _packing(head_dim: int, dtype) -> tuple[int, int]:
-    """(slots per 128-lane row, the smallest page size whose packed rows fill whole sublane tiles: 8 rows fp32, 16
-    bf16) for a head dim under 128 that divides it; (1, 1) for the others (never packed)."""
+    """(slots per 128-lane row, the smallest page size whose packed rows fill whole sublane tiles) for a head dim
+    under 128 that divides it; (1, 1) for the others (never packed)."""
     if head_dim >= _LANES or _LANES % head_dim:
         return 1, 1
     f = _LANES // head_dim
-    return f, f * 8 * (4 // jnp.dtype(dtype).itemsize)
+    return f, f * sublane_rows(dtype)
 
 
 def pack_factor(head_dim: int, page_size: int, dtype=jnp.float32) -> int:

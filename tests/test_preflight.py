@@ -18,6 +18,7 @@ from specjax.kernels.tree_attention import make_cache_attention, tree_attention,
 from specjax.kernels.tree_attention import kernel as kernel_lib
 import specjax.kernels.tree_attention as hook_pkg
 
+
 @functools.lru_cache(maxsize=None)
 def one_chip(generation: str):
     return topology(f"{generation}-{2 if generation in ('v4', 'v5p') else 1}").devices[0]

@@ -167,7 +167,7 @@ def test_kernel_query_block_limit_is_mosaics(v5e, heads, kv_heads, head_dim, t, 
     pages = (1000, *kv_cache.pool_shape(1, 1, kv_heads, z, head_dim, jnp.bfloat16)[2:])  # [P, K, Z / f, f * H]
     args = (s((1, t, heads, head_dim)), s((1, t, kv_heads, head_dim)), s((1, t, kv_heads, head_dim)),
             s((1, t, t), jnp.bool_), s(pages), s(pages), s((1, 8192), jnp.int32), s((1,), jnp.int32))
-    fn = jax.jit(functools.partial(tree_attention, sm_scale=128 ** -0.5))
+    fn = jax.jit(functools.partial(tree_attention, sm_scale=head_dim ** -0.5))
     if compiles:
         fn.lower(*args).compile()
     else:

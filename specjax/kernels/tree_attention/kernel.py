@@ -26,7 +26,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from specjax.kv_cache import gather_layer, page_size_of
+from specjax.kv_cache import gather_layer, page_size_of, sublane_rows
 
 MASK_VALUE = -1e30  # finite (like layers.NEG_INF): a row that sees nothing yet stays finite, never NaN
 _LANES = 128  # running max / sum are stored lane-broadcast, one full vreg row per query row
@@ -331,7 +331,7 @@ def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, pag
                 f"tokens against each other in VMEM, at most {MAX_TREE_SCORE_BYTES >> 20} MiB)")
     if head_dim % 64:
         return f"head_dim {head_dim} (the kernel needs a multiple of 64 lanes)"
-    sublanes = 8 * (4 // dt.itemsize)
+    sublanes = sublane_rows(dt)
     if page_size % sublanes:
         return f"page size {page_size} with {dt.name} pages (needs a multiple of {sublanes})"
     return None
@@ -374,7 +374,7 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     pps = page_table.shape[1]
     pb = _pages_per_block(pages_per_block, z, pps)
     # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
-    tp = _round_up(t, 8 * (4 // jnp.dtype(q.dtype).itemsize))
+    tp = _round_up(t, sublane_rows(q.dtype))
     pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
     qg = jnp.pad(q, pad).reshape(b, tp, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * tp, h)
     k_new = jnp.pad(k, pad).transpose(0, 2, 1, 3)  # [B, K, Tp, H]
