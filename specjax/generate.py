@@ -34,7 +34,7 @@ from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_availabl
 from specjax.hub import FetchError, default_smollm2_path, fetch_smollm2
 from specjax.models import target
 from specjax.safetensors_io import SafetensorsError
-from specjax.sharding import put_kv_pool, use_mesh
+from specjax.sharding import committed_device, put_kv_pool, use_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
 from specjax.speculative.tree import validate as validate_tree
@@ -174,9 +174,11 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
         sb = sampling.SamplingBatch.from_rows(rows, cfg.vocab_size, prompts)
     else:
         sb = sampling.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p, seed=seed)
-    put = jax.device_put
     if mesh is not None:
         cache, put = _place_on_mesh(mesh, cache)
+    else:  # the cache and logits threaded through the prefill chunks start as committed as the chunks' outputs
+        put = functools.partial(jax.device_put, device=committed_device(params))
+        cache = put(cache)
     stop_ids = put(stop_ids)
     with use_mesh(mesh):
         cache, logits = _prefill(params, cfg, cache, prompts, put, cache_attention=cache_attention)

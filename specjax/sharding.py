@@ -124,3 +124,14 @@ def kv_pool_sharding(mesh: Mesh, pool_shape) -> NamedSharding:
 def put_kv_pool(pool, mesh: Mesh):
     """``pool`` placed by ``kv_pool_sharding``."""
     return jax.device_put(pool, kv_pool_sharding(mesh, pool.shape))
+
+
+def committed_device(*trees) -> jax.Device | None:
+    """The one device that the committed arrays of ``trees`` sit on, or None (nothing committed, or several devices).
+
+    jax compiles a jitted function again when an argument changes from uncommitted to committed: the outputs of a
+    call are committed as soon as one input is, so state threaded from call to call (a KV cache over prompt chunks)
+    must start out committed to that device too, or the second call compiles the program a second time."""
+    devices = {d for a in jax.tree.leaves(trees) if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+               and a.committed for d in a.sharding.device_set}
+    return devices.pop() if len(devices) == 1 else None

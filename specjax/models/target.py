@@ -169,7 +169,8 @@ def embed_bits(embed) -> jax.Array | None:
         return None
     if next(iter(embed.sharding.device_set)).platform != "cpu":
         return None
-    return jax.device_put(np.asarray(embed).view(np.uint16), embed.sharding)
+    # as committed as the table: a committed leaf would commit every output of the programs it enters
+    return jax.device_put(np.asarray(embed).view(np.uint16), embed.sharding if embed.committed else None)
 
 
 def _on_one_device(tree) -> bool:

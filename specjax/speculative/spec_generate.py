@@ -24,6 +24,7 @@ from specjax.batching import prefill_plan, validate_requests
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
+from specjax.sharding import committed_device
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 
 _JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
@@ -105,7 +106,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     else:
         sb = sampling_lib.SamplingBatch.make(b, temperature=temperature, top_k=top_k, top_p=top_p, min_p=min_p,
                                              seed=seed, vocab=target_cfg.vocab_size, width=scfg.tokens_per_step)
-    state = dataclasses.replace(state, sampling=sb)
+    # committed as the prefill chunks' outputs will be, so that every chunk runs one compiled program
+    state = jax.device_put(dataclasses.replace(state, sampling=sb), committed_device(target_params, d))
 
     state, first = _prefill_prompts(target_params, target_cfg, d, scfg, state, prompts,
                                     _options(compiler_options))
