@@ -156,16 +156,18 @@ def test_bf16_chain_speculation_is_bf16_plain_greedy_bit_for_bit():
     dcfg, dparams, vocab = load_draft(DEFAULT_HEAD, "EAGLE3", cfg)
     draft = make_draft("EAGLE3", dcfg, dparams, params, vocab)
     stop = stop_token_ids(path, cfg, tok)
-    # One at a time. MT-bench's third turn parted after 8 tokens when a verify row's attention summed the tree's
-    # keys apart; the README's prompt after 40 when ``generate`` unstacked stacked params inside jit.
+    # MT-bench's third turn parted after 8 tokens when a verify row's attention summed the tree's keys apart; the
+    # README's prompt after 40 when ``generate`` unstacked stacked params inside jit. The two run as one batch (a
+    # row's bits do not depend on the rows beside it; one compile of each program).
     # The long prompt (843 tokens) gave another first token when ``generate`` prefilled it in one call and
     # ``speculative_generate`` in 512-token chunks (``batching.prefill_chunks`` now serves both).
     long = "Here are some questions.\n\n" + "\n\n".join(texts[6:19]) + "\n\nAnswer only the last one."
-    prompts = [prompts[2]] + encode_prompts(tok, ["Explain how a binary search works.", long], chat=True)
-    assert len(prompts[2]) > 512
-    for prompt, new in zip(prompts, (48, 48, 1)):  # the long prompt's first token (from the prefill) is the check
-        plain = generate(params, cfg, [prompt], max_new_tokens=new, stop_token_ids=stop)
-        spec, stats = speculative_generate(params, cfg, draft, [prompt], num_steps=3, topk=1, num_draft_tokens=4,
+    short = [prompts[2]] + encode_prompts(tok, ["Explain how a binary search works."], chat=True)
+    (long,) = encode_prompts(tok, [long], chat=True)
+    assert len(long) > 512
+    for batch, new in ((short, 48), ([long], 1)):  # the long prompt's first token (from the prefill) is the check
+        plain = generate(params, cfg, batch, max_new_tokens=new, stop_token_ids=stop)
+        spec, stats = speculative_generate(params, cfg, draft, batch, num_steps=3, topk=1, num_draft_tokens=4,
                                            max_new_tokens=new, stop_token_ids=stop)
         assert spec == plain
         assert new < 48 or stats["tau"] > 1.1, stats["tau"]
