@@ -19,8 +19,10 @@ def topology(name: str):
         pytest.skip(str(e))
 
 
-def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=3, head_dim=64, context=256):
-    """A Llama shaped like a small slice of a real one (head dim 64), so each program compiles in seconds."""
+def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=2, head_dim=64, context=256):
+    """A Llama shaped like a small slice of a real one (head dim 64), so each program compiles in seconds. Two layers:
+    the programs read the stacked KV pool at a layer other than the first (each more layer adds a few seconds of TPU
+    compile to every program)."""
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=512, hidden_size=heads * head_dim,
                intermediate_size=256, num_hidden_layers=layers, num_attention_heads=heads,
                num_key_value_heads=kv_heads, head_dim=head_dim, max_position_embeddings=context, rms_norm_eps=1e-5,

@@ -21,8 +21,7 @@ def test_kv_pool_is_read_and_written_in_place_at_long_context(v5e, tmp_path, cap
     dim 64 lane-packed two slots per 128-lane row; the kernel reads the stacked pool at its layer, the XLA path
     gathers from it, the K/V write scatters rows of head_dim in place) and the page table (32 x 8193 pages, over
     1 MiB) needs no SMEM of that size (the kernel fetches one sequence's row at a time)."""
-    path = small_config(tmp_path, heads=heads, kv_heads=kv_heads, dtype=dtype, head_dim=head_dim, context=context,
-                        layers=2)  # two: the kernel reads the stacked pool at a layer other than the first
+    path = small_config(tmp_path, heads=heads, kv_heads=kv_heads, dtype=dtype, head_dim=head_dim, context=context)
     rc = preflight.main(["serve", "--model-path", path, "--tp-size", str(tp), "--topology", "v5e-4", "--programs",
                          "plain,EAGLE3", "--largest-bucket-only", "--max-running-requests", "32",
                          "--chunked-prefill-size", "256", "--mem-fraction-static", "0.5"])

@@ -31,10 +31,10 @@ def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
     assert sorted(got) == sorted(names), out
     assert all(fits for *_, fits in got.values())
     assert out.count("attention: Pallas kernel") == 6 and "all-reduce" in out
-    # the pool: 256 pages x 16 tokens of 3 target layers (+1 draft layer), K/V split over tp=2, fp32
+    # the pool: 256 pages x 16 tokens of 2 target layers (+1 draft layer), K/V split over tp=2, fp32
+    assert "KV pool 256 pages x 16 tokens = 4096 tokens (2 layers" in out
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (3 layers" in out
-    assert "KV pool 256 pages x 16 tokens = 4096 tokens (4 layers" in out
-    pool = 2 * 4 * 257 * 16 * 1 * 64 * 4  # K and V, 4 layers, 257 pages (scratch incl.), 1 kv head per chip
+    pool = 2 * 3 * 257 * 16 * 1 * 64 * 4  # K and V, 3 layers, 257 pages (scratch incl.), 1 kv head per chip
     assert got["EAGLE3 step B=4 S=2 k=2 M=4"][0] * GIB >= pool - 0.01 * GIB
 
 
@@ -84,7 +84,7 @@ def test_abstract_setup_matches_what_the_server_builds(v5e, tmp_path):
     assert jax.tree.map(lambda a: (a.shape, a.dtype), setup.params) == jax.tree.map(lambda a: (a.shape, a.dtype), want)
     assert tuple(setup.params.layers[0].wq.sharding.spec) == (None, "tp", None)  # heads split over tp
     plan = plan_pool(args, setup.tcfg, None, setup.param_bytes, v5e.hbm_bytes)
-    page = 2 * 3 * 16 * 1 * 64 * 4  # K and V, 3 layers, 16 tokens, 1 of 2 kv heads per chip, fp32
+    page = 2 * 2 * 16 * 1 * 64 * 4  # K and V, 2 layers, 16 tokens, 1 of 2 kv heads per chip, fp32
     assert plan.page_bytes == page
     assert plan.num_pages - 1 == int(0.85 * v5e.hbm_bytes - setup.param_bytes) // page
     # bf16 at head dim 64: without --page-size, pages of 32 slots (two per 128-lane row on a TPU); a given size stays
