@@ -71,11 +71,26 @@ def _release_compiled_programs():
     jax.clear_caches()
 
 
+# The test modules that take longest (seconds of one worker, both workers busy on 2 cores), longest first. The two
+# pytest workers take whole files (``--dist loadfile``) in collection order, so these start first and the short
+# modules fill in at the end: the workers finish within seconds of each other. (xdist's own order, by test count,
+# handed out three of the longest files last and left one worker idle for up to two minutes.)
+LONGEST_FIRST = ("test_preflight_kv_pool", "test_shipped_head", "test_train_resume", "test_decode_layout",
+                 "test_real_model_sampling", "test_spec_runner", "test_regenerate", "test_preflight",
+                 "test_spec_greedy", "test_multihost", "test_server_bad_input", "test_server_spec",
+                 "test_preflight_serve", "test_offline")
+
+
+def pytest_configure(config):
+    if hasattr(config.option, "loadscopereorder"):  # pytest-xdist: keep the collection order below
+        config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Order: tests/test_spec_trained_head.py first (its compile is the largest), the TPU preflight tests (libtpu in
-    this process) last."""
+    """Order: the modules of LONGEST_FIRST in that order, then the others as collected."""
     def key(item):
-        return (0 if "test_spec_trained_head" in item.nodeid else 2 if "test_preflight" in item.nodeid else 1)
+        module = item.path.stem
+        return LONGEST_FIRST.index(module) if module in LONGEST_FIRST else len(LONGEST_FIRST)
     items.sort(key=key)
 
 
