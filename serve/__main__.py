@@ -21,10 +21,14 @@ def main(argv=None) -> int:
         return 2
     import uvicorn
 
+    from specjax.hub import enable_compilation_cache
+
     from .api import create_app, http_protocol
     from .launch import build, setup_logging
 
     setup_logging(args.log_level)
+    if folder := enable_compilation_cache():
+        log.info("compiled programs are kept in %s for the next start (SPECJAX_COMPILATION_CACHE=0: off)", folder)
     try:
         backend = build(args)
     except Exception as e:  # noqa: BLE001 - a startup failure is reported in one line, not a traceback

@@ -31,7 +31,7 @@ from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
-from specjax.hub import FetchError, default_smollm2_path, fetch_smollm2
+from specjax.hub import FetchError, default_smollm2_path, enable_compilation_cache, fetch_smollm2
 from specjax.models import target
 from specjax.safetensors_io import SafetensorsError
 from specjax.sharding import committed_device, put_kv_pool, use_mesh
@@ -357,6 +357,7 @@ def _print_texts(prompts, texts) -> None:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = parse_into(GenerateOptions, _parser(), argv)
+    enable_compilation_cache()
     prompts = args.prompt or ["The capital of France is"]
     try:
         sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)

@@ -48,6 +48,19 @@ def default_cache_dir() -> str:
     return os.path.abspath(os.path.expanduser(os.environ.get("SPECJAX_CACHE") or "~/.cache/specjax"))
 
 
+def enable_compilation_cache() -> str | None:
+    """Keep the compiled XLA programs of a CLI run for the next one (jax's persistent compilation cache), in
+    ``<cache>/xla``: a second ``generate``, ``serve`` or ``train`` start loads the programs the first compiled.
+    jax's own ``JAX_COMPILATION_CACHE_DIR``, when set, names the folder instead; ``SPECJAX_COMPILATION_CACHE=0`` turns
+    it off. Programs that compiled in under a second are not kept (jax's default). Returns the folder, or None."""
+    if os.environ.get("SPECJAX_COMPILATION_CACHE", "1") == "0":
+        return None
+    import jax
+    folder = jax.config.jax_compilation_cache_dir or os.path.join(default_cache_dir(), "xla")
+    jax.config.update("jax_compilation_cache_dir", folder)
+    return folder
+
+
 def default_smollm2_path() -> str:
     return os.path.join(default_cache_dir(), SMOLLM2_DIRNAME)
 

@@ -22,6 +22,10 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # spinning for work would take a core from the other worker. tests/test_cpu_dense.py runs the pool itself.
 os.environ.setdefault("SPECJAX_CPU_THREADS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+# The CLIs keep compiled programs across runs (``hub.enable_compilation_cache``); tests (and the CLIs they start in
+# child processes) compile afresh unless they name a JAX_COMPILATION_CACHE_DIR themselves, so that what a test counts
+# or times is its own compile.
+os.environ.setdefault("SPECJAX_COMPILATION_CACHE", "0")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 import subprocess  # noqa: E402

@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
 from specjax.config import ModelConfig
+from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 from specjax.sharding import make_mesh
@@ -256,6 +257,7 @@ def main(argv=None) -> int:
     if (got := config_from_command_line(build_parser(), sys.argv[1:] if argv is None else argv)) is None:
         return 2
     cfg = got[1]
+    enable_compilation_cache()  # a restarted run (preemption, resume) loads its compiled steps
     init_distributed(cfg.multihost)
     log = Logger(cfg, jax.process_index() == 0)
     try:

@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from specjax import generate as gen
 from specjax.cli import option, options_parser, parse_into
+from specjax.hub import enable_compilation_cache
 from specjax.train import data as data_lib
 from specjax.train.config import DataConfig
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
@@ -249,6 +250,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if cfg.max_conversations < 0 or cfg.first_conversation < 0 or cfg.temperature < 0:
         print("error: --max-conversations, --first-conversation and --temperature must be >= 0", file=sys.stderr)
         return 2
+    enable_compilation_cache()
     try:
         regenerate(cfg)
     except (FileNotFoundError, ValueError, OSError) as e:
