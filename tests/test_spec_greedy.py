@@ -6,6 +6,7 @@ the target (acceptance is non-trivial: tau > 1 is asserted). Both heads use a 48
 map, EAGLE FR-Spec hot ids), so the vocab mapping is on the tested path.
 """
 
+import jax
 import numpy as np
 import pytest
 from spec_models import bigram_models, random_models, tiny_config
@@ -177,12 +178,11 @@ def test_prompt_chunks_share_one_compiled_prefill(commit, caplog):
     built and committed to a device: the cache threaded from chunk to chunk starts out as committed as the chunks'
     outputs. (A committed cache after an uncommitted one compiled the 512-token program twice: 2 x 6 s for
     SmolLM2's plain prefill, 2 x 9.5 s for the speculative one.) Both give the same first token."""
-    import jax
     cfg = tiny_config(dtype="bfloat16")
-    tp, e3, _ = random_models(cfg, seed=3, draft_vocab=48)
+    tp, (e3cfg, e3params, vmap), _ = random_models(cfg, seed=3, draft_vocab=48)
     if commit:
-        e3cfg, e3params, vmap = e3
-        tp, e3 = jax.device_put(tp, jax.devices()[0]), (e3cfg, jax.device_put(e3params, jax.devices()[0]), vmap)
+        tp, e3params = jax.device_put((tp, e3params), jax.devices()[0])
+    e3 = (e3cfg, e3params, vmap)
     prompt = np.random.default_rng(5).integers(0, cfg.vocab_size, size=600).tolist()
     with caplog.at_level("WARNING"), jax.log_compiles(True):
         first = generate(tp, cfg, [prompt], max_new_tokens=1, stop_token_ids=())
