@@ -8,7 +8,6 @@ PartitionSpec and refuses a spec that uses one mesh axis twice, or a dimension t
 from __future__ import annotations
 
 import contextlib
-import contextvars
 from typing import Sequence
 
 import jax
@@ -79,32 +78,32 @@ def spec_for_shape(shape, axes, mesh: Mesh, rules=None, *, replicate_indivisible
 
 
 # ---- activation constraints -------------------------------------------------------------------------------------
-_ACTIVE: contextvars.ContextVar[tuple[Mesh, dict] | None] = contextvars.ContextVar("specjax_mesh", default=None)
+# The enclosing ``use_mesh``: (mesh, rules as sorted items) or None. A jit cache key (``jax.make_user_context``): a
+# function traced inside one mesh's context is traced anew in another's, nested jitted functions included
+# (``target._layer_call``, whose one trace serves every layer of a program).
+_ACTIVE = jax.make_user_context(default_value=None)
 
 
 @contextlib.contextmanager
 def use_mesh(mesh: Mesh | None, rules: dict[str, str | None] | None = None):
     """Within this context, ``constrain`` pins activations to the mesh; outside, it is a no-op."""
-    token = _ACTIVE.set((mesh, rules or DEFAULT_RULES) if mesh is not None else None)
-    try:
+    with _ACTIVE(None if mesh is None else (mesh, tuple(sorted((rules or DEFAULT_RULES).items())))):
         yield
-    finally:
-        _ACTIVE.reset(token)
 
 
 def active_mesh() -> Mesh | None:
     """The mesh of the enclosing ``use_mesh`` (None outside one): hooks that must place their own work (the
     tree-attention kernel's shard_map) read it here."""
-    active = _ACTIVE.get()
+    active = _ACTIVE.value
     return None if active is None else active[0]
 
 
 def constrain(x, axes: Sequence[str | None]):
-    active = _ACTIVE.get()
+    active = _ACTIVE.value
     if active is None:
         return x
     mesh, rules = active
-    spec = list(logical_to_spec(axes, rules))
+    spec = list(logical_to_spec(axes, dict(rules)))
     for i, m in enumerate(spec):  # never force an indivisible activation dimension
         if m is not None and x.shape[i] % mesh.shape[m]:
             spec[i] = None

@@ -264,11 +264,14 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     if write_valid is not None and cache is None:
         raise ValueError("write_valid needs a cache")
 
+    unrolled = is_unstacked(params)
+    run_layer = _layer_call if unrolled else _layer
+
     def layer(h, lp, index, cache):
-        return _layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal, keys_in_pool)
+        return run_layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal, keys_in_pool)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
-    run = _run_unrolled if is_unstacked(params) else _run_scanned
+    run = _run_unrolled if unrolled else _run_scanned
     h, aux, kv, cache = run(layer, params.layers, x, cache, requested, cfg.num_layers, return_kv)
 
     hidden = layers.rms_norm(h, params.final_norm, cfg.rms_norm_eps)  # [B, T, D]
@@ -307,6 +310,13 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
 
 
+# An unrolled forward calls its layers through one jitted function with the layer index traced: jax traces and
+# lowers a layer once per program (not once per layer: 30 traces of SmolLM2's layer were most of a decode program's
+# start-up time), and XLA inlines the 30 calls, so the compiled program is the one an unrolled trace gives (its
+# weights read in place, the pools written in place; tests/test_decode_layout.py).
+_layer_call = jax.jit(_layer, static_argnums=(0, 7, 9, 10))
+
+
 def _qkv(cfg: ModelConfig, y, lp: LayerParams, positions, inv_freq):
     """q [B, T, N, H], k and v [B, T, K, H] of y [B, T, D], from the separate or the fused projections, with their
     biases and q/k norms, q and k rotated. The fused projection of a model with neither (Llama, SmolLM2) is split and
@@ -333,7 +343,7 @@ def _run_unrolled(layer, layer_params, x, cache, requested, num_layers: int, ret
         raise ValueError(f"params hold {len(layer_params)} layers; the config says {num_layers}")
     h, outs, ks, vs = x, {}, [], []
     for i, lp in enumerate(layer_params):
-        h, k, v, cache = layer(h, lp, i, cache)
+        h, k, v, cache = layer(h, lp, np.int32(i), cache)  # the index traced: one trace serves every layer
         outs[i] = h
         ks.append(k), vs.append(v)
     aux = jnp.stack([outs[lid] for lid in requested]) if requested else None

@@ -165,17 +165,16 @@ def threads() -> int:
     return lib.specjax_cpu_threads() if lib is not None else 1
 
 
-_disabled = [False]
+# Whether ``disabled`` is in force: a jit cache key (``jax.make_user_context``), so a function traced inside the
+# block is traced anew outside it, nested jitted functions included (``target._layer_call``).
+_disabled = jax.make_user_context(default_value=False)
 
 
 @contextmanager
 def disabled():
     """Trace ``layers`` with XLA's own dots (their CPU fallbacks) inside this block, as without a compiler."""
-    _disabled[0], before = True, _disabled[0]
-    try:
+    with _disabled(True):
         yield
-    finally:
-        _disabled[0] = before
 
 
 def tokens_per_sequence(x) -> int:
@@ -191,7 +190,7 @@ def supports(x, w) -> bool:
     few = tokens_per_sequence(x) <= MAX_TOKENS or (
         x.dtype == w.dtype == jnp.float32 and x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS)
     return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
-            and few and not _disabled[0] and available())
+            and few and not _disabled.value and available())
 
 
 def _kernel_product(target: str, out_cols, xla_product, doc: str):
@@ -223,7 +222,7 @@ def supports_attention(q, k_pages) -> bool:
     """Whether cache attention of q [B, T, N, H] over pools like ``k_pages`` runs in the kernel on a CPU: fp32 or
     bf16 queries and pools, at most MAX_TOKENS new tokens, the kernels built and not ``disabled``."""
     return (q.dtype in DTYPES and k_pages.dtype in DTYPES and q.ndim == 4 and q.size > 0
-            and q.shape[1] <= MAX_TOKENS and not _disabled[0] and available())
+            and q.shape[1] <= MAX_TOKENS and not _disabled.value and available())
 
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer, sm_scale: float,
@@ -242,7 +241,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer,
 def supports_pages(pool) -> bool:
     """Whether pages of a pool like ``pool`` [L, P, K, R, W] are written (``kv_write``) and read (``take_pages``) by
     the kernels on a CPU: fp32 or bf16 pools, the kernels built and not ``disabled``."""
-    return pool.dtype in DTYPES and pool.ndim == 5 and pool.size > 0 and not _disabled[0] and available()
+    return pool.dtype in DTYPES and pool.ndim == 5 and pool.size > 0 and not _disabled.value and available()
 
 
 def kv_write(k_pool, v_pool, k_new, v_new, page, slot, layer):
@@ -268,7 +267,7 @@ def take_pages(pool, cols, layer):
 def supports_argmax(x) -> bool:
     """Whether the argmax over the last axis of x runs in the kernel on a CPU: fp32 logits, the kernels built and not
     ``disabled``."""
-    return x.dtype == jnp.float32 and x.ndim >= 1 and x.size > 0 and not _disabled[0] and available()
+    return x.dtype == jnp.float32 and x.ndim >= 1 and x.size > 0 and not _disabled.value and available()
 
 
 def argmax(x):
@@ -283,7 +282,7 @@ def supports_norm(x, weight) -> bool:
     """Whether ``layers.rms_norm`` of x [..., D] with ``weight`` [D] runs in the kernel on a CPU: fp32 or bf16 x and
     weight, the kernels built and not ``disabled``."""
     return (x.dtype in DTYPES and weight.dtype in DTYPES and weight.ndim == 1 and x.ndim >= 1 and x.size > 0
-            and x.shape[-1] == weight.shape[0] and not _disabled[0] and available())
+            and x.shape[-1] == weight.shape[0] and not _disabled.value and available())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(2, 3))
@@ -306,7 +305,7 @@ def supports_rope(qkv) -> bool:
     kernels built and not ``disabled``."""
     return (qkv.dtype in DTYPES and qkv.ndim >= 4 and qkv.size > 0 and qkv.shape[-2] >= 3
             and qkv.shape[-1] % 2 == 0 and qkv.shape[-1] <= 512 and (qkv.ndim < 5 or qkv.shape[-4] <= MAX_TOKENS)
-            and not _disabled[0] and available())
+            and not _disabled.value and available())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))
