@@ -96,15 +96,16 @@ def test_layers_rope_qkv_runs_in_the_kernel_and_disabled_keeps_xla():
 
 
 def test_the_target_decode_step_rotates_in_the_kernel():
-    """A Llama-family model's decode layer (fused q/k/v, no biases, no q/k norms) calls the kernel once per layer;
-    a prompt chunk longer than MAX_TOKENS keeps XLA's program."""
+    """A Llama-family model's decode layer (fused q/k/v, no biases, no q/k norms) calls the kernel once per layer
+    (in the compiled program: the layers share one lowered function, inlined by XLA); a prompt chunk longer than
+    MAX_TOKENS keeps XLA's program."""
     cfg = tiny_config()
     params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(0)))
     fwd = jax.jit(lambda p, t, pos: target.forward(p, cfg, t, pos).logits)
 
     def calls(t):
         tokens, pos = jnp.zeros((1, t), jnp.int32), jnp.arange(t, dtype=jnp.int32)[None]
-        return fwd.lower(params, tokens, pos).as_text().count("@specjax_rope_qkv(")
+        return fwd.lower(params, tokens, pos).compile().as_text().count('custom_call_target="specjax_rope_qkv"')
 
     assert calls(1) == cfg.num_layers
     assert calls(cpu_dense.MAX_TOKENS + 1) == 0
