@@ -20,6 +20,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
+from specjax import platforms
 from specjax.kernels import cpu_dense
 
 
@@ -50,7 +51,7 @@ def on_bits(fn, *arrays):
         out = fn(*(jax.lax.bitcast_convert_type(x, jnp.uint16) if x.dtype in HALF_DTYPES else x for x in xs))
         return jax.tree.map(lambda y: jax.lax.bitcast_convert_type(y, half[0]) if y.dtype == jnp.uint16 else y, out)
 
-    return jax.lax.platform_dependent(*arrays, cpu=bits, default=fn)
+    return platforms.select(*arrays, cpu=bits, default=fn)
 
 
 DEFAULT_PAGE_SIZE = 16
@@ -166,7 +167,7 @@ def write(cache: KVCache, k_new, v_new, positions, valid=None, *, layer=None) ->
         k, v = cpu_dense.kv_write(c.k, c.v, k_new, v_new, page, slot, 0 if layer is None else layer)
         return dataclasses.replace(c, k=k, v=v)
 
-    return jax.lax.platform_dependent(cache, cpu=kernel, default=xla)
+    return platforms.select(cache, cpu=kernel, default=xla)
 
 
 def _write_rows(cache: KVCache, k_new, v_new, layer_ids, page, slot) -> KVCache:
@@ -194,8 +195,8 @@ def _write_packed(cache: KVCache, k_new, v_new, layer_ids, page, slot, f: int) -
     result, so two tokens sharing a row both land. Elsewhere (CPU, GPU: row-major buffers) the reshape is free and
     one scatter per pool does it: the TPU way costs 4f kernels per layer, and XLA:CPU maps memory per kernel (with
     the K/V written layer by layer, a SmolLM2 step program then held twice the memory maps, and a process
-    compiling many programs ran out of them). ``lax.platform_dependent`` picks the way when lowering, so a TPU
-    program compiled on a CPU host (``specjax.preflight``) gets the TPU way."""
+    compiling many programs ran out of them). ``platforms.select`` picks the way for the lowering platform, so a
+    TPU program compiled on a CPU host (``specjax.preflight``) gets the TPU way."""
     kh, h = k_new.shape[3:]
 
     def tpu(pool, new):
@@ -214,7 +215,7 @@ def _write_packed(cache: KVCache, k_new, v_new, layer_ids, page, slot, f: int) -
         at = (layer_ids, page[None, :, :, None], jnp.arange(kh)[None, None, None, :], slot[None, :, :, None])
         return flat.at[at].set(new, mode="drop").reshape(pool.shape)
 
-    out = [jax.lax.platform_dependent(pool, new.astype(pool.dtype), tpu=tpu,
+    out = [platforms.select(pool, new.astype(pool.dtype), tpu=tpu,
                                       default=lambda pool, new: on_bits(row_major, pool, new))
            for pool, new in ((cache.k, k_new), (cache.v, v_new))]
     return dataclasses.replace(cache, k=out[0], v=out[1])
@@ -247,4 +248,4 @@ def take_pages(pages, at, head_dim: int):
 
     if not cpu_dense.supports_pages(as_stacked(pages)) or cols.ndim != 2:
         return unpack_pages(xla(pages), head_dim)
-    return unpack_pages(jax.lax.platform_dependent(pages, cpu=kernel, default=xla), head_dim)
+    return unpack_pages(platforms.select(pages, cpu=kernel, default=xla), head_dim)

@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import platforms
 from specjax.kernels import cpu_dense
 from specjax.kv_cache import HALF_DTYPES, gather_layer, page_size_of, take_pages, write as kv_write
 
@@ -38,7 +39,7 @@ def row_sum(x):
             x = x[..., :half] + x[..., half:]
         return x[..., 0]
 
-    return jax.lax.platform_dependent(x, cpu=pairwise, default=lambda x: x.sum(-1))
+    return platforms.select(x, cpu=pairwise, default=lambda x: x.sum(-1))
 
 
 def rms_norm(x, weight, eps: float):
@@ -49,7 +50,7 @@ def rms_norm(x, weight, eps: float):
     if cpu_dense.supports_norm(x, weight):
         def kernel(x, weight):
             return cpu_dense.rms_norm(x.reshape(-1, x.shape[-1]), weight, eps, _xla_rms_norm).reshape(x.shape)
-        return jax.lax.platform_dependent(x, weight, cpu=kernel, default=lambda x, w: _xla_rms_norm(x, w, eps))
+        return platforms.select(x, weight, cpu=kernel, default=lambda x, w: _xla_rms_norm(x, w, eps))
     return _xla_rms_norm(x, weight, eps)
 
 
@@ -116,7 +117,7 @@ def rope_qkv(qkv, positions, inv_freq):
             q, k, v = cpu_dense.rope_qkv(qkv.reshape(b * t, kv, g2, h), cos.reshape(b * t, -1),
                                          sin.reshape(b * t, -1), _xla_rope_qkv4)
             return q.reshape(b, t, kv * (g2 - 2), h), k.reshape(b, t, kv, h), v.reshape(b, t, kv, h)
-        return jax.lax.platform_dependent(qkv, cos, sin, cpu=kernel, default=_xla_rope_qkv)
+        return platforms.select(qkv, cos, sin, cpu=kernel, default=_xla_rope_qkv)
     return _xla_rope_qkv(qkv, cos, sin)
 
 
@@ -148,7 +149,7 @@ def dense(x, w, *, preferred_element_type=None):
     rows the products were still 8-10% faster (docs/benchmarks.md, tenth session). Each row also gets exactly the
     arithmetic of a one-row decode step.
     Larger products, weights that do not fit a last-level cache (rows after the first would read memory again) and
-    other platforms (``lax.platform_dependent``: a TPU program compiled on a CPU host keeps its one dot) use one
+    other platforms (``platforms.select``: a TPU program compiled on a CPU host keeps its one dot) use one
     dot. Half-precision operands on a CPU take ``half_dot``.
     Where specjax's CPU kernels are built (``kernels.cpu_dense``), a CPU product of fp32 or bf16 operands with at
     most ``cpu_dense.MAX_TOKENS`` rows per sequence (a decode step, a verified tree, a draft step, at any batch) runs
@@ -163,10 +164,10 @@ def dense(x, w, *, preferred_element_type=None):
         def kernel(x, w):
             y = cpu_dense.dense(x.reshape(rows, x.shape[-1]), w.reshape(w.shape[0], -1))
             return y.reshape(*x.shape[:-1], *w.shape[1:]).astype(preferred_element_type or x.dtype)
-        return jax.lax.platform_dependent(x, w, cpu=kernel, default=one_dot)
+        return platforms.select(x, w, cpu=kernel, default=one_dot)
     if is_half(x, w):
         out_dtype = preferred_element_type or x.dtype
-        return jax.lax.platform_dependent(
+        return platforms.select(
             x, w, cpu=lambda x, w: half_dot(x, w.reshape(w.shape[0], -1)).reshape(*x.shape[:-1], *w.shape[1:])
             .astype(out_dtype), default=one_dot)
     if not (2 <= rows <= ROWWISE_MAX_ROWS and w.size * w.dtype.itemsize <= ROWWISE_MAX_WEIGHT_BYTES):
@@ -177,7 +178,7 @@ def dense(x, w, *, preferred_element_type=None):
         y = jnp.concatenate([one_dot(x2[i:i + 1], w2) for i in range(rows)])
         return y.reshape(*x.shape[:-1], *w.shape[1:])
 
-    return jax.lax.platform_dependent(x, w, cpu=rowwise, default=one_dot)
+    return platforms.select(x, w, cpu=rowwise, default=one_dot)
 
 
 def is_half(x, w) -> bool:
@@ -222,9 +223,9 @@ def unembed(x, table):
     if cpu_dense.supports(x, table):
         def kernel(x, table):
             return cpu_dense.unembed(x.reshape(rows, x.shape[-1]), table).reshape(*x.shape[:-1], table.shape[0])
-        return jax.lax.platform_dependent(x, table, cpu=kernel, default=one_dot)
+        return platforms.select(x, table, cpu=kernel, default=one_dot)
     if is_half(x, table):
-        return jax.lax.platform_dependent(x, table, cpu=lambda x, t: half_dot(x, t, dims="cd,od->co"),
+        return platforms.select(x, table, cpu=lambda x, t: half_dot(x, t, dims="cd,od->co"),
                                           default=one_dot)
     if not 2 <= rows <= ROWWISE_MAX_ROWS:
         return one_dot(x, table)
@@ -234,7 +235,7 @@ def unembed(x, table):
         y = jnp.sum(table.astype(jnp.float32)[:, None, :] * x2[None], axis=-1)  # [V, rows], one fusion
         return y.T.reshape(*x.shape[:-1], table.shape[0])
 
-    return jax.lax.platform_dependent(x, table, cpu=one_pass, default=one_dot)
+    return platforms.select(x, table, cpu=one_pass, default=one_dot)
 
 
 def out_proj(o, wo):
@@ -349,7 +350,7 @@ def _pages_einsum(dims: str, x, pages):
         return lambda x, pages: jnp.einsum(dims, x, pages, preferred_element_type=jnp.float32, precision=precision)
     if pages.dtype != jnp.float32:
         return dot(None)(x, pages)
-    return jax.lax.platform_dependent(x, pages, tpu=dot(jax.lax.Precision.HIGHEST), default=dot(None))
+    return platforms.select(x, pages, tpu=dot(jax.lax.Precision.HIGHEST), default=dot(None))
 
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
@@ -472,7 +473,7 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
         pools, at = ((k_pages, v_pages), layer) if layer is not None else ((k_pages[None], v_pages[None]), 0)
         return cpu_dense.paged_attention(q, k, v, mask, *pools, page_table, lengths, at, sm_scale,
                                          keys_in_pool).astype(q.dtype)
-    return jax.lax.platform_dependent(q, k, v, mask, k_pages, v_pages, page_table, lengths, cpu=kernel, default=xla)
+    return platforms.select(q, k, v, mask, k_pages, v_pages, page_table, lengths, cpu=kernel, default=xla)
 
 
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array], jax.Array]  # (layer, q, k, v) -> o [B, T, N, H]

@@ -192,6 +192,7 @@ def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_bucket
                    model_config: str | None = None, num_layers: int | None = None) -> list[Report]:
     """Compile the run config's train step (the largest length bucket, or every bucket) for the topology."""
     from specjax.config import ModelConfig
+    from specjax.platforms import lowering_for
     from specjax.sharding import ShardingError, make_mesh
     from specjax.train import train_step as step_lib
     from specjax.train.__main__ import head_config, make_optimizer
@@ -220,7 +221,8 @@ def train_programs(cfg, topo: Topology, recipe: str | None = None, *, all_bucket
     reports = []
     for seq in (buckets if all_buckets else buckets[-1:]):
         a, b = cfg.training.grad_accum, cfg.training.batch_size
-        lowered = step.lower(state, *abstract_train_inputs(tcfg, hcfg, mesh, a, b, seq))
+        with lowering_for("tpu"):
+            lowered = step.lower(state, *abstract_train_inputs(tcfg, hcfg, mesh, a, b, seq))
         name = f"train step A={a} x B={b} x T={seq}, TTT {cfg.training.ttt_length}"
         reports.append(compile_report(name, lowered, topo.hbm_bytes,
                                       note=f"{tcfg.architecture} {tcfg.num_layers} layers {tcfg.dtype}, head "
@@ -416,10 +418,11 @@ def _attention_used(setup: ServeSetup, tokens: int):
 def _compile(setup: ServeSetup, name: str, describe, fn, *args, **kwargs) -> Report:
     """Lower ``fn`` as the runner calls it (under its mesh) and compile it for the topology; a program the compiler
     refuses becomes a report row with the reason (the other programs are still checked)."""
+    from specjax.platforms import lowering_for
     from specjax.sharding import use_mesh
     t0 = time.perf_counter()
     try:
-        with use_mesh(setup.mesh):
+        with use_mesh(setup.mesh), lowering_for("tpu"):
             lowered = fn.lower(*args, **kwargs)
     except Exception as e:  # noqa: BLE001 - e.g. a Mosaic call XLA cannot partition: its message is the report
         lines = [ln.strip() for ln in str(e).splitlines() if ln.strip()]

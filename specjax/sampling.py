@@ -28,6 +28,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import platforms
 from specjax.kernels import cpu_dense
 
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
@@ -307,7 +308,7 @@ def argmax(x):
     def xla(x):
         return jnp.argmax(x, axis=-1).astype(jnp.int32)
     if cpu_dense.supports_argmax(x):
-        return jax.lax.platform_dependent(x, cpu=cpu_dense.argmax, default=xla)
+        return platforms.select(x, cpu=cpu_dense.argmax, default=xla)
     return xla(x)
 
 

@@ -17,6 +17,7 @@ from specjax import configs, kv_cache
 from specjax.kernels.tree_attention import make_cache_attention, tree_attention, tpu_unsupported_reason
 from specjax.kernels.tree_attention import kernel as kernel_lib
 import specjax.kernels.tree_attention as hook_pkg
+from specjax.platforms import lowering_for
 
 
 @functools.lru_cache(maxsize=None)
@@ -32,7 +33,8 @@ def compile_kernel(chip, *, groups, kv_heads, head_dim, t, page_size, dtype, fn=
     pool = kv_cache.pool_shape(1, num_pages, kv_heads, page_size, head_dim, dtype)[1:]  # as the server allocates it
     args = (s((b, t, n, head_dim)), s((b, t, kv_heads, head_dim)), s((b, t, kv_heads, head_dim)),
             s((b, t, t), jnp.bool_), s(pool), s(pool), s((b, pps), jnp.int32), s((b,), jnp.int32))
-    return jax.jit(functools.partial(fn, sm_scale=head_dim ** -0.5)).lower(*args).compile()
+    with lowering_for("tpu"):
+        return jax.jit(functools.partial(fn, sm_scale=head_dim ** -0.5)).lower(*args).compile()
 
 
 # (G, K, H, T, Z, dtype): each generation gets head dims 64 and 128, odd and even GQA groups, tree sizes 1 and 64+,
@@ -105,8 +107,9 @@ def test_packed_pool_write_is_a_native_in_place_scatter():
     assert shape[-2:] == (8, 128)
     cache = kv_cache.KVCache(k=s(shape), v=s(shape), page_table=s((32, 513), jnp.int32), lengths=s((32,), jnp.int32))
     write = jax.jit(kv_cache.write, donate_argnums=0)
-    compiled = write.lower(cache, s((30, 32, 8, 3, 64)), s((30, 32, 8, 3, 64)), s((32, 8), jnp.int32),
-                           s((32, 8), jnp.bool_)).compile()
+    with lowering_for("tpu"):
+        compiled = write.lower(cache, s((30, 32, 8, 3, 64)), s((30, 32, 8, 3, 64)), s((32, 8), jnp.int32),
+                               s((32, 8), jnp.bool_)).compile()
     text = compiled.as_text()
     assert "while(" not in text and "scatter(" in text
     pool_bytes = 2 * np.prod(shape) * 4

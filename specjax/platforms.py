@@ -1,0 +1,43 @@
+"""Platform-specific code paths, traced only for the platform a program is lowered for.
+
+``jax.lax.platform_dependent`` stages every branch into the program and picks one when lowering. specjax's CPU
+programs carry a kernel branch and an XLA branch in every layer (products, norms, the rotary embedding, attention,
+the K/V writes), so tracing them cost twice the work, and that tracing was most of a new program's start-up after
+its compile (docs/benchmarks.md, thirty-fifth session). ``select`` traces one branch: the one for the platform the
+program is being lowered for, which is this process's default backend unless ``lowering_for`` names another (the
+TPU preflight lowers TPU programs on a CPU host). The platform is a jit cache key, so a function traced for one
+platform is traced anew for another. Where it is not known which branch applies (an accelerator other than CPU or
+TPU with per-platform branches of its own), every branch is staged as ``platform_dependent`` does.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any, Callable
+
+import jax
+
+# The platform programs are lowered for, when it is not the default backend's (``lowering_for``).
+_LOWERING = jax.make_user_context(default_value=None)
+_KNOWN = ("cpu", "tpu")  # default backends whose branch name is the backend name
+
+
+@contextlib.contextmanager
+def lowering_for(platform: str):
+    """Within this block, programs are traced for ``platform`` (e.g. "tpu" for a TPU topology's devices)."""
+    with _LOWERING(platform):
+        yield
+
+
+def lowering_platform() -> str:
+    """The platform the programs traced now are lowered for: ``lowering_for``'s, else the default backend."""
+    return _LOWERING.value or jax.default_backend()
+
+
+def select(*args: Any, default: Callable, **per_platform: Callable):
+    """``per_platform[p](*args)`` for the lowering platform p, or ``default(*args)`` where it has no branch (the
+    contract of ``jax.lax.platform_dependent``, with one branch traced)."""
+    platform = lowering_platform()
+    if platform in _KNOWN or not per_platform.keys() - set(_KNOWN):
+        return per_platform.get(platform, default)(*args)
+    return jax.lax.platform_dependent(*args, default=default, **per_platform)
