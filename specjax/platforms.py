@@ -19,7 +19,7 @@ import jax
 
 # The platform programs are lowered for, when it is not the default backend's (``lowering_for``).
 _LOWERING = jax.make_user_context(default_value=None)
-_KNOWN = ("cpu", "tpu")  # default backends whose branch name is the backend name
+_KNOWN = frozenset({"cpu", "tpu"})  # default backends whose branch name is the backend name
 
 
 @contextlib.contextmanager
@@ -38,6 +38,6 @@ def select(*args: Any, default: Callable, **per_platform: Callable):
     """``per_platform[p](*args)`` for the lowering platform p, or ``default(*args)`` where it has no branch (the
     contract of ``jax.lax.platform_dependent``, with one branch traced)."""
     platform = lowering_platform()
-    if platform in _KNOWN or not per_platform.keys() - set(_KNOWN):
+    if platform in _KNOWN or per_platform.keys() <= _KNOWN:
         return per_platform.get(platform, default)(*args)
     return jax.lax.platform_dependent(*args, default=default, **per_platform)
