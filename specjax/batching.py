@@ -94,6 +94,17 @@ def prefill_plan(prompts: Sequence[Sequence[int]]) -> tuple[np.ndarray, list[tup
     return tokens, plan
 
 
+def capacity_for(budget: np.ndarray, capacity: int | None) -> int:
+    """The new-token room a call's buffers are sized for: ``capacity`` when given (it must hold every row's budget),
+    else the largest budget. A short call given a longer call's capacity runs the longer call's compiled programs."""
+    need = int(np.max(budget))
+    if capacity is None:
+        return need
+    if isinstance(capacity, bool) or not isinstance(capacity, (int, np.integer)) or capacity < need:
+        raise ValueError(f"capacity must be an int >= the largest max_new_tokens ({need}), got {capacity!r}")
+    return int(capacity)
+
+
 def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,
                       min_p) -> np.ndarray:
     """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget or bad sampling

@@ -18,6 +18,7 @@ import dataclasses
 import functools
 import os
 import sys
+import time
 from typing import Sequence
 
 import jax
@@ -26,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import prefill_chunks, prefill_plan, validate_requests
+from specjax.batching import capacity_for, prefill_chunks, prefill_plan, validate_requests
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
@@ -132,7 +133,7 @@ def _round_up(n: int, m: int) -> int:
 def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Sequence[int]], *, max_new_tokens,
              temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, stop_token_ids: Sequence[int] | None = None,
              page_size: int | None = None, cache_attention=None, mesh=None,
-             rows: Sequence[sampling.SamplingRow] | None = None) -> list[list[int]]:
+             rows: Sequence[sampling.SamplingRow] | None = None, capacity: int | None = None) -> list[list[int]]:
     """Generate up to ``max_new_tokens`` tokens after each prompt (lists of token ids of any lengths).
 
     ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt (``seed`` too); temperature 0
@@ -145,6 +146,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     is sharded over kv heads on tp (replicated when they do not divide) and the loop runs under that mesh.
     ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
     scalar sampling arguments. ``page_size``: slots per KV page (default: ``kv_cache.default_page_size``).
+    ``capacity``: size the cache and output buffers for this many new tokens instead of the call's largest
+    ``max_new_tokens`` (``capacity_for``), so that a short call (a warm-up) compiles the programs of a longer one.
     """
     if not prompts:
         return []
@@ -163,7 +166,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     # Padded with -1 (never a token) to a multiple of 8 so that different stop sets share one compile.
     stop_ids = np.asarray(list(stop) + [-1] * (_round_up(len(stop) + 1, 8) - len(stop)), np.int32)
 
-    capacity = _round_up(int(limit.max()), 16)
+    capacity = _round_up(capacity_for(limit, capacity), 16)
     # Prompts up to 64 tokens share one cache shape, hence one compile of the decode loop.
     prompt_room = _round_up(max(64, chunk * n_chunks), page_size)
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, b, prompt_room + capacity,
@@ -305,12 +308,12 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
     return model, algo, head, shape
 
 
-def _timed(fn):
-    """fn() once to compile, then once timed: (result, seconds)."""
-    import time
-    fn()
+def _timed(fn, max_new_tokens: int):
+    """fn(max_new_tokens=, capacity=) timed, after a 2-token warm-up over buffers of the same size: the warm-up
+    compiles (or loads) the very programs the timed call runs. Returns (result, seconds)."""
+    fn(max_new_tokens=min(2, max_new_tokens), capacity=max_new_tokens)
     t0 = time.perf_counter()
-    out = fn()
+    out = fn(max_new_tokens=max_new_tokens, capacity=max_new_tokens)
     return out, time.perf_counter() - t0
 
 
@@ -322,25 +325,26 @@ def speculative_demo(args, prompts: list[str]) -> int:
     params = target.unstack_layers(params)  # once, outside the timed calls
     tok = load_tokenizer(folder)
     ids = encode_prompts(tok, prompts, args.chat)
-    kw = dict(max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k,
+    kw = dict(temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop_token_ids(folder, cfg, tok))
     if algo is None:
-        outs = generate(params, cfg, ids, **kw)
+        outs = generate(params, cfg, ids, max_new_tokens=args.max_new_tokens, **kw)
         _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
         return 0
     dcfg, dparams, vocab = load_draft(head, algo, cfg)
     draft = make_draft(algo, dcfg, dparams, params, vocab)
     print(f"{algo} head {head}, tree (steps {shape[0]}, topk {shape[1]}, draft tokens {shape[2]}); compiling ...",
           file=sys.stderr, flush=True)
-    (outs, stats), t_spec = _timed(lambda: speculative_generate(
-        params, cfg, draft, ids, algorithm=algo, num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2], **kw))
+    (outs, stats), t_spec = _timed(lambda **budget: speculative_generate(
+        params, cfg, draft, ids, algorithm=algo, num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2], **kw,
+        **budget), args.max_new_tokens)
     _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
     n = sum(len(o) for o in outs)
     print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, accept length {stats['tau']:.2f} "
           f"tokens per verify step")
     if args.no_compare:
         return 0
-    plain, t_plain = _timed(lambda: generate(params, cfg, ids, **kw))
+    plain, t_plain = _timed(lambda **budget: generate(params, cfg, ids, **kw, **budget), args.max_new_tokens)
     m = sum(len(o) for o in plain)
     same = "identical" if plain == outs else ("differs (sampling)" if args.temperature > 0 else "DIFFERS")
     print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {(n / t_spec) / (m / t_plain):.2f}x;"

@@ -171,6 +171,31 @@ def test_a_step_leaves_inactive_rows_sampling_state_and_counts_the_active_ones(m
     assert not (after.key[[0, 2, 3]] == before.key[[0, 2, 3]]).all()
 
 
+def test_a_short_call_given_a_capacity_compiles_the_programs_of_the_long_call(models, caplog):
+    """``capacity`` sizes the buffers for a longer budget: a 2-token call with the 32-token call's capacity (how
+    ``python -m specjax.generate`` warms up before timing) leaves nothing to compile for the long call, in both
+    engines, and changes no output."""
+    tp, heads = models["bigram"]
+    cfg, prompts, new = models["cfg"], models["prompts"], MAX_NEW + 8
+
+    def both(n, **kw):
+        return (generate(tp, cfg, prompts, max_new_tokens=n, stop_token_ids=(), **kw),
+                speculative_generate(tp, cfg, heads["EAGLE3"], prompts, num_steps=3, topk=1, num_draft_tokens=4,
+                                     max_new_tokens=n, stop_token_ids=(), compiler_options=FAST_COMPILE, **kw)[0])
+
+    short = both(2, capacity=new)
+    with caplog.at_level("WARNING"), jax.log_compiles(True):
+        long = both(new, capacity=new)
+    compiles = [r.getMessage() for r in caplog.records if "Finished XLA compilation" in r.getMessage()]
+    assert compiles == []
+    reference = generate(tp, cfg, prompts, max_new_tokens=new, stop_token_ids=())
+    assert long == (reference, reference)
+    assert short == ([r[:2] for r in reference],) * 2
+    for fn in (generate, lambda *a, **kw: speculative_generate(tp, cfg, heads["EAGLE3"], prompts, **kw)):
+        with pytest.raises(ValueError, match=r"capacity must be an int >= the largest max_new_tokens \(5\), got 4"):
+            fn(tp, cfg, prompts, max_new_tokens=5, capacity=4)
+
+
 @pytest.mark.parametrize("commit", [False, True], ids=["as-built", "committed"])
 def test_prompt_chunks_share_one_compiled_prefill(commit, caplog):
     """A prompt of two 512-token chunks runs both chunks through one compiled prefill program, in ``generate`` and

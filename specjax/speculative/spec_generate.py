@@ -20,7 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache, sampling as sampling_lib
-from specjax.batching import prefill_plan, validate_requests
+from specjax.batching import capacity_for, prefill_plan, validate_requests
 from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
@@ -60,7 +60,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                          max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
                          stop_token_ids: Sequence[int] | None = None, page_size: int | None = None,
                          attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None,
-                         rows: Sequence[sampling_lib.SamplingRow] | None = None):
+                         rows: Sequence[sampling_lib.SamplingRow] | None = None, capacity: int | None = None):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
     draft: a ``speculative.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
@@ -73,6 +73,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     compile faster on CPU). ``sample_accept_fn``: tests only, replaces the sampling acceptance rule.
     ``rows``: one ``sampling.SamplingRow`` per prompt (penalties, logit_bias, min_new_tokens...), replacing the
     scalar sampling arguments. ``page_size``: slots per KV page (default: ``kv_cache.default_page_size``).
+    ``capacity``: size the cache and output buffers for this many new tokens instead of the call's largest
+    ``max_new_tokens`` (as ``specjax.generate.generate``): a short call then compiles the programs of a longer one.
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
@@ -91,12 +93,12 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     if budget.max() == 0:
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
-    max_new_tokens = int(budget.max())
+    room = capacity_for(budget, capacity)
     page_size = page_size or kv_cache.default_page_size(target_cfg.head_dim, target_cfg.dtype, jax.default_backend())
     lengths = np.asarray([len(p) for p in prompts])
     # Bucketed (multiples of 64 tokens) so that prompts of similar lengths share one compiled loop.
     bucket = max(64, page_size)
-    max_len = -(-(int(lengths.max()) + max_new_tokens + num_steps + 2) // bucket) * bucket
+    max_len = -(-(int(lengths.max()) + room + num_steps + 2) // bucket) * bucket
     max_len = -(-max_len // page_size) * page_size
     state = step_lib.init_state(target_cfg, d, scfg, b, max_len, page_size=page_size)
     if rows is not None:
@@ -113,10 +115,9 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                                     _options(compiler_options))
     stop = tuple(target_cfg.eos_token_ids if stop_token_ids is None else stop_token_ids)
     stop_ids = jnp.asarray(stop if stop else (-1,), jnp.int32)
-    cap = max_new_tokens
-    out = step_lib.LoopOut(tokens=jnp.zeros((b, cap), jnp.int32).at[:, 0].set(jnp.asarray(first)),
+    out = step_lib.LoopOut(tokens=jnp.zeros((b, room), jnp.int32).at[:, 0].set(jnp.asarray(first)),
                            num_tokens=jnp.asarray(np.minimum(budget, 1)), verify_steps=jnp.zeros((b,), jnp.int32),
-                           step_counts=jnp.zeros((b, cap), jnp.int32))
+                           step_counts=jnp.zeros((b, room), jnp.int32))
     done = np.isin(first, np.asarray(stop)) | (budget <= 1)
     if not done.all():  # every row done after its first token (e.g. max_new_tokens=1): no loop to compile or run
         state, out = _jitted("loop", _options(compiler_options))(target_params, target_cfg, d, scfg, state, out,
