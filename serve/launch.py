@@ -226,7 +226,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     if model is not None:
         cfg, params = model
     else:
-        cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh)
+        cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh, layout="decode")
     spec = args.speculative_algorithm is not None and not args.speculation_off_reason
     if args.speculative_algorithm and not spec:
         log.warning("serving plain decoding: %s; give --speculative-num-steps/-eagle-topk/-num-draft-tokens to "

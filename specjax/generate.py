@@ -227,7 +227,7 @@ def generate_text(model_dir: str, prompts: Sequence[str], chat: bool = False, *,
     generation_config.json and the tokenizer. Special tokens (the stop token included) are dropped from the text.
     """
     folder = resolve_model_path(model_dir)
-    cfg, params = model if model is not None else load_model(folder, dtype=dtype)
+    cfg, params = model if model is not None else load_model(folder, dtype=dtype, layout="decode")
     tokenizer = tokenizer if tokenizer is not None else load_tokenizer(folder)
     ids = encode_prompts(tokenizer, prompts, chat)
     if sampling_kw.get("stop_token_ids") is None:
@@ -321,8 +321,7 @@ def speculative_demo(args, prompts: list[str]) -> int:
     """EAGLE3/EAGLE generation of ``prompts``, timed beside plain decoding of the same prompts; prints both."""
     model, algo, head, shape = _resolve_pair(args)
     folder = resolve_model_path(model)
-    cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype)
-    params = target.unstack_layers(params)  # once, outside the timed calls
+    cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, layout="decode")
     tok = load_tokenizer(folder)
     ids = encode_prompts(tok, prompts, args.chat)
     kw = dict(temperature=args.temperature, top_k=args.top_k,

@@ -7,6 +7,7 @@ explicitly ignored, so a checkpoint of the wrong architecture or with missing te
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import re
@@ -93,8 +94,15 @@ def _place(global_shape, dtype, sharding, read: Callable[[tuple], np.ndarray]):
         global_shape, sharding, lambda idx: np.asarray(read(idx), dtype=dtype))
 
 
-def load_target_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None, rules=None) -> target.TargetParams:
-    """Read an HF checkpoint folder into TargetParams (dtype = cfg.dtype), sharded on ``mesh`` when given."""
+def load_target_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None, rules=None, *,
+                       layout: str = "stacked") -> target.TargetParams:
+    """Read an HF checkpoint folder into TargetParams (dtype = cfg.dtype), sharded on ``mesh`` when given.
+
+    ``layout``: "stacked" (layer weights stacked on a leading axis: training, checkpoints, the scan) or "decode"
+    (``target.unstack_layers``' layout, where generation and serving run). Without a mesh the decode layout is read
+    layer by layer, with no stacked copy to make and split again (SmolLM2 fp32: 2.9 s -> 0.8 s)."""
+    if layout not in ("stacked", "decode"):
+        raise ValueError(f"layout must be 'stacked' or 'decode', got {layout!r}")
     ckpt = CheckpointIndex(path)
     keys = set(ckpt.keys())
     prefix = "model." if any(k.startswith("model.layers.") for k in keys) else ""
@@ -129,32 +137,36 @@ def load_target_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None, ru
         head_key = need("lm_head.weight", (v, d))
         lm_head = _place((d, v), dtype, shardings.lm_head, lambda idx: ckpt.tensor(head_key).T[idx])
 
-    # Stacked layer tensors: read layer by layer, only the slice this device holds.
-    fields = {}
-    for suffix, (field, fn, hf_shape) in layer_map.items():
-        lkeys = [need(f"{prefix}layers.{i}.{suffix}", hf_shape) for i in range(cfg.num_layers)]
-        sd = getattr(shapes.layers, field)
-
-        def read(idx, lkeys=lkeys, fn=fn):
-            rows = range(cfg.num_layers)[idx[0]]
-            return np.stack([np.asarray(fn(ckpt.tensor(lkeys[i])))[idx[1:]] for i in rows])
-
-        fields[field] = _place(sd.shape, dtype, getattr(shardings.layers, field), read)
-
+    layer_keys = {field: ([need(f"{prefix}layers.{i}.{suffix}", hf_shape) for i in range(cfg.num_layers)], fn)
+                  for suffix, (field, fn, hf_shape) in layer_map.items()}
     leftover = sorted(k for k in keys - consumed if not any(p.match(k) for p in IGNORED))
     if leftover:
         more = f" (+{len(leftover) - 8} more)" if len(leftover) > 8 else ""
         raise WeightsError(f"checkpoint {path} has tensors that {cfg.architecture} does not use: {leftover[:8]}{more}; "
                            f"is config.json the right one for these weights?")
-    return target.TargetParams(embed=embed, layers=target.LayerParams(**fields), final_norm=final_norm,
-                               lm_head=lm_head)
+    params = target.TargetParams(embed=embed, layers=None, final_norm=final_norm, lm_head=lm_head)
+    if layout == "decode" and mesh is None:
+        layers = [target.LayerParams(**{field: jnp.asarray(np.asarray(fn(ckpt.tensor(lkeys[i])), dtype=dtype))
+                                        for field, (lkeys, fn) in layer_keys.items()}) for i in range(cfg.num_layers)]
+        return target.decode_layout(params, layers)
+
+    # Stacked layer tensors: read layer by layer, only the slice this device holds.
+    fields = {}
+    for field, (lkeys, fn) in layer_keys.items():
+        def read(idx, lkeys=lkeys, fn=fn):
+            rows = range(cfg.num_layers)[idx[0]]
+            return np.stack([np.asarray(fn(ckpt.tensor(lkeys[i])))[idx[1:]] for i in rows])
+
+        fields[field] = _place(getattr(shapes.layers, field).shape, dtype, getattr(shardings.layers, field), read)
+    params = dataclasses.replace(params, layers=target.LayerParams(**fields))
+    return params if layout == "stacked" else target.unstack_layers(params)
 
 
-def load_model(path: str, dtype: str | None = None, mesh: Mesh | None = None, rules=None):
-    """(ModelConfig, TargetParams) from a local folder or hub id."""
+def load_model(path: str, dtype: str | None = None, mesh: Mesh | None = None, rules=None, *, layout: str = "stacked"):
+    """(ModelConfig, TargetParams) from a local folder or hub id (``layout`` as ``load_target_params``)."""
     folder = resolve_model_path(path)
     cfg = ModelConfig.from_pretrained(folder, dtype=dtype)
-    return cfg, load_target_params(folder, cfg, mesh, rules)
+    return cfg, load_target_params(folder, cfg, mesh, rules, layout=layout)
 
 
 def shard_params(params, cfg: ModelConfig, mesh: Mesh, rules=None):

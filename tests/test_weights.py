@@ -4,12 +4,14 @@ import copy
 import os
 import shutil
 
+import jax
 import ml_dtypes
 import numpy as np
 import pytest
 import torch
 
 from hf_tiny_models import build
+from specjax.models import target
 from specjax.safetensors_io import load_file, save_file
 from specjax.weights import WeightsError, load_model, params_to_hf, resolve_model_path
 
@@ -102,3 +104,27 @@ def test_missing_path_without_hub(tmp_path, monkeypatch):
     a_file.write_bytes(b"")
     with pytest.raises(WeightsError, match="is a file; pass the folder"):
         load_model(str(a_file))
+
+
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])  # q/k/v biases; q/k norms
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_the_decode_layout_is_read_as_unstack_layers_makes_it(tmp_path, family, dtype):
+    """``layout="decode"`` reads the layers one by one into what ``target.unstack_layers`` makes of the stacked
+    params: the same tree (fused q/k/v, embedding bits) and the same bits."""
+    build(family, tmp_path)
+    _, stacked = load_model(str(tmp_path), dtype=dtype)
+    _, direct = load_model(str(tmp_path), dtype=dtype, layout="decode")
+    want = target.unstack_layers(stacked)
+    assert jax.tree.structure(direct) == jax.tree.structure(want)
+    for a, b in zip(jax.tree.leaves(direct), jax.tree.leaves(want)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_a_bad_layout_and_a_missing_tensor_in_the_decode_layout(ckpt, tmp_path):
+    with pytest.raises(ValueError, match="layout must be 'stacked' or 'decode', got 'unrolled'"):
+        load_model(ckpt[0], layout="unrolled")
+    key = "model.layers.1.mlp.up_proj.weight"
+    bad = _edit(ckpt[0], tmp_path / "m", lambda t: {k: v for k, v in t.items() if k != key})
+    with pytest.raises(WeightsError, match=f"lacks tensor '{key}'"):
+        load_model(bad, dtype="float32", layout="decode")

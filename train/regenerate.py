@@ -139,7 +139,7 @@ class Regenerator:
     def __init__(self, cfg: RegenConfig):
         self.cfg = cfg
         folder = resolve_model_path(cfg.model)
-        self.model_cfg, self.params = load_model(folder, dtype=cfg.dtype)
+        self.model_cfg, self.params = load_model(folder, dtype=cfg.dtype, layout="decode")  # as generate runs it
         self.tokenizer = gen.load_tokenizer(folder)
         self.stop_ids = stop_token_ids(folder, self.model_cfg, self.tokenizer)
         self.generated_tokens = 0

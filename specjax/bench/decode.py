@@ -172,7 +172,6 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 
 
 def bench_model(args) -> dict:
-    from specjax.models import target
     from specjax.weights import load_model
 
     model_path = _resolve_model(args)
@@ -180,14 +179,12 @@ def bench_model(args) -> dict:
     threads = args.threads or os.cpu_count()
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
-    cfg, params = load_model(model_path, dtype=args.dtype)
-    params = target.unstack_layers(params)  # the decode layout (weights read in place), once
+    cfg, params = load_model(model_path, dtype=args.dtype, layout="decode")  # the weights read in place
     other = None
     if args.also_dtype is not None:
         if args.also_dtype == args.dtype:
             raise SystemExit(f"error: --also-dtype {args.also_dtype} is --dtype already")
-        other_cfg, other = load_model(model_path, dtype=args.also_dtype)
-        other = target.unstack_layers(other)
+        other_cfg, other = load_model(model_path, dtype=args.also_dtype, layout="decode")
     hf_model = None
     if not args.no_hf:
         import torch
@@ -365,7 +362,6 @@ def copy_bandwidth(mib: int, repeats: int = 20) -> float:
 
 
 def bench_random_llama(args) -> dict:
-    import jax
     from specjax.config import ModelConfig
     from specjax.models import target
 

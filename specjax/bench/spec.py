@@ -139,8 +139,7 @@ def load_target(args):
         if not os.path.isdir(path):
             raise SystemExit(f"no --model and no SmolLM2 at {path}: `python -m specjax.convert fetch-smollm2`")
     folder = resolve_model_path(path)
-    cfg, params = load_model(folder, dtype=args.dtype)
-    params = target.unstack_layers(params)  # the decode layout, once (as the server and SpecRunner hold it)
+    cfg, params = load_model(folder, dtype=args.dtype, layout="decode")  # as the server and SpecRunner hold it
     tok = None
     try:
         from specjax.generate import load_tokenizer

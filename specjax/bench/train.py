@@ -164,7 +164,7 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
                 [[tokens, f"{exact['step_s'] * 1e3:.1f}", f"{exact['tok_s']:,.0f}",
                   f"{fpt / 1e9:.2f} ({head_share:.0%})", f"{achieved:.3f}", f"{exact['mfu']:.1%}"]])
     print(f"MFU against {peak:g} TFLOP/s per device ({res['peak_source']}).")
-    print(f"Measured matmul peak per device (one square matmul, this run): "
+    print("Measured matmul peak per device (one square matmul, this run): "
           + ", ".join(f"{d} {v:.3f} TFLOP/s (train step = {exact['frac_measured'][d]:.1%} of it)"
                       for d, v in exact["measured"].items())
           + f"; 1-min load average {os.getloadavg()[0]:.1f}.")

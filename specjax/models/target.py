@@ -21,7 +21,7 @@ table's capacity.
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -121,11 +121,17 @@ def unstack_layers(params: TargetParams, fuse: bool | None = None) -> TargetPara
     carry their shardings."""
     if is_unstacked(params):
         return params
-    if fuse is None:
-        fuse = _on_one_device(params.layers)
     n = params.layers.wq.shape[0]
-    per_layer = (jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n))
-    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) if fuse else lp for lp in per_layer),
+    return decode_layout(params, [jax.tree.map(lambda a, i=i: a[i], params.layers) for i in range(n)], fuse)
+
+
+def decode_layout(params: TargetParams, layers: Sequence[LayerParams], fuse: bool | None = None) -> TargetParams:
+    """``params`` in the decode layout with ``layers`` (one LayerParams per layer, in order) as its layers: what
+    ``unstack_layers`` returns, for callers that hold the layers apart already (``weights.load_target_params``
+    reads them so, without a stacked copy). ``fuse`` as ``unstack_layers``."""
+    if fuse is None:
+        fuse = _on_one_device(layers)
+    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) if fuse else lp for lp in layers),
                                embed_bits=embed_bits(params.embed))
 
 
