@@ -105,6 +105,12 @@ def capacity_for(budget: np.ndarray, capacity: int | None) -> int:
     return int(capacity)
 
 
+def warmup_budget(max_new_tokens: int) -> dict:
+    """The budget keywords of a warm-up call (``generate``, ``speculative_generate``): 2 tokens over buffers sized for
+    ``max_new_tokens``, which compiles (or loads) every program of the same call with ``max_new_tokens``."""
+    return dict(max_new_tokens=min(2, max_new_tokens), capacity=max_new_tokens)
+
+
 def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,
                       min_p) -> np.ndarray:
     """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget or bad sampling

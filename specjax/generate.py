@@ -27,7 +27,7 @@ import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import kv_cache, plain_step as decode, sampling
-from specjax.batching import capacity_for, prefill_chunks, prefill_plan, validate_requests
+from specjax.batching import capacity_for, prefill_chunks, prefill_plan, validate_requests, warmup_budget
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
 from specjax.head_weights import load_draft
@@ -309,11 +309,11 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
 
 
 def _timed(fn, max_new_tokens: int):
-    """fn(max_new_tokens=, capacity=) timed, after a 2-token warm-up over buffers of the same size: the warm-up
-    compiles (or loads) the very programs the timed call runs. Returns (result, seconds)."""
-    fn(max_new_tokens=min(2, max_new_tokens), capacity=max_new_tokens)
+    """fn(max_new_tokens=...) timed, after a warm-up call (``warmup_budget``) that compiles (or loads) the very
+    programs the timed call runs. Returns (result, seconds)."""
+    fn(**warmup_budget(max_new_tokens))
     t0 = time.perf_counter()
-    out = fn(max_new_tokens=max_new_tokens, capacity=max_new_tokens)
+    out = fn(max_new_tokens=max_new_tokens)
     return out, time.perf_counter() - t0
 
 

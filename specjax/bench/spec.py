@@ -217,6 +217,7 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
 
 
 def bench_spec(args) -> dict:
+    from specjax.batching import warmup_budget
     from specjax.generate import generate
     from specjax.kernels.tree_attention import make_cache_attention
     from specjax.speculative import draft as draft_lib, spec_step as step_lib
@@ -229,19 +230,19 @@ def bench_spec(args) -> dict:
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
     stop = tuple(tcfg.eos_token_ids)
     conf = dict(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
-    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=stop)
+    budget = dict(max_new_tokens=args.max_new_tokens)
 
-    def run_plain(p):
-        return generate(tparams, tcfg, [p], **kw)[0]
+    def run_plain(p, budget=budget):
+        return generate(tparams, tcfg, [p], stop_token_ids=stop, **budget)[0]
 
-    def run_spec(p):
-        return speculative_generate(tparams, tcfg, draft, [p], algorithm=alg,
-                                            attention_impl=args.attention_impl, **conf, **kw)
+    def run_spec(p, budget=budget):
+        return speculative_generate(tparams, tcfg, draft, [p], algorithm=alg, attention_impl=args.attention_impl,
+                                    stop_token_ids=stop, **conf, **budget)
 
     print(f"warming up (compiling every prompt shape) on {len(prompts)} prompts ...", file=sys.stderr, flush=True)
     for p in prompts:
-        run_plain(p)
-        run_spec(p)
+        run_plain(p, warmup_budget(args.max_new_tokens))
+        run_spec(p, warmup_budget(args.max_new_tokens))
     t0 = time.perf_counter()
     plain_out = [run_plain(p) for p in prompts]
     t_plain = time.perf_counter() - t0

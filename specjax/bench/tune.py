@@ -32,6 +32,7 @@ import time
 
 import jax
 
+from specjax.batching import warmup_budget
 from specjax.bench.common import TargetRunOptions, machine_description, write_json
 from specjax.bench.spec import load_prompts, load_target
 from specjax.cli import option, options_parser, parse_into
@@ -53,15 +54,16 @@ def _parse_shape(text: str) -> tuple[int, int, int]:
     return steps, topk, draft
 
 
-def _time_groups(run, groups, warm: bool = True) -> tuple[float, list[list[int]], int]:
-    """Seconds to run every group, outputs, verify steps; with ``warm``, every group runs once untimed first
-    (prompt lengths are bucketed, so groups may compile different shapes)."""
+def _time_groups(run, groups, max_new_tokens: int, warm: bool = True) -> tuple[float, list[list[int]], int]:
+    """Seconds to run every group (``run(group, max_new_tokens=...)``), outputs, verify steps; with ``warm``, every
+    group runs a warm-up call first (``warmup_budget``: prompt lengths are bucketed, so groups may compile different
+    shapes)."""
     for g in groups if warm else ():
-        run(g)
+        run(g, **warmup_budget(max_new_tokens))
     t0 = time.perf_counter()
     outs, steps = [], 0
     for g in groups:
-        o, s = run(g)
+        o, s = run(g, max_new_tokens=max_new_tokens)
         outs.extend(o)
         steps += s
     return time.perf_counter() - t0, outs, steps
@@ -78,27 +80,27 @@ def tune(args) -> dict:
                                                    token_map=args.speculative_token_map)
     draft = draft_lib.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
     prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
-    kw = dict(max_new_tokens=args.max_new_tokens, stop_token_ids=tuple(tcfg.eos_token_ids),
-              temperature=args.temperature, seed=args.seed)
+    kw = dict(stop_token_ids=tuple(tcfg.eos_token_ids), temperature=args.temperature, seed=args.seed)
     rows, best, best_spec = [], {}, {}
     for b in args.batch_sizes:
         groups = [prompts[i:i + b] for i in range(0, len(prompts) - b + 1, b)]
         if not groups:
             raise SystemExit(f"--num-prompts {len(prompts)} is smaller than batch size {b}")
         warm = not args.outputs_only
-        t, plain_out, _ = _time_groups(lambda g: (generate(tparams, tcfg, g, **kw), 0), groups, warm)
+        t, plain_out, _ = _time_groups(lambda g, **budget: (generate(tparams, tcfg, g, **kw, **budget), 0), groups,
+                                       args.max_new_tokens, warm)
         n = sum(len(o) for o in plain_out)
         plain = dict(batch_size=b, shape=None, tok_s=n / t, speedup=1.0, tau=1.0, identical=None)
         rows.append(plain)
         print(f"  B={b:<3d} plain      {plain['tok_s']:8.1f} tok/s", file=sys.stderr, flush=True)
         best[b] = plain
         for shape in args.shapes:
-            def run(g, shape=shape):
+            def run(g, shape=shape, **budget):
                 out, info = speculative_generate(
                     tparams, tcfg, draft, g, algorithm=args.algorithm, num_steps=shape[0], topk=shape[1],
-                    num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw)
+                    num_draft_tokens=shape[2], attention_impl=args.attention_impl, **kw, **budget)
                 return out, int(sum(info["verify_steps"]))
-            t, outs, steps = _time_groups(run, groups, warm)
+            t, outs, steps = _time_groups(run, groups, args.max_new_tokens, warm)
             # Each shape compiles a program per prompt bucket, and XLA:CPU maps memory for every kernel of every
             # live program: free this shape's before the next (a long sweep ran out of memory maps otherwise).
             jax.clear_caches()
