@@ -339,15 +339,17 @@ def speculative_demo(args, prompts: list[str]) -> int:
         **budget), args.max_new_tokens)
     _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
     n = sum(len(o) for o in outs)
-    print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, accept length {stats['tau']:.2f} "
-          f"tokens per verify step")
+    accept = (f"accept length {stats['tau']:.2f} tokens per verify step" if sum(stats["verify_steps"]) else
+              "no verify step (every answer ended with its first token)")
+    print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, {accept}")
     if args.no_compare:
         return 0
     plain, t_plain = _timed(lambda **budget: generate(params, cfg, ids, **kw, **budget), args.max_new_tokens)
     m = sum(len(o) for o in plain)
-    same = "identical" if plain == outs else ("differs (sampling)" if args.temperature > 0 else "DIFFERS")
+    same = ("identical to" if plain == outs else "differs (sampling) from" if args.temperature > 0 else
+            "DIFFERS from")
     print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {(n / t_spec) / (m / t_plain):.2f}x;"
-          f" output {same} to plain decoding")
+          f" output {same} plain decoding")
     return 0
 
 

@@ -5,6 +5,7 @@ so the whole file compiles the prefill and the decode loop once.
 """
 
 import json
+import re
 
 import jax
 import numpy as np
@@ -178,6 +179,25 @@ def test_cli(model_dir, capsys):
                  "--top-k", "5", "--top-p", "0.9", "--seed", "3", "--dtype", "float32"]) == 0
     out = capsys.readouterr().out
     assert "--- [0] w5 w6" in out and "--- [3] w9" in out
+
+
+def test_cli_speculative_comparison(model, model_dir, tmp_path, capsys):
+    """The README's first command on a tiny pair: with an EAGLE3 head, the CLI prints the answer, the EAGLE3 run's
+    tok/s and accept length, then the plain run's and that the greedy outputs are identical."""
+    from spec_models import random_models
+    from specjax.convert.head import export_head
+    cfg, _ = model
+    _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3)
+    head = str(tmp_path / "head")
+    export_head(hparams, hcfg, vmap, head, cfg)
+    args = ["--model", model_dir, "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", head,
+            "--speculative-num-steps", "2", "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3",
+            "--prompt", "w5 w6", "--chat"]
+    assert main(args + ["--max-new-tokens", "20"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"EAGLE3: \d+ tokens in [\d.]+ s = [\d.]+ tok/s, accept length [\d.]+ tokens per verify step", out)
+    assert re.search(r"plain: \d+ tokens in [\d.]+ s = [\d.]+ tok/s; speedup [\d.]+x; output identical to plain "
+                     r"decoding", out)
 
 
 def test_cli_errors(tmp_path, capsys, monkeypatch):
