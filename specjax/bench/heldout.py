@@ -25,6 +25,7 @@ import numpy as np
 
 from specjax.cli import from_namespace, option, options_parser
 from specjax.head_weights import load_eagle3_head
+from specjax.models import target
 from specjax.sharding import make_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
@@ -108,6 +109,7 @@ def main(argv=None) -> int:
         print(f"predicted chain accept length: {predicted:.3f} served ({per_position:.3f} averaged over positions)")
         return 0
     prompts = first_turn_prompts(eval_data, args.max_prompts)
+    tparams = target.unstack_layers(tparams)  # the decode layout once, not in every call below
     draft = make_draft("EAGLE3", hcfg.replace(dtype=tcfg.dtype), jax.tree.map(
         lambda x: x.astype(tcfg.dtype), hparams), tparams, vmap)
     done = steps = 0
