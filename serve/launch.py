@@ -208,7 +208,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
     from transformers import AutoTokenizer
 
-
     t0 = time.perf_counter()
     for line in args.notices():
         log.warning(line)
