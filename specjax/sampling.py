@@ -196,7 +196,8 @@ class SamplingBatch:
             top_ids=np.zeros((batch, width, TOP_LOGPROBS), np.int32),
             top_logprobs=np.zeros((batch, width, TOP_LOGPROBS), np.float32))
         defaults.update(a)
-        return cls(**{k: jnp.asarray(v) for k, v in defaults.items()})
+        # device_put, not jnp.asarray: in JAX 0.10 the latter compiles a staging program per new shape (13 here)
+        return cls(**{k: jax.device_put(v) for k, v in defaults.items()})
 
     @property
     def greedy(self):
