@@ -20,16 +20,26 @@ class TargetRunOptions:
                                  help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
 
 
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo (Linux), else None."""
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("model name"):
+                if line.split(":", 1)[0].strip() == field:
                     return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it is not available)."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def machine_description() -> str:

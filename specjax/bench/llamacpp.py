@@ -22,6 +22,8 @@ import urllib.request
 
 import numpy as np
 
+from .common import cpu_flags
+
 
 def _load():
     try:
@@ -43,7 +45,12 @@ class LlamaCppRunner:
     def __init__(self, gguf_path: str, prompts: list[list[int]], threads: int, max_new_tokens: int):
         lib = self.lib = _load()
         self.prompts, self.b, self.plen = prompts, len(prompts), len(prompts[0])
-        self.model = lib.llama_model_load_from_file(gguf_path.encode(), lib.llama_model_default_params())
+        mp = lib.llama_model_default_params()
+        # On CPUs with AMX, llama.cpp repacks quantised weights (Q4_1 here) for its AMX int8 kernels, which crashed
+        # the process (SIGSEGV) on a 32-token prompt batch on a 2-core Xeon VM with amx_int8; its plain CPU kernels
+        # run instead there. F32 and BF16 weights never use those buffers, so their figures are unaffected.
+        mp.use_extra_bufts = "amx_int8" not in cpu_flags()
+        self.model = lib.llama_model_load_from_file(gguf_path.encode(), mp)
         if not self.model:
             raise SystemExit(f"error: llama.cpp could not load {gguf_path}")
         cp = lib.llama_context_default_params()
