@@ -8,6 +8,9 @@
     llm.shutdown()
 
 Keyword arguments are ServerArgs' fields (the same set as the command line flags, dashes -> underscores).
+Like ``python -m specjax.serve``, the Engine keeps its compiled programs in jax's persistent compilation cache
+(``hub.enable_compilation_cache``: ``~/.cache/specjax/xla``; ``SPECJAX_COMPILATION_CACHE=0`` turns it off), so the
+next process that builds the same Engine loads them instead of compiling them again.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import dataclasses
 import queue
 from typing import Any, Iterator
 
+from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
 from .args import ServerArgs
@@ -28,6 +32,7 @@ class Engine:
         kwargs.setdefault("log_level", "warning")
         self.server_args = ServerArgs.from_kwargs(**kwargs).validate()
         setup_logging(self.server_args.log_level)
+        enable_compilation_cache()
         self.backend = build(self.server_args)
         self.tokenizer = self.backend.tokenizer
         if not self.server_args.skip_server_warmup:

@@ -25,6 +25,7 @@ from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
 from specjax.safetensors_io import CheckpointIndex, load_file
+from specjax.weights import on_device
 
 
 class HeadFormatError(ValueError):
@@ -143,7 +144,7 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
                                   f"config")
         consumed.add(key)
         a = from_hf(np.asarray(ckpt.tensor(raw[key])))
-        return jnp.asarray(a).astype(stored_matrix_dtype(a, dt))
+        return on_device(a, stored_matrix_dtype(a, dt))
 
     top = {field: need(key, shape, from_hf) for key, (field, shape, _, from_hf) in top_table(head_cfg).items()}
     lays = []
@@ -174,7 +175,7 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
         raise HeadFormatError(f"head {path} has tensors this {head_cfg.num_layers}-layer EAGLE3 head does not use: "
                               f"{leftover[:8]}{' ...' if len(leftover) > 8 else ''}")
     params = Eagle3Params(fc=top["fc"], layers=lays, norm=top["norm"], lm_head=top["lm_head"])
-    return head_cfg, params, VocabMap(d2t=jnp.asarray(d2t, jnp.int32), t2d=jnp.asarray(t2d))
+    return head_cfg, params, VocabMap(d2t=on_device(d2t, np.int32), t2d=on_device(t2d, bool))
 
 
 # ---- EAGLE ------------------------------------------------------------------------------------------------------
@@ -218,7 +219,7 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: eagle.EagleConfig) -> ea
         used.add(key)
         return a.astype(np.float32)
 
-    put = lambda a: jnp.asarray(a, dt)
+    put = lambda a: on_device(a, dt)
     fc = put(need("fc.weight", (h, 2 * h)).T)
     fc_b = put(need("fc.bias", (h,)))
     lays = []

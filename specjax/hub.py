@@ -49,8 +49,9 @@ def default_cache_dir() -> str:
 
 
 def enable_compilation_cache() -> str | None:
-    """Keep the compiled XLA programs of a CLI run for the next one (jax's persistent compilation cache), in
-    ``<cache>/xla``: a second ``generate``, ``serve`` or ``train`` start loads the programs the first compiled.
+    """Keep the compiled XLA programs of a CLI run or an ``Engine`` for the next one (jax's persistent compilation
+    cache), in ``<cache>/xla``: a second ``generate``, ``serve``, ``train`` or ``Engine`` start loads the programs the
+    first compiled.
     jax's own ``JAX_COMPILATION_CACHE_DIR``, when set, names the folder instead; ``SPECJAX_COMPILATION_CACHE=0`` turns
     it off. Programs that compiled in under a second are not kept (jax's default). Returns the folder, or None."""
     if os.environ.get("SPECJAX_COMPILATION_CACHE", "1") == "0":

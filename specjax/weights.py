@@ -85,7 +85,7 @@ def param_shardings(cfg: ModelConfig, mesh: Mesh | None, rules=None):
         shapes, axes, is_leaf=lambda x: isinstance(x, tuple) and all(isinstance(e, str) for e in x))
 
 
-def _on_device(host: np.ndarray, dtype) -> jax.Array:
+def on_device(host: np.ndarray, dtype) -> jax.Array:
     """A host tensor as a ``dtype`` array on the default device (uncommitted). ``device_put``, not ``jnp.asarray``,
     which in JAX 0.10 compiles a staging program for every new shape."""
     return jax.device_put(np.asarray(host, dtype=dtype))
@@ -94,7 +94,7 @@ def _on_device(host: np.ndarray, dtype) -> jax.Array:
 def _place(global_shape, dtype, sharding, read: Callable[[tuple], np.ndarray]):
     """Build a (possibly sharded) array from a host reader of index tuples, reading only what each device needs."""
     if sharding is None:
-        return _on_device(read(tuple(slice(None) for _ in global_shape)), dtype)
+        return on_device(read(tuple(slice(None) for _ in global_shape)), dtype)
     return jax.make_array_from_callback(
         global_shape, sharding, lambda idx: np.asarray(read(idx), dtype=dtype))
 
@@ -151,7 +151,7 @@ def load_target_params(path: str, cfg: ModelConfig, mesh: Mesh | None = None, ru
                            f"is config.json the right one for these weights?")
     params = target.TargetParams(embed=embed, layers=None, final_norm=final_norm, lm_head=lm_head)
     if layout == "decode" and mesh is None:
-        layers = [target.LayerParams(**{field: _on_device(fn(ckpt.tensor(lkeys[i])), dtype)
+        layers = [target.LayerParams(**{field: on_device(fn(ckpt.tensor(lkeys[i])), dtype)
                                         for field, (lkeys, fn) in layer_keys.items()}) for i in range(cfg.num_layers)]
         return target.decode_layout(params, layers)
 

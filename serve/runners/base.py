@@ -111,7 +111,7 @@ class RunnerCommon:
         self._lengths[active] = 0
         state, _, _ = self.step(state, active, **step_kw)
         self._lengths[active] = 0
-        lengths = jnp.where(jnp.asarray(active), 0, state.cache.lengths)
+        lengths = jnp.where(jax.device_put(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
 
     def warm_prefills(self, state):

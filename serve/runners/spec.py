@@ -192,7 +192,7 @@ class SpecRunner(RunnerCommon):
         row = sampling_lib.SamplingRow.coerce(row)
         batch = sampling_lib.SamplingBatch.from_rows([row], self.target_cfg.vocab_size, [tokens],
                                                      width=self.tokens_per_step, seeds=[self._seeds.next(row)])
-        state = _begin_slot(state, jnp.int32(slot), jnp.asarray(page_row, jnp.int32), jnp.int32(start), batch)
+        state = _begin_slot(state, jnp.int32(slot), np.asarray(page_row, np.int32), jnp.int32(start), batch)
         rest = tokens[start:]
         nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
         first = 0
@@ -209,9 +209,8 @@ class SpecRunner(RunnerCommon):
             is_last = pos + m >= len(rest)
             with use_mesh(self.mesh):
                 state, f = _prefill_slot(self.target_params, self.target_cfg, self.prefill_draft,
-                                         self.scfg.for_prefill(), state, jnp.int32(slot), jnp.asarray(toks),
-                                         jnp.asarray(nxt), jnp.asarray(valid), jnp.asarray([is_last]),
-                                         jnp.asarray([int(cached)], jnp.int32))
+                                         self.scfg.for_prefill(), state, jnp.int32(slot), toks, nxt, valid,
+                                         np.asarray([is_last]), np.asarray([int(cached)], np.int32))
             if is_last:
                 first = int(f)
             pos += m

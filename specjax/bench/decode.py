@@ -15,8 +15,8 @@ The first specjax call of each shape compiles and is not timed; HF gets one unti
 dequantised to the bench's dtype), with the same thread count, its batched decode included, and, at batch 1, the
 Q4_1 file itself (what a CPU user of llama.cpp runs). It also checks that its greedy tokens are specjax's.
 Each engine's "of limit" is weight bytes per step x decode steps/s over the read bandwidth measured in the run: the
-larger of one XLA matrix-vector product over a 256 MiB matrix (one core) and the same bytes streamed by the engines'
-thread count (``streaming_bandwidth``; two cores of the project's VM read far more than one).
+larger of one XLA matrix-vector product over a 256 MiB matrix (on every core the process may use: ``--threads T`` pins
+it to T cores) and the same bytes streamed by the engines' thread count (``streaming_bandwidth``).
 
 ``--random-llama-8b`` measures what a GPU/TPU can do on a Llama-3.1-8B-shaped model with random bf16 weights: batch-1
 decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
@@ -128,8 +128,14 @@ def _rates(batch: int, n: int, t_full: float, t_first: float) -> dict:
 
 
 def set_cpu_threads(n: int) -> None:
-    """Limit torch, XLA:CPU and specjax's CPU kernels to ``n`` threads. XLA reads its flags when the backend starts,
-    so this must run before the first JAX computation (``main`` calls it first)."""
+    """Limit torch, XLA:CPU and specjax's CPU kernels to ``n`` threads, and (Linux) the process to ``n`` cores, so that
+    every engine and the bandwidth measurements run on the same cores: XLA:CPU in JAX 0.10 spreads one large
+    matrix-vector product over every core whatever ``intra_op_parallelism_threads`` says (33.6 GB/s on two cores of
+    the Intel VM, 16.8 GB/s pinned to one). XLA reads its flags when the backend starts and the pools inherit the
+    affinity when they start, so this must run before the first JAX computation (``main`` calls it first)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
+    if 0 < n < len(cores):
+        os.sched_setaffinity(0, cores[:n])
     os.environ["SPECJAX_CPU_THREADS"] = str(n)  # read when kernels.cpu_dense loads its library
     flags = os.environ.get("XLA_FLAGS", "")
     flags += f" --xla_cpu_multi_thread_eigen={'false' if n == 1 else 'true'} intra_op_parallelism_threads={n}"
@@ -320,8 +326,8 @@ def read_bandwidth(mib: int, repeats: int = 10) -> float:
 def streaming_bandwidth(mib: int, threads: int, repeats: int = 5) -> float:
     """Bytes/s with which ``threads`` CPU threads together read ``mib`` MiB of float32, each a dot product of its own
     share with itself (numpy releases the GIL): what the machine's memory gives an engine using that many threads.
-    XLA:CPU runs each matrix-vector product on one thread, so ``read_bandwidth`` alone is a one-core figure, below
-    what llama.cpp's threads read together (docs/benchmarks.md, fifteenth session)."""
+    On some CPUs XLA's product reads less than the engines' threads do together (docs/benchmarks.md, fifteenth
+    session), so the limit is the larger of the two."""
     import threading
 
     import numpy as np
@@ -424,9 +430,10 @@ class DecodeOptions:
     layers: int | None = option(None, help="with --random-llama-8b: override the 32 layers")
     copy_mib: int | None = option(None, help="buffer size of the bandwidth measurement (default 1024 on "
                                              "accelerators, 256 on CPU); both modes report the weight-read limit")
-    threads: int | None = option(None, help="CPU threads for both engines (torch.set_num_threads and XLA's intra-op "
-                                            "pool); default: each library's own choice. On a shared, oversubscribed "
-                                            "CPU, 1 gives stable numbers")
+    threads: int | None = option(None, help="CPU threads for every engine (torch.set_num_threads, XLA's intra-op "
+                                            "pool, llama.cpp's threads), the process pinned to that many cores (Linux); "
+                                            "default: each library's own choice. On a shared, oversubscribed CPU, 1 "
+                                            "gives stable numbers")
     json: str | None = option(None, metavar="OUT", help="also write the results as JSON")
 
 

@@ -59,7 +59,7 @@ class LlamaCppRunner:
         cp.n_batch = cp.n_ubatch = max(512, self.b * self.plen)
         cp.n_threads = cp.n_threads_batch = threads
         self.ctx = lib.llama_init_from_model(self.model, cp)
-        self.vocab = lib.llama_n_vocab(lib.llama_model_get_vocab(self.model))
+        self.vocab = lib.llama_vocab_n_tokens(lib.llama_model_get_vocab(self.model))
         self.batch = lib.llama_batch_init(self.b * self.plen, 0, 1)
 
     def _decode(self, items) -> list[int]:
