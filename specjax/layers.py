@@ -7,6 +7,7 @@ Axis letters used in einsums and shape comments throughout specjax:
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any, Callable
 
@@ -200,8 +201,37 @@ def half_dot(x, w, *, dims: str = "cd,do->co"):
     x2 = x.reshape(rows, x.shape[-1])
     if rows == 1:
         x2 = jnp.concatenate([x2, x2])
-    y = jnp.einsum(dims, x2, w, preferred_element_type=jnp.float32)[:rows]
+    y = _half_einsum(x2, w, dims)[:rows]
     return y.reshape(*x.shape[:-1], y.shape[-1])
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _half_einsum(x, w, dims: str):
+    """``einsum(dims, x, w)`` of half-precision operands accumulated in f32 (``half_dot``), whose gradients are the
+    same kind of product: the f32 cotangent is rounded to the operands' dtype first, as a TPU's bf16 training step
+    feeds its MXU. Without that, each backward product mixes f32 and bf16, which XLA:CPU runs as an f32 dot at a
+    fifth of the rate (on an AMX Xeon, 0.3 against 1.4 TFLOP/s for 2048^3; docs/benchmarks.md, thirty-seventh
+    session). ``dims``: "ab,bc->ac"-like, every index in exactly two of the three terms."""
+    return jnp.einsum(dims, x, w, preferred_element_type=jnp.float32)
+
+
+def _half_einsum_fwd(x, w, dims):
+    return _half_einsum(x, w, dims), (x, w)
+
+
+def _half_einsum_bwd(dims, res, g):
+    x, w = res
+    (a, b), c = dims.split("->")[0].split(","), dims.split("->")[1]
+    g = g.astype(x.dtype)
+    dx = jnp.einsum(f"{c},{b}->{a}", g, w, preferred_element_type=jnp.float32).astype(x.dtype)
+    # dw contracts the rows, x's major axis: XLA:CPU (JAX 0.10) widens such a dot to f32 (0.2 TFLOP/s for SmolLM2's
+    # draft lm_head); with x transposed behind a barrier and a unit batch axis it keeps the bf16 product (3.5x faster)
+    xt = jax.lax.optimization_barrier(x.T)
+    dw = jnp.einsum(f"z{a[::-1]},z{c}->z{b}", xt[None], g[None], preferred_element_type=jnp.float32)[0]
+    return dx, dw.astype(w.dtype)
+
+
+_half_einsum.defvjp(_half_einsum_fwd, _half_einsum_bwd)
 
 
 def unembed(x, table):
@@ -225,8 +255,7 @@ def unembed(x, table):
             return cpu_dense.unembed(x.reshape(rows, x.shape[-1]), table).reshape(*x.shape[:-1], table.shape[0])
         return platforms.select(x, table, cpu=kernel, default=one_dot)
     if is_half(x, table):
-        return platforms.select(x, table, cpu=lambda x, t: half_dot(x, t, dims="cd,od->co"),
-                                          default=one_dot)
+        return platforms.select(x, table, cpu=_half_unembed, default=one_dot)
     if not 2 <= rows <= ROWWISE_MAX_ROWS:
         return one_dot(x, table)
 
@@ -236,6 +265,23 @@ def unembed(x, table):
         return y.T.reshape(*x.shape[:-1], table.shape[0])
 
     return platforms.select(x, table, cpu=one_pass, default=one_dot)
+
+
+def _half_unembed(x, table):
+    """``unembed``'s half-precision product on a CPU without specjax's kernels. For a decode step or a verified
+    tree (at most ``cpu_dense.MAX_TOKENS`` tokens per sequence) it runs two rows at a time, so every row gets the
+    bits of the one-row product (``half_dot`` computes one row as two), whatever the row count: YNNPACK's product
+    against a [V, D] table switched kernels at 8 rows on an AMX Xeon and changed the last bits of every row
+    (thirty-seventh session), which would let a tree row differ from a decode step's. Longer products (prefill,
+    training) stay one product."""
+    rows = math.prod(x.shape[:-1])
+    if rows <= 2 or cpu_dense.tokens_per_sequence(x) > cpu_dense.MAX_TOKENS:
+        return half_dot(x, table, dims="cd,od->co")
+    x2 = x.reshape(rows, x.shape[-1])
+    if rows % 2:
+        x2 = jnp.concatenate([x2, x2[-1:]])
+    y = jax.lax.map(lambda pair: half_dot(pair, table, dims="cd,od->co"), x2.reshape(-1, 2, x2.shape[-1]))
+    return y.reshape(-1, table.shape[0])[:rows].reshape(*x.shape[:-1], table.shape[0])
 
 
 def out_proj(o, wo):

@@ -278,3 +278,18 @@ def test_loss_gradient_flows_through_the_rollout():
     g = jax.grad(lambda p: ttt.ttt_forward(p, cfg, embed, aux, ids, lm, am, logits, vmap, ttt_length=2)[0])(params)
     for path, leaf in jax.tree_util.tree_flatten_with_path(g)[0]:
         assert np.abs(np.asarray(leaf)).sum() > 0, jax.tree_util.keystr(path)
+
+
+def test_soft_cross_entropy_matches_autodiff_of_log_softmax():
+    """The rollout's cross-entropy (one pass each way, a hand-written gradient) against autodiff of
+    -sum(p * log_softmax(logits)), including a row with no target mass (a position past the end)."""
+    rng = np.random.default_rng(0)
+    logits = jnp.asarray(rng.standard_normal((3, 5, VD)) * 3, jnp.float32)
+    p = jax.nn.softmax(jnp.asarray(rng.standard_normal((3, 5, VD)), jnp.float32), axis=-1).at[0, 1].set(0.0)
+    w = jnp.asarray(rng.standard_normal((3, 5)), jnp.float32)
+    ref = lambda lg: jnp.sum(w * -jnp.sum(p * jax.nn.log_softmax(lg, axis=-1), axis=-1))
+    got = lambda lg: jnp.sum(w * ttt.soft_cross_entropy(lg, p))
+    np.testing.assert_allclose(float(jax.jit(got)(logits)), float(ref(logits)), rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(jax.jit(jax.grad(got))(logits)), np.asarray(jax.grad(ref)(logits)),
+                               rtol=1e-4, atol=1e-6)
+    assert float(ttt.soft_cross_entropy(logits, p)[0, 1]) == 0.0

@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import layers
+from specjax import layers, sampling
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
 from specjax.sharding import constrain
@@ -107,8 +107,38 @@ def target_distribution(target_logits, vocab_map: VocabMap):
     restricted = jnp.take(target_logits, draft_to_target, axis=-1).astype(jnp.float32)  # f32[B, T, Vd]
     restricted = constrain(restricted, ("batch", "seq", "draft_vocab"))
     p = jax.nn.softmax(restricted, axis=-1)
-    top = jnp.argmax(target_logits, axis=-1).astype(jnp.int32)  # i32[B, T]
+    top = sampling.argmax(target_logits)  # i32[B, T]
     return p, top, vocab_map.t2d[top]
+
+
+@jax.custom_vjp
+def soft_cross_entropy(logits, p):
+    """-sum(p * log_softmax(logits)) over the last axis: f32[..., V] x f32[..., V] -> f32[...], differentiable in
+    ``logits`` only (``p``, the target's distribution, is data). Written as ``lse * sum(p) - sum(p * logits)`` with a
+    hand-written gradient ``g * (softmax(logits) * sum(p) - p)``: one pass over the [..., V] operands each way where
+    autodiff of ``log_softmax`` made several (each TTT step's [B, T, Vd] tensors are the largest of the rollout)."""
+    return _soft_ce_parts(logits, p)[0]
+
+
+def _soft_ce_parts(logits, p):
+    top = jax.lax.stop_gradient(jnp.max(logits, axis=-1, keepdims=True))
+    lse = top[..., 0] + jnp.log(jnp.sum(jnp.exp(logits - top), axis=-1))
+    mass = jnp.sum(p, axis=-1)
+    return lse * mass - jnp.sum(p * logits, axis=-1), lse, mass
+
+
+def _soft_ce_fwd(logits, p):
+    ce, lse, mass = _soft_ce_parts(logits, p)
+    return ce, (logits, p, lse, mass)
+
+
+def _soft_ce_bwd(res, g):
+    logits, p, lse, mass = res
+    d = g[..., None] * (jnp.exp(logits - lse[..., None]) * mass[..., None] - p)
+    return d, jnp.zeros_like(p)
+
+
+soft_cross_entropy.defvjp(_soft_ce_fwd, _soft_ce_bwd)
 
 
 def diagonal_attention(q, k0, v0, mask0, diag_k, diag_v, *, sm_scale: float):
@@ -134,6 +164,22 @@ def diagonal_attention(q, k0, v0, mask0, diag_k, diag_v, *, sm_scale: float):
         out = jnp.einsum("bkgts,bksh->bkgth", p[..., :e].astype(v0.dtype), v0k[:, :, :e])
         outs.append(out + jnp.einsum("bkgti,btkih->bkgth", p[..., e:].astype(diag_v.dtype), diag_v[:, a:z]))
     return layers.merge_kv_heads(outs)
+
+
+def _step_outputs(head_params: Eagle3Params, head_cfg: Eagle3Config, h, p_all, s: int):
+    """(cross-entropy f32[B, T], draft argmax i32[B, T]) of one TTT step whose positions t predict x_{t+s+1}:
+    p_all[:, t + s] is the target at t. Only the T - s positions with a target get logits (the rest are 0, masked
+    out by the caller), so neither the [B, T, Vd] target nor the logits are shifted or padded, only [B, T] rows."""
+    b, t = h.shape[:2]
+    n = t - s
+    if n <= 0:
+        return jnp.zeros((b, t), jnp.float32), jnp.zeros((b, t), jnp.int32)
+    logits = eagle3.draft_logits(head_params, head_cfg, h[:, :n])  # f32[B, n, Vd]
+    logits = constrain(logits, ("batch", "seq", "draft_vocab"))
+    ce = soft_cross_entropy(logits, p_all[:, s:])
+    pred = sampling.argmax(jax.lax.stop_gradient(logits))  # draft ids
+    pad = ((0, 0), (0, s))
+    return jnp.pad(ce, pad), jnp.pad(pred, pad)
 
 
 def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
@@ -188,16 +234,11 @@ def ttt_rollout(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
             x_h = eagle3.finish_layer(lp, head_cfg, x_h, o)  # [B, T, H]
             x_h = constrain(x_h, ("batch", "seq", "embed"))
         h = x_h  # fed to the next step before the final norm
-        logits = eagle3.draft_logits(head_params, head_cfg, h)  # f32[B, T, Vd]
-        logits = constrain(logits, ("batch", "seq", "draft_vocab"))
-
-        p = shift_left(p_all, s)  # f32[B, T, Vd]
+        ce, pred = _step_outputs(head_params, head_cfg, h, p_all, s)  # f32[B, T], i32[B, T]
         top = shift_left(top_all, s)  # i32[B, T]
         lm = shift_left(loss_mask, s)  # f32[B, T]
         position_mask = lm * shift_left(in_draft_all, s, False).astype(jnp.float32)
-        ce = -jnp.sum(p * jax.nn.log_softmax(logits, axis=-1), axis=-1)  # f32[B, T]
         ce_sum = jnp.sum(position_mask * ce)
-        pred = jnp.argmax(logits, axis=-1).astype(jnp.int32)  # i32[B, T] draft ids
         hit = lm * ((pred + d2t[pred]) == top).astype(jnp.float32)  # f32[B, T]
         correct = jnp.sum(hit)
         run = run * hit
