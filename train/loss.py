@@ -46,7 +46,7 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 
-from specjax import layers, sampling
+from specjax import layers, platforms, sampling
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
 from specjax.sharding import constrain
@@ -95,6 +95,13 @@ def serving_rounds(lead, start):
     return jnp.sum(cnt[:, 0]), jnp.sum(tok[:, 0])
 
 
+def _columns_cpu(x, ids):
+    """x[..., ids] on a CPU by take_along_axis: XLA:CPU wrote ``take``'s gather as [Vd, B, T] and transposed it
+    (54 -> 26 ms with the softmax after it, SmolLM2 at B x T = 512). Elsewhere ``take`` stays: this form's
+    broadcast index array is as large as its output (0.5 GB for a 7B recipe's micro-batch)."""
+    return jnp.take_along_axis(x, jnp.broadcast_to(ids, x.shape[:-1] + ids.shape), axis=-1)
+
+
 def target_distribution(target_logits, vocab_map: VocabMap):
     """The target side of the loss, per (unshifted) position.
 
@@ -104,10 +111,8 @@ def target_distribution(target_logits, vocab_map: VocabMap):
     """
     vd = vocab_map.d2t.shape[0]
     draft_to_target = jnp.arange(vd, dtype=jnp.int32) + vocab_map.d2t.astype(jnp.int32)  # i32[Vd]
-    # take_along_axis, not take: XLA:CPU wrote take's gather as [Vd, B, T] and transposed it (54 -> 26 ms with the
-    # softmax, SmolLM2 at B x T = 512)
-    ids = jnp.broadcast_to(draft_to_target, target_logits.shape[:-1] + draft_to_target.shape)
-    restricted = jnp.take_along_axis(target_logits, ids, axis=-1).astype(jnp.float32)  # f32[B, T, Vd]
+    restricted = platforms.select(target_logits, draft_to_target, cpu=_columns_cpu,
+                                  default=lambda x, ids: jnp.take(x, ids, axis=-1)).astype(jnp.float32)  # [B, T, Vd]
     restricted = constrain(restricted, ("batch", "seq", "draft_vocab"))
     p = jax.nn.softmax(restricted, axis=-1)
     top = sampling.argmax(target_logits)  # i32[B, T]
