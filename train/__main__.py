@@ -167,17 +167,10 @@ class NonFiniteGuard:
                 f"training.max_nonfinite_steps={self.limit}); each was skipped, none reached the weights")
 
 
-# Dense bf16 peak FLOP/s per device, for MFU (None: unknown device, MFU not reported).
-PEAK_FLOPS = {"TPU v4": 275e12, "TPU v5 lite": 197e12, "TPU v5e": 197e12, "TPU v5p": 459e12, "TPU v5": 459e12,
-              "TPU v6 lite": 918e12, "TPU v6e": 918e12, "H100": 989e12, "H200": 989e12, "A100": 312e12}
-
-
 def peak_flops(device) -> float | None:
-    kind = getattr(device, "device_kind", "")
-    for name in sorted(PEAK_FLOPS, key=len, reverse=True):
-        if name.lower() in kind.lower():
-            return PEAK_FLOPS[name]
-    return None
+    """Dense bf16 peak FLOP/s of ``device`` for MFU (None: unknown device, MFU not reported)."""
+    found = step_lib.peak_tflops(getattr(device, "device_kind", ""))
+    return None if found is None else found[0] * 1e12
 
 
 def head_config(cfg, target_cfg):

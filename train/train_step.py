@@ -457,6 +457,20 @@ def make_feature_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh 
 
 
 # ---- FLOPs -----------------------------------------------------------------------------------------------------------
+# Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins): the MFU
+# denominator of the trainer and of ``bench train``.
+PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
+               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
+
+
+def peak_tflops(device_kind: str) -> tuple[float, str] | None:
+    """(dense bf16 peak TFLOP/s, the table's name for it) of a device kind, or None when the table lacks it."""
+    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
+        if name.lower() in device_kind.lower():
+            return PEAK_TFLOPS[name], name
+    return None
+
+
 def estimate_flops_per_token(target_cfg: ModelConfig, head_cfg: Eagle3Config, seq_len: int, ttt_length: int = 7,
                              *, include_target: bool = True) -> float:
     """Model FLOPs per training token (matmuls only, 2 per multiply-add, attention over the full T x T scores as

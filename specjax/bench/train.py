@@ -11,7 +11,7 @@ tokens with full attention and loss masks.
 
 FLOPs per token come from ``specjax.train.train_step.estimate_flops_per_token`` (frozen target forward + head
 forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
-per device from the table below by device kind, or ``--peak-tflops``. On a CPU the peak is measured in the same run:
+per device from ``train_step.PEAK_TFLOPS`` by device kind, or ``--peak-tflops``. On a CPU the peak is measured in the same run:
 the faster of one large fp32 matmul and one of bf16 operands accumulated in f32 (what the CPU can do at best; on an
 AMX Xeon the bf16 one is 5x the fp32 one). Every run also prints the fraction of each measured peak.
 """
@@ -29,9 +29,6 @@ from specjax import configs
 from specjax.bench.common import print_table
 from specjax.cli import option, parse_options
 
-# Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins).
-PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
-               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
 CPU_NOMINAL_TFLOPS = 1.0
 
 PRESETS = {
@@ -64,9 +61,9 @@ def measured_matmul_tflops(dtype: str, n: int | None = None, repeats: int = 3) -
 
 
 def peak_tflops(device_kind: str, platform: str) -> tuple[float, str]:
-    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if name.lower() in device_kind.lower():
-            return PEAK_TFLOPS[name], f"{name} dense bf16"
+    from specjax.train.train_step import peak_tflops as table_peak
+    if found := table_peak(device_kind):
+        return found[0], f"{found[1]} dense bf16"
     if platform == "cpu":
         return CPU_NOMINAL_TFLOPS, "nominal CPU figure (not a real peak)"
     return float("nan"), f"unknown device {device_kind!r}: pass --peak-tflops"
