@@ -143,7 +143,7 @@ def _soft_ce_fwd(logits, p):
 def _soft_ce_bwd(res, g):
     logits, p, lse, mass = res
     d = g[..., None] * (jnp.exp(logits - lse[..., None]) * mass[..., None] - p)
-    return d, jnp.zeros_like(p)
+    return d, None  # p is data: no cotangent (None: a symbolic zero, nothing written)
 
 
 soft_cross_entropy.defvjp(_soft_ce_fwd, _soft_ce_bwd)
