@@ -25,6 +25,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
 from specjax.config import ModelConfig
+from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
@@ -252,6 +253,7 @@ def main(argv=None) -> int:
     cfg = got[1]
     enable_compilation_cache()  # a restarted run (preemption, resume) loads its compiled steps
     init_distributed(cfg.multihost)
+    reuse_cpu_temps()  # on a CPU: the steps' temporaries stay mapped from one step to the next
     log = Logger(cfg, jax.process_index() == 0)
     try:
         run = setup(cfg, log)

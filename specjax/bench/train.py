@@ -180,10 +180,12 @@ def main(argv=None) -> int:
 
     from specjax import weights
     from specjax.config import ModelConfig
+    from specjax.host import reuse_cpu_temps
     from specjax.models import eagle3, target
     from specjax.sharding import make_mesh
     from specjax.train import train_step as S
 
+    reuse_cpu_temps()  # as the trainer runs
     dev = jax.devices()[0]
     dtype = s["dtype"] or ("float32" if dev.platform == "cpu" else "bfloat16")
     tcfg = ModelConfig.from_hf_dict(hf, dtype=dtype)
