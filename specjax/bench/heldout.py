@@ -12,8 +12,9 @@
 2. Measured: each held-out conversation's first user turn is served with speculative decoding at
    (num_steps, topk, num_draft_tokens), greedy; tau = completion tokens / verify steps (SGLang's accept length).
 The ratio is taken against the prediction over the served view (``served_view``: the served conversations' first
-turns, cut at ``max_new_tokens`` answer tokens); the prediction over the whole split is printed beside it. With regenerated data (the target's own greedy answers) the two see the same
-tokens, so they should agree; the differences that remain are listed in docs/benchmarks.md.
+turns, cut at ``max_new_tokens`` answer tokens); the prediction over the whole split is printed beside it. With
+regenerated data (the target's own greedy answers) the two see the same tokens, so they should agree; the
+differences that remain are listed in docs/benchmarks.md.
 """
 
 from __future__ import annotations
