@@ -9,8 +9,8 @@ the kernel (docs/benchmarks.md, thirty-eighth session). ``reuse_cpu_temps`` make
   maps large blocks whatever its settings say);
 - glibc serves large blocks from the heap instead of ``mmap`` and does not trim the heap, so a freed buffer is reused
   by the next call.
-The SmolLM2 bf16 train step ran 10-18% faster (fp32 9%). Memory the process frees stays with it (its peak, as before). Not
-for servers: asynchronous dispatch lets their host work run beside the device's.
+The SmolLM2 bf16 train step ran 10-18% faster (fp32 9%). Memory the process frees stays with it (its peak, as
+before). Not for servers: asynchronous dispatch lets their host work run beside the device's.
 """
 
 from __future__ import annotations
