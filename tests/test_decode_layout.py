@@ -452,3 +452,28 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
         else:  # 10 rows: one fp32 dot, not ``dense``'s per-row products
             np.testing.assert_allclose(out.hidden[:, i], s.hidden[:, 0], rtol=1e-4, atol=1e-5)
             np.testing.assert_allclose(out.logits[:, i], s.logits, rtol=1e-4, atol=1e-4)
+
+
+def test_stacked_bits_forward_is_the_same():
+    """``target.stacked_bits`` (a bf16 stack held as uint16 bits for the training forward on a CPU) gives the bf16
+    stack's outputs bit for bit, on one device and sharded over tp; other dtypes are left as they are."""
+    from specjax import weights
+    from specjax.sharding import make_mesh
+    cfg = ModelConfig.from_hf_dict(HF, dtype="bfloat16")
+    params = target.init_params(cfg, jax.random.PRNGKey(0))
+    rng = np.random.default_rng(2)
+    toks = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 10)), jnp.int32)
+    pos = jnp.broadcast_to(jnp.arange(10, dtype=jnp.int32)[None], (2, 10))
+    fwd = jax.jit(lambda p: target.forward(p, cfg, toks, pos, aux_layers=(0, 2)))
+    mesh = make_mesh(dp=1, tp=2, devices=jax.devices()[:2])
+    for p in (params, weights.shard_params(params, cfg, mesh)):
+        ref = fwd(p)
+        bits = target.stacked_bits(p, cfg)
+        assert {str(w.dtype) for w in jax.tree.leaves(bits.layers)} == {"uint16"}
+        assert jax.tree.map(lambda w: w.sharding, bits.layers) == jax.tree.map(lambda w: w.sharding, p.layers)
+        out = fwd(bits)
+        np.testing.assert_array_equal(np.asarray(out.logits), np.asarray(ref.logits))
+        np.testing.assert_array_equal(np.asarray(out.aux, np.float32), np.asarray(ref.aux, np.float32))
+    f32 = ModelConfig.from_hf_dict(HF, dtype="float32")
+    p32 = target.init_params(f32, jax.random.PRNGKey(0))
+    assert target.stacked_bits(p32, f32) is p32

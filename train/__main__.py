@@ -355,6 +355,8 @@ def load_target(cfg: RunConfig, mesh, log: Logger):
         target_params = offline_lib.load_target_embeddings(model_dir, target_cfg, mesh)
     else:
         target_params = weights.load_target_params(model_dir, target_cfg, mesh)
+    if not offline_train:
+        target_params = target_lib.stacked_bits(target_params, target_cfg)  # a CPU's faster layer scan
     log.info(f"target {target_cfg.architecture} ({target_cfg.num_params() / 1e6:.0f}M params, {target_cfg.dtype}) "
              f"from {model_dir}")
     return model_dir, target_cfg, target_params

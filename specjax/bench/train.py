@@ -202,6 +202,7 @@ def main(argv=None) -> int:
     init = lambda k: target.init_params(tcfg, k)
     tparams = (jax.jit(init)(key) if mesh is None
                else jax.jit(init, out_shardings=weights.param_shardings(tcfg, mesh))(key))
+    tparams = target.stacked_bits(tparams, tcfg)  # as the trainer holds it
     used = np.arange(hcfg.draft_vocab_size) * (tcfg.vocab_size // hcfg.draft_vocab_size)
     vmap = eagle3.VocabMap.from_used_ids(used, tcfg.vocab_size)
     opt = S.make_optimizer(lr=1e-4, total_steps=1000, warmup_ratio=0.0)

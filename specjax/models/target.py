@@ -179,6 +179,34 @@ def embed_bits(embed) -> jax.Array | None:
     return jax.device_put(np.asarray(embed).view(np.uint16), embed.sharding if embed.committed else None)
 
 
+def stacked_bits(params: TargetParams, cfg: ModelConfig) -> TargetParams:
+    """The stacked layout as a CPU's layer scan reads it fastest: bf16/f16 layer stacks held as their uint16 bits
+    (``forward`` bitcasts each layer's slice back to ``cfg.dtype`` inside the scan). XLA:CPU converts a half-precision
+    stack that a scan slices to f32 whole on every call and each layer's slice back: about 110 ms of a bf16 SmolLM2
+    forward over 2 x 256 tokens, and a bitcast inside the program still copies the stack (docs/benchmarks.md,
+    thirty-seventh and thirty-eighth sessions). Call it once where the frozen target is held for training. Params on
+    other platforms (a TPU program has no such round trip), unstacked params and leaves of another dtype than
+    ``cfg.dtype`` are returned as they are; the bits keep each leaf's sharding."""
+    dtype = jnp.dtype(cfg.dtype)
+    if is_unstacked(params) or dtype not in kv_cache.HALF_DTYPES or not _all_on_cpu(params.layers):
+        return params
+    to_bits = lambda w: jax.lax.bitcast_convert_type(w, jnp.uint16) if w.dtype == dtype else w
+    shardings = jax.tree.map(lambda w: w.sharding, params.layers)
+    bits = jax.jit(lambda t: jax.tree.map(to_bits, t), out_shardings=shardings)(params.layers)
+    return dataclasses.replace(params, layers=bits)
+
+
+def _from_bits(lp: LayerParams, dtype) -> LayerParams:
+    """One layer's weights with ``stacked_bits``'s uint16 leaves read as ``dtype`` again (a bitcast)."""
+    return jax.tree.map(lambda w: jax.lax.bitcast_convert_type(w, dtype) if w.dtype == jnp.uint16 else w, lp)
+
+
+def _all_on_cpu(tree) -> bool:
+    leaves = jax.tree.leaves(tree)
+    return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
+               and all(d.platform == "cpu" for d in a.sharding.device_set) for a in leaves)
+
+
 def _on_one_device(tree) -> bool:
     leaves = jax.tree.leaves(tree)
     return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and len(a.sharding.device_set) == 1
@@ -244,7 +272,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
       written wherever ``mask`` lets a query see it (a decode step, a verified chain): attention then reads every key
       from the pool, so each query's result is the same bits as a one-token decode step at its position
       (``layers.paged_attention``).
-    params: stacked layers run under ``lax.scan``; unstacked ones (``unstack_layers``) run unrolled. Same outputs.
+    params: stacked layers run under ``lax.scan`` (as they are or as ``stacked_bits``); unstacked ones
+    (``unstack_layers``) run unrolled. Same outputs.
     """
     b, t = tokens.shape
     if valid is None:
@@ -274,6 +303,7 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     run_layer = _layer_call if unrolled else _layer
 
     def layer(h, lp, index, cache):
+        lp = _from_bits(lp, jnp.dtype(cfg.dtype))  # ``stacked_bits``
         return run_layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal, keys_in_pool)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
