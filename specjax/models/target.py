@@ -8,9 +8,9 @@
   the accepted path's K/V.
 Two layouts of the layer weights, one math:
 - stacked (``TargetParams.layers`` is one LayerParams with a leading L axis): layers run under one ``lax.scan``
-  (training, checkpoints, sharding specs; a trainer on a CPU holds half-precision stacks as bits, ``stacked_bits``). XLA copies each layer's matrices out of the stack on every scan step
-  (a dynamic-slice fusion feeds each dot), which is free next to a long sequence but doubles the bytes a
-  bandwidth-bound decode step moves;
+  (training, checkpoints, sharding specs; a trainer on a CPU holds half-precision stacks as bits, ``stacked_bits``).
+  XLA copies each layer's matrices out of the stack on every scan step (a dynamic-slice fusion feeds each dot), which
+  is free next to a long sequence but doubles the bytes a bandwidth-bound decode step moves;
 - unstacked (a tuple of per-layer LayerParams, ``unstack_layers``): the layers are unrolled and every dot reads its
   weight buffer in place. Decode paths (generation, the server, the speculative engine) use this layout.
 Attention is ``layers.attend``: over the paged cache it reads the cache in blocks of pages, only as many blocks as the
