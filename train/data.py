@@ -345,12 +345,16 @@ class TokenizedData:
         return self.tokens[a:b], self.loss_mask[a:b]
 
     def subset(self, idx: np.ndarray) -> "TokenizedData":
-        parts = [self.example(int(i)) for i in idx]
+        src = np.asarray([self.source_index(int(i)) for i in idx], np.int64)
+        return TokenizedData.from_examples([self.example(int(i)) for i in idx], dict(self.stats), src)
+
+    @classmethod
+    def from_examples(cls, parts, stats: dict, source: np.ndarray | None = None) -> "TokenizedData":
+        """Examples given as (tokens, loss_mask) pairs, concatenated."""
         lens = np.asarray([len(p[0]) for p in parts], np.int64)
         cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
-        src = np.asarray([self.source_index(int(i)) for i in idx], np.int64)
-        return TokenizedData(cat([p[0] for p in parts], np.int32), cat([p[1] for p in parts], np.uint8),
-                             np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), dict(self.stats), src)
+        return cls(cat([p[0] for p in parts], np.int32), cat([p[1] for p in parts], np.uint8),
+                   np.concatenate([[0], np.cumsum(lens)]).astype(np.int64), stats, source)
 
     def save(self, path: str) -> None:
         tmp = f"{path}.{os.getpid()}.tmp.npz"

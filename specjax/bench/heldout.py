@@ -74,16 +74,14 @@ def served_view(eval_data, limit: int, max_new_tokens: int) -> data_lib.Tokenize
     and after ``max_new_tokens`` answer tokens, so that the prediction walks exactly the tokens the server generates
     (a prediction over whole answers compared with 128 served tokens of 256-token answers read 0.87-0.88 where this
     view reads 1.0: docs/benchmarks.md, thirty-eighth session)."""
-    toks, masks, lens = [], [], []
+    parts = []
     for i in range(min(len(eval_data), limit)):
         t, m = eval_data.example(i)
         start = int(np.argmax(m > 0))
         turn = np.flatnonzero(m[start:] == 0)
         end = min(start + int(turn[0]) if len(turn) else len(t), start + max_new_tokens)
-        toks.append(t[:end]), masks.append(m[:end]), lens.append(end)
-    offsets = np.concatenate([[0], np.cumsum(lens)]).astype(np.int64)
-    cat = lambda xs, dt: np.concatenate(xs).astype(dt) if xs else np.zeros((0,), dt)
-    return data_lib.TokenizedData(cat(toks, np.int32), cat(masks, np.uint8), offsets, dict(eval_data.stats))
+        parts.append((t[:end], m[:end]))
+    return data_lib.TokenizedData.from_examples(parts, dict(eval_data.stats))
 
 
 def first_turn_prompts(eval_data, limit: int) -> list[list[int]]:

@@ -171,9 +171,7 @@ def embed_bits(embed) -> jax.Array | None:
     whole table, and a gather from bits bitcast inside the program still copies the table on every iteration of a
     loop (the plain and speculative generation loops, the draft tree's steps: 57 MB per lookup for SmolLM2); from
     these bits it reads the rows alone. None for other dtypes, devices and tracers."""
-    if embed.dtype not in kv_cache.HALF_DTYPES or not _on_one_device(embed):
-        return None
-    if next(iter(embed.sharding.device_set)).platform != "cpu":
+    if embed.dtype not in kv_cache.HALF_DTYPES or not (_on_one_device(embed) and _all_on_cpu(embed)):
         return None
     # as committed as the table: a committed leaf would commit every output of the programs it enters
     return jax.device_put(np.asarray(embed).view(np.uint16), embed.sharding if embed.committed else None)
@@ -201,16 +199,18 @@ def _from_bits(lp: LayerParams, dtype) -> LayerParams:
     return jax.tree.map(lambda w: jax.lax.bitcast_convert_type(w, dtype) if w.dtype == jnp.uint16 else w, lp)
 
 
+def _placed(tree, where: Callable[[set], bool]) -> bool:
+    """Every leaf a concrete array whose device set satisfies ``where``."""
+    return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and where(a.sharding.device_set)
+               for a in jax.tree.leaves(tree))
+
+
 def _all_on_cpu(tree) -> bool:
-    leaves = jax.tree.leaves(tree)
-    return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
-               and all(d.platform == "cpu" for d in a.sharding.device_set) for a in leaves)
+    return _placed(tree, lambda devices: all(d.platform == "cpu" for d in devices))
 
 
 def _on_one_device(tree) -> bool:
-    leaves = jax.tree.leaves(tree)
-    return all(isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer) and len(a.sharding.device_set) == 1
-               for a in leaves)
+    return _placed(tree, lambda devices: len(devices) == 1)
 
 
 def init_params(cfg: ModelConfig, key: jax.Array, scale: float = 0.02) -> TargetParams:
@@ -303,7 +303,8 @@ def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache:
     run_layer = _layer_call if unrolled else _layer
 
     def layer(h, lp, index, cache):
-        lp = _from_bits(lp, jnp.dtype(cfg.dtype))  # ``stacked_bits``
+        if not unrolled:
+            lp = _from_bits(lp, jnp.dtype(cfg.dtype))  # ``stacked_bits``
         return run_layer(cfg, lp, h, positions, mask, cache, index, cache_attention, write_valid, causal, keys_in_pool)
 
     x = constrain(embed_tokens(params, tokens).astype(jnp.dtype(cfg.dtype)), ("batch", "seq", "embed"))
