@@ -78,12 +78,16 @@ def test_training_learns(setup, train_fns):
     opt, step, _ = train_fns
     steps = STEPS
     state = S.init_train_state(hcfg, 0, opt)
+    tparams = jax.device_put(tparams, jax.devices()[0])  # committed, as the trainer's and bench train's targets
     ev = S.make_eval_step(tcfg, hcfg, ttt_length=TTT)
     ev_batch = _batch(data, 0, 1, 16)
     before = {k: float(v) for k, v in ev(state.params, tparams, vmap, ev_batch).items()}
     for i in range(steps):
         state, m = step(state, tparams, vmap, _batch(data, (i * 4) % 64, 1, 4))
         assert np.isfinite(float(m["loss"]))
+        if i == 0:
+            programs = step._cache_size()
+    assert step._cache_size() == programs, "the step compiled again for a state it returned (uncommitted first state)"
     after = {k: float(v) for k, v in ev(state.params, tparams, vmap, ev_batch).items()}
     assert int(state.step) == steps
     assert after["loss"] < 0.8 * before["loss"], (before["loss"], after["loss"])

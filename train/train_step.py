@@ -33,7 +33,7 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import optax
-from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P, SingleDeviceSharding
 
 from specjax import weights
 from specjax.config import ModelConfig
@@ -207,7 +207,9 @@ def init_train_state(head_cfg: Eagle3Config, key, optimizer, mesh: Mesh | None =
 def _jitted_init(head_cfg, optimizer, mesh, head_sharding):
     sh = train_state_shardings(head_cfg, optimizer, mesh, head_sharding)
     init = lambda k, p: _init_state(head_cfg, optimizer, k, p)
-    return jax.jit(init) if sh is None else jax.jit(init, out_shardings=sh)
+    # Without a mesh, committed to the default device like the step's outputs: an uncommitted first state made the
+    # step compile a second program for its second call (13-16 s for SmolLM2 on a CPU; docs/benchmarks.md).
+    return jax.jit(init, out_shardings=sh or SingleDeviceSharding(jax.devices()[0]))
 
 
 # ---- the step ------------------------------------------------------------------------------------------------------
