@@ -32,6 +32,9 @@ def test_model_mode_table(tmp_path, capsys):
     assert [r["batch"] for r in res["rows"]] == [2]
     for r in res["rows"]:
         assert r["specjax"]["generate_tok_s"] > 0 and r["hf"]["generate_tok_s"] > 0
+    res["read_bandwidth_Bps"] = 1.0  # an engine faster than the probes: the table says the limit is understated
+    bench.print_model_table(res)
+    assert "the limit is understated" in capsys.readouterr().out
 
 
 def test_also_dtype_runs_both_dtypes_in_one_run(tmp_path, capsys):
