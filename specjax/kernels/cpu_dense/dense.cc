@@ -316,10 +316,10 @@ void DenseChunk(const void* ctx, int k) {
   std::memset(acc, 0, j.rows * j.o_dim * sizeof(float));
   // Rows of w per pass over y. bf16 (read in column pairs): eight for up to three rows of x, four for more (the
   // 30-layer bf16 chain with L2 prefetches at 1 / 2 / 4 / 5 / 8 rows: 26-27 / 24 / 19 / 13 / 9.5 GB/s with eight,
-  // 25 / 23 / 21 / 19 / 15 with four; twenty-fifth session). fp32: sixteen for one row of x, eight for more (the
-  // fp32 chain at 2 / 4 / 8 rows: 18.3 / 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight, one row 15.5
-  // either way, twenty-second session; four no better, twenty-fifth). Passes of any length give the same bits: each
-  // column's sums are the same sequence of fmas.
+  // 25 / 23 / 21 / 19 / 15 with four; twenty-fifth session). fp32: eight (the fp32 chain at 2 / 4 / 8 rows: 18.3 /
+  // 18.2 / 23.1 ms with sixteen, 16.0 / 17.3 / 20.8 with eight, one row 15.5 either way on the Intel VM, twenty-second
+  // session; four no better, twenty-fifth; one row on one core of a Zen 5 VM 5-12% faster with eight than sixteen,
+  // thirty-ninth). Passes of any length give the same bits: each column's sums are the same sequence of fmas.
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (j.rows >= 4) DenseStream<T, 4>(j, acc, c0, c1, o_pair, o_vec);
     else DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
@@ -327,8 +327,7 @@ void DenseChunk(const void* ctx, int k) {
     UnpairColumns(acc, j.rows, j.o_dim, o_pair);
 #endif
   } else {
-    if (j.rows == 1) DenseStream<T, 16>(j, acc, c0, c1, o_pair, o_vec);
-    else DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
+    DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
   }
 }
 
