@@ -133,37 +133,33 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
 // slower per byte than fp32's in a decode step; docs/benchmarks.md, twenty-third session). The sums of columns
 // o..o+31 are kept in acc as [16 even columns, 16 odd ones] (``UnpairColumns`` restores the order at the end of a
 // chunk); each column's fmas are the same sequence as in DenseRows, so the bits are DenseRows' bits.
-template <int R, int B, int VP>
+template <int R, int B>
 inline void PairedGroup(const uint16_t* __restrict w, float* __restrict acc, const float (&xs)[R][B], int64_t O,
                         int64_t o, int64_t ahead) {
   using Pf = DensePrefetch<uint16_t, R>;
   const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  __m512 s[R][VP][2];
+  __m512 s[R][2];
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VP; ++v)
-      for (int h = 0; h < 2; ++h) s[r][v][h] = _mm512_loadu_ps(acc + r * O + o + v * 32 + h * kLanes);
+    for (int h = 0; h < 2; ++h) s[r][h] = _mm512_loadu_ps(acc + r * O + o + h * kLanes);
   for (int b = 0; b < B; ++b) {
-    __m512 even[VP], odd[VP];
-    for (int v = 0; v < VP; ++v) {
-      const uint16_t* p = w + b * O + o + v * 32;
-      const __m512i raw = _mm512_loadu_si512(p);
-      PrefetchAhead<Pf::kLocality>(p, ahead);
-      even[v] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-      odd[v] = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
-    }
+    const uint16_t* p = w + b * O + o;
+    const __m512i raw = _mm512_loadu_si512(p);
+    PrefetchAhead<Pf::kLocality>(p, ahead);
+    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(xs[r][b]);
-      for (int v = 0; v < VP; ++v) {
-        s[r][v][0] = _mm512_fmadd_ps(xb, even[v], s[r][v][0]);
-        s[r][v][1] = _mm512_fmadd_ps(xb, odd[v], s[r][v][1]);
-      }
+      s[r][0] = _mm512_fmadd_ps(xb, even, s[r][0]);
+      s[r][1] = _mm512_fmadd_ps(xb, odd, s[r][1]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int v = 0; v < VP; ++v)
-      for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + r * O + o + v * 32 + h * kLanes, s[r][v][h]);
+    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + r * O + o + h * kLanes, s[r][h]);
 }
 
+// One group of 32 columns at a time, for any rows of x: one row of x took two groups (64 columns, two lines of a
+// row of w) at a time until the Zen 5 VM streamed its bf16 products 4-7% faster with one (a C++ chain of
+// SmolLM2's 150 products; the one-thread bf16 decode step 80-88 -> 88-93 tok/s; thirty-ninth session).
 template <int R, int B>
 void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t r0, int64_t c, int64_t o_pair) {
   const int64_t O = j.o_dim;
@@ -172,10 +168,7 @@ void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t
   acc += r0 * O;
   float xs[R][B];
   BlockOfX<uint16_t, R, B>(j, r0, c, xs);
-  constexpr int VP = R == 1 ? 2 : 1;  // 64 columns (two lines of a row of w) per group for one row of x
-  int64_t o = 0;
-  for (; VP > 1 && o + VP * 32 <= o_pair; o += VP * 32) PairedGroup<R, B, VP>(w, acc, xs, O, o, ahead);
-  for (; o < o_pair; o += 32) PairedGroup<R, B, 1>(w, acc, xs, O, o, ahead);
+  for (int64_t o = 0; o < o_pair; o += 32) PairedGroup<R, B>(w, acc, xs, O, o, ahead);
 }
 
 // Columns 0..o_pair of each of ``rows`` rows of acc from [evens, odds] per 32 back to their order.
