@@ -249,7 +249,8 @@ def print_model_table(res: dict) -> None:
           f"measured in this run) / {wb / 1e6:.0f} MB of weights per decode step = "
           f"{bw / wb:.1f} steps/s; 'of limit' = decode steps/s / that; prefill tok/s = batch x prompt tokens / "
           f"the time to the first new token\n")
-    of_limit = lambda r, e: f"{100 * r[e]['decode_tok_s'] / r['batch'] * wb / bw:.0f}%"
+    read_Bps = lambda r, e: r[e]["decode_tok_s"] / r["batch"] * wb  # weight bytes per second engine e read
+    of_limit = lambda r, e: f"{100 * read_Bps(r, e) / bw:.0f}%"
     ratio = lambda r, e, key: f"{r['specjax'][key] / r[e][key]:.2f}x"
     columns = [("batch", lambda r: str(r["batch"])),
                ("specjax gen tok/s", lambda r: f"{r['specjax']['generate_tok_s']:.1f}"),
@@ -282,8 +283,7 @@ def print_model_table(res: dict) -> None:
     print("|" + "|".join("---:" for _ in columns) + "|")
     for r in res["rows"]:
         print("| " + " | ".join(cell(r) for _, cell in columns) + " |")
-    fastest = max(r[e]["decode_tok_s"] / r["batch"] * wb for r in res["rows"] for e in ("specjax", "llama.cpp")
-                  if e in r)
+    fastest = max(read_Bps(r, e) for r in res["rows"] for e in ("specjax", "llama.cpp") if e in r)
     if fastest > bw:
         print(f"\nnote: an engine read its weights at {fastest / 1e9:.1f} GB/s, faster than the probes above: on this "
               f"machine they measure less than the memory gives, so 'of limit' over 100% means the limit is "
