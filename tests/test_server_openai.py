@@ -3,6 +3,8 @@ stop strings (also across token boundaries), usage counts."""
 
 from __future__ import annotations
 
+import re
+
 import openai
 import pytest
 
@@ -178,3 +180,12 @@ def test_bench_serve_interleaved_levels_alternate(server, monkeypatch, capsys):
     with pytest.raises(SystemExit):  # --interleave without --launch: a usage error, not a silently ignored flag
         bench_serve.main(["--url", server.url, "--interleave"])
     assert "--interleave runs the servers of --launch" in capsys.readouterr().err
+    # --rounds: every level again, the order also reversed from round to round; the median and range of the ratios
+    order.clear()
+    assert bench_serve.main(["--launch", "plain,eagle3", "--interleave", "--model-path", "unused", "--draft",
+                             "unused", "--concurrency", "1", "2", "--num-prompts", "2", "--max-tokens", "4",
+                             "--prompts", "builtin", "--ignore-eos", "--warmup-requests", "0", "--rounds", "2"]) == 0
+    assert order == [("plain", 1), ("eagle3", 1), ("eagle3", 2), ("plain", 2),
+                     ("eagle3", 1), ("plain", 1), ("plain", 2), ("eagle3", 2)]
+    out = capsys.readouterr().out
+    assert "of 2 rounds" in out and re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\)", out)

@@ -266,3 +266,19 @@ def test_throughput_window_counts_the_last_ten_seconds(monkeypatch):
     assert m.throughput() == pytest.approx(24 / 9.0)
     clock[0] = 120.0
     assert m.throughput() == 0.0
+
+
+def test_bench_serve_rounds_report_the_median_round():
+    """``bench serve --rounds``: each level's row is its round of median output tokens/s (its own latencies), and
+    side by side the speedup is the median of the ratios of servers measured in the same round, with their range."""
+    from specjax.bench.serve import median_round, speedup_cell
+    rounds = [{"out_tok_per_s": t, "ttft_p50_ms": ms} for t, ms in ((100.0, 5.0), (80.0, 9.0), (120.0, 4.0))]
+    row = median_round(rounds)
+    assert row["out_tok_per_s"] == 100.0 and row["ttft_p50_ms"] == 5.0
+    assert row["rounds_out_tok_per_s"] == [100.0, 80.0, 120.0]
+    assert median_round(rounds[:2])["out_tok_per_s"] == 80.0 and "rounds_out_tok_per_s" not in median_round(rounds[:1])
+    base = dict(median_round([{"out_tok_per_s": t} for t in (100.0, 50.0, 100.0)]), interleaved=True)
+    spec = dict(median_round([{"out_tok_per_s": t} for t in (90.0, 60.0, 110.0)]), interleaved=True)
+    assert speedup_cell(spec, base) == "1.10x (0.90-1.20)"  # per round: 0.9, 1.2, 1.1
+    # servers launched one after another: their rounds were not side by side, so the ratio of the median rows
+    assert speedup_cell({k: v for k, v in spec.items() if k != "interleaved"}, base) == "0.90x"

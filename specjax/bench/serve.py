@@ -8,7 +8,10 @@ Requests go to /v1/chat/completions with streaming (each prompt is one user turn
 works. TTFT = time to the first chunk with text; TPOT = (last chunk - first chunk) / (completion tokens - 1) per
 request; ITL = gaps between text chunks (a speculative step may deliver several tokens in one chunk). With
 ``--launch`` each configuration gets its own server in turn, and the tables are printed side by side; with
-``--interleave`` too, all the servers start at once and every concurrency level runs them back to back.
+``--interleave`` too, all the servers start at once and every concurrency level runs them back to back. On a noisy
+machine ``--rounds N`` runs every level N times (interleaved: the servers back to back in each round, in alternating
+order) and reports each level's round of median output tokens/s; side by side, the median and range of the ratios
+of servers measured in the same round.
 """
 
 from __future__ import annotations
@@ -154,10 +157,30 @@ def served_model(url: str, headers: dict) -> str:
 
 
 def sweep(url: str, args) -> list[dict]:
-    """Warm the server up, then run each concurrency level in turn."""
+    """Warm the server up, then run each concurrency level in turn (``args.rounds`` times each)."""
     target = Target(url, args)
     target.warm()
-    return [target.level(c) for c in args.concurrency]
+    return [median_round([target.level(c) for _ in range(args.rounds)]) for c in args.concurrency]
+
+
+def median_round(rounds: list[dict]) -> dict:
+    """The row of the round with the median output tokens/s (its latencies from the same run; the lower median of
+    an even count), with every round's tokens/s in ``rounds_out_tok_per_s`` when there were several."""
+    row = dict(sorted(rounds, key=lambda r: r["out_tok_per_s"])[(len(rounds) - 1) // 2])
+    if len(rounds) > 1:
+        row["rounds_out_tok_per_s"] = [r["out_tok_per_s"] for r in rounds]
+    return row
+
+
+def speedup_cell(row: dict, base: dict) -> str:
+    """``row``'s output tokens/s over ``base``'s: with rounds measured side by side (``--interleave``), the median of
+    the per-round ratios and their range; else the ratio of the rows."""
+    a, b = row.get("rounds_out_tok_per_s"), base.get("rounds_out_tok_per_s")
+    if a and b and len(a) == len(b) and row.get("interleaved") and base.get("interleaved"):
+        ratios = [x / y for x, y in zip(a, b) if y]
+        if ratios:
+            return f"{float(np.median(ratios)):.2f}x ({min(ratios):.2f}-{max(ratios):.2f})"
+    return f"{row['out_tok_per_s'] / base['out_tok_per_s']:.2f}x" if base["out_tok_per_s"] else "-"
 
 
 class Target:
@@ -206,7 +229,10 @@ def print_side_by_side(results: dict[str, list[dict]]) -> None:
     names = list(results)
     base = names[0]
     spec = [n for n in names[1:] if any("accept_len" in r for r in results[n])]  # speculative servers report it
-    print(f"\nside by side (output tokens/s, TPOT p50 ms, accept length; speedup vs {base})")
+    rounds = max(len(r.get("rounds_out_tok_per_s", [0])) for rows in results.values() for r in rows)
+    how = f"; of {rounds} rounds, the median round, and the median (range) of the per-round speedups" \
+        if rounds > 1 else ""
+    print(f"\nside by side (output tokens/s, TPOT p50 ms, accept length; speedup vs {base}{how})")
     head = ["conc"] + [f"{n} tok/s" for n in names] + [f"{n} TPOT" for n in names] + [
         f"{n} accept" for n in spec] + [f"{n}/{base}" for n in names[1:]]
     rows = []
@@ -216,8 +242,7 @@ def print_side_by_side(results: dict[str, list[dict]]) -> None:
         row += [f"{results[n][i]['tpot_p50_ms']:.1f}" if i < len(results[n]) else "-" for n in names]
         row += [f"{results[n][i]['accept_len']:.2f}" if i < len(results[n]) and "accept_len" in results[n][i]
                 else "-" for n in spec]
-        row += [f"{results[n][i]['out_tok_per_s'] / c['out_tok_per_s']:.2f}x" if i < len(results[n]) and c[
-            'out_tok_per_s'] else "-" for n in names[1:]]
+        row += [speedup_cell(results[n][i], c) if i < len(results[n]) else "-" for n in names[1:]]
         rows.append(row)
     widths = [max(len(h), *(len(r[j]) for r in rows)) for j, h in enumerate(head)]
     print("| " + " | ".join(h.rjust(w) for h, w in zip(head, widths)) + " |")
@@ -295,16 +320,17 @@ def launch_and_sweep(name: str, args) -> list[dict]:
 
 def launch_interleaved(names: list[str], args) -> dict[str, list[dict]]:
     """Every configuration's server up at once; each concurrency level runs them back to back (in reverse order on
-    every other level), so a drifting machine shifts all of them alike."""
+    every other level and round), so a drifting machine shifts all of them alike; ``args.rounds`` times over."""
     with contextlib.ExitStack() as stack:
         targets = [Target(stack.enter_context(launched(n, args)), args, n) for n in names]
         for t in targets:
             t.warm()
-        results: dict[str, list[dict]] = {n: [] for n in names}
-        for i, c in enumerate(args.concurrency):
-            for t in targets if i % 2 == 0 else targets[::-1]:
-                results[t.name].append(t.level(c))
-        return results
+        runs: dict[str, list[list[dict]]] = {n: [[] for _ in args.concurrency] for n in names}
+        for r in range(args.rounds):
+            for i, c in enumerate(args.concurrency):
+                for t in targets if (i + r) % 2 == 0 else targets[::-1]:
+                    runs[t.name][i].append(t.level(c))
+        return {n: [dict(median_round(rounds), interleaved=True) for rounds in runs[n]] for n in names}
 
 
 _LAUNCH = "launch mode: start a server per configuration and compare"
@@ -322,6 +348,9 @@ class ServeBenchOptions:
     api_key: str | None = option(None, help="bearer key of the server, if it has one")
     warmup_requests: int = option(2, help="untimed requests before the sweep")
     request_timeout: float = option(600.0, help="seconds before a request counts as failed")
+    rounds: int = option(1, help="run every concurrency level this many times and report its round of median "
+                                 "output tokens/s (with --interleave: the servers back to back in each round; side "
+                                 "by side, the median and range of the per-round speedups)")
     json: str | None = option(None, help="also write the results here")
     launch: str | None = option(None, group=_LAUNCH, help="comma-separated configurations: plain, eagle3, eagle, "
                                 "each optionally with flags of its own after a colon, e.g. "
@@ -343,6 +372,8 @@ def main(argv=None) -> int:
     ap = options_parser(ServeBenchOptions, "python -m specjax.bench serve", __doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args = parse_into(ServeBenchOptions, ap, argv)
+    if args.rounds < 1:
+        ap.error("--rounds must be at least 1")
     if args.interleave and not args.launch:
         ap.error("--interleave runs the servers of --launch side by side; give --launch plain,eagle3 (or others)")
     if args.launch:
