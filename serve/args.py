@@ -31,8 +31,10 @@ class ArgsError(ConfigError):
 
 @dataclasses.dataclass
 class ServerArgs:
-    model_path: str = option("", flags=("--model",), required=True, group="model",
-                             help="HF-format model folder (config.json + *.safetensors) or hub id")
+    model_path: str = option("", flags=("--model",), group="model",
+                             help="HF-format model folder (config.json + *.safetensors) or hub id (none, and no "
+                                  "speculative flag: the default pair, SmolLM2-135M-Instruct with the packaged "
+                                  "EAGLE3 head)")
     tokenizer_path: str | None = option(None, group="model", help="tokenizer folder (default: the model folder)")
     served_model_name: str | None = option(None, group="model",
                                            help="name reported by /v1/models (default: model path)")

@@ -10,7 +10,9 @@ from types import SimpleNamespace
 
 import pytest
 
-from specjax.bench.serve import launch_flags
+from specjax.bench.serve import launch_flags, median_round, speedup_cell
+from specjax.heads import DEFAULT_HEAD
+from specjax.hub import default_smollm2_path
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import Request, RequestError, SamplingParams
@@ -74,6 +76,17 @@ def test_bench_serve_configuration_flags():
     assert ["--speculative-algorithm", "EAGLE3"] == eagle[6:8]
     with pytest.raises(SystemExit, match="unknown configuration 'medusa'"):
         launch_flags("medusa:--x", args)
+
+
+def test_cli_with_no_model_serves_the_default_pair():
+    """``python -m specjax.serve`` with no model and no speculative flag (server flags such as --port are fine)
+    serves the default pair, as the README says; a speculative flag without a model is still an error."""
+    for argv in ([], ["--port", "30111", "--log-level", "warning"]):
+        a = parse_args(argv)
+        assert (a.model_path, a.speculative_algorithm, a.speculative_draft_model_path) == (
+            default_smollm2_path(), "EAGLE3", DEFAULT_HEAD)
+    with pytest.raises(ArgsError, match="--model-path is required"):
+        parse_args(["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d"])
 
 
 def test_cli_help_and_error_exit():
@@ -271,7 +284,6 @@ def test_throughput_window_counts_the_last_ten_seconds(monkeypatch):
 def test_bench_serve_rounds_report_the_median_round():
     """``bench serve --rounds``: each level's row is its round of median output tokens/s (its own latencies), and
     side by side the speedup is the median of the ratios of servers measured in the same round, with their range."""
-    from specjax.bench.serve import median_round, speedup_cell
     rounds = [{"out_tok_per_s": t, "ttft_p50_ms": ms} for t, ms in ((100.0, 5.0), (80.0, 9.0), (120.0, 4.0))]
     row = median_round(rounds)
     assert row["out_tok_per_s"] == 100.0 and row["ttft_p50_ms"] == 5.0
