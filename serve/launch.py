@@ -27,7 +27,8 @@ from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
-from specjax.speculative.tune import TreeChoice
+from specjax.host import cpu_model
+from specjax.speculative.tune import TreeChoice, same_machine, tuned_on
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 from .args import ServerArgs
@@ -45,6 +46,18 @@ LLAMA3 = ("{{ bos_token }}{% for m in messages %}{{ '<|start_header_id|>' + m['r
           "m['content'] | trim + '<|eot_id|>' }}{% endfor %}{% if add_generation_prompt %}"
           "{{ '<|start_header_id|>assistant<|end_header_id|>\n\n' }}{% endif %}")
 BUILTIN_CHAT_TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama-3-instruct": LLAMA3, "llama3": LLAMA3}
+
+
+def warn_if_tuned_elsewhere(head: str, dtype: str | None) -> None:
+    """Say so when the head's tree table was measured on another kind of machine: the tree per batch size it
+    chose follows that machine's step costs (the live accept length re-decides it, the costs stay the table's)."""
+    found = tuned_on(head, dtype)
+    dev = jax.devices()[0]
+    accelerator = None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+    if found and not same_machine(found[1], cpu_model(), accelerator):
+        log.warning("the tree table %s was measured on %s, and this is %s: its tree step costs, and so the tree "
+                    "chosen per batch size, may not hold here; `python -m specjax.bench tune --draft %s` measures "
+                    "them on this machine", found[0], found[1], accelerator or f"a CPU ({cpu_model()})", head)
 
 
 def setup_logging(level: str) -> None:
@@ -259,6 +272,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                      "%s", args.speculative_draft_model_path,
                      ", ".join(f">={b}: {'plain' if s is None else s}"
                                for b, s in sorted(args.speculative_batch_shapes.items())))
+        if args.speculative_tree_costs or args.speculative_batch_shapes:
+            warn_if_tuned_elsewhere(args.speculative_draft_model_path, args.dtype)
     else:
         runner = PlainRunner(cfg, params, max_batch=max_running, pages_per_seq=pages_per_seq, page_size=z,
                              num_pages=num_pages, max_prefill_tokens=chunk, attention_impl=args.attention_impl,

@@ -11,6 +11,9 @@ the kernel (docs/benchmarks.md, thirty-eighth session). ``reuse_cpu_temps`` make
   by the next call.
 The SmolLM2 bf16 train step ran 10-18% faster (fp32 9%). Memory the process frees stays with it (its peak, as
 before). Not for servers: asynchronous dispatch lets their host work run beside the device's.
+
+And what the host is: ``cpu_model`` and ``cpu_flags`` (named beside every measured figure, and compared with the
+machine a head's tree table was tuned on).
 """
 
 from __future__ import annotations
@@ -25,6 +28,28 @@ import jax
 # glibc's mallopt parameters (malloc.h)
 M_TRIM_THRESHOLD = -1
 M_MMAP_MAX = -4
+
+
+def _cpuinfo(field: str) -> str | None:
+    """The first ``field`` line's value in /proc/cpuinfo (Linux), else None."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.split(":", 1)[0].strip() == field:
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def cpu_model() -> str:
+    """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
+    return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo names them (empty where it is not available)."""
+    return set((_cpuinfo("flags") or "").split())
 
 
 def reuse_cpu_temps() -> bool:

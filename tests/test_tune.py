@@ -3,12 +3,14 @@
 tree flag is given; explicit flags win; a damaged file is a clear error."""
 
 import json
+import logging
 import os
 
 import pytest
 from hf_tiny_models import build
 from spec_models import random_models
 
+from specjax.serve import launch
 from specjax.speculative import tune as tune_lib
 
 
@@ -70,6 +72,27 @@ def test_load_tune_costs_reads_the_best_trees_measured_rows(tmp_path):
     tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), bad)
     with pytest.raises(tune_lib.TuneError, match="not a valid"):
         tune_lib.load_tune_costs(str(tmp_path))
+
+
+def test_a_table_tuned_on_another_machine_is_named(tmp_path, monkeypatch, caplog):
+    """The server says when the head's tree table was measured on another kind of machine (its step costs chose
+    the tree per batch size), and how to measure this one's; not when it was measured here."""
+    intel = "2-core CPU (Intel(R) Xeon(R) Processor, x86_64), no accelerator, JAX 0.10.2 CPU"
+    assert tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", None)
+    assert not tune_lib.same_machine(intel, "AMD EPYC", None)
+    assert not tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", "NVIDIA H200")
+    assert tune_lib.same_machine("16-core CPU (AMD EPYC 9654, x86_64), 1 x NVIDIA H200, JAX 0.10.2 GPU", "x",
+                                 "NVIDIA H200")
+    assert tune_lib.tuned_on(str(tmp_path)) is None
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), {"format": 1, "machine": intel, "batch_sizes": {"1": None}})
+    assert tune_lib.tuned_on(str(tmp_path)) == (str(tmp_path / tune_lib.FILENAME), intel)
+    with caplog.at_level(logging.WARNING, logger="specjax.serve"):
+        monkeypatch.setattr(launch, "cpu_model", lambda: "Intel(R) Xeon(R) Processor")
+        launch.warn_if_tuned_elsewhere(str(tmp_path), None)
+        assert not caplog.records
+        monkeypatch.setattr(launch, "cpu_model", lambda: "AMD EPYC")
+        launch.warn_if_tuned_elsewhere(str(tmp_path), None)
+    assert "measured on 2-core CPU (Intel(R) Xeon(R) Processor" in caplog.text and "bench tune --draft" in caplog.text
 
 
 def test_tree_choice_follows_the_live_accept_length():

@@ -9,6 +9,7 @@ import platform
 from typing import Any, Callable
 
 from specjax.cli import option
+from specjax.host import cpu_model
 
 
 @dataclasses.dataclass
@@ -18,28 +19,6 @@ class TargetRunOptions:
                                help="target dtype (default: the checkpoint's)")
     attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
                                  help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")
-
-
-def _cpuinfo(field: str) -> str | None:
-    """The first ``field`` line's value in /proc/cpuinfo (Linux), else None."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.split(":", 1)[0].strip() == field:
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return None
-
-
-def cpu_model() -> str:
-    """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
-    return _cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-def cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo names them (empty where it is not available)."""
-    return set((_cpuinfo("flags") or "").split())
 
 
 def machine_description() -> str:

@@ -22,7 +22,7 @@ import urllib.request
 
 import numpy as np
 
-from .common import cpu_flags
+from specjax.host import cpu_flags
 
 
 def _load():

@@ -117,6 +117,27 @@ def load_tune_costs(folder_or_file: str | None,
     return out
 
 
+def tuned_on(folder_or_file: str | None, dtype: str | None = None) -> tuple[str, str] | None:
+    """(the file, the machine it was measured on, as ``bench tune`` describes it) of a head's tree table for
+    ``dtype``; None without a table or a machine named in it."""
+    path = _tune_path(folder_or_file, dtype)
+    if path is None:
+        return None
+    machine = _read(path).get("machine")
+    return (path, machine) if isinstance(machine, str) and machine else None
+
+
+def same_machine(tuned: str, cpu_model: str, accelerator: str | None) -> bool:
+    """Whether a table measured on ``tuned`` (the bench tools' machine description: "N-core CPU (MODEL, arch), no
+    accelerator | K x DEVICE, JAX ...") holds here: on a CPU (``accelerator`` None) the same CPU model and no
+    accelerator; else the same device kind. A tree step's cost in plain steps is the machine's: the shipped SmolLM2
+    table was tuned on an Intel Xeon, where a 3-4-row verify costs less than on the Zen 5 VM (docs/benchmarks.md,
+    thirty-ninth session)."""
+    if accelerator is None:
+        return f"({cpu_model}," in tuned and "no accelerator" in tuned
+    return f"x {accelerator}," in tuned
+
+
 def tuned_size(sizes, batch_size: int) -> int:
     """The tuned batch size whose entry ``batch_size`` takes: the largest not above it (else the smallest)."""
     sizes = sorted(sizes)
