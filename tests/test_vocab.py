@@ -125,3 +125,20 @@ def test_train_with_no_usable_conversations_is_a_clear_error(tmp_path):
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "error: no usable conversations" in r.stdout + r.stderr and "empty 1" in r.stdout + r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_missing_data_is_a_clear_error(tmp_path, capsys):
+    """A data path that does not exist (the shipped recipe run before its regenerate step): the vocab CLI and the
+    trainer say which path and what data.paths takes, with exit status 2, not a traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tf.make_tiny_model(str(tmp_path / "model"))
+    argv = ["--config", os.path.join(root, "configs", "tiny.yaml"), "--model.path", model,
+            "--data.paths", f"[{tmp_path / 'regenerated.jsonl'}]"]
+    assert V.main([*argv, "--out", str(tmp_path / "v.npz")]) == 2
+    err = capsys.readouterr().err
+    assert "error: data path" in err and "regenerated.jsonl does not exist" in err
+    env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
+    r = subprocess.run([sys.executable, "-m", "specjax.train", *argv, "--checkpoint.dir", str(tmp_path / "ck")],
+                       capture_output=True, text=True, env=env, timeout=240, cwd=root)
+    assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "regenerated.jsonl does not exist" in r.stdout + r.stderr and "Traceback" not in r.stderr

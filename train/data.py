@@ -40,7 +40,8 @@ ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assi
 
 
 class NoUsableData(ValueError):
-    """A dataset in which no conversation survives cleaning: the user's data to fix, not a bug."""
+    """Data the run cannot use (a path that does not exist, a file of unknown format, a dataset in which no
+    conversation survives cleaning): the user's data to fix, not a bug; the CLIs print it as an error."""
 
 
 class BadRecord(Exception):
@@ -122,8 +123,8 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
         kind = {"parquet": "parquet", "arrow": "arrow", "csv": "csv"}[low.rsplit(".", 1)[1]]
         yield from datasets.load_dataset(kind, data_files=path, split="train")
     else:
-        raise ValueError(f"data file {path}: unknown format (use .json, .jsonl (optionally .gz, .bz2 or .xz "
-                         f"compressed), .parquet, .arrow or a datasets.save_to_disk folder)")
+        raise NoUsableData(f"data file {path}: unknown format (use .json, .jsonl (optionally .gz, .bz2 or .xz "
+                           f"compressed), .parquet, .arrow or a datasets.save_to_disk folder)")
 
 
 def resolve_paths(paths: Iterable[str]) -> list[str]:
@@ -135,7 +136,8 @@ def resolve_paths(paths: Iterable[str]) -> list[str]:
         p = os.path.expanduser(p)
         hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         if not hits or not all(os.path.exists(h) for h in hits):
-            raise FileNotFoundError(f"data path {p} does not exist")
+            raise NoUsableData(f"data path {p} does not exist (data.paths takes files, folders and globs, or "
+                               f"sharegpt; a regenerated set is written by `python -m specjax.train.regenerate`)")
         out.extend(hits)
     return out
 

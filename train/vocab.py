@@ -127,7 +127,11 @@ def main(argv=None) -> int:
         return 2
     args, cfg = from_namespace(VocabOptions, got[0]), got[1]
     tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
-    vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
+    try:
+        vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
+    except data_lib.NoUsableData as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     save_vocab_map(args.out, vm, counts)
     print(f"wrote {args.out}")
     return 0

@@ -114,7 +114,11 @@ def main(argv=None) -> int:
     folder = resolve_model_path(cfg.model.path)
     tcfg, tparams = load_model(folder, dtype=cfg.model.dtype)
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or folder)
-    eval_data = heldout_split(cfg, tok)
+    try:
+        eval_data = heldout_split(cfg, tok)
+    except data_lib.NoUsableData as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     if len(eval_data) == 0:
         print("error: the run has no held-out split (data.eval_fraction is 0)", file=sys.stderr)
         return 2
