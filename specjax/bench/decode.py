@@ -283,7 +283,8 @@ def print_model_table(res: dict) -> None:
     print("|" + "|".join("---:" for _ in columns) + "|")
     for r in res["rows"]:
         print("| " + " | ".join(cell(r) for _, cell in columns) + " |")
-    fastest = max(read_Bps(r, e) for r in res["rows"] for e in ("specjax", "llama.cpp") if e in r)
+    rates = [read_Bps(r, e) for r in res["rows"] for e in ("specjax", "llama.cpp") if e in r]
+    fastest = max((x for x in rates if np.isfinite(x)), default=0.0)  # nan: a run too short to time its decode
     if fastest > bw:
         print(f"\nnote: an engine read its weights at {fastest / 1e9:.1f} GB/s, faster than the probes above: on this "
               f"machine they measure less than the memory gives, so 'of limit' over 100% means the limit is "
