@@ -4,7 +4,6 @@ and the output events it sends to its consumer (an HTTP handler or the offline e
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from typing import Any, Callable
 
@@ -71,9 +70,6 @@ class SamplingParams:
                 raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
             self.max_new_tokens = int(self.max_new_tokens)
             self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
-            for name in ("temperature", "top_p", "min_p"):
-                if not math.isfinite(getattr(self, name)):
-                    raise RequestError(f"{name} must be a finite number, got {getattr(self, name)}", name)
             self.top_k = int(self.top_k)
             if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
                 self.top_k = -1

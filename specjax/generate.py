@@ -157,7 +157,8 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     # the copy.
     params = target.unstack_layers(params)
     b = len(prompts)
-    limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p)
+    limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p,
+                              context=cfg.max_position_embeddings)
     if not limit.any():
         return [[] for _ in prompts]
 
@@ -287,6 +288,9 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         if algo is None and head is None and default_head_available():
             algo, head = DEFAULT_ALGORITHM, DEFAULT_HEAD
     if algo == "NONE":
+        if head is not None:
+            raise ValueError("--speculative-algorithm NONE decodes plainly: drop --speculative-draft-model-path, or "
+                             "name the head's algorithm (EAGLE3 or EAGLE)")
         return model, None, None, None
     if algo is None and head is not None:
         raise ValueError("--speculative-draft-model-path needs --speculative-algorithm EAGLE3 (or EAGLE)")

@@ -211,7 +211,10 @@ class SamplingBatch:
 
 
 def validate(temperature: float, top_k: int, top_p: float, min_p: float) -> None:
-    """Raise ValueError with a clear message for out-of-range sampling parameters."""
+    """Raise ValueError with a clear message for out-of-range sampling parameters (NaN and infinities included)."""
+    for name, v in (("temperature", temperature), ("top_p", top_p), ("min_p", min_p)):
+        if not math.isfinite(v):
+            raise ValueError(f"{name} must be a finite number, got {v}")
     if temperature < 0:
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if not 0.0 < top_p <= 1.0:

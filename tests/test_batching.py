@@ -47,3 +47,11 @@ def test_validate_requests():
             validate_requests(prompts, 10, budget, 0.0, -1, 1.0, 0.0)
     with pytest.raises(ValueError, match="temperature must be >= 0"):
         validate_requests([[1]], 10, 4, -1.0, -1, 1.0, 0.0)
+    for t, p, name in ((float("nan"), 1.0, "temperature"), (float("inf"), 1.0, "temperature"),
+                       (1.0, float("nan"), "top_p")):  # NaN passed the range checks: a silent empty answer
+        with pytest.raises(ValueError, match=f"{name} must be a finite number"):
+            validate_requests([[1]], 10, 4, t, -1, p, 0.0)
+    # a budget past the model's context (a cache sized for 10^8 tokens) is refused, not allocated
+    assert validate_requests([[1, 2]], 10, 6, 0.0, -1, 1.0, 0.0, context=8).tolist() == [6]
+    with pytest.raises(ValueError, match="2 prompt tokens \\+ max_new_tokens 7 exceed the model's context length"):
+        validate_requests([[1, 2]], 10, 7, 0.0, -1, 1.0, 0.0, context=8)

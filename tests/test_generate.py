@@ -212,6 +212,12 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
     (tmp_path / "config.json").write_text(json.dumps({"architectures": ["GPT2LMHeadModel"]}))
     assert main(["--model", str(tmp_path)]) == 2
     assert "unsupported architecture" in capsys.readouterr().err
+    # a head with NONE would be silently ignored; NaN sampling parameters would give a silent empty answer
+    assert main(["--model", str(tmp_path), "--speculative-algorithm", "NONE", "--speculative-draft-model-path",
+                 str(tmp_path)]) == 2
+    assert "--speculative-algorithm NONE decodes plainly" in capsys.readouterr().err
+    assert main(["--model", str(tmp_path), "--temperature", "nan"]) == 2
+    assert "temperature must be a finite number" in capsys.readouterr().err
     with pytest.raises(SystemExit) as e:
         main(["--help"])
     assert e.value.code == 0
