@@ -60,6 +60,8 @@ def test_bad_yaml(tmp_path):
         load_config(str(y))
     with pytest.raises(ConfigError, match="does not exist"):
         load_config(str(tmp_path / "missing.yaml"))
+    with pytest.raises(ConfigError, match="is a folder, not a YAML file"):
+        load_config(str(tmp_path))
 
 
 def test_help_lists_every_key_with_its_documentation():

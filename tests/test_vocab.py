@@ -4,12 +4,14 @@ import json
 import os
 import subprocess
 import sys
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
 import train_fixtures as tf
 from specjax.train import vocab as V
+from specjax.train.__main__ import Stop, fresh_head
 
 
 def test_counts_only_masked():
@@ -142,3 +144,19 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
                        capture_output=True, text=True, env=env, timeout=240, cwd=root)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "regenerated.jsonl does not exist" in r.stdout + r.stderr and "Traceback" not in r.stderr
+
+
+def test_unreadable_vocab_maps_are_clear_errors(tmp_path, capsys):
+    """A vocab map file that is not one (the trainer's head.vocab_map) and an --out the format cannot follow are
+    errors that name the file, from the library and the trainer; never numpy's pickle advice or a traceback."""
+    bad = tmp_path / "garbage.npz"
+    bad.write_text("not a zip\n")
+    with pytest.raises(ValueError, match="garbage.npz cannot be read as a .npz or .safetensors file"):
+        V.load_vocab_map(str(bad))
+    with pytest.raises(ValueError, match="name it .npz or .safetensors"):
+        V.save_vocab_map(str(tmp_path / "v.txt"), V.build_vocab_map(np.arange(10), 4))
+    for head, want in ((dict(init_from=str(tmp_path / "no-ckpt"), vocab_map=None), "head.init_from: checkpoint folder"),
+                       (dict(init_from=None, vocab_map=str(bad)), "head.vocab_map: vocab map")):
+        with pytest.raises(Stop, match=want) as e:
+            fresh_head(SimpleNamespace(head=SimpleNamespace(**head)), None, None, None)
+        assert e.value.code == 2

@@ -422,7 +422,10 @@ def resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg, batches):
 def fresh_head(cfg, target_cfg, head_cfg, train_data):
     """(head config, initial params or None, vocab map, where the map came from) for a run with no checkpoint."""
     if cfg.head.init_from:
-        head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
+        try:
+            head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
+        except ckpt_lib.CheckpointError as e:
+            raise Stop(2, f"error: head.init_from: {e}") from None
         if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
             raise Stop(2, f"error: head.init_from={cfg.head.init_from} was trained for a target with vocab "
                           f"{head0.vocab_size} and hidden {head0.target_hidden_size}, not this one "
@@ -430,7 +433,10 @@ def fresh_head(cfg, target_cfg, head_cfg, train_data):
         # the head keeps its own shape, aux layers and vocab map
         return head0.replace(dtype=head_cfg.dtype), init_params, vocab_map, f"head {cfg.head.init_from}"
     if cfg.head.vocab_map:
-        vocab_map = load_vocab_map(cfg.head.vocab_map)
+        try:
+            vocab_map = load_vocab_map(cfg.head.vocab_map)
+        except ValueError as e:
+            raise Stop(2, f"error: head.vocab_map: {e}") from None
         if len(vocab_map.t2d) != target_cfg.vocab_size:
             raise Stop(2, f"error: head.vocab_map={cfg.head.vocab_map} maps a vocab of {len(vocab_map.t2d)} ids, the "
                           f"target has {target_cfg.vocab_size}")

@@ -336,8 +336,9 @@ def load_config(path: str | None = None, overrides: Sequence[str] | Sequence[tup
     d: dict[str, Any] = {}
     if path is not None:
         path = configs.resolve(path)
-        if not os.path.exists(path):
-            raise ConfigError(f"config file {path} does not exist; {configs.help_text()}")
+        if not os.path.isfile(path):
+            what = "is a folder, not a YAML file" if os.path.isdir(path) else "does not exist"
+            raise ConfigError(f"config file {path} {what}; {configs.help_text()}")
         with open(path) as f:
             try:
                 d = yaml.safe_load(f) or {}

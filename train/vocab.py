@@ -68,6 +68,8 @@ def vocab_map_from_numpy(d2t, t2d) -> VocabMap:
 
 
 def save_vocab_map(path: str, vm: VocabMap, counts: np.ndarray | None = None) -> None:
+    if not path.endswith((".npz", ".safetensors")):
+        raise ValueError(f"vocab map file {path}: name it .npz or .safetensors (the format follows the name)")
     arrs = vocab_map_to_numpy(vm)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     if path.endswith(".safetensors"):
@@ -83,17 +85,20 @@ def save_vocab_map(path: str, vm: VocabMap, counts: np.ndarray | None = None) ->
 
 def load_vocab_map(path: str) -> VocabMap:
     """From .npz / .safetensors with d2t and t2d (a published head's model.safetensors works too)."""
-    if not os.path.exists(path):
-        raise FileNotFoundError(f"vocab map {path} does not exist")
-    if path.endswith(".safetensors"):
-        from safetensors import safe_open
-        with safe_open(path, "np") as f:
-            keys = set(f.keys())
-            if not {"d2t", "t2d"} <= keys:
-                raise ValueError(f"{path} has no d2t/t2d tensors")
-            return vocab_map_from_numpy(f.get_tensor("d2t"), f.get_tensor("t2d"))
-    z = np.load(path)
-    return vocab_map_from_numpy(z["d2t"], z["t2d"])
+    if not os.path.isfile(path):
+        raise ValueError(f"vocab map {path} does not exist")
+    try:
+        if path.endswith(".safetensors"):
+            from safetensors import safe_open
+            with safe_open(path, "np") as f:
+                if not {"d2t", "t2d"} <= set(f.keys()):
+                    raise ValueError("no d2t/t2d tensors")
+                return vocab_map_from_numpy(f.get_tensor("d2t"), f.get_tensor("t2d"))
+        with np.load(path, allow_pickle=False) as z:
+            return vocab_map_from_numpy(z["d2t"], z["t2d"])
+    except Exception as e:  # noqa: BLE001 - any unreadable file: say which and why
+        raise ValueError(f"vocab map {path} cannot be read as a .npz or .safetensors file with d2t and t2d "
+                         f"({type(e).__name__}: {e})") from None
 
 
 def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.ndarray]:
@@ -132,7 +137,11 @@ def main(argv=None) -> int:
     except data_lib.NoUsableData as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    save_vocab_map(args.out, vm, counts)
+    try:
+        save_vocab_map(args.out, vm, counts)
+    except (OSError, ValueError) as e:
+        print(f"error: cannot write --out {args.out}: {e}", file=sys.stderr)
+        return 2
     print(f"wrote {args.out}")
     return 0
 
