@@ -282,17 +282,26 @@ def build_tokenizer(md: _Metadata):
     return tok, tok_cfg, special_map
 
 
+def read_gguf(path: str):
+    """``gguf.GGUFReader`` over ``path``; a file it cannot parse (not a GGUF, truncated, damaged) is a
+    ``GGUFConvertError`` that names it."""
+    from gguf import GGUFReader  # optional dependency (the llamacpp / gguf extras)
+
+    try:
+        return GGUFReader(path)
+    except Exception as e:  # noqa: BLE001 - the reader raises whatever its parser hit (IndexError, ValueError ...)
+        raise GGUFConvertError(f"{path} is not a readable GGUF file ({type(e).__name__}: {e})") from None
+
+
 def convert(src: str, out_dir: str, dtype: str = "float32", log=print) -> str:
     """Convert ``src`` (.gguf) into the HF folder ``out_dir``; returns ``out_dir``."""
-    from gguf import GGUFReader
-
     if dtype not in ("float32", "bfloat16"):
         raise GGUFConvertError(f"dtype must be float32 or bfloat16, not {dtype!r}")
     if not os.path.isfile(src):
         raise GGUFConvertError(f"no GGUF file at {src}")
     t0 = time.time()
     log(f"reading {src}")
-    reader = GGUFReader(src)
+    reader = read_gguf(src)
     md = _Metadata(reader)
     names = {t.name for t in reader.tensors}
     cfg = hf_config(md, has_output="output.weight" in names, dtype=dtype)
@@ -329,7 +338,7 @@ def write_dequantized(src: str, dst: str, dtype: str = "float32", log=print) -> 
     qtype = {"float32": gguf.GGMLQuantizationType.F32, "bfloat16": gguf.GGMLQuantizationType.BF16}.get(dtype)
     if qtype is None:
         raise GGUFConvertError(f"dtype must be float32 or bfloat16, not {dtype!r}")
-    reader = gguf.GGUFReader(src)
+    reader = read_gguf(src)
     arch = reader.fields["general.architecture"].contents()
     tmp = dst + ".tmp"
     writer = gguf.GGUFWriter(tmp, arch)

@@ -252,3 +252,6 @@ def test_unsupported_inputs_fail_clearly(tmp_path):
         gguf_convert.convert(str(tmp_path / "bad.gguf"), str(tmp_path / "out"), log=lambda *_: None)
     with pytest.raises(gguf_convert.GGUFConvertError, match="no GGUF file"):
         gguf_convert.convert(str(tmp_path / "missing.gguf"), str(tmp_path / "out"))
+    (tmp_path / "cut.gguf").write_bytes(b"GGUF")  # a file cut off after its magic: the reader's IndexError, named
+    with pytest.raises(gguf_convert.GGUFConvertError, match="cut.gguf is not a readable GGUF file"):
+        gguf_convert.convert(str(tmp_path / "cut.gguf"), str(tmp_path / "out"), log=lambda *_: None)

@@ -3,6 +3,7 @@
 import sys
 
 from specjax.cli import dispatch
+from specjax.hub import FetchError
 
 KINDS = {
     "decode": "plain greedy decode tokens/s, specjax vs HF transformers, batch 1 and 8",
@@ -15,9 +16,18 @@ KINDS = {
 }
 
 
+def run(mod, kind: str, args: list[str]) -> int | None:
+    """``mod.main(args)``; what the user must fix (a model folder that is not one, a bad head or tune file, a file
+    that does not exist: specjax's errors are ValueErrors) is one line on stderr and exit status 2."""
+    try:
+        return mod.main(args)
+    except (ValueError, FileNotFoundError, FetchError) as e:
+        print(f"python -m specjax.bench {kind}: error: {e}", file=sys.stderr)
+        return 2
+
+
 def main(argv=None) -> int:
-    return dispatch("python -m specjax.bench", {k: (f"specjax.bench.{k}", v) for k, v in KINDS.items()}, argv,
-                    lambda mod, _kind, args: mod.main(args))
+    return dispatch("python -m specjax.bench", {k: (f"specjax.bench.{k}", v) for k, v in KINDS.items()}, argv, run)
 
 
 if __name__ == "__main__":
