@@ -163,6 +163,8 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: Sequence[str
     prints the list (exit 0); an unknown command prints it too (exit 2)."""
     argv = list(sys.argv[1:] if argv is None else argv)
     if not argv or argv[0] in ("-h", "--help") or argv[0] not in commands:
+        if argv and argv[0] not in ("-h", "--help"):
+            print(f"{prog}: error: unknown command {argv[0]!r}", file=sys.stderr)
         print(f"usage: {prog} {{{','.join(commands)}}} [--help]\n")
         width = max(8, max(len(k) for k in commands) + 1)
         for k, (_, what) in commands.items():

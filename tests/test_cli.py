@@ -9,6 +9,7 @@ import dataclasses
 import pytest
 
 from specjax import cli
+from specjax.bench.__main__ import main as bench_main
 
 
 @dataclasses.dataclass
@@ -95,6 +96,14 @@ def test_dispatch(capsys):
     assert cli.dispatch("prog", commands, [], lambda *a: seen.append(a)) == 0
     assert "the first" in capsys.readouterr().out
     assert cli.dispatch("prog", commands, ["three"], lambda *a: seen.append(a)) == 2
+    assert "prog: error: unknown command 'three'" in capsys.readouterr().err
     assert cli.dispatch("prog", commands, ["two", "--x"], lambda mod, cmd, args: 5) == 5
     assert cli.dispatch("prog", commands, ["one"], lambda mod, cmd, args: seen.append((mod.__name__, cmd, args))) == 0
     assert seen == [("json", "one", [])]
+
+
+def test_bench_tools_report_user_errors_in_one_line(tmp_path, capsys):
+    """Every bench tool: a folder that is not a model (specjax's ValueErrors) is one line on stderr, exit 2."""
+    assert bench_main(["spec", "--model", str(tmp_path), "--random-draft", "--num-prompts", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("python -m specjax.bench spec: error: no config.json") and "Traceback" not in err
