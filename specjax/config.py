@@ -166,12 +166,16 @@ class ModelConfig:
         cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
             raise ConfigError(f"no config.json at {cfg_path}")
-        with open(cfg_path) as f:
-            try:
-                hf = json.load(f)
-            except json.JSONDecodeError as e:
-                raise ConfigError(f"{cfg_path} is not valid JSON: {e}") from None
-        return cls.from_hf_dict(hf, dtype=dtype)
+        return cls.from_hf_dict(read_json(cfg_path), dtype=dtype)
+
+
+def read_json(path: str) -> Any:
+    """A JSON file (a model's or a head's config.json); a file that is not JSON is a ``ConfigError`` naming it."""
+    with open(path) as f:
+        try:
+            return json.load(f)
+        except json.JSONDecodeError as e:
+            raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
 def _architecture(hf: dict[str, Any]) -> str:

@@ -20,7 +20,7 @@ import warnings
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig
+from specjax.config import ModelConfig, read_json
 from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
@@ -270,8 +270,7 @@ def load_eagle_head(folder: str, dtype: str | None = None) -> tuple[eagle.EagleC
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise EagleHeadError(f"no config.json in EAGLE head folder {folder}")
-    with open(cfg_path) as fh:
-        cfg = eagle.config_from_hf(json.load(fh), dtype=dtype)
+    cfg = eagle.config_from_hf(read_json(cfg_path), dtype=dtype)
     return cfg, params_from_hf(_read_tensors(folder), cfg)
 
 

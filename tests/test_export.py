@@ -157,6 +157,9 @@ def test_refuses_mismatched_target(tmp_path):
     bad = eagle3.VocabMap(d2t=vmap.d2t, t2d=jnp.roll(vmap.t2d, 1))
     with pytest.raises(head_weights.HeadFormatError, match="disagree"):
         H.export_head(params, hcfg, bad, str(tmp_path / "y"), tcfg)
+    (tmp_path / "config.json").write_text("{\n")  # a damaged config.json: named, not a bare JSON parser message
+    with pytest.raises(ValueError, match="config.json is not valid JSON"):
+        head_weights.load_eagle3_head(str(tmp_path), tcfg)
 
 
 def test_cli_import_then_export(tmp_path):

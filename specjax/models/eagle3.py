@@ -11,7 +11,6 @@ The embedding is the target's (never part of the head's params).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 from typing import Any
 
@@ -21,7 +20,7 @@ import numpy as np
 
 from specjax import layers
 from specjax.models import random_params
-from specjax.config import ModelConfig, default_aux_layer_ids, eos_ids
+from specjax.config import ModelConfig, default_aux_layer_ids, eos_ids, read_json
 
 
 @dataclasses.dataclass(frozen=True)
@@ -274,5 +273,4 @@ def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
-    with open(os.path.join(folder, "config.json")) as f:
-        return json.load(f)
+    return read_json(os.path.join(folder, "config.json"))
