@@ -11,7 +11,7 @@ import pytest
 
 import train_fixtures as tf
 from specjax.train import vocab as V
-from specjax.train.__main__ import Stop, fresh_head
+from specjax.train.__main__ import Stop, fresh_head, load_target
 
 
 def test_counts_only_masked():
@@ -160,3 +160,10 @@ def test_unreadable_vocab_maps_are_clear_errors(tmp_path, capsys):
         with pytest.raises(Stop, match=want) as e:
             fresh_head(SimpleNamespace(head=SimpleNamespace(**head)), None, None, None)
         assert e.value.code == 2
+
+
+def test_a_run_without_a_model_path_says_so():
+    """An empty or model-less config: "model.path is not set", not a hub lookup of the empty string."""
+    with pytest.raises(Stop, match="model.path is not set") as e:
+        load_target(SimpleNamespace(model=SimpleNamespace(path="")), None, None)
+    assert e.value.code == 2

@@ -336,6 +336,9 @@ def make_run_mesh(cfg: RunConfig, log: Logger):
 def load_target(cfg: RunConfig, mesh, log: Logger):
     """(model folder, ModelConfig, params): the full target, only its embeddings (training from the offline cache),
     or random weights (``model.random_init``), sharded over the mesh."""
+    if not cfg.model.path:
+        raise Stop(2, "error: model.path is not set: give the target's folder or hub id (--model.path PATH, or "
+                      "model: {path: ...} in the config)")
     try:
         model_dir = weights.resolve_model_path(cfg.model.path)
         target_cfg = ModelConfig.from_pretrained(model_dir, dtype=cfg.model.dtype)
