@@ -21,6 +21,7 @@ import time
 import jax
 import numpy as np
 
+from specjax.config import ModelConfig
 from specjax.head_weights import load_draft
 from specjax.hub import default_smollm2_path, fetch_smollm2
 from specjax.serve.runners.plain import PlainRunner
@@ -232,6 +233,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                  args.model_path)
         fetch_smollm2(args.model_path)
     folder = resolve_model_path(args.model_path)
+    if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
+        ModelConfig.from_pretrained(folder)
     tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
     tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)

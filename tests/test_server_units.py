@@ -13,7 +13,9 @@ import pytest
 from specjax.bench.serve import launch_flags, median_round, speedup_cell
 from specjax.heads import DEFAULT_HEAD
 from specjax.hub import default_smollm2_path
+from specjax.config import ConfigError
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
+from specjax.serve.launch import build
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import Request, RequestError, SamplingParams
 from server_helpers import tiny_model_dir
@@ -294,3 +296,10 @@ def test_bench_serve_rounds_report_the_median_round():
     assert speedup_cell(spec, base) == "1.10x (0.90-1.20)"  # per round: 0.9, 1.2, 1.1
     # servers launched one after another: their rounds were not side by side, so the ratio of the median rows
     assert speedup_cell({k: v for k, v in spec.items() if k != "interleaved"}, base) == "0.90x"
+
+
+def test_a_draft_head_given_as_the_model_is_named_as_such():
+    """``--model-path`` at a draft head (or any unsupported model): the architecture error, before the tokenizer
+    (which failed first with a message about sentencepiece)."""
+    with pytest.raises(ConfigError, match="unsupported architecture \\['LlamaForCausalLMEagle3'\\]"):
+        build(parse_args(["--model-path", DEFAULT_HEAD]))
