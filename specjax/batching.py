@@ -112,11 +112,10 @@ def warmup_budget(max_new_tokens: int) -> dict:
 
 
 def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new_tokens, temperature, top_k, top_p,
-                      min_p, context: int | None = None) -> np.ndarray:
-    """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget, a prompt and
-    budget longer than the model's ``context`` (its max_position_embeddings: the cache is sized for them) or bad
-    sampling parameters. ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt. Returns
-    the token budget of each prompt, i64[B]."""
+                      min_p) -> np.ndarray:
+    """Raise ValueError for an empty prompt, a token id outside the vocabulary, a negative budget or bad sampling
+    parameters. ``max_new_tokens`` and the sampling parameters are scalars or one value per prompt. Returns the
+    token budget of each prompt, i64[B]."""
     b = len(prompts)
     limit = np.broadcast_to(np.asarray(max_new_tokens, np.int64), (b,)).astype(np.int64)
     if (limit < 0).any():
@@ -127,9 +126,6 @@ def validate_requests(prompts: Sequence[Sequence[int]], vocab_size: int, max_new
         bad = [t for t in p if not 0 <= int(t) < vocab_size]
         if bad:
             raise ValueError(f"prompt {i} has token ids outside [0, {vocab_size}): {bad[:5]}")
-        if context is not None and len(p) + int(limit[i]) > context:
-            raise ValueError(f"prompt {i}: {len(p)} prompt tokens + max_new_tokens {int(limit[i])} exceed the "
-                             f"model's context length ({context} positions)")
     for t, k, p, m in zip(*(np.broadcast_to(np.asarray(v), (b,)) for v in (temperature, top_k, top_p, min_p))):
         sampling.validate(float(t), int(k), float(p), float(m))
     return limit

@@ -157,8 +157,7 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
     # the copy.
     params = target.unstack_layers(params)
     b = len(prompts)
-    limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p,
-                              context=cfg.max_position_embeddings)
+    limit = validate_requests(prompts, cfg.vocab_size, max_new_tokens, temperature, top_k, top_p, min_p)
     if not limit.any():
         return [[] for _ in prompts]
 

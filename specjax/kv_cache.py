@@ -16,6 +16,7 @@ masks keys by ``position < lengths[b]``.
 from __future__ import annotations
 
 import dataclasses
+import math
 
 import jax
 import jax.numpy as jnp
@@ -119,8 +120,16 @@ def init_cache(num_layers: int, num_kv_heads: int, head_dim: int, batch: int, ma
     else:
         page_table = jnp.arange(batch * pps, dtype=jnp.int32).reshape(batch, pps)
     shape = pool_shape(num_layers, num_pages, num_kv_heads, page_size, head_dim, dtype)
-    return KVCache(k=jnp.zeros(shape, dtype), v=jnp.zeros(shape, dtype), page_table=page_table,
-                   lengths=jnp.zeros((batch,), jnp.int32))
+    try:
+        k, v = jnp.zeros(shape, dtype), jnp.zeros(shape, dtype)
+    except jax.errors.JaxRuntimeError as e:  # eager only: a traced cache is allocated when its program runs
+        if "RESOURCE_EXHAUSTED" not in str(e):
+            raise
+        gib = 2 * math.prod(shape) * jnp.dtype(dtype).itemsize / 2 ** 30
+        raise ValueError(f"a KV cache for {batch} sequence(s) of {max_len} positions ({gib:,.1f} GiB of keys and "
+                         f"values) does not fit in this device's memory: ask for fewer new tokens or shorter "
+                         f"prompts") from None
+    return KVCache(k=k, v=v, page_table=page_table, lengths=jnp.zeros((batch,), jnp.int32))
 
 
 def slot_indices(page_table, positions, page_size: int, valid=None):

@@ -1,7 +1,9 @@
 """Request checks and shape buckets (specjax.batching), against the doubling loops the runners used to write out."""
 
+import jax.numpy as jnp
 import pytest
 
+from specjax import kv_cache
 from specjax.batching import pick, pow2_bucket, pow2_buckets, serving_prefill_buckets, validate_requests
 from specjax.kernels import cpu_dense
 
@@ -51,7 +53,11 @@ def test_validate_requests():
                        (1.0, float("nan"), "top_p")):  # NaN passed the range checks: a silent empty answer
         with pytest.raises(ValueError, match=f"{name} must be a finite number"):
             validate_requests([[1]], 10, 4, t, -1, p, 0.0)
-    # a budget past the model's context (a cache sized for 10^8 tokens) is refused, not allocated
-    assert validate_requests([[1, 2]], 10, 6, 0.0, -1, 1.0, 0.0, context=8).tolist() == [6]
-    with pytest.raises(ValueError, match="2 prompt tokens \\+ max_new_tokens 7 exceed the model's context length"):
-        validate_requests([[1, 2]], 10, 7, 0.0, -1, 1.0, 0.0, context=8)
+
+
+
+def test_a_cache_too_large_for_memory_is_a_clear_error():
+    """A budget whose KV cache cannot be allocated (``generate --max-new-tokens 100000000`` asked for 4 TB) is a
+    ValueError that says how large and what to do, not XLA's RESOURCE_EXHAUSTED traceback (here a petabyte)."""
+    with pytest.raises(ValueError, match=r"GiB of keys and values\) does not fit in this device's memory"):
+        kv_cache.init_cache(1024, 16, 16384, 1, 2 ** 20, page_size=2 ** 20, dtype=jnp.float32)

@@ -89,7 +89,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                                sample_accept_fn)
     step_lib.check_compatible(target_cfg, d, scfg)
     budget = validate_requests(prompts, target_cfg.vocab_size, max_new_tokens, temperature, top_k, top_p,
-                               min_p, context=target_cfg.max_position_embeddings).astype(np.int32)
+                               min_p).astype(np.int32)
     if budget.max() == 0:
         return [[] for _ in prompts], dict(verify_steps=[0] * b, accept_lengths=[[] for _ in prompts],
                                            completion_tokens=[0] * b, tau=0.0)
