@@ -67,18 +67,26 @@ def setup_logging(level: str) -> None:
     log.setLevel(getattr(logging, level.upper(), logging.INFO))
 
 
-def _resolve_chat_template(args: ServerArgs, tokenizer) -> str:
-    if args.chat_template:
-        if os.path.isfile(args.chat_template):
-            with open(args.chat_template) as f:
-                text = f.read()
-            if args.chat_template.endswith(".json"):  # an HF tokenizer_config.json-style file
-                text = json.loads(text).get("chat_template", text)
-            return text
-        if args.chat_template in BUILTIN_CHAT_TEMPLATES:
-            return BUILTIN_CHAT_TEMPLATES[args.chat_template]
-        raise ValueError(f"--chat-template {args.chat_template!r} is neither a file nor a built-in name "
-                         f"({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))})")
+def _given_chat_template(args: ServerArgs) -> str | None:
+    """The template ``--chat-template`` names (a file's text or a built-in), None without the flag; read before the
+    model loads, so that a wrong name is said at once."""
+    if not args.chat_template:
+        return None
+    if os.path.isfile(args.chat_template):
+        with open(args.chat_template) as f:
+            text = f.read()
+        if args.chat_template.endswith(".json"):  # an HF tokenizer_config.json-style file
+            text = json.loads(text).get("chat_template", text)
+        return text
+    if args.chat_template in BUILTIN_CHAT_TEMPLATES:
+        return BUILTIN_CHAT_TEMPLATES[args.chat_template]
+    raise ValueError(f"--chat-template {args.chat_template!r} is neither a file nor a built-in name "
+                     f"({', '.join(sorted(BUILTIN_CHAT_TEMPLATES))})")
+
+
+def _resolve_chat_template(given: str | None, tokenizer) -> str:
+    if given is not None:
+        return given
     tmpl = getattr(tokenizer, "chat_template", None)
     if tmpl:
         return tmpl
@@ -223,6 +231,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     from transformers import AutoTokenizer
 
     t0 = time.perf_counter()
+    chat_template = _given_chat_template(args)
     for line in args.notices():
         log.warning(line)
     if args.speculative_algorithm and (args.speculative_accept_threshold_single != 1.0
@@ -293,6 +302,6 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
              folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,
              max_running, context_length, f", {args.speculative_algorithm}" if spec else "")
     return Backend(args=args, model_folder=folder, tokenizer_folder=tok_folder, tokenizer=tokenizer, cfg=cfg,
-                   scheduler=scheduler, chat_template=_resolve_chat_template(args, tokenizer),
+                   scheduler=scheduler, chat_template=_resolve_chat_template(chat_template, tokenizer),
                    context_length=context_length, spec=spec, metrics=metrics,
                    startup_s=time.perf_counter() - t0)

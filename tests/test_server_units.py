@@ -303,3 +303,9 @@ def test_a_draft_head_given_as_the_model_is_named_as_such():
     (which failed first with a message about sentencepiece)."""
     with pytest.raises(ConfigError, match="unsupported architecture \\['LlamaForCausalLMEagle3'\\]"):
         build(parse_args(["--model-path", DEFAULT_HEAD]))
+
+
+def test_a_missing_chat_template_is_said_before_the_model_loads():
+    """``--chat-template`` naming no file and no built-in: the error comes first (it came after ~14 s of loading)."""
+    with pytest.raises(ValueError, match="--chat-template '/nonexistent.jinja' is neither a file nor a built-in"):
+        build(parse_args(["--model-path", DEFAULT_HEAD, "--chat-template", "/nonexistent.jinja"]))
