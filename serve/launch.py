@@ -53,12 +53,14 @@ def warn_if_tuned_elsewhere(head: str, dtype: str | None) -> None:
     """Say so when the head's tree table was measured on another kind of machine: the tree per batch size it
     chose follows that machine's step costs (the live accept length re-decides it, the costs stay the table's)."""
     found = tuned_on(head, dtype)
-    dev = jax.devices()[0]
+    if found is None:
+        return
+    dev, cpu = jax.devices()[0], cpu_model()
     accelerator = None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
-    if found and not same_machine(found[1], cpu_model(), accelerator):
+    if not same_machine(found[1], cpu, accelerator):
         log.warning("the tree table %s was measured on %s, and this is %s: its tree step costs, and so the tree "
                     "chosen per batch size, may not hold here; `python -m specjax.bench tune --draft %s` measures "
-                    "them on this machine", found[0], found[1], accelerator or f"a CPU ({cpu_model()})", head)
+                    "them on this machine", found[0], found[1], accelerator or f"a CPU ({cpu})", head)
 
 
 def setup_logging(level: str) -> None:
