@@ -10,7 +10,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import importlib
+import os
 import sys
 import types
 import typing
@@ -171,3 +173,40 @@ def dispatch(prog: str, commands: dict[str, tuple[str, str]], argv: Sequence[str
             print(f"  {k:{width}s} {what}")
         return 0 if (not argv or argv[0] in ("-h", "--help")) else 2
     return run(importlib.import_module(commands[argv[0]][0]), argv[0], argv[1:]) or 0
+
+
+def error_text(e: BaseException) -> str:
+    """One line for an error the user must fix. A file-system error names the path and what is wrong with it in
+    words (``cannot write /a/b/out: /a/b is a file, not a folder``) instead of Python's ``[Errno 20] ...``."""
+    if not isinstance(e, OSError) or not e.filename:
+        return str(e)
+    path = os.fspath(e.filename)
+    if e.errno == errno.EEXIST and os.path.isfile(path):
+        return f"cannot use {path}: it is a file, not a folder"
+    if e.errno == errno.ENOTDIR:
+        parent = os.path.dirname(os.path.abspath(path))
+        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
+            parent = os.path.dirname(parent)
+        return f"cannot use {path}: {parent} is a file, not a folder"
+    words = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
+             errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "no space left on the device",
+             errno.EISDIR: "it is a folder, not a file", errno.ENOENT: "it does not exist",
+             errno.EEXIST: "it already exists", errno.EDQUOT: "disk quota exceeded"}
+    return f"cannot use {path}: {words.get(e.errno, e.strerror or str(e))}"
+
+
+def check_output_file(path: str | None, flag: str) -> None:
+    """Raise a ValueError now, before the work, when ``path`` cannot be written as a file later: it is a folder,
+    its nearest existing folder is a file, or that folder is not writable (missing folders are created then)."""
+    if not path:
+        return
+    path = os.path.abspath(os.path.expanduser(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path} is a folder; give a file name")
+    parent = os.path.dirname(path)
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
+    if not os.access(parent, os.W_OK):
+        raise ValueError(f"{flag} {path}: the folder {parent} is not writable")

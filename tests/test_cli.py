@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import os
 
 import pytest
 
@@ -107,3 +108,29 @@ def test_bench_tools_report_user_errors_in_one_line(tmp_path, capsys):
     assert bench_main(["spec", "--model", str(tmp_path), "--random-draft", "--num-prompts", "1"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("python -m specjax.bench spec: error: no config.json") and "Traceback" not in err
+
+
+def test_file_system_errors_are_said_in_words(tmp_path):
+    """An output path the tools cannot use names the path and what is wrong, not Python's ``[Errno N]``."""
+    (tmp_path / "afile").write_text("")
+    for target in (tmp_path / "afile" / "out", tmp_path / "afile" / "a" / "b"):
+        with pytest.raises(OSError) as e:
+            os.makedirs(target)
+        assert cli.error_text(e.value).endswith(f": {tmp_path / 'afile'} is a file, not a folder")
+    with pytest.raises(OSError) as e:
+        open(tmp_path, "w")
+    assert cli.error_text(e.value) == f"cannot use {tmp_path}: it is a folder, not a file"
+    assert cli.error_text(PermissionError(13, "Permission denied", "/x")) == "cannot use /x: permission denied"
+    assert cli.error_text(ValueError("plain")) == "plain"
+
+
+def test_outputs_are_checked_before_the_work(tmp_path, capsys):
+    """An output file that cannot be written is refused before a bench measures anything (not after an hour)."""
+    (tmp_path / "afile").write_text("")
+    with pytest.raises(ValueError, match="is a folder; give a file name"):
+        cli.check_output_file(str(tmp_path), "--out")
+    cli.check_output_file(str(tmp_path / "new" / "x.json"), "--json")  # missing folders are made when it is written
+    assert bench_main(["decode", "--json", str(tmp_path / "afile" / "x.json"), "--batch-sizes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert err.strip() == (f"python -m specjax.bench decode: error: --json {tmp_path / 'afile' / 'x.json'}: "
+                           f"{tmp_path / 'afile'} is a file, not a folder")

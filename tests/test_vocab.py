@@ -144,6 +144,12 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
                        capture_output=True, text=True, env=env, timeout=240, cwd=root)
     assert r.returncode == 2, r.stdout[-3000:] + r.stderr[-3000:]
     assert "regenerated.jsonl does not exist" in r.stdout + r.stderr and "Traceback" not in r.stderr
+    assert not (tmp_path / "ck").exists()  # a run that stops before its first step leaves no empty folder behind
+    (tmp_path / "afile").write_text("")
+    r = subprocess.run([sys.executable, "-m", "specjax.train", *argv, "--checkpoint.dir", str(tmp_path / "afile/ck")],
+                       capture_output=True, text=True, env=env, timeout=240, cwd=root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-3000:] + r.stderr[-3000:]
+    assert f"{tmp_path / 'afile'} is a file, not a folder" in r.stdout
 
 
 def test_unreadable_vocab_maps_are_clear_errors(tmp_path, capsys):

@@ -24,6 +24,7 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
+from specjax.cli import error_text
 from specjax.config import ModelConfig
 from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
@@ -254,13 +255,16 @@ def main(argv=None) -> int:
     enable_compilation_cache()  # a restarted run (preemption, resume) loads its compiled steps
     init_distributed(cfg.multihost)
     reuse_cpu_temps()  # on a CPU: the steps' temporaries stay mapped from one step to the next
-    log = Logger(cfg, jax.process_index() == 0)
+    primary = jax.process_index() == 0
+    made = ckpt_lib.first_missing_dir(cfg.checkpoint.dir) if primary else None
     try:
+        log = Logger(cfg, primary)
         run = setup(cfg, log)
-    except Stop as e:
-        for line in e.lines:
-            log.info(line)
-        return e.code
+    except (Stop, OSError) as e:  # what the user must fix: said in a line, no empty checkpoint folder left behind
+        if primary:
+            print("\n".join(e.lines if isinstance(e, Stop) else [f"error: {error_text(e)}"]), flush=True)
+        ckpt_lib.remove_if_no_files(made)
+        return e.code if isinstance(e, Stop) else 2
     if run is None:  # offline.build: the cache is written
         return 0
     return train(run)

@@ -257,6 +257,24 @@ class Checkpointer:
 
 
 # ---- head config, export ---------------------------------------------------------------------------------------
+def first_missing_dir(path: str) -> str | None:
+    """The outermost folder of ``path`` (a local path) that does not exist yet: what a run that fails before its
+    first checkpoint should remove again (see :func:`remove_if_no_files`). None when ``path`` exists or is remote."""
+    if "://" in path:
+        return None
+    path, missing = os.path.abspath(path), None
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path, missing = os.path.dirname(path), path
+    return missing
+
+
+def remove_if_no_files(top: str | None) -> None:
+    """Remove the folder tree ``top`` if it holds folders only (a run that stopped before writing anything)."""
+    if top and os.path.isdir(top) and not any(files for _, _, files in os.walk(top)):
+        for root, _, _ in sorted(os.walk(top), key=lambda w: -len(w[0])):
+            os.rmdir(root)
+
+
 def head_config_to_dict(cfg: Eagle3Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["rope_scaling"] = [list(kv) for kv in cfg.rope_scaling] if cfg.rope_scaling is not None else None

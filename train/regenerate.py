@@ -35,7 +35,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specjax import generate as gen
-from specjax.cli import option, options_parser, parse_into
+from specjax.cli import error_text, option, options_parser, parse_into
 from specjax.hub import enable_compilation_cache
 from specjax.train import data as data_lib
 from specjax.train.config import DataConfig
@@ -254,7 +254,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         regenerate(cfg)
     except (FileNotFoundError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_text(e)}", file=sys.stderr)
         return 2
     return 0
 

@@ -17,7 +17,7 @@ import sys
 
 import numpy as np
 
-from specjax.cli import from_namespace, option, options_parser
+from specjax.cli import check_output_file, error_text, from_namespace, option, options_parser
 from specjax.config import ModelConfig
 from specjax.models.eagle3 import VocabMap
 from specjax.train import data as data_lib
@@ -133,14 +133,15 @@ def main(argv=None) -> int:
     args, cfg = from_namespace(VocabOptions, got[0]), got[1]
     tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
     try:
+        check_output_file(args.out, "--out")
         vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
-    except data_lib.NoUsableData as e:
+    except (data_lib.NoUsableData, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     try:
         save_vocab_map(args.out, vm, counts)
     except (OSError, ValueError) as e:
-        print(f"error: cannot write --out {args.out}: {e}", file=sys.stderr)
+        print(f"error: --out: {error_text(e)}", file=sys.stderr)
         return 2
     print(f"wrote {args.out}")
     return 0

@@ -2,7 +2,7 @@
 
 import sys
 
-from specjax.cli import dispatch
+from specjax.cli import dispatch, error_text
 from specjax.hub import FetchError
 
 KINDS = {
@@ -21,8 +21,8 @@ def run(mod, kind: str, args: list[str]) -> int | None:
     that does not exist: specjax's errors are ValueErrors) is one line on stderr and exit status 2."""
     try:
         return mod.main(args)
-    except (ValueError, FileNotFoundError, FetchError) as e:
-        print(f"python -m specjax.bench {kind}: error: {e}", file=sys.stderr)
+    except (ValueError, OSError, FetchError) as e:
+        print(f"python -m specjax.bench {kind}: error: {error_text(e)}", file=sys.stderr)
         return 2
 
 

@@ -8,7 +8,7 @@ import os
 import platform
 from typing import Any, Callable
 
-from specjax.cli import option
+from specjax.cli import check_output_file, option
 from specjax.host import cpu_model
 
 
@@ -32,8 +32,9 @@ def machine_description() -> str:
 
 
 def write_json(path: str | None, results: Any, indent: int = 2) -> None:
-    """The results as JSON at ``path`` (nothing when it is None or empty)."""
+    """The results as JSON at ``path`` (nothing when it is None or empty; missing folders are made)."""
     if path:
+        os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=indent)
 
@@ -49,6 +50,7 @@ def print_table(header: list[str], rows: list[list[Any]], align: str = "---") ->
 
 def report(options, measure: Callable[[Any], dict], show: Callable[[dict], None], indent: int = 2) -> int:
     """``measure(options)``, ``show`` its results, write them to ``options.json`` when set; exit status 0."""
+    check_output_file(options.json, "--json")  # now, not after the measurements
     results = measure(options)
     show(results)
     write_json(options.json, results, indent)

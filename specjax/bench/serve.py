@@ -32,7 +32,7 @@ import time
 import numpy as np
 
 from specjax.bench.common import write_json
-from specjax.cli import option, options_parser, parse_into
+from specjax.cli import check_output_file, option, options_parser, parse_into
 
 BUILTIN_PROMPTS = [
     "Explain how speculative decoding speeds up text generation.",
@@ -376,6 +376,7 @@ def main(argv=None) -> int:
         ap.error("--rounds must be at least 1")
     if args.interleave and not args.launch:
         ap.error("--interleave runs the servers of --launch side by side; give --launch plain,eagle3 (or others)")
+    check_output_file(args.json, "--json")
     if args.launch:
         if not args.model_path:
             ap.error("--launch needs --model-path")

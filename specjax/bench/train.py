@@ -27,7 +27,7 @@ import time
 
 from specjax import configs
 from specjax.bench.common import print_table
-from specjax.cli import option, parse_options
+from specjax.cli import check_output_file, option, parse_options
 
 CPU_NOMINAL_TFLOPS = 1.0
 
@@ -172,6 +172,7 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
 
 def main(argv=None) -> int:
     a = _args(list(sys.argv[1:] if argv is None else argv))
+    check_output_file(a.json, "--json")
     hf, s, name = _resolve(a)
 
     import jax

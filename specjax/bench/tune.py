@@ -35,7 +35,7 @@ import jax
 from specjax.batching import warmup_budget
 from specjax.bench.common import TargetRunOptions, machine_description, write_json
 from specjax.bench.spec import load_prompts, load_target
-from specjax.cli import option, options_parser, parse_into
+from specjax.cli import check_output_file, option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
 
 DEFAULT_SHAPES = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")
@@ -176,10 +176,13 @@ def main(argv=None) -> int:
     if args.num_prompts < max(args.batch_sizes):  # checked before any measurement, not after an hour of them
         ap.error(f"--num-prompts {args.num_prompts} is smaller than batch size {max(args.batch_sizes)}: every batch "
                  f"size needs at least one full group of prompts")
+    out = None if args.no_write or args.outputs_only else \
+        args.out or os.path.join(args.draft, tune_lib.filename(args.dtype))
+    check_output_file(out, "--out")  # now, not after an hour of measurements
+    check_output_file(args.json, "--json")
     r = tune(args)
     print_table(r)
-    if not args.no_write and not args.outputs_only:
-        out = args.out or os.path.join(args.draft, tune_lib.filename(args.dtype))
+    if out:
         tune_lib.save_tune(out, r)
         print(f"wrote {out}")
     write_json(args.json, r, indent=1)

@@ -2,7 +2,7 @@
 
 import sys
 
-from specjax.cli import dispatch
+from specjax.cli import dispatch, error_text
 
 COMMANDS = {
     "gguf": ("specjax.gguf_io", "GGUF file -> HF folder (config.json, safetensors, tokenizer)"),
@@ -23,7 +23,7 @@ def run(mod, command: str, args: list[str]) -> int:
         return mod.main(command, args) or 0
     except (ValueError, OSError, RuntimeError) as e:
         # Bad input (missing or corrupt files, mismatched shapes, no valid checkpoint): a clear message, no traceback.
-        print(f"error: {e}", file=sys.stderr)
+        print(f"error: {error_text(e)}", file=sys.stderr)
         return 2
 
 
