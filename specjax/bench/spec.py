@@ -366,9 +366,13 @@ def bench_verify_sweep(args) -> dict:
 
 
 def runner_step_times(tcfg, tparams, algorithm: str, head, shape, batch_sizes, context: int, repeats: int,
-                      seed: int = 0) -> list[dict]:
+                      seed: int = 0, block: int = 5) -> list[dict]:
     """Median ms of a PlainRunner step, a SpecRunner target-only step and a SpecRunner ``shape`` tree step, per batch
-    size, every slot running a ``context``-token random prompt; head = (cfg, params, vocab map or token map)."""
+    size, every slot running a ``context``-token random prompt; head = (cfg, params, vocab map or token map).
+
+    Each kind runs in blocks of ``block`` steps back to back, as a server runs them, the kinds' order alternating
+    from round to round; the first step of a block (the one after another runner's step, which pays for the switch
+    between the two runners' pools: up to 1.13x at batch 16 on a Zen 5 VM) is not counted."""
     import jax
     import numpy as np
 
@@ -376,34 +380,36 @@ def runner_step_times(tcfg, tparams, algorithm: str, head, shape, batch_sizes, c
     from specjax.serve.runners.spec import SpecRunner
 
     page = 16
-    rounds = 4 * repeats + 1  # the first one compiles; a round adds up to 1 + (num_steps + 1) tokens to a spec slot
-    pps = -(-(context + rounds * (shape[0] + 2) + shape[0] + 1) // page)
+    rounds = -(-4 * repeats // (block - 1)) + 1  # the first round compiles; a step adds up to num_steps + 1 tokens
+    pps = -(-(context + rounds * block * (shape[0] + 1) + shape[0] + 1) // page)
     rng = np.random.default_rng(seed)
     rows = []
     for b in batch_sizes:
         kw = dict(max_batch=b, pages_per_seq=pps, page_size=page, num_pages=b * pps + 1)
-        plain = PlainRunner(tcfg, tparams, **kw)
-        spec = SpecRunner(tcfg, tparams, algorithm, *head, num_steps=shape[0], topk=shape[1],
-                          num_draft_tokens=shape[2], **kw)
+        spec = lambda: SpecRunner(tcfg, tparams, algorithm, *head, num_steps=shape[0], topk=shape[1],
+                                  num_draft_tokens=shape[2], **kw)
+        # one runner and state per kind: the target-only rows stay at the plain rows' context (tree steps advance
+        # theirs by up to num_steps + 1 tokens, and attention's cost with it)
+        runners = {"plain": (PlainRunner(tcfg, tparams, **kw), {}), "target_only": (spec(), {"tree": None}),
+                   "tree": (spec(), {"tree": shape})}
         prompts = [rng.integers(0, tcfg.vocab_size, context) for _ in range(b)]
         states = {}
-        for name, r in (("plain", plain), ("spec", spec)):
+        for k, (r, _) in runners.items():
             st = r.init_state()
             for i, p in enumerate(prompts):
                 st, _ = r.prefill(st, i, p, np.arange(1 + i * pps, 1 + (i + 1) * pps), {"temperature": 0.0})
-            states[name] = st
+            states[k] = st
         active = np.ones((b,), bool)
-        steps = {"plain": ("plain", lambda st: plain.step(st, active)),
-                 "target_only": ("spec", lambda st: spec.step(st, active, tree=None)),
-                 "tree": ("spec", lambda st: spec.step(st, active, tree=shape))}
-        times = {k: [] for k in steps}
+        times = {k: [] for k in runners}
         for it in range(rounds):
-            for k, (name, fn) in steps.items():
-                t = time.perf_counter()
-                states[name] = fn(states[name])[0]
-                jax.block_until_ready(states[name])
-                if it:
-                    times[k].append(time.perf_counter() - t)
+            for k in (list(runners) if it % 2 == 0 else list(runners)[::-1]):
+                r, step_kw = runners[k]
+                for j in range(block):
+                    t = time.perf_counter()
+                    states[k] = r.step(states[k], active, **step_kw)[0]
+                    jax.block_until_ready(states[k])
+                    if it and j:
+                        times[k].append(time.perf_counter() - t)
         med = {k: statistics.median(v) * 1e3 for k, v in times.items()}
         rows.append(dict(batch=b, plain_ms=med["plain"], target_only_ms=med["target_only"], tree_ms=med["tree"],
                          target_only_vs_plain=med["target_only"] / med["plain"],
@@ -453,7 +459,8 @@ class SpecOptions(TargetRunOptions):
     verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
                                                  "step")
     runner_steps: str | None = option(None, help="comma-separated batch sizes: time the server's plain, target-only "
-                                                 "and tree steps (PlainRunner / SpecRunner)")
+                                                 "and tree steps (PlainRunner / SpecRunner), each kind on its own "
+                                                 "state, in blocks of steps back to back")
     context: int = option(512, help="prefix length for --verify-sweep, prompt length for --runner-steps")
     batch: int = option(1, help="batch for --verify-sweep")
     random_llama_8b: bool = option(False, help="random Llama-3.1-8B-shaped bf16 target")
