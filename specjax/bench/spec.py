@@ -26,8 +26,9 @@ prefill. tau for llama.cpp = generated / (generated - accepted draft tokens), on
 a ``--context``-token prefix against a plain decode step: what verifying a wider tree costs.
 
 ``--runner-steps`` times what the server runs, per batch size with every slot holding a ``--context``-token prompt:
-``PlainRunner.step`` against ``SpecRunner.step`` as a target-only step and with the tree, interleaved, median over
-``--phase-repeats`` x 4 steps (the KV pools donated, as in the server).
+``PlainRunner.step`` against ``SpecRunner.step`` as a target-only step and with the tree, each on a state of its own
+(so the target-only rows stay at the plain rows' context), in blocks of steps back to back with the kinds' order
+alternating, median over at least ``--phase-repeats`` x 4 steps (the KV pools donated, as in the server).
 """
 
 from __future__ import annotations
