@@ -9,7 +9,7 @@ import dataclasses
 import logging
 
 from specjax import kv_cache
-from specjax.cli import add_options, option
+from specjax.cli import add_options, check_field_types, option
 from specjax.config import ConfigError
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.hub import default_smollm2_path
@@ -194,6 +194,8 @@ class ServerArgs:
         for name in ("http_header_timeout", "http_idle_timeout"):
             if not getattr(self, name) > 0:
                 raise ArgsError(f"--{name.replace('_', '-')} must be > 0 seconds (got {getattr(self, name)})")
+        if self.random_seed < 0:
+            raise ArgsError(f"--random-seed must be >= 0 (got {self.random_seed})")
         if self.tp_size < 1 or self.dp_size < 1:
             raise ArgsError("--tp-size and --dp-size must be >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
@@ -272,7 +274,10 @@ class ServerArgs:
             if k not in names:
                 raise ArgsError(f"unknown engine argument {k!r}; see `python -m specjax.serve --help` for the names")
             clean[k] = v
-        return cls(**clean)
+        try:
+            return cls(**check_field_types(cls, clean))
+        except ValueError as e:
+            raise ArgsError(f"engine argument {e}") from None
 
 
 class _HelpFormatter(argparse.RawDescriptionHelpFormatter):

@@ -19,11 +19,13 @@ import dataclasses
 import queue
 from typing import Any, Iterator
 
+import numpy as np
+
 from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
 from .args import ServerArgs
-from .request import SamplingParams
+from .request import RequestError, SamplingParams, check_text, token_ids
 
 
 class Engine:
@@ -40,23 +42,41 @@ class Engine:
 
     # ---- inputs --------------------------------------------------------------------------------------------------
     def _prompts(self, prompt, input_ids) -> tuple[list[list[int]], bool]:
+        """(token ids per prompt, whether one prompt was given rather than a list); a RequestError for a prompt of
+        the wrong type, an empty batch or a text no tokenizer takes."""
         if (prompt is None) == (input_ids is None):
-            raise ValueError("give exactly one of prompt or input_ids")
+            raise RequestError("give exactly one of prompt or input_ids", "prompt")
         if prompt is not None:
             single = isinstance(prompt, str)
-            texts = [prompt] if single else list(prompt)
-            return [self.backend.encode(t) for t in texts], single
-        single = not input_ids or not isinstance(input_ids[0], (list, tuple))
-        return ([list(input_ids)] if single else [list(x) for x in input_ids]), single
+            if not single and not isinstance(prompt, (list, tuple)):
+                raise RequestError(f"prompt must be a string or a list of strings, got {type(prompt).__name__}",
+                                   "prompt")
+            texts = [check_text(t) for t in ([prompt] if single else prompt)]
+            prompts = [self.backend.encode(t) for t in texts]
+        else:
+            single = not isinstance(input_ids, (list, tuple)) or not input_ids or \
+                not isinstance(input_ids[0], (list, tuple, np.ndarray))
+            prompts = [token_ids(input_ids)] if single else [token_ids(x) for x in input_ids]
+        if not prompts:
+            raise RequestError("empty batch: no prompt given", "prompt")
+        return prompts, single
+
+    def _params(self, sampling_params, prompts) -> list[SamplingParams]:
+        """One SamplingParams per prompt; an explicit max_new_tokens past the context and a logprob_start_len past
+        the prompt are errors, as over HTTP."""
+        many = isinstance(sampling_params, (list, tuple))
+        if many and len(sampling_params) != len(prompts):
+            raise RequestError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
+                               "sampling_params")
+        given = list(sampling_params) if many else [sampling_params] * len(prompts)
+        sps = [SamplingParams.from_dict(s) for s in given]
+        for ids, d, sp in zip(prompts, given, sps):
+            self.backend.check_request(ids, sp, max_new_given=bool(d) and d.get("max_new_tokens") is not None)
+        return sps
 
     def _submit_all(self, prompt, sampling_params, input_ids, sink_for):
         prompts, single = self._prompts(prompt, input_ids)
-        if isinstance(sampling_params, (list, tuple)):
-            if len(sampling_params) != len(prompts):
-                raise ValueError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts")
-            sps = [SamplingParams.from_dict(s) for s in sampling_params]
-        else:
-            sps = [SamplingParams.from_dict(sampling_params)] * len(prompts)
+        sps = self._params(sampling_params, prompts)
         reqs = []
         try:
             for ids, sp in zip(prompts, sps):

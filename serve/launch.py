@@ -40,6 +40,7 @@ log = logging.getLogger("specjax.serve")
 
 CPU_MAX_POOL_TOKENS = 1 << 16
 DEFAULT_MAX_RUNNING = 32
+LONGER_CONTEXT_ENV = "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN"  # SGLang's name for the same override
 
 CHATML = ("{% for m in messages %}{{ '<|im_start|>' + m['role'] + '\n' + m['content'] + '<|im_end|>\n' }}"
           "{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}")
@@ -138,10 +139,22 @@ class PoolPlan:
     kv_layers: int
 
 
+def check_context_length(args: ServerArgs, cfg) -> int:
+    """The context length served: ``--context-length``, else the model's max_position_embeddings; longer than that
+    is refused (positions past it were never trained) unless SGLang's override variable is set."""
+    context_length = args.context_length or cfg.max_position_embeddings
+    allow_longer = os.environ.get(LONGER_CONTEXT_ENV, "0") not in ("", "0", "false", "False")
+    if context_length > cfg.max_position_embeddings and not allow_longer:
+        raise ValueError(f"--context-length {context_length} is longer than the model's max_position_embeddings "
+                         f"({cfg.max_position_embeddings}): positions past it were never trained and give wrong "
+                         f"outputs; set {LONGER_CONTEXT_ENV}=1 to allow it anyway (as SGLang)")
+    return context_length
+
+
 def plan_pool(args: ServerArgs, cfg, draft_layers: int | None, param_bytes: int, bytes_limit: int | None) -> PoolPlan:
     """Size the KV pool: ``draft_layers`` is the draft's cache layers when speculating (None: plain decoding),
     ``param_bytes`` the weights on one device, ``bytes_limit`` one device's memory (None: CPU, host RAM)."""
-    context_length = args.context_length or cfg.max_position_embeddings
+    context_length = check_context_length(args, cfg)
     w = args.speculative_tokens_per_step if draft_layers is not None else 1
     z = args.page_size
     pages_per_seq = -(-(context_length + w) // z)
@@ -194,6 +207,16 @@ class Backend:
                                f"{self.context_length - prompt_tokens}", param=param,
                                code="context_length_exceeded")
 
+    def check_request(self, ids: list[int], sp: SamplingParams, max_new_given: bool,
+                      param: str = "max_new_tokens") -> None:
+        """What a prompt and its parameters must satisfy beyond their own ranges, for every front end: an explicit
+        output limit that fits the context, a logprob_start_len inside the prompt (SGLang refuses it too)."""
+        if max_new_given:
+            self.check_output_budget(len(ids), sp.max_new_tokens, param)
+        if sp.return_logprob and sp.logprob_start_len >= len(ids):
+            raise RequestError(f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
+                               f"{len(ids)} tokens", param="logprob_start_len")
+
     def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None):
         return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed)
 
@@ -245,7 +268,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         fetch_smollm2(args.model_path)
     folder = resolve_model_path(args.model_path)
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
-        ModelConfig.from_pretrained(folder)
+        check_context_length(args, ModelConfig.from_pretrained(folder))
     tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
     tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)

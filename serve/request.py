@@ -4,8 +4,12 @@ and the output events it sends to its consumer (an HTTP handler or the offline e
 from __future__ import annotations
 
 import dataclasses
+import math
+import numbers
 import time
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
+
+import numpy as np
 
 from specjax import sampling
 
@@ -49,6 +53,9 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        if d is not None and not isinstance(d, Mapping):
+            raise RequestError(f"sampling_params must be a dict of parameters, got {type(d).__name__}",
+                               "sampling_params")
         d = dict(d or {})
         if "sampling_seed" in d and d.get("seed") is None:
             d["seed"] = d.pop("sampling_seed")
@@ -58,57 +65,64 @@ class SamplingParams:
         if unknown:
             raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(names)}", param=unknown[0])
         d = {k: v for k, v in d.items() if v is not None}
-        if isinstance(d.get("stop"), str):
-            d["stop"] = [d["stop"]]
         sp = cls(**d)
         sp.validate()
         return sp
 
     def validate(self) -> None:
+        """Check every parameter's type and range (RequestError naming it) and normalise it in place: integral
+        floats to int (JSON clients send 3.0), a single stop string to a list, logit_bias keys to ints."""
+        self._normalise_types()
+        if self.max_new_tokens < 1:
+            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+        if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
+            self.top_k = -1
+        if self.top_k > INT32_MAX:  # the device kernels take int32; any k >= the vocab size means "off"
+            raise RequestError(f"top_k must be <= {INT32_MAX} (or -1 for off), got {self.top_k}", "top_k")
+        if self.seed is not None and not -(1 << 63) <= self.seed < (1 << 63) - 64:
+            raise RequestError(f"seed must fit in a signed 64-bit integer, got {self.seed}", "seed")
         try:
-            if int(self.max_new_tokens) < 1 or isinstance(self.max_new_tokens, bool):
-                raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
-            self.max_new_tokens = int(self.max_new_tokens)
-            self.temperature, self.top_p, self.min_p = float(self.temperature), float(self.top_p), float(self.min_p)
-            self.top_k = int(self.top_k)
-            if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
-                self.top_k = -1
-            if self.top_k > INT32_MAX:  # the device kernels take int32; any k >= the vocab size means "off"
-                raise RequestError(f"top_k must be <= {INT32_MAX} (or -1 for off), got {self.top_k}", "top_k")
-            if self.seed is not None and not -(1 << 63) <= int(self.seed) < (1 << 63) - 64:
-                raise RequestError(f"seed must fit in a signed 64-bit integer, got {self.seed}", "seed")
             sampling.validate(self.temperature, self.top_k, self.top_p, self.min_p)
-        except RequestError:
-            raise
-        except (TypeError, ValueError) as e:
-            param = str(e).split(" ")[0] if str(e) else None
-            raise RequestError(str(e), param=param) from None
-        if not 1 <= int(self.n) <= 64:
+        except ValueError as e:
+            raise RequestError(str(e), param=str(e).split(" ")[0]) from None
+        if not 1 <= self.n <= 64:
             raise RequestError(f"n must be in [1, 64], got {self.n}", "n")
-        if not all(isinstance(s, str) and s for s in self.stop):
-            raise RequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
         if len(self.stop) > 16:
             raise RequestError("at most 16 stop strings", "stop")
-        if not all(isinstance(t, int) and t >= 0 for t in self.stop_token_ids):
-            raise RequestError("stop_token_ids must be non-negative integers", "stop_token_ids")
-        self._validate_extras()
-
-    def _validate_extras(self) -> None:
-        try:
-            self.logit_bias = {int(k): float(v) for k, v in (self.logit_bias or {}).items()} or None
-        except (TypeError, ValueError):
-            raise RequestError("logit_bias must map token ids to numbers", "logit_bias") from None
-        if not 0 <= int(self.top_logprobs_num) <= sampling.TOP_LOGPROBS:
+        if not 0 <= self.top_logprobs_num <= sampling.TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {sampling.TOP_LOGPROBS}], got {self.top_logprobs_num}",
                                "top_logprobs_num")
-        if int(self.logprob_start_len) < -1:
+        if self.logprob_start_len < -1:
             raise RequestError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
-        if isinstance(self.min_new_tokens, bool) or int(self.min_new_tokens) < 0:
+        if self.min_new_tokens < 0:
             raise RequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}", "min_new_tokens")
         try:
             self.runner_row(0, ()).validate()
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
+
+    def _normalise_types(self) -> None:
+        for name in _INTS:
+            setattr(self, name, _integer(name, getattr(self, name)))
+        if self.seed is not None:
+            self.seed = _integer("seed", self.seed)
+        for name in _FLOATS:
+            setattr(self, name, _number(name, getattr(self, name)))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise RequestError(f"{name} must be true or false, got {getattr(self, name)!r}", name)
+            setattr(self, name, bool(getattr(self, name)))
+        stop = [self.stop] if isinstance(self.stop, str) else self.stop
+        if not isinstance(stop, (list, tuple)) or not all(isinstance(x, str) and x for x in stop):
+            raise RequestError("stop must be a non-empty string or a list of non-empty strings", "stop")
+        self.stop = list(stop)
+        ids = self.stop_token_ids
+        if not isinstance(ids, (list, tuple)) or not all(_is_int(t) and 0 <= t <= INT32_MAX for t in ids):
+            raise RequestError(f"stop_token_ids must be a list of token ids in [0, {INT32_MAX}]", "stop_token_ids")
+        self.stop_token_ids = [int(t) for t in ids]
+        if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
+            raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
+        self.logit_bias = {_token_key(k): _number("logit_bias", v) for k, v in (self.logit_bias or {}).items()} or None
 
     def runner_row(self, seed: int | None, eos_ids) -> sampling.SamplingRow:
         """The runner's typed row: min_new_tokens holds back the stop tokens (eos unless ignore_eos)."""
@@ -119,6 +133,61 @@ class SamplingParams:
             repetition_penalty=float(self.repetition_penalty), min_new_tokens=int(self.min_new_tokens),
             logit_bias=tuple((self.logit_bias or {}).items()), stop_ids=stops,
             logprobs=bool(self.return_logprob))
+
+
+_INTS = ("max_new_tokens", "top_k", "n", "min_new_tokens", "top_logprobs_num", "logprob_start_len")
+_FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
+_BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob", "return_text_in_logprobs")
+_F32_MAX = float(np.finfo(np.float32).max)
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, (bool, np.bool_))
+
+
+def _integer(name: str, v) -> int:
+    """``v`` as an int: an integer, or a float with an integral value; anything else is a RequestError."""
+    if _is_int(v):
+        return int(v)
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and float(v).is_integer():
+        return int(v)
+    raise RequestError(f"{name} must be an integer, got {v!r}", name)
+
+
+def token_ids(x, param: str = "input_ids") -> list[int]:
+    """A prompt's token ids from a list of integers (range checks are the scheduler's); else a RequestError."""
+    if isinstance(x, (str, bytes)) or not isinstance(x, (list, tuple, np.ndarray)) or \
+            not all(_is_int(t) for t in x):
+        raise RequestError(f"{param} must be a list of integer token ids", param)
+    return [int(t) for t in x]
+
+
+def check_text(text, param: str = "prompt") -> str:
+    """A prompt or message text: a str that is valid Unicode (a lone surrogate such as "\\ud800" is not, and no
+    tokenizer takes it); else a RequestError naming ``param``."""
+    if not isinstance(text, str):
+        raise RequestError(f"{param} must be a string, got {type(text).__name__}", param)
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise RequestError(f"{param} is not valid Unicode: it holds a lone surrogate", param) from None
+    return text
+
+
+def _token_key(k) -> int:
+    """A logit_bias key: a token id, or its decimal string (JSON object keys are strings)."""
+    try:
+        return int(k, 10) if isinstance(k, str) else _integer("logit_bias", k)
+    except (RequestError, ValueError):
+        raise RequestError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None
+
+
+def _number(name: str, v) -> float:
+    """``v`` as a float that the device's float32 holds (1e39 would be inf there); else a RequestError."""
+    if isinstance(v, numbers.Real) and not isinstance(v, (bool, np.bool_)) and math.isfinite(v) \
+            and abs(float(v)) <= _F32_MAX:
+        return float(v)
+    raise RequestError(f"{name} must be a finite number, got {v!r}", name)
 
 
 @dataclasses.dataclass

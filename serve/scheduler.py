@@ -66,6 +66,8 @@ class Scheduler:
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._snapshot: dict[str, Any] = {}
+        self._live: dict[str, Request] = {}  # rid -> its request, from submit until finished (any thread reads it)
+        self._live_lock = threading.Lock()
         self._evictable = 0
         self._dirty = True  # page ownership changed since the last snapshot
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "prompt_tokens": 0, "generated_tokens": 0,
@@ -92,7 +94,8 @@ class Scheduler:
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
                seed: int | None = None) -> Request:
-        """Validate and queue a request; raises RequestError when it can never be served as asked."""
+        """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
+        names a request still in flight."""
         ids = [int(t) for t in prompt_ids]
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
@@ -118,6 +121,11 @@ class Scheduler:
         if seed is None:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 31 - 1))
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed))
+        with self._live_lock:  # an abort names a rid: two requests under one would both be aborted (SGLang refuses)
+            if req.rid in self._live:
+                raise RequestError(f"a request with rid {req.rid!r} is already in flight; give each request its own "
+                                   f"rid", param="rid", code="duplicate_rid")
+            self._live[req.rid] = req
         self._inbox.put(("req", req))
         return req
 
@@ -177,10 +185,15 @@ class Scheduler:
         kind = item[0]
         if kind == "req":
             req = item[1]
-            req.init_detok()
-            self.waiting.append(req)
             self.totals["requests"] += 1
             self.metrics.on_arrival()
+            try:
+                req.init_detok()
+            except Exception as e:  # noqa: BLE001 - answered, never left waiting
+                log.exception("request %s could not be queued", req.rid)
+                self._finish(req, {"type": "abort", "message": f"{type(e).__name__}: {e}"})
+                return
+            self.waiting.append(req)
         elif kind == "abort":
             rid = item[1]
             for req in list(self.waiting):
@@ -388,6 +401,9 @@ class Scheduler:
             req.nodes += self.radix.insert(tokens[:full * self.page_size], req.pages, req.nodes)
 
     def _finish(self, req: Request, reason: dict | None = None, cache_ok: bool = True) -> None:
+        with self._live_lock:  # its rid is free again (before its consumer hears that it finished)
+            if self._live.get(req.rid) is req:
+                del self._live[req.rid]
         if reason is not None and (req.finish_reason is None or reason["type"] == "abort"):
             req.finish_reason = reason
         try:
@@ -405,7 +421,13 @@ class Scheduler:
             self.state = self.runner.release(self.state, req.slot)
             self.slots[req.slot] = None
             req.slot, req.nodes, req.pages = None, [], []
-        meta = req.meta_info(self.spec, self.tokenizer)
+        try:
+            meta = req.meta_info(self.spec, self.tokenizer)
+        except Exception as e:  # noqa: BLE001 - the consumer gets its final event whatever failed
+            log.exception("meta info of request %s failed", req.rid)
+            req.finish_reason = {"type": "abort", "message": f"{type(e).__name__}: {e}"}
+            meta = {"id": req.rid, "finish_reason": req.finish_reason, "prompt_tokens": len(req.prompt_ids),
+                    "completion_tokens": len(req.output_ids)}
         self.totals["finished"] += 1
         if req.finish_reason.get("type") == "abort":
             self.totals["aborted"] += 1

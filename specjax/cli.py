@@ -210,3 +210,24 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
+
+
+def check_field_types(cls, values: dict[str, Any]) -> dict[str, Any]:
+    """``values`` for fields of the dataclass ``cls`` given from Python (``specjax.Engine(**kwargs)``), where no
+    argparse typed them: a bool, int, float or str field takes only that type (an int for a float, None where the
+    field is optional); anything else is a ValueError naming the field. Returns the values, ints made floats where
+    the field is a float."""
+    hints = typing.get_type_hints(cls)
+    out = dict(values)
+    for name, v in values.items():
+        tp, optional = strip_optional(hints[name])
+        if v is None and optional:
+            continue
+        is_bool = isinstance(v, bool)
+        ok = {bool: is_bool, int: isinstance(v, int) and not is_bool,
+              float: isinstance(v, (int, float)) and not is_bool, str: isinstance(v, str)}.get(tp, True)
+        if not ok:
+            raise ValueError(f"{name} must be {tp.__name__}{' or None' if optional else ''}, got {v!r}")
+        if tp is float:
+            out[name] = float(v)
+    return out

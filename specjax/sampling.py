@@ -92,7 +92,8 @@ class SamplingRow:
             if not (math.isfinite(b) and -100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
             if t < 0 or (vocab_size is not None and t >= vocab_size):
-                raise ValueError(f"logit_bias token id {t} is outside the vocabulary [0, {vocab_size})")
+                where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
+                raise ValueError(f"logit_bias token id {t} is outside {where}")
         if self.min_new_tokens > 0 and len(set(self.stop_ids)) > MAX_STOP_IDS:
             raise ValueError(f"min_new_tokens can hold back at most {MAX_STOP_IDS} stop token ids, got "
                              f"{len(set(self.stop_ids))}")

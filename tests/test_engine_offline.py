@@ -82,10 +82,45 @@ def test_refusals(engine):
         engine.generate(input_ids=list(range(3, 300)), sampling_params={"max_new_tokens": 4})
     with pytest.raises(RequestError, match="temperature"):
         engine.generate("x", {"temperature": -1})
-    # max_new_tokens beyond the context is clamped to what fits
-    out = engine.generate(input_ids=list(range(3, 250)), sampling_params={"max_new_tokens": 100, "temperature": 0,
-                                                                          "ignore_eos": True})
+    # an explicit max_new_tokens beyond the context is refused, as over HTTP; the default one is clamped to what fits
+    with pytest.raises(RequestError, match="lower max_new_tokens to at most 9"):
+        engine.generate(input_ids=list(range(3, 250)), sampling_params={"max_new_tokens": 100})
+    out = engine.generate(input_ids=list(range(3, 250)), sampling_params={"temperature": 0, "ignore_eos": True})
     assert out["meta_info"]["finish_reason"] == {"type": "length", "length": 256 - 247}
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(prompt=123), "prompt must be a string or a list of strings"),
+    (dict(prompt=["hi", None]), "prompt must be a string, got NoneType"),
+    (dict(prompt={"text": "hi"}), "prompt must be a string or a list of strings"),
+    (dict(prompt=[]), "empty batch"),
+    (dict(prompt="\ud800"), "lone surrogate"),
+    (dict(input_ids=[1.7, 2.9]), "input_ids must be a list of integer token ids"),
+    (dict(input_ids="hello"), "input_ids must be a list of integer token ids"),
+    (dict(input_ids=[[1, 2], 3]), "input_ids must be a list of integer token ids"),
+    (dict(input_ids=[True, False]), "input_ids must be a list of integer token ids"),
+    (dict(prompt="x", sampling_params="greedy"), "sampling_params must be a dict"),
+    (dict(prompt="x", sampling_params={"n": 2.5}), "n must be an integer"),
+    (dict(prompt="x", sampling_params={"seed": "7"}), "seed must be an integer"),
+    (dict(prompt="x", sampling_params={"max_new_tokens": 2.7}), "max_new_tokens must be an integer"),
+    (dict(prompt="x", sampling_params={"ignore_eos": "false"}), "ignore_eos must be true or false"),
+    (dict(prompt="x", sampling_params={"temperature": 1e39}), "temperature must be a finite number"),
+    (dict(prompt="x", sampling_params={"top_logprobs_num": "3", "return_logprob": True}),
+     "top_logprobs_num must be an integer"),
+    (dict(prompt="x", sampling_params={"stop": {"x": 1}}), "stop must be a non-empty string or a list"),
+    (dict(prompt="x", sampling_params={"stop_token_ids": [2 ** 40]}), "stop_token_ids must be a list of token ids"),
+    (dict(prompt="x", sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
+    (dict(prompt="x", sampling_params={"logit_bias": {"-1": 1}}), r"outside \[0, vocab size\)"),
+    (dict(input_ids=[5], sampling_params={"return_logprob": True, "logprob_start_len": 5}),
+     "must be smaller than the prompt's 1 tokens"),
+])
+def test_bad_inputs_are_clear_errors(engine, kw, message):
+    """Wrong types and values from Python are RequestErrors naming the parameter (none hangs, is coerced
+    silently or fails inside the scheduler); the engine serves on afterwards."""
+    from specjax.serve.request import RequestError
+    with pytest.raises(RequestError, match=message):
+        engine.generate(**kw)
+    assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
 def test_small_pool_refuses_what_cannot_fit():

@@ -203,6 +203,14 @@ def test_failures_stay_contained():
     ids, meta = run(sched, [46, 47], 6, ignore_eos=True)
     assert meta["finish_reason"]["type"] == "abort" and "token 49" in meta["finish_reason"]["message"]
     assert run(sched, [20, 21], 4, ignore_eos=True)[0] == expected([20, 21], 4)
+    # a request whose final meta info cannot be built still gets its final event (its consumer would wait forever)
+    sp = SamplingParams(max_new_tokens=3, temperature=0.0, return_logprob=True)
+    sp.top_logprobs_num = "3"  # past validation: what a future field bug could do
+    q: queue.Queue = queue.Queue()
+    sched.submit([5, 6], sp, q.put)
+    while not (ev := q.get(timeout=30))["finished"]:
+        pass
+    assert ev["meta_info"]["finish_reason"]["type"] == "abort"
     # a consumer that raises does not hurt the scheduler
     sched.submit([5, 6], SamplingParams(max_new_tokens=3), lambda ev: 1 / 0)
     assert run(sched, [30, 31], 4, ignore_eos=True)[0] == expected([30, 31], 4)
@@ -237,4 +245,32 @@ def test_stop_token_inside_a_multi_token_step_and_abort_while_waiting():
     while not (ev := q1.get(timeout=10))["finished"]:
         pass
     assert ev["meta_info"]["completion_tokens"] == 24
+    sched.shutdown()
+
+
+def test_a_rid_in_flight_is_refused_until_it_finishes():
+    """One rid, one request at a time: an abort names a rid, so a second request under it is refused (and the
+    first untouched); a finished request's rid is free again."""
+    sched = make(FakeRunner(max_batch=1))
+    gate, q = threading.Event(), queue.Queue()
+
+    def held(ev):  # holds the scheduler at the first event: the request stays in flight
+        gate.wait(10)
+        q.put(ev)
+    sched.submit([1], SamplingParams(max_new_tokens=6, ignore_eos=True), held, rid="r")
+    with pytest.raises(RequestError) as e:
+        sched.submit([2], SamplingParams(max_new_tokens=4), q.put, rid="r")
+    assert (e.value.param, e.value.code) == ("rid", "duplicate_rid")
+    sched.submit([2], SamplingParams(max_new_tokens=4), q.put, rid="other")  # another rid is fine meanwhile
+    gate.set()
+    finished = {}
+    while len(finished) < 2:
+        ev = q.get(timeout=10)
+        if ev["finished"]:
+            finished[ev["meta_info"]["id"]] = ev["meta_info"]
+    assert finished["r"]["completion_tokens"] == 6 and finished["r"]["finish_reason"]["type"] == "length"
+    sched.submit([3], SamplingParams(max_new_tokens=2, ignore_eos=True), q.put, rid="r")  # free again
+    while not (ev := q.get(timeout=10))["finished"]:
+        pass
+    assert ev["meta_info"]["id"] == "r" and ev["meta_info"]["completion_tokens"] == 2
     sched.shutdown()

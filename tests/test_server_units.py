@@ -13,9 +13,9 @@ import pytest
 from specjax.bench.serve import launch_flags, median_round, speedup_cell
 from specjax.heads import DEFAULT_HEAD
 from specjax.hub import default_smollm2_path
-from specjax.config import ConfigError
+from specjax.config import ConfigError, ModelConfig
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
-from specjax.serve.launch import build
+from specjax.serve.launch import LONGER_CONTEXT_ENV, build, check_context_length
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import Request, RequestError, SamplingParams
 from server_helpers import tiny_model_dir
@@ -109,6 +109,13 @@ def test_engine_kwargs_share_the_cli_names():
     assert a.model_path == "m" and a.speculative_draft_model_path == "d"
     with pytest.raises(ArgsError, match="unknown engine argument"):
         ServerArgs.from_kwargs(model_path="m", not_a_flag=1)
+    with pytest.raises(ArgsError, match="speculative_num_steps must be int or None, got '3'"):
+        ServerArgs.from_kwargs(model_path="m", speculative_num_steps="3")
+    with pytest.raises(ArgsError, match="skip_server_warmup must be bool"):
+        ServerArgs.from_kwargs(model_path="m", skip_server_warmup=1)
+    assert ServerArgs.from_kwargs(model_path="m", mem_fraction_static=1).mem_fraction_static == 1.0
+    with pytest.raises(ArgsError, match="--random-seed must be >= 0"):
+        ServerArgs.from_kwargs(model_path="m", random_seed=-1).validate()
 
 
 def test_import_specjax_is_light():
@@ -309,3 +316,16 @@ def test_a_missing_chat_template_is_said_before_the_model_loads():
     """``--chat-template`` naming no file and no built-in: the error comes first (it came after ~14 s of loading)."""
     with pytest.raises(ValueError, match="--chat-template '/nonexistent.jinja' is neither a file nor a built-in"):
         build(parse_args(["--model-path", DEFAULT_HEAD, "--chat-template", "/nonexistent.jinja"]))
+
+
+def test_a_context_longer_than_the_model_is_refused(monkeypatch):
+    """--context-length past max_position_embeddings is refused before any weight loads (SGLang's override variable
+    allows it)."""
+    cfg = ModelConfig.from_pretrained(tiny_model_dir())
+    n = cfg.max_position_embeddings
+    assert check_context_length(ServerArgs.from_kwargs(model_path="m"), cfg) == n
+    assert check_context_length(ServerArgs.from_kwargs(model_path="m", context_length=n // 2), cfg) == n // 2
+    with pytest.raises(ValueError, match="longer than the model's max_position_embeddings"):
+        check_context_length(ServerArgs.from_kwargs(model_path="m", context_length=2 * n), cfg)
+    monkeypatch.setenv(LONGER_CONTEXT_ENV, "1")
+    assert check_context_length(ServerArgs.from_kwargs(model_path="m", context_length=2 * n), cfg) == 2 * n

@@ -12,6 +12,22 @@ from .common import SSE_DONE, APIError, Fanout, backend_of, off_loop, parse, see
 router = APIRouter()
 
 
+def batch_rids(rid: str | list[str] | None, count: int) -> list[str | None]:
+    """The rid of each of ``count`` prompts: a list gives one per prompt, each its own (an abort by rid would stop
+    every request under it; a rid still in flight is the scheduler's refusal)."""
+    if not isinstance(rid, list):
+        return [rid] * count
+    if len(rid) != count:
+        raise APIError(400, f"{len(rid)} rids for {count} prompts: give one rid per prompt", param="rid")
+    seen = set()
+    for r in rid:
+        if r and r in seen:  # "" asks for none: the scheduler makes one
+            raise APIError(400, f"the rid {r!r} repeats in the batch: give each prompt its own rid", param="rid",
+                           code="duplicate_rid")
+        seen.add(r)
+    return list(rid)
+
+
 @router.post("/generate")
 async def generate(request: Request):
     backend = backend_of(request)
@@ -35,16 +51,12 @@ async def generate(request: Request):
         sps = [sps or P.GenerateSamplingParams()] * len(prompts)
     params = body.with_logprobs([P.to_sampling(s) for s in sps])
     for ids, s, sp in zip(prompts, sps, params):
-        if "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None:
-            backend.check_output_budget(len(ids), s.max_new_tokens, "max_new_tokens")
-        if sp.return_logprob and sp.logprob_start_len >= len(ids):  # SGLang refuses it too
-            raise APIError(400, f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
-                                f"{len(ids)} tokens", param="logprob_start_len")
-    rids = body.rid if isinstance(body.rid, list) else [body.rid] * len(prompts)
+        backend.check_request(ids, sp, "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None)
+    rids = batch_rids(body.rid, len(prompts))
     fan = Fanout(backend)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
         for j in range(sp.n):
-            rid = rids[k] if k < len(rids) else None
+            rid = rids[k]
             if rid is not None and (sp.n > 1 or (len(prompts) > 1 and not isinstance(body.rid, list))):
                 rid = f"{rid}-{k}-{j}"
             fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j))
