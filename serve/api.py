@@ -1,6 +1,7 @@
 """HTTP front (FastAPI): SGLang's native endpoints and the OpenAI-compatible /v1 endpoints over one Backend.
 The routes live in ``serve/routes/`` (admin, native, openai; their shared helpers in routes/common.py); this module
-assembles the app and holds the connection-level pieces (API key middleware, header deadline).
+assembles the app and holds the connection-level pieces (API key and internal error middlewares, header
+deadline).
 
 Request bodies are parsed here (not by FastAPI) so that malformed JSON, invalid UTF-8, wrong field types and
 out-of-range values all come back as a 400 with OpenAI's ``{"error": {message, type, param, code}}`` body, and a
@@ -43,6 +44,37 @@ class APIKeyMiddleware:
         await self.app(scope, receive, send)
 
 
+class InternalErrorMiddleware:
+    """An unexpected exception in a handler: logged (one line and its traceback) and answered with a 500 error body.
+    It is caught here, inside Starlette's ServerErrorMiddleware, which would re-raise it after replying: uvicorn then
+    logs it again and closes the connection, and the client's next request on that keep-alive connection fails. A
+    response already under way (a stream) cannot become a 500: its exception goes on and the connection closes."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        started = False
+
+        async def send_(message):
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, receive, send_)
+        except Exception as e:  # noqa: BLE001 - every unexpected error is answered, not raised
+            if started:
+                raise
+            log.exception("unhandled error in %s %s", scope.get("method"), scope.get("path"))
+            text = f"{e}".encode("utf-8", "backslashreplace").decode("utf-8")
+            resp = error_response(500, f"internal error: {type(e).__name__}: {text}", type_="internal_server_error")
+            await resp(scope, receive, send)
+
+
 def http_protocol(header_timeout: float):
     """uvicorn's h11 protocol, plus a deadline for each request's line and headers: a connection that has not
     completed them ``header_timeout`` s after it opened (or after its previous response) is closed, so clients
@@ -81,13 +113,15 @@ def http_protocol(header_timeout: float):
 
 
 def create_app(backend) -> FastAPI:
-    """The app: OpenAI-shaped error bodies for every failure, the API key check when one is set, then the admin,
-    native and OpenAI routers over ``backend`` (kept on ``app.state.backend``)."""
+    """The app: OpenAI-shaped error bodies for every failure (a 500 body for unexpected ones, which keeps the
+    connection open), the API key check when one is set, then the admin, native and OpenAI routers over ``backend``
+    (kept on ``app.state.backend``)."""
     app = FastAPI(title="specjax server", version=version())
     app.state.backend = backend
     add_error_handlers(app)
     if backend.args.api_key:
         app.add_middleware(APIKeyMiddleware, key=backend.args.api_key)
+    app.add_middleware(InternalErrorMiddleware)  # added last: the outermost of ours
     for r in (admin.router, native.router, openai.router):
         app.include_router(r)
     return app
@@ -111,8 +145,3 @@ def add_error_handlers(app: FastAPI) -> None:
     async def _http(_, e: StarletteHTTPException):
         kind = "not_found_error" if e.status_code == 404 else "invalid_request_error"
         return error_response(e.status_code, str(e.detail), type_=kind)
-
-    @app.exception_handler(Exception)
-    async def _internal(_, e: Exception):
-        log.exception("unhandled error")
-        return error_response(500, f"internal error: {type(e).__name__}: {e}", type_="internal_server_error")

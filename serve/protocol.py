@@ -200,9 +200,15 @@ class _OpenAISampling(_Body):
         """(return_logprob, top_logprobs_num, echo prompt logprobs): each endpoint maps its own fields."""
         return False, 0, False
 
-    def sampling(self, max_tokens: int | None) -> SamplingParams:
+    def check(self) -> None:
+        self.check_fields()
+        if self.stream_options is not None and not self.stream:  # as OpenAI and vLLM
+            raise RequestError("stream_options is only allowed when stream is true", param="stream_options")
+
+    def sampling(self, max_tokens: int | None, param: str = "max_tokens") -> SamplingParams:
+        """The SamplingParams of this body with the output limit ``max_tokens`` (given as the field ``param``)."""
         if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"max_tokens must be >= 1, got {max_tokens}", param="max_tokens")
+            raise RequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
         if self.min_tokens is not None and self.min_tokens < 0:
             raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
         sp = SamplingParams(
@@ -239,7 +245,7 @@ class CompletionRequest(_OpenAISampling):
         best_of = (self.model_extra or {}).get("best_of")
         if best_of is not None and best_of == self.n and isinstance(best_of, int):
             self.model_extra.pop("best_of")  # best_of == n: the n samples are the answer, as asked
-        self.check_fields()
+        super().check()
 
 
 class ChatMessage(_Body):

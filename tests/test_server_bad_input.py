@@ -3,12 +3,19 @@ a client that disconnects mid-stream frees its slot and KV pages; the API key gu
 
 from __future__ import annotations
 
+import http.client
+import json
+import logging
+import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import pytest
+import uvicorn
 
-from server_helpers import Server, tiny_model_dir
+from server_helpers import Server, free_port, sse_events, tiny_model_dir
+from specjax.serve.api import create_app, http_protocol
 
 KEY = "sk-test-key"
 AUTH = {"Authorization": f"Bearer {KEY}"}
@@ -59,7 +66,10 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": -5}, 400, "max_tokens"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 0}, 400, "max_tokens"),
-    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_completion_tokens": -1}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": 5, "max_completion_tokens": 0}, 400,
+     "max_completion_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.1}, 400, "temperature"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "temperature": -1}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
@@ -150,6 +160,28 @@ BAD = [
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema"),
     ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": -3}}, 400, "min_new_tokens"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_token": 3}}, 400, "max_new_token"),
+    # stream_options without stream: true (OpenAI and vLLM refuse it too)
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,
+     "stream_options"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "stream": False,
+                              "stream_options": {"include_usage": False}}, 400, "stream_options"),
+    # a lone UTF-16 surrogate escape in any string (or field name) of a body is not valid Unicode
+    ("/generate", b'{"text": "a\\ud800b"}', 400, "text"),
+    ("/generate", b'{"text": ["ok", "\\udc00"]}', 400, "text"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "\\ud800"}]}', 400,
+     "content"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": [{"type": "text", '
+                             b'"text": "hi \\uDFFF"}]}]}', 400, "text"),
+    ("/v1/chat/completions", b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}], '
+                             b'"chat_template_kwargs": {"who": "\\udbff"}}', 400, "who"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": ["ok", "x\\uD83D"]}', 400, "prompt"),
+    ("/v1/completions", b'{"model": "tiny", "prompt": "x", "stop": ["a", "\\ude00"]}', 400, "stop"),
+    ("/generate", b'{"text": "x", "sampling_params": {"stop": "\\ud800"}}', 400, "stop"),
+    ("/generate", b'{"text": "x", "\\ud800": 1}', 400, None),
+    # rid: one per prompt of a batch, each its own
+    ("/generate", {"text": ["a", "b"], "rid": ["same", "same"]}, 400, "rid"),
+    ("/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, "rid"),
+    ("/generate", {"input_ids": [[5, 6], [7, 8]], "rid": ["a", "b", "c"]}, 400, "rid"),
     ("/abort_request", {}, 400, "rid"),
     ("/abort_request", {"rid": 5}, 400, "rid"),
     ("/abort_request", {"abort_all": "maybe"}, 400, "abort_all"),
@@ -205,6 +237,7 @@ def test_neutral_values_are_accepted(server):
                                   "presence_penalty": 0, "frequency_penalty": 0.0, "logprobs": False,
                                   "top_logprobs": None, "tools": [], "tool_choice": "auto", "user": "u-1",
                                   "response_format": {"type": "text"}, "logit_bias": {}, "n": 1, "store": False,
+                                  "stream": True,
                                   "stream_options": {"include_usage": True, "continuous_usage_stats": False}}),
         ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 2, "best_of": 1, "suffix": None,
                              "logprobs": None, "echo": False, "min_tokens": 0}),
@@ -214,6 +247,78 @@ def test_neutral_values_are_accepted(server):
     ]:
         r = post(server, path, json=body)
         assert r.status_code == 200, (path, r.text)
+
+
+def test_lone_surrogates_are_refused_naming_the_field(server):
+    """A lone surrogate escape is a 400 naming where it is (no tokenizer takes it: it was a 500); a surrogate pair
+    (what json.dumps writes for an emoji by default) is one valid character."""
+    body = b'{"model": "tiny", "messages": [{"role": "user", "content": "hi"}, {"role": "user", "content": "\\ud800"}]}'
+    err = assert_error(post(server, "/v1/chat/completions", content=body), 400, "content")
+    assert err["code"] == "invalid_unicode" and "messages[1].content is not valid Unicode" in err["message"], err
+    pair = json.dumps({"text": "smile \U0001F600", "sampling_params": {"max_new_tokens": 2}})
+    assert "\\ud83d\\ude00" in pair
+    assert post(server, "/generate", content=pair).status_code == 200
+    still_serves(server)
+
+
+def test_a_rid_in_flight_is_refused(server):
+    """A second request under the rid of one still running is a 400 (an abort by rid would stop both), and the
+    first runs on to its end; once it finished, its rid can be used again."""
+    body = {"text": "Hello", "rid": "dup-rid", "stream": True,
+            "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}
+    with httpx.Client(timeout=60) as client, client.stream("POST", server.url + "/generate", json=body,
+                                                           headers=AUTH) as r:
+        assert r.status_code == 200
+        lines = r.iter_lines()
+        first = next(line for line in lines if line)  # the request is running
+        err = assert_error(post(server, "/generate", json={"text": "Hi", "rid": "dup-rid"}), 400, "rid")
+        assert err["code"] == "duplicate_rid", err
+        events = sse_events([first, *lines])
+    assert events[-1]["meta_info"]["finish_reason"]["type"] == "length"
+    assert events[-1]["meta_info"]["completion_tokens"] == 240
+    r = post(server, "/generate", json={"text": "Hi", "rid": "dup-rid", "sampling_params": {"max_new_tokens": 2}})
+    assert r.status_code == 200 and r.json()["meta_info"]["id"] == "dup-rid", r.text
+
+
+class _BrokenScheduler:
+    @property
+    def alive(self):
+        raise RuntimeError("scheduler state unreadable")
+
+
+def test_an_internal_error_keeps_the_connection(caplog):
+    """An unexpected exception in a handler is a 500 with the error body, logged once with its traceback, on a
+    keep-alive connection that stays open (re-raised, as Starlette does, uvicorn closed it: the client's next
+    request on it failed). An app over a fake backend whose /health raises; no model."""
+    backend = SimpleNamespace(args=SimpleNamespace(api_key=None), scheduler=_BrokenScheduler())
+    port = free_port()
+    srv = uvicorn.Server(uvicorn.Config(create_app(backend), host="127.0.0.1", port=port, log_config=None,
+                                        http=http_protocol(10.0), log_level="warning"))
+    thread = threading.Thread(target=srv.run, daemon=True)
+    thread.start()
+    try:
+        deadline = time.time() + 20
+        while not srv.started and time.time() < deadline:
+            time.sleep(0.02)
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        socks = []
+        with caplog.at_level(logging.ERROR):
+            for _ in range(3):
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                err = json.loads(resp.read())["error"]
+                assert resp.status == 500 and err["type"] == "internal_server_error", err
+                assert "RuntimeError: scheduler state unreadable" in err["message"], err
+                assert not resp.will_close
+                socks.append(conn.sock)
+        conn.close()
+        assert socks[0] is not None and all(s is socks[0] for s in socks)  # one connection, kept open
+    finally:
+        srv.should_exit = True
+        thread.join(10)
+    errors = [r for r in caplog.records if r.levelno >= logging.ERROR]
+    assert len(errors) == 3 and all(r.exc_info for r in errors), [r.getMessage() for r in errors]
+    assert not any("Exception in ASGI application" in r.getMessage() for r in caplog.records)
 
 
 def _timed_health(server, stop, times):

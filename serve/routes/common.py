@@ -8,6 +8,7 @@ import asyncio
 import dataclasses
 import json
 import logging
+import re
 import time
 from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Any
@@ -22,6 +23,10 @@ from ..request import SamplingParams
 
 log = logging.getLogger("specjax.serve")
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming handler checks that its client is still there
+# A JSON string may spell a UTF-16 surrogate as an escape ("\\ud800"); json.loads joins a pair into one code point, so a
+# surrogate left in a parsed string is a lone one: not valid Unicode, and no tokenizer (nor UTF-8 encoder) takes it.
+_SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def backend_of(request: Request):
@@ -99,6 +104,24 @@ async def read_body(request: Request, limit: int, idle_timeout: float) -> bytes:
     return b"".join(chunks)
 
 
+def lone_surrogate(data) -> tuple[str, str | None] | None:
+    """(where, field name) of the first string or object key of a parsed JSON body that holds a lone surrogate
+    (``where`` a path such as ``messages[0].content``), None when there is none. Iterative: any nesting depth."""
+    stack = [(data, "the body", None)]
+    while stack:
+        value, where, field = stack.pop()
+        if isinstance(value, str):
+            if _SURROGATE.search(value):
+                return where, field
+        elif isinstance(value, dict):
+            if any(_SURROGATE.search(k) for k in value):
+                return f"a field name in {where}", field
+            stack.extend((v, k if where == "the body" else f"{where}.{k}", k) for k, v in reversed(value.items()))
+        elif isinstance(value, list):
+            stack.extend((v, f"{where}[{i}]", field) for i, v in reversed(list(enumerate(value))))
+    return None
+
+
 async def parse_body(request: Request, model: type[P._Body], limit: int, idle_timeout: float):
     raw = await read_body(request, limit, idle_timeout)
     try:
@@ -115,6 +138,10 @@ async def parse_body(request: Request, model: type[P._Body], limit: int, idle_ti
         raise APIError(400, "the request body nests JSON too deeply", code="invalid_json") from None
     if not isinstance(data, dict):
         raise APIError(400, "the request body must be a JSON object")
+    if _SURROGATE_ESCAPE.search(text) and (bad := lone_surrogate(data)):
+        where, field = bad
+        raise APIError(400, f"{where} is not valid Unicode: it contains a lone surrogate (a \\ud800-\\udfff escape "
+                            f"without its pair)", param=field, code="invalid_unicode")
     try:
         body = model.model_validate(data)
     except pydantic.ValidationError as e:

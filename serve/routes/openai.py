@@ -99,7 +99,7 @@ async def completions(request: Request):
 @router.post("/v1/chat/completions")
 async def chat_completions(request: Request):
     backend, served, body = await openai_request(request, P.ChatCompletionRequest)
-    sp = body.sampling(body.token_limit)
+    sp = body.sampling(body.token_limit, body.token_limit_param)
     messages = [m.template_dict() for m in body.messages]
     ids = await off_loop(lambda: backend.encode(backend.render_chat(messages, body.chat_template_kwargs),
                                                 add_special_tokens=False))
