@@ -45,7 +45,9 @@ class ServerArgs:
     dtype: str = option("auto", group="model", choices=["auto", "bfloat16", "float16", "float32"],
                         help="parameter/compute dtype; auto = the checkpoint's torch_dtype")
     context_length: int | None = option(None, group="model", help="max tokens per sequence (prompt + output); "
-                                                                  "default: the model's max_position_embeddings")
+                                                                  "default: the model's max_position_embeddings, "
+                                                                  "which it may not exceed (unless "
+                                                                  "SGLANG_ALLOW_OVERWRITE_LONGER_CONTEXT_LEN=1)")
     host: str = option("127.0.0.1", group="http", help="address to listen on (0.0.0.0 for every interface)")
     port: int = option(30000, group="http", help="HTTP port")
     api_key: str | None = option(None, group="http",
