@@ -204,3 +204,22 @@ def test_every_step_damaged_raises(tmp_path):
         ck.restore(params=_abstract(p1), train=_abstract(t1))
     assert ck.valid_steps() == [] and len(ck.damaged_steps_seen()) == 2
     ck.close()
+
+
+def test_another_runs_checkpoint_is_not_taken_for_a_damaged_one(tmp_path):
+    """Resuming a valid checkpoint of another target (another vocab): a clear mismatch, and the checkpoint stays
+    valid and in place (it used to fail to restore, get unmarked and be moved aside as corrupt)."""
+    from specjax.train.__main__ import check_resumable
+    from specjax.train.checkpoint import CheckpointMismatch
+    ck = Checkpointer(str(tmp_path / "ck"), keep=3, async_save=False)
+    _save(ck, 1)
+    ck.wait()
+    other = HEAD.replace(vocab_size=64)
+    with pytest.raises(CheckpointMismatch, match="vocab_size 50, this run's target .* has 64"):
+        ck.restore(abstract=lambda meta: check_resumable(head_config_from_dict(meta["head_config"]), other,
+                                                         meta["target_model_path"], "t", print))
+    assert ck.valid_steps() == [1] and not any(p.name.startswith("corrupt-") for p in (tmp_path / "ck").iterdir())
+    notes = []
+    check_resumable(HEAD, HEAD.replace(draft_vocab_size=30), "/models/t", "/models/u", notes.append)
+    assert "draft_vocab_size 20 (config: 30)" in notes[0] and "trained against /models/t" in notes[1]
+    ck.close()

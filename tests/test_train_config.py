@@ -26,7 +26,8 @@ def test_overrides_and_types(tmp_path):
     y = tmp_path / "c.yaml"
     y.write_text("model: {path: ~/m}\noptimizer: {lr: 1.0e-3}\ndata: {buckets: [64, 128]}\n")
     cfg = load_config(str(y), ["--optimizer.lr", "3e-4", "--mesh.tp=2", "--data.paths", "[a.json, b.jsonl]",
-                               "--training.max_steps", "null", "--offline.build", "--checkpoint.async-save", "false",
+                               "--training.max_steps", "null", "--offline.build", "--offline.dir", "cache",
+                               "--checkpoint.async-save", "false",
                                "--data.chat_template_kwargs", "{enable_thinking: false}"])
     assert cfg.optimizer.lr == 3e-4 and cfg.mesh.tp == 2 and cfg.data.buckets == (64, 128)
     assert cfg.data.paths == ("a.json", "b.jsonl") and cfg.training.max_steps is None and cfg.offline.build
@@ -44,6 +45,25 @@ def test_overrides_and_types(tmp_path):
     (["--data.format", "csv"], "data.format"),
     (["--training.batch_size", "0"], "batch_size"),
     (["positional"], "unexpected argument"),
+    (["--optimizer.lr", "-1"], "optimizer.lr must be > 0"),
+    (["--optimizer.warmup_ratio", "nan"], "optimizer.warmup_ratio must be in"),
+    (["--optimizer.min_lr_ratio", "-1"], "optimizer.min_lr_ratio must be in"),
+    (["--optimizer.b2", "2"], "optimizer.b2 must be in"),
+    (["--optimizer.clip_norm", "-1"], "optimizer.clip_norm must be >= 0"),
+    (["--training.decay", "nan"], "training.decay must be in"),
+    (["--training.ttt_length", "100000"], "must be smaller than data.max_length"),
+    (["--training.ttt_length", "100", "--data.max_length", "4096"], "training.ttt_length must be <= 64"),
+    (["--data.eval_max", "-1"], "data.eval_max must be >= 0"),
+    (["--head.num_layers", "0"], "head.num_layers must be >= 1"),
+    (["--head.aux_layer_ids", "[1, 1, 2]"], "must be distinct"),
+    (["--head.dtype", "float42"], "head.dtype must be"),
+    (["--model.dtype", "bogus"], "model.dtype must be"),
+    (["--logging.every", "0"], "logging.every must be >= 1"),
+    (["--logging.eval_every", "-1"], "logging.eval_every must be >= 0"),
+    (["--offline.build", "true"], "offline.build needs offline.dir"),
+    (["--multihost.num_processes", "2"], "go together"),
+    (["--multihost.coordinator", "h:1", "--multihost.num_processes", "2", "--multihost.process_id", "5"],
+     "process_id must be in"),
 ])
 def test_bad_overrides(argv, msg):
     with pytest.raises(ConfigError, match=msg):
@@ -77,8 +97,8 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
     y = tmp_path / "c.yaml"
     y.write_text("model: {path: m}\ntraining: {seed: 3}\n")
     args, cfg = config_from_command_line(build_parser(), [
-        "--config", str(y), "--optimizer.lr", "3e-4", "--offline.build", "--checkpoint.async-save", "false",
-        "--training.max_steps=7", "--data.buckets", "[64,128]"])
+        "--config", str(y), "--optimizer.lr", "3e-4", "--offline.build", "--offline.dir", "c", "--checkpoint.async-save",
+        "false", "--training.max_steps=7", "--data.buckets", "[64,128]"])
     assert args.config == str(y)
     assert cfg.optimizer.lr == 3e-4 and cfg.offline.build and cfg.checkpoint.async_save is False
     assert cfg.training.max_steps == 7 and cfg.training.seed == 3 and cfg.data.buckets == (64, 128)

@@ -24,13 +24,13 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
-from specjax.cli import error_text
+from specjax.cli import check_output_file, error_text
 from specjax.config import ModelConfig
 from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
-from specjax.sharding import make_mesh
+from specjax.sharding import ShardingError, make_mesh
 from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, train_step as step_lib
 from specjax.train.config import RunConfig, add_override_options, config_from_command_line
 from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map
@@ -101,6 +101,10 @@ class Logger:
         self.path = cfg.logging.jsonl or (local if "://" in ck else os.path.join(ck, "metrics.jsonl"))
         self.tb = None
         if primary:
+            try:
+                check_output_file(self.path, "logging.jsonl")
+            except ValueError as e:
+                raise Stop(2, f"error: {e}") from None
             os.makedirs(os.path.dirname(os.path.abspath(self.path)), exist_ok=True)
             if cfg.logging.tensorboard:
                 try:
@@ -177,9 +181,11 @@ def peak_flops(device) -> float | None:
 
 def head_config(cfg, target_cfg):
     """The EAGLE3 head a run config asks for (before a checkpoint or init_from may replace it)."""
+    aux = cfg.head.aux_layer_ids
+    if aux is not None and max(aux) >= target_cfg.num_layers:
+        raise Stop(2, f"error: head.aux_layer_ids {list(aux)}: the target has layers 0..{target_cfg.num_layers - 1}")
     return Eagle3Config.from_target(target_cfg, draft_vocab_size=cfg.head.draft_vocab_size,
-                                    num_layers=cfg.head.num_layers, aux_layer_ids=cfg.head.aux_layer_ids,
-                                    dtype=cfg.head.dtype)
+                                    num_layers=cfg.head.num_layers, aux_layer_ids=aux, dtype=cfg.head.dtype)
 
 
 def make_optimizer(cfg, total_steps: int):
@@ -253,14 +259,18 @@ def main(argv=None) -> int:
         return 2
     cfg = got[1]
     enable_compilation_cache()  # a restarted run (preemption, resume) loads its compiled steps
-    init_distributed(cfg.multihost)
+    try:
+        init_distributed(cfg.multihost)
+    except (ValueError, RuntimeError) as e:  # e.g. multihost.auto off a TPU pod: jax finds no coordinator
+        print(f"error: multihost: jax.distributed.initialize() failed: {e}", flush=True)
+        return 2
     reuse_cpu_temps()  # on a CPU: the steps' temporaries stay mapped from one step to the next
     primary = jax.process_index() == 0
     made = ckpt_lib.first_missing_dir(cfg.checkpoint.dir) if primary else None
     try:
         log = Logger(cfg, primary)
         run = setup(cfg, log)
-    except (Stop, OSError) as e:  # what the user must fix: said in a line, no empty checkpoint folder left behind
+    except (Stop, OSError, ShardingError) as e:  # the user's to fix: said in a line, no empty checkpoint folder left
         if primary:
             print("\n".join(e.lines if isinstance(e, Stop) else [f"error: {error_text(e)}"]), flush=True)
         ckpt_lib.remove_if_no_files(made)
@@ -277,7 +287,11 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
     mesh = make_run_mesh(cfg, log)
     model_dir, target_cfg, target_params = load_target(cfg, mesh, log)
     offline_train = cfg.offline.dir is not None and not cfg.offline.build
-    tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
+    try:
+        tokenizer = data_lib.load_tokenizer(cfg.model.tokenizer or model_dir)
+    except (ValueError, OSError) as e:
+        raise Stop(2, f"error: no tokenizer in {cfg.model.tokenizer or model_dir} (model.tokenizer / model.path): "
+                      f"{e}") from None
     try:
         full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
     except data_lib.NoUsableData as e:
@@ -293,8 +307,12 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
         return None
     features = None
     if offline_train:
-        features = offline_lib.FeatureCache(cfg.offline.dir, expect_tokens=len(full.tokens),
-                                            expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer))
+        try:
+            features = offline_lib.FeatureCache(cfg.offline.dir, expect_tokens=len(full.tokens),
+                                                expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
+                                                expect_aux_layers=head_cfg.aux_layer_ids)
+        except (ValueError, FileNotFoundError) as e:
+            raise Stop(2, f"error: offline.dir: {e}") from None
     it_kw = dict(batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum, buckets=cfg.data.buckets,
                  max_length=cfg.data.max_length, seed=cfg.training.seed, sharding=NamedSharding(mesh, P(None, "dp")),
                  pad_id=pad_id)
@@ -327,8 +345,11 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
 
 
 def make_run_mesh(cfg: RunConfig, log: Logger):
-    tp = cfg.mesh.tp
-    dp = cfg.mesh.dp if cfg.mesh.dp > 0 else jax.device_count() // tp
+    tp, n = cfg.mesh.tp, jax.device_count()
+    dp = cfg.mesh.dp if cfg.mesh.dp > 0 else n // tp
+    if dp * tp > n or dp < 1:
+        raise Stop(2, f"error: mesh.dp x mesh.tp = {cfg.mesh.dp} x {tp} needs more than the {n} "
+                      f"{jax.devices()[0].platform} device(s) here")
     mesh = make_mesh(dp=dp, tp=tp)
     if cfg.training.batch_size % dp:
         raise Stop(2, f"error: training.batch_size={cfg.training.batch_size} must be divisible by mesh.dp={dp}")
@@ -408,12 +429,15 @@ def resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg, batches):
 
     def resume_abstract(meta):  # the run's head, as saved in the step being restored
         hc = ckpt_lib.head_config_from_dict(meta["head_config"]).replace(dtype=head_cfg.dtype)
+        check_resumable(hc, head_cfg, meta.get("target_model_path"), cfg.model.path, log.info)
         st = step_lib.abstract_train_state(hc, optimizer, mesh)
         return {"params": st.params, "train": {"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
                 "vocab": {"d2t": jax.ShapeDtypeStruct((hc.draft_vocab_size,), np.int32, sharding=rep),
                           "t2d": jax.ShapeDtypeStruct((target_cfg.vocab_size,), np.bool_, sharding=rep)}}
     try:
         resume_step, out = ckpt.restore(abstract=resume_abstract)
+    except ckpt_lib.CheckpointMismatch as e:
+        raise Stop(2, f"error: {e}; give this run its own checkpoint.dir") from None
     except ckpt_lib.CheckpointError as e:
         raise Stop(1, f"error: {e}; {FRESH_HINT}") from None
     head_cfg = ckpt_lib.head_config_from_dict(out["meta"]["head_config"]).replace(dtype=head_cfg.dtype)
@@ -424,6 +448,24 @@ def resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg, batches):
     log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
              f"batch {batches.position})")
     return head_cfg, state, vocab_map, resume_step
+
+
+def check_resumable(saved: Eagle3Config, asked: Eagle3Config, saved_target: str | None, target: str, note) -> None:
+    """A checkpoint's head must fit the target of this run (CheckpointMismatch: another target's checkpoint,
+    which must not be taken for a damaged one); head settings that differ from the config are said, since the
+    checkpoint's win."""
+    for name in ("vocab_size", "target_hidden_size"):
+        if getattr(saved, name) != getattr(asked, name):
+            raise ckpt_lib.CheckpointMismatch(
+                f"the checkpoint's head was trained for a target with {name} {getattr(saved, name)}, this run's "
+                f"target ({target}) has {getattr(asked, name)}")
+    kept = [f"{n} {getattr(saved, n)} (config: {getattr(asked, n)})" for n in ("draft_vocab_size", "num_layers",
+            "aux_layer_ids") if getattr(saved, n) != getattr(asked, n)]
+    if kept:
+        note("note: resuming keeps the checkpoint's head: " + ", ".join(kept))
+    here = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
+    if saved_target and saved_target != here:
+        note(f"note: the checkpoint was trained against {saved_target}; this run's target is {here}")
 
 
 def fresh_head(cfg, target_cfg, head_cfg, train_data):
@@ -477,8 +519,9 @@ def train(run: Run) -> int:
             log_eval(run, step)
         if (step % cfg.logging.every == 0 or step % cfg.checkpoint.every == 0 or step == run.total_steps) and \
                 (err := nonfinite.error(step)):
-            log.info(f"error: {err}; the last checkpoint in {cfg.checkpoint.dir} (step {run.saved_step}) holds "
-                     f"finite weights: lower optimizer.lr or check the data, then resume")
+            last = (f"the last checkpoint in {cfg.checkpoint.dir} (step {run.saved_step}) holds finite weights"
+                    if run.saved_step is not None else "no checkpoint was saved yet")
+            log.info(f"error: {err}; {last}: lower optimizer.lr or check the data, then resume")
             run.ckpt.close()
             log.close()
             return 1

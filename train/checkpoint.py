@@ -38,6 +38,11 @@ _HASH_CHUNK = 8 << 20
 log = logging.getLogger("specjax.train.checkpoint")
 
 
+class CheckpointMismatch(ValueError):
+    """A valid checkpoint that belongs to another run (another target, say): said as is, never moved aside as
+    damaged (``Checkpointer.restore`` raises it from its ``abstract`` callback at once)."""
+
+
 class CheckpointError(RuntimeError):
     pass
 
@@ -226,6 +231,8 @@ class Checkpointer:
         for s in steps:
             try:
                 return s, self._restore_one(s, params, train, vocab, abstract)
+            except CheckpointMismatch:
+                raise
             except Exception as e:  # noqa: BLE001 - damaged data: the message says which step and why
                 reason = str(e) if isinstance(e, CheckpointError) else f"{type(e).__name__}: {str(e)[:200]}"
                 errors.append(f"step {s}: {reason}")

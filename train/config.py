@@ -11,10 +11,11 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import difflib
+import math
 import os
 import sys
 import typing
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import yaml
 
@@ -396,3 +397,50 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("head.draft_vocab_size must be >= 1")
     if cfg.head.init_lm_head not in ("random", "target"):
         raise ConfigError(f"head.init_lm_head must be random or target, not {cfg.head.init_lm_head!r}")
+    for key, (ok, what) in _RANGES.items():
+        section, name = key.split(".")
+        v = getattr(getattr(cfg, section), name)
+        if v is not None and not (math.isfinite(v) and ok(v)):
+            raise ConfigError(f"{key} must be {what}, got {v}")
+    if t.ttt_length >= dc.max_length:
+        raise ConfigError(f"training.ttt_length ({t.ttt_length}) must be smaller than data.max_length "
+                          f"({dc.max_length}): each rollout step predicts one position further")
+    if t.ttt_length > MAX_TTT_LENGTH:
+        raise ConfigError(f"training.ttt_length must be <= {MAX_TTT_LENGTH} (the rollout is unrolled into the "
+                          f"compiled step; EAGLE3 uses 7), got {t.ttt_length}")
+    if cfg.model.dtype not in (None, "float32", "bfloat16", "float16"):
+        raise ConfigError(f"model.dtype must be float32, bfloat16 or float16 (or unset), not {cfg.model.dtype!r}")
+    aux = cfg.head.aux_layer_ids
+    if aux is not None and (len(set(aux)) != len(aux) or any(i < 0 for i in aux)):
+        raise ConfigError(f"head.aux_layer_ids must be distinct layer indices >= 0, got {list(aux)}")
+    if cfg.head.dtype not in ("float32", "bfloat16", "float16"):
+        raise ConfigError(f"head.dtype must be float32, bfloat16 or float16, not {cfg.head.dtype!r}")
+    if cfg.offline.build and not cfg.offline.dir:
+        raise ConfigError("offline.build needs offline.dir: the folder the feature cache is written to")
+    mh = cfg.multihost
+    if (mh.coordinator is None) != (mh.num_processes is None) or \
+            (mh.coordinator is not None and mh.process_id is None):
+        raise ConfigError("multihost.coordinator, multihost.num_processes and multihost.process_id go together: "
+                          "give all three (or none, and multihost.auto on a TPU pod)")
+    if mh.num_processes is not None and not 0 <= (mh.process_id or 0) < mh.num_processes:
+        raise ConfigError(f"multihost.process_id must be in [0, {mh.num_processes}), got {mh.process_id}")
+
+
+MAX_TTT_LENGTH = 64
+# section.key -> (check, what it must be): the numeric keys whose every value of the right type is not meaningful
+_RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
+    "optimizer.lr": (lambda v: v > 0, "> 0"),
+    "optimizer.warmup_ratio": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.min_lr_ratio": (lambda v: 0 <= v <= 1, "in [0, 1]"),
+    "optimizer.weight_decay": (lambda v: v >= 0, ">= 0"),
+    "optimizer.b1": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.b2": (lambda v: 0 <= v < 1, "in [0, 1)"),
+    "optimizer.clip_norm": (lambda v: v >= 0, ">= 0 (0: off)"),
+    "training.decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
+    "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "data.eval_max": (lambda v: v >= 0, ">= 0"),
+    "head.num_layers": (lambda v: v >= 1, ">= 1"),
+    "logging.every": (lambda v: v >= 1, ">= 1"),
+    "logging.eval_every": (lambda v: v >= 0, ">= 0 (0: never)"),
+    "logging.eval_batches": (lambda v: v >= 1, ">= 1"),
+}

@@ -36,7 +36,8 @@ class FeatureCache:
     """Read side: ``spec`` {name: (dim, dtype)} and ``rows(example) -> {"aux": [len, 3D], "target_hidden": [len, D]}``
     (the key names the offline train step expects)."""
 
-    def __init__(self, folder: str, expect_fingerprint: str | None = None, expect_tokens: int | None = None):
+    def __init__(self, folder: str, expect_fingerprint: str | None = None, expect_tokens: int | None = None,
+                 expect_aux_layers: tuple[int, ...] | None = None):
         path = os.path.join(folder, "manifest.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no complete offline cache in {folder}; build it first with --offline.build true")
@@ -47,6 +48,10 @@ class FeatureCache:
             raise ValueError(f"offline cache {folder} was built from different data or tokenizer settings; rebuild it")
         if expect_tokens is not None and m["tokens"] != expect_tokens:
             raise ValueError(f"offline cache {folder} holds {m['tokens']} tokens, the dataset has {expect_tokens}")
+        saved = m.get("aux_layer_ids")
+        if expect_aux_layers is not None and saved is not None and list(saved) != list(expect_aux_layers):
+            raise ValueError(f"offline cache {folder} holds the features of target layers {saved}, the head reads "
+                             f"{list(expect_aux_layers)}; rebuild it or set head.aux_layer_ids to {saved}")
         dt = _np_dtype(m["dtype"])
         self.offsets = np.asarray(m["offsets"], np.int64)
         self.aux = np.memmap(os.path.join(folder, "aux.bin"), dt, "r", shape=(m["tokens"], m["aux_dim"]))

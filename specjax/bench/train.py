@@ -173,6 +173,15 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
 def main(argv=None) -> int:
     a = _args(list(sys.argv[1:] if argv is None else argv))
     check_output_file(a.json, "--json")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    for name in ("batch", "seq_len", "steps", "grad_accum", "ttt_length", "draft_vocab", "head_layers",
+                 "dp", "tp"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("dtype", "head_dtype"):
+        if getattr(a, name) not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, got {getattr(a, name)!r}")
     hf, s, name = _resolve(a)
 
     import jax
