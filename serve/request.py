@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import numbers
+import re
 import time
 from typing import Any, Callable, Mapping
 
@@ -139,6 +140,7 @@ _INTS = ("max_new_tokens", "top_k", "n", "min_new_tokens", "top_logprobs_num", "
 _FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penalty", "repetition_penalty")
 _BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob", "return_text_in_logprobs")
 _F32_MAX = float(np.finfo(np.float32).max)
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def _is_int(v) -> bool:
@@ -167,11 +169,15 @@ def check_text(text, param: str = "prompt") -> str:
     tokenizer takes it); else a RequestError naming ``param``."""
     if not isinstance(text, str):
         raise RequestError(f"{param} must be a string, got {type(text).__name__}", param)
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise RequestError(f"{param} is not valid Unicode: it holds a lone surrogate", param) from None
+    if has_lone_surrogate(text):
+        raise RequestError(f"{param} is not valid Unicode: it holds a lone surrogate", param)
     return text
+
+
+def has_lone_surrogate(text: str) -> bool:
+    """Does ``text`` hold a UTF-16 surrogate code point (one that JSON's "\\ud800" escape or Python's "\\ud800" made,
+    without its pair: a joined pair is one code point)? Not valid Unicode: no tokenizer nor UTF-8 encoder takes it."""
+    return _SURROGATE.search(text) is not None
 
 
 def _token_key(k) -> int:

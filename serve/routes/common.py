@@ -19,14 +19,13 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 
 from .. import protocol as P
-from ..request import SamplingParams
+from ..request import SamplingParams, has_lone_surrogate
 
 log = logging.getLogger("specjax.serve")
 DISCONNECT_POLL_S = 0.2  # how often a non-streaming handler checks that its client is still there
 # A JSON string may spell a UTF-16 surrogate as an escape ("\\ud800"); json.loads joins a pair into one code point, so a
 # surrogate left in a parsed string is a lone one: not valid Unicode, and no tokenizer (nor UTF-8 encoder) takes it.
 _SURROGATE_ESCAPE = re.compile(r"\\u[dD][89abcdefABCDEF]")
-_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 def backend_of(request: Request):
@@ -111,10 +110,10 @@ def lone_surrogate(data) -> tuple[str, str | None] | None:
     while stack:
         value, where, field = stack.pop()
         if isinstance(value, str):
-            if _SURROGATE.search(value):
+            if has_lone_surrogate(value):
                 return where, field
         elif isinstance(value, dict):
-            if any(_SURROGATE.search(k) for k in value):
+            if any(has_lone_surrogate(k) for k in value):
                 return f"a field name in {where}", field
             stack.extend((v, k if where == "the body" else f"{where}.{k}", k) for k, v in reversed(value.items()))
         elif isinstance(value, list):
