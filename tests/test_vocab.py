@@ -173,3 +173,23 @@ def test_a_run_without_a_model_path_says_so():
     with pytest.raises(Stop, match="model.path is not set") as e:
         load_target(SimpleNamespace(model=SimpleNamespace(path="")), None, None)
     assert e.value.code == 2
+
+
+@pytest.mark.parametrize("extra, want", [
+    (["--head.aux_layer_ids", "[0, 1, 9]"], "head.aux_layer_ids [0, 1, 9]: the target has layers 0..3"),
+    (["--mesh.tp", "4"], "needs more than the 2 cpu device(s) here"),
+    (["--logging.jsonl", "{tmp}"], "logging.jsonl {tmp} is a folder"),
+    (["--model.tokenizer", "{tmp}"], "error: no tokenizer in {tmp}"),
+])
+def test_setup_errors_are_one_line(tmp_path, extra, want):
+    """What the trainer finds wrong once the target is known (layers, devices, a metrics path, a tokenizer) is one
+    line and exit status 2, not a traceback."""
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    model = tf.make_tiny_model(str(tmp_path / "model"))
+    data = tf.write_jsonl(str(tmp_path / "d.jsonl"), tf.make_conversations(8))
+    extra = [x.replace("{tmp}", str(tmp_path)) for x in extra]
+    r = subprocess.run(tf.train_command(model, data, str(tmp_path / "ck"), 1, *extra), capture_output=True,
+                       text=True, env=tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache")), timeout=240,
+                       cwd=root)
+    assert r.returncode == 2 and "Traceback" not in r.stderr, r.stdout[-2000:] + r.stderr[-2000:]
+    assert want.replace("{tmp}", str(tmp_path)) in r.stdout + r.stderr
