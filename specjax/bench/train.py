@@ -99,6 +99,21 @@ def _args(argv):
                          formatter_class=argparse.HelpFormatter)
 
 
+def _check(a):
+    """The options, or a ValueError naming the first one out of range (before anything loads or compiles)."""
+    check_output_file(a.json, "--json")
+    if a.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
+    for name in ("batch", "seq_len", "steps", "grad_accum", "ttt_length", "draft_vocab", "head_layers",
+                 "dp", "tp"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
+    for name in ("dtype", "head_dtype"):
+        if getattr(a, name) not in (None, "float32", "bfloat16", "float16"):
+            raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, got {getattr(a, name)!r}")
+    return a
+
+
 def _resolve(a):
     """(HF config dict, settings) from --config / --model-config and the flags."""
     s = dict(batch=4, seq_len=512, grad_accum=1, ttt_length=7, draft_vocab=32000, head_layers=1, tp=1, dp=None,
@@ -171,17 +186,7 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
 
 
 def main(argv=None) -> int:
-    a = _args(list(sys.argv[1:] if argv is None else argv))
-    check_output_file(a.json, "--json")
-    if a.warmup < 0:
-        raise ValueError(f"--warmup must be >= 0, got {a.warmup}")
-    for name in ("batch", "seq_len", "steps", "grad_accum", "ttt_length", "draft_vocab", "head_layers",
-                 "dp", "tp"):
-        if getattr(a, name) is not None and getattr(a, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
-    for name in ("dtype", "head_dtype"):
-        if getattr(a, name) not in (None, "float32", "bfloat16", "float16"):
-            raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, got {getattr(a, name)!r}")
+    a = _check(_args(list(sys.argv[1:] if argv is None else argv)))
     hf, s, name = _resolve(a)
 
     import jax
