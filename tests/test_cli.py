@@ -134,3 +134,11 @@ def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.strip() == (f"python -m specjax.bench decode: error: --json {tmp_path / 'afile' / 'x.json'}: "
                            f"{tmp_path / 'afile'} is a file, not a folder")
+
+
+def test_bench_train_refuses_sizes_before_compiling(capsys):
+    """bench train: a size below 1 or an unknown dtype is one line (was numpy's traceback, or rows of 451% MFU)."""
+    assert bench_main(["train", "--model-config", "smollm2-135m", "--ttt-length", "0"]) == 2
+    assert "error: --ttt-length must be >= 1, got 0" in capsys.readouterr().err
+    assert bench_main(["train", "--model-config", "smollm2-135m", "--head-dtype", "float42"]) == 2
+    assert "--head-dtype must be float32, bfloat16 or float16" in capsys.readouterr().err
