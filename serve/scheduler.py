@@ -28,7 +28,7 @@ import numpy as np
 
 from .metrics import Metrics
 from .pages import PagePool, RadixCache
-from .request import Request, RequestError, SamplingParams
+from .request import Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
 
 log = logging.getLogger("specjax.serve")
@@ -96,7 +96,7 @@ class Scheduler:
                seed: int | None = None) -> Request:
         """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
         names a request still in flight."""
-        ids = [int(t) for t in prompt_ids]
+        ids = token_ids(prompt_ids)  # integers only: a float or a string id is refused, never truncated
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
         bad = [t for t in ids if not 0 <= t < self.vocab_size]

@@ -185,15 +185,20 @@ def error_text(e: BaseException) -> str:
     if e.errno == errno.EEXIST and os.path.isfile(path):
         return f"cannot use {path}: it is a file, not a folder"
     if e.errno == errno.ENOTDIR:
-        parent = os.path.dirname(os.path.abspath(path))
-        while parent and not os.path.exists(parent) and parent != os.path.dirname(parent):
-            parent = os.path.dirname(parent)
-        return f"cannot use {path}: {parent} is a file, not a folder"
+        return f"cannot use {path}: {nearest_existing(path)} is a file, not a folder"
     words = {errno.EACCES: "permission denied", errno.EPERM: "permission denied",
              errno.EROFS: "it is on a read-only file system", errno.ENOSPC: "no space left on the device",
              errno.EISDIR: "it is a folder, not a file", errno.ENOENT: "it does not exist",
              errno.EEXIST: "it already exists", errno.EDQUOT: "disk quota exceeded"}
     return f"cannot use {path}: {words.get(e.errno, e.strerror or str(e))}"
+
+
+def nearest_existing(path: str) -> str:
+    """The longest leading part of the absolute ``path`` that exists (a file or a folder; "/" at least)."""
+    path = os.path.abspath(os.path.expanduser(path))
+    while not os.path.exists(path) and path != os.path.dirname(path):
+        path = os.path.dirname(path)
+    return path
 
 
 def check_output_file(path: str | None, flag: str) -> None:
@@ -204,9 +209,7 @@ def check_output_file(path: str | None, flag: str) -> None:
     path = os.path.abspath(os.path.expanduser(path))
     if os.path.isdir(path):
         raise ValueError(f"{flag} {path} is a folder; give a file name")
-    parent = os.path.dirname(path)
-    while not os.path.exists(parent):
-        parent = os.path.dirname(parent)
+    parent = nearest_existing(os.path.dirname(path))
     if not os.path.isdir(parent):
         raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):

@@ -225,9 +225,8 @@ class Run:
     saved_step: int | None = None
 
     def meta(self) -> dict:
-        d = self.model_dir
         return {"run_config": self.cfg.to_dict(), "head_config": ckpt_lib.head_config_to_dict(self.head_cfg),
-                "target_model_path": os.path.abspath(d) if os.path.isdir(d) else d,
+                "target_model_path": target_path(self.model_dir),
                 "data_state": self.batches.state_dict(), "total_steps": self.total_steps,
                 "vocab_source": self.vocab_source}
 
@@ -329,7 +328,7 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
     optimizer = make_optimizer(cfg, total_steps)
     try:
         head_cfg, state, vocab_map, vocab_source, resume_step = init_head(
-            cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches)
+            cfg, log, ckpt, optimizer, mesh, (model_dir, target_cfg, target_params), head_cfg, train_data, batches)
     except Stop:
         ckpt.close()  # now, not at interpreter exit (orbax's background threads would report errors then)
         raise
@@ -390,17 +389,19 @@ def load_target(cfg: RunConfig, mesh, log: Logger):
     return model_dir, target_cfg, target_params
 
 
-def init_head(cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_cfg, train_data, batches):
+def init_head(cfg, log, ckpt, optimizer, mesh, target, head_cfg, train_data, batches):
     """(head config, train state, vocab map, where the map came from, resumed step or None): restored from the
-    newest good checkpoint, else fresh (from ``head.init_from``, ``head.vocab_map`` or the training data)."""
+    newest good checkpoint, else fresh (from ``head.init_from``, ``head.vocab_map`` or the training data).
+    ``target``: (model folder, ModelConfig, params), as ``load_target`` returns them."""
+    model_dir, target_cfg, target_params = target
     resume_step = ckpt.latest_step() if cfg.checkpoint.resume else None
     if cfg.checkpoint.resume and resume_step is None and (damaged := ckpt.damaged_steps_seen()):
         raise Stop(1, f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "
                       f"({', '.join(damaged)}); {FRESH_HINT}")
     rep = NamedSharding(mesh, P())
     if resume_step is not None:
-        head_cfg, state, vocab_map, resume_step = resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg,
-                                                         batches)
+        head_cfg, state, vocab_map, resume_step = resume(cfg, log, ckpt, optimizer, mesh, model_dir, target_cfg,
+                                                         head_cfg, batches)
         vocab_source = f"checkpoint step {resume_step}"
     else:
         head_cfg, init_params, vocab_map, vocab_source = fresh_head(cfg, target_cfg, head_cfg, train_data)
@@ -422,14 +423,14 @@ def init_head(cfg, log, ckpt, optimizer, mesh, target_cfg, target_params, head_c
 FRESH_HINT = "to start from scratch anyway pass --checkpoint.resume false"
 
 
-def resume(cfg, log, ckpt, optimizer, mesh, target_cfg, head_cfg, batches):
+def resume(cfg, log, ckpt, optimizer, mesh, model_dir, target_cfg, head_cfg, batches):
     """The newest checkpoint step that passes its checksums and loads (damaged ones are moved aside); the data
     iterator continues where it was."""
     rep = NamedSharding(mesh, P())
 
     def resume_abstract(meta):  # the run's head, as saved in the step being restored
         hc = ckpt_lib.head_config_from_dict(meta["head_config"]).replace(dtype=head_cfg.dtype)
-        check_resumable(hc, head_cfg, meta.get("target_model_path"), cfg.model.path, log.info)
+        check_resumable(hc, head_cfg, meta.get("target_model_path"), target_path(model_dir), log.info)
         st = step_lib.abstract_train_state(hc, optimizer, mesh)
         return {"params": st.params, "train": {"opt_state": st.opt_state, "step": st.step, "rng": st.rng},
                 "vocab": {"d2t": jax.ShapeDtypeStruct((hc.draft_vocab_size,), np.int32, sharding=rep),
@@ -463,9 +464,13 @@ def check_resumable(saved: Eagle3Config, asked: Eagle3Config, saved_target: str 
             "aux_layer_ids") if getattr(saved, n) != getattr(asked, n)]
     if kept:
         note("note: resuming keeps the checkpoint's head: " + ", ".join(kept))
-    here = os.path.abspath(os.path.expanduser(target)) if os.path.isdir(os.path.expanduser(target)) else target
-    if saved_target and saved_target != here:
-        note(f"note: the checkpoint was trained against {saved_target}; this run's target is {here}")
+    if saved_target and saved_target != target:
+        note(f"note: the checkpoint was trained against {saved_target}; this run's target is {target}")
+
+
+def target_path(model_dir: str) -> str:
+    """How a checkpoint names its target: the model folder's absolute path (a hub id as it is)."""
+    return os.path.abspath(model_dir) if os.path.isdir(model_dir) else model_dir
 
 
 def fresh_head(cfg, target_cfg, head_cfg, train_data):

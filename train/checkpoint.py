@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import orbax.checkpoint as ocp
 from etils import epath
 
+from specjax.cli import nearest_existing
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 
@@ -269,10 +270,8 @@ def first_missing_dir(path: str) -> str | None:
     first checkpoint should remove again (see :func:`remove_if_no_files`). None when ``path`` exists or is remote."""
     if "://" in path:
         return None
-    path, missing = os.path.abspath(path), None
-    while not os.path.exists(path) and path != os.path.dirname(path):
-        path, missing = os.path.dirname(path), path
-    return missing
+    path, there = os.path.abspath(path), nearest_existing(path)
+    return None if path == there else os.path.join(there, os.path.relpath(path, there).split(os.sep)[0])
 
 
 def remove_if_no_files(top: str | None) -> None:
