@@ -116,7 +116,7 @@ class LoggingConfig:
     """Metrics (JSONL on process 0, optional TensorBoard), progress bar, periodic eval."""
     every: int = option(10, help='steps between metric lines')
     jsonl: str | None = option(None, help='default: <checkpoint.dir>/metrics.jsonl')
-    tensorboard: str | None = option(None, help='log dir; needs tensorboardX or tensorflow')
+    tensorboard: str | None = option(None, help='log dir; needs tensorboardX or torch')
     eval_every: int = option(500, help='steps between evals on the held-out split (0: never)')
     eval_batches: int = option(8, help='batches of the held-out split per eval')
     progress: bool = option(True, help='tqdm progress bar (process 0)')
