@@ -399,6 +399,22 @@ def _pages_einsum(dims: str, x, pages):
     return platforms.select(x, pages, tpu=dot(jax.lax.Precision.HIGHEST), default=dot(None))
 
 
+def _block_valid(key_pos, lengths, mask, positions, keys_in_pool: bool, sliding_window: int | None):
+    """bool[B, T, S]: which of a block's cache slots ``key_pos`` (i32[S]) each new query may see: the committed
+    prefix (slot < lengths[b]), with ``keys_in_pool`` also new token j at slot lengths[b] + j where mask[b, :, j]
+    lets the query see it, within the sliding window if any."""
+    b, t = mask.shape[:2]
+    valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
+    if keys_in_pool:  # slot lengths[b] + j holds new token j, seen under mask[b, :, j]
+        j_new = key_pos[None, :] - lengths[:, None]  # i32[B, S]
+        idx = jnp.broadcast_to(jnp.clip(j_new, 0, t - 1)[:, None, :], (b, t, key_pos.shape[0]))
+        new_seen = jnp.take_along_axis(mask, idx, axis=2) & ((j_new >= 0) & (j_new < t))[:, None, :]
+        valid = valid | new_seen
+    if sliding_window is not None:
+        valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
+    return jnp.broadcast_to(valid, (b, t, key_pos.shape[0]))
+
+
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale, *,
                     sliding_window: int | None = None, block_tokens: int = CACHE_BLOCK_TOKENS, layer=None,
                     causal: bool = False, keys_in_pool: bool = False):
@@ -443,15 +459,7 @@ def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positi
         # [B, bp, K, Z, H], used in this layout (no transpose of the pages; a packed block is unpacked, not the pool)
         kb, vb = (take_pages(pages, at, h) for pages in (k_pages, v_pages))
         key_pos = j * bp * z + jnp.arange(bp * z, dtype=jnp.int32)
-        valid = key_pos[None, None, :] < lengths[:, None, None]  # bool[B, 1, S]
-        if keys_in_pool:  # slot lengths[b] + j holds new token j, seen under mask[b, :, j]
-            j_new = key_pos[None, :] - lengths[:, None]  # i32[B, S]
-            idx = jnp.broadcast_to(jnp.clip(j_new, 0, t - 1)[:, None, :], (b, t, bp * z))
-            new_seen = jnp.take_along_axis(mask, idx, axis=2) & ((j_new >= 0) & (j_new < t))[:, None, :]
-            valid = valid | new_seen
-        if sliding_window is not None:
-            valid = valid & ((positions[:, :, None] - key_pos[None, None, :]) < sliding_window)
-        valid = jnp.broadcast_to(valid, (b, t, bp * z))
+        valid = _block_valid(key_pos, lengths, mask, positions, keys_in_pool, sliding_window)  # bool[B, T, S]
         seen = valid.any(1).reshape(b, bp, 1, z, 1)
         vb = jnp.where(seen, vb, 0)  # garbage (even NaN) slots never reach the sum
 
