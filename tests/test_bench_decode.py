@@ -49,7 +49,11 @@ def test_also_dtype_runs_both_dtypes_in_one_run(tmp_path, capsys):
     assert "specjax bfloat16 decode tok/s" in table and "bfloat16 / float32" in table
     row = json.loads(out.read_text())["rows"][0]
     assert row["specjax also"]["generate_tok_s"] > 0  # (decode tok/s of a tiny model's 3 tokens may be noise: nan)
-    assert row["also_agreement"]["rows"] == 1 and 0 <= row["also_agreement"]["mean_common_prefix"] <= 3
+    agree = row["also_agreement"]
+    assert agree["rows"] == 1 and agree["rows_identical"] in (0, 1)
+    # a row is identical exactly when its common prefix is all 3 tokens
+    assert (agree["mean_common_prefix"] == 3) == (agree["rows_identical"] == 1)
+    assert 0 <= agree["mean_common_prefix"] <= 3
     with pytest.raises(SystemExit, match="is --dtype already"):
         bench.main(["--model", folder, "--no-hf", "--also-dtype", "float32"])
 

@@ -60,7 +60,6 @@ def test_save_restore_exact_and_keep(tmp_path):
         ck.poll()
     ck.wait()
     assert ck.valid_steps() == [2, 3]  # keep last 2
-    ab_vocab = {"d2t": jax.ShapeDtypeStruct((20,), jnp.int32), "t2d": jax.ShapeDtypeStruct((50,), jnp.bool_)}
     step, out = ck.restore(params=_abstract(params), train=_abstract(train), vocab=_abstract(
         {"d2t": vm.d2t, "t2d": vm.t2d}))
     assert step == 3
@@ -70,7 +69,7 @@ def test_save_restore_exact_and_keep(tmp_path):
     assert type(out["train"]["opt_state"]) is type(train["opt_state"])
     np.testing.assert_array_equal(out["vocab"]["d2t"], vm.d2t)
     assert out["meta"]["data_state"] == {"epoch": 0, "position": 3}
-    assert ab_vocab["t2d"].shape == out["vocab"]["t2d"].shape
+    np.testing.assert_array_equal(out["vocab"]["t2d"], vm.t2d)
     ck.close()
 
 

@@ -62,6 +62,8 @@ def test_text_api_stream_and_n(engine):
     assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 9}
     many = engine.generate(["Hello", "World"], {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "seed": 1})
     assert len(many) == 4 and all(m["meta_info"]["completion_tokens"] <= 5 for m in many)
+    # each prompt's two samples are two draws (prompt-major order, as SGLang's), not one answer twice
+    assert many[0]["output_ids"] != many[1]["output_ids"] and many[2]["output_ids"] != many[3]["output_ids"]
 
 
 def test_stopping_a_stream_early_frees_the_request(engine):

@@ -53,7 +53,7 @@ def test_two_processes_match_one(tmp_path):
 
     a, b = tf.metrics(tmp_path / "one" / "metrics.jsonl"), tf.metrics(tmp_path / "two" / "metrics.jsonl")
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))
-    assert len({a[s]["seq_len"] for s in a}) >= 1
+    assert {a[s]["seq_len"] for s in a} == {b[s]["seq_len"] for s in b} == {128}  # the one 128-token bucket
     for s in a:
         for key in ("loss", "acc_0", "ploss_1", "grad_norm"):
             assert b[s][key] == pytest.approx(a[s][key], rel=1e-5, abs=1e-6), (s, key, a[s][key], b[s][key])

@@ -36,9 +36,13 @@ def test_offline_matches_online(tmp_path):
     on, off = tf.metrics(tmp_path / "online" / "metrics.jsonl"), tf.metrics(tmp_path / "offline" / "metrics.jsonl")
     assert sorted(on) == sorted(off) == list(range(1, STEPS + 1))
     for s in on:
-        for k in ("loss", "acc_0", "ploss_1", "eval_loss"):
-            if k in on[s]:
-                assert off[s][k] == pytest.approx(on[s][k], rel=1e-4, abs=1e-6), (s, k)
+        for k in ("loss", "acc_0", "ploss_1"):
+            assert off[s][k] == pytest.approx(on[s][k], rel=1e-4, abs=1e-6), (s, k)
+    # the eval at the last step (its own records) on the held-out split, from the cache as from the target
+    ev_on, ev_off = (tf.metrics(tmp_path / d / "metrics.jsonl", "eval_loss") for d in ("online", "offline"))
+    assert sorted(ev_on) == sorted(ev_off) == [STEPS]
+    for k in ("eval_loss", "eval_acc_0"):
+        assert ev_off[STEPS][k] == pytest.approx(ev_on[STEPS][k], rel=1e-4, abs=1e-6), k
     # a cache built from other data is refused
     other = tf.write_jsonl(str(tmp_path / "other.jsonl"), tf.make_conversations(10, seed=3))
     cmd = [sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,

@@ -154,6 +154,9 @@ def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models)
         import json
         events = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
     assert events[-1]["output_ids"] == want[0]
+    for prev, ev in zip(events, events[1:]):  # cumulative: each event extends the last by new tokens, none repeated
+        assert len(ev["output_ids"]) > len(prev["output_ids"]) and ev["output_ids"][:len(prev["output_ids"])] == \
+            prev["output_ids"]
     idle = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
     assert idle["kv_pages_used"] == 0 and idle["num_running_reqs"] == 0
 

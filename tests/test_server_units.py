@@ -230,8 +230,9 @@ def test_skip_special_tokens(tokenizer):
                                  {"min_new_tokens": -1}, {"logit_bias": {"a": 1}}, {"logit_bias": {"3": 101}},
                                  {"top_logprobs_num": 21}, {"logprob_start_len": -2}])
 def test_sampling_params_validation(bad):
-    with pytest.raises(RequestError):
+    with pytest.raises(RequestError) as e:
         SamplingParams.from_dict(bad)
+    assert e.value.param == next(iter(bad))  # refused for the bad field, which the error names
 
 
 # ---- pages and radix cache -----------------------------------------------------------------------------------------

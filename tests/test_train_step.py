@@ -189,7 +189,8 @@ def test_lr_schedule_and_flops(setup):
 
 def test_nonfinite_update_is_skipped(setup, train_fns):
     """A NaN in the target's features (a damaged input) gives a NaN loss: the update is dropped (params and optimizer
-    state bitwise unchanged, ``skipped`` = 1) and the next finite batch trains as if it had never happened."""
+    state bitwise unchanged, ``skipped`` = 1, the step counter and so the schedule still advance) and the next finite
+    batch trains from the parameters before it."""
     tcfg, tparams, hcfg, vmap, data = setup
     opt, step, _ = train_fns
     state = S.init_train_state(hcfg, 3, opt)
