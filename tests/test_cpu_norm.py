@@ -91,6 +91,12 @@ def test_gradients_are_the_xla_programs(dtype):
     want = jax.jit(jax.grad(loss(layers._xla_rms_norm), argnums=(0, 1)))(x, w)
     for g, r in zip(got, want):
         np.testing.assert_array_equal(np.asarray(g, np.float32), np.asarray(r, np.float32))
+    if dtype == jnp.float32:  # and both are the calculus, in float64: y = x w / sqrt(mean(x^2) + eps)
+        xd, wd, pd = (np.asarray(a, np.float64) for a in (x, w, probe))
+        r = ((xd ** 2).mean(-1, keepdims=True) + EPS) ** -0.5
+        gx = r * wd * pd - xd * r ** 3 * (xd * wd * pd).sum(-1, keepdims=True) / xd.shape[-1]
+        np.testing.assert_allclose(np.asarray(got[0]), gx, rtol=1e-4, atol=1e-6)
+        np.testing.assert_allclose(np.asarray(got[1]), (xd * r * pd).sum(0), rtol=1e-4, atol=1e-6)
 
 
 def test_other_inputs_keep_xla():
