@@ -123,6 +123,12 @@ def test_gradients_are_the_xla_programs(dtype):
     got = jax.jit(jax.grad(loss(lambda a: layers.rope_qkv(a, pos, inv))))(qkv)
     want = jax.jit(jax.grad(loss(lambda a: layers._xla_rope_qkv(a, *layers.rope_cos_sin(pos, inv)))))(qkv)
     np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
+    if dtype == jnp.float32:  # the loss is linear in qkv, so its gradient g must give loss(e) = <g, e> for any e
+        f = jax.jit(loss(lambda a: layers.rope_qkv(a, pos, inv)))
+        for seed in range(3):
+            e = jnp.asarray(np.random.default_rng(10 + seed).normal(size=qkv.shape), jnp.float32)
+            inner = float(np.sum(np.asarray(got, np.float64) * np.asarray(e, np.float64)))
+            assert float(f(e)) == pytest.approx(inner, rel=1e-4, abs=1e-3)
 
 
 def test_other_inputs_keep_xla():
