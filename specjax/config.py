@@ -24,6 +24,7 @@ SUPPORTED_ARCHITECTURES = {
 }
 
 SUPPORTED_ROPE_TYPES = ("default", "llama3", "linear")
+DTYPES = ("float32", "bfloat16", "float16")  # the parameter / compute dtypes a model or head may take
 
 # Config fields that exist in HF configs of the supported families and that we read, or that have no effect on
 # the forward pass of a causal LM at inference / frozen-target time. Anything else that changes the math is refused.
@@ -134,7 +135,7 @@ class ModelConfig:
 
         if dtype is None:
             dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-        if dtype not in ("bfloat16", "float16", "float32"):
+        if dtype not in DTYPES:
             raise ConfigError(f"unsupported dtype {dtype!r}")
 
         return cls(

@@ -21,7 +21,7 @@ import yaml
 
 from specjax import configs
 from specjax.cli import add_dotted_options, dotted_values, option, strip_optional
-from specjax.config import ConfigError  # the one config error of specjax (run configs raise it too)
+from specjax.config import DTYPES, ConfigError  # the one config error of specjax (run configs raise it too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -408,12 +408,12 @@ def validate(cfg: RunConfig) -> None:
     if t.ttt_length > MAX_TTT_LENGTH:
         raise ConfigError(f"training.ttt_length must be <= {MAX_TTT_LENGTH} (the rollout is unrolled into the "
                           f"compiled step; EAGLE3 uses 7), got {t.ttt_length}")
-    if cfg.model.dtype not in (None, "float32", "bfloat16", "float16"):
+    if cfg.model.dtype is not None and cfg.model.dtype not in DTYPES:
         raise ConfigError(f"model.dtype must be float32, bfloat16 or float16 (or unset), not {cfg.model.dtype!r}")
     aux = cfg.head.aux_layer_ids
     if aux is not None and (len(set(aux)) != len(aux) or any(i < 0 for i in aux)):
         raise ConfigError(f"head.aux_layer_ids must be distinct layer indices >= 0, got {list(aux)}")
-    if cfg.head.dtype not in ("float32", "bfloat16", "float16"):
+    if cfg.head.dtype not in DTYPES:
         raise ConfigError(f"head.dtype must be float32, bfloat16 or float16, not {cfg.head.dtype!r}")
     if cfg.offline.build and not cfg.offline.dir:
         raise ConfigError("offline.build needs offline.dir: the folder the feature cache is written to")

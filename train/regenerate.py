@@ -36,6 +36,7 @@ from tqdm import tqdm
 
 from specjax import generate as gen
 from specjax.cli import error_text, option, options_parser, parse_into
+from specjax.config import DTYPES
 from specjax.hub import enable_compilation_cache
 from specjax.train import data as data_lib
 from specjax.train.config import DataConfig
@@ -62,7 +63,7 @@ class RegenConfig:
     temperature: float = option(0.0, help="0 = greedy (default 0.0)")
     top_p: float = option(1.0, help="nucleus sampling (with temperature > 0) (default 1.0)")
     seed: int = option(0, help="sampling seed (default 0)")
-    dtype: str | None = option(None, choices=("auto", "float32", "bfloat16", "float16"),
+    dtype: str | None = option(None, choices=("auto", *DTYPES),
                                help="target dtype (default: the checkpoint's)")
 
 

@@ -9,13 +9,14 @@ import platform
 from typing import Any, Callable
 
 from specjax.cli import check_output_file, option
+from specjax.config import DTYPES
 from specjax.host import cpu_model
 
 
 @dataclasses.dataclass
 class TargetRunOptions:
     """How the target runs in the speculative benches (spec, tune): its dtype and its cache attention."""
-    dtype: str | None = option(None, choices=["float32", "bfloat16", "float16"],
+    dtype: str | None = option(None, choices=list(DTYPES),
                                help="target dtype (default: the checkpoint's)")
     attention_impl: str = option("auto", choices=["auto", "xla", "pallas"],
                                  help="cache attention: XLA, the Pallas kernel, or auto (Pallas on TPU)")

@@ -28,6 +28,7 @@ import time
 from specjax import configs
 from specjax.bench.common import print_table
 from specjax.cli import check_output_file, option, parse_options
+from specjax.config import DTYPES
 
 CPU_NOMINAL_TFLOPS = 1.0
 
@@ -109,7 +110,7 @@ def _check(a):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("dtype", "head_dtype"):
-        if getattr(a, name) not in (None, "float32", "bfloat16", "float16"):
+        if getattr(a, name) is not None and getattr(a, name) not in DTYPES:
             raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, got {getattr(a, name)!r}")
     return a
 
