@@ -161,6 +161,8 @@ def dense(x, w, *, preferred_element_type=None):
     def one_dot(x, w):
         return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
 
+    if isinstance(w, cpu_dense.PackedWeight):
+        return _packed_dense(x, w, preferred_element_type, one_dot)
     if cpu_dense.supports(x, w) and preferred_element_type in (None, jnp.float32):
         def kernel(x, w):
             y = cpu_dense.dense(x.reshape(rows, x.shape[-1]), w.reshape(w.shape[0], -1))
@@ -180,6 +182,23 @@ def dense(x, w, *, preferred_element_type=None):
         return y.reshape(*x.shape[:-1], *w.shape[1:])
 
     return platforms.select(x, w, cpu=rowwise, default=one_dot)
+
+
+def _packed_dense(x, w, preferred_element_type, one_dot):
+    """``dense`` against a ``cpu_dense.PackedWeight`` (the decode layout's fp32 matrices on a CPU): the kernel for
+    any number of rows, else XLA's dot of the unpacked w."""
+    shape = w.shape
+    if shape[0] != w.rows:
+        raise ValueError(f"dense contracts the first axis of w: reshape the packed {shape} to ({w.rows}, -1) first")
+    if not (cpu_dense.supports(x, w) and preferred_element_type in (None, jnp.float32)):
+        return one_dot(x, w.unpack())
+    rows = math.prod(x.shape[:-1])
+
+    def kernel(x, panels):
+        y = cpu_dense.dense_packed(x.reshape(rows, x.shape[-1]), panels)
+        return y.reshape(*x.shape[:-1], *shape[1:]).astype(preferred_element_type or x.dtype)
+    return platforms.select(x, w.panels, cpu=kernel,
+                            default=lambda x, p: one_dot(x, cpu_dense.PackedWeight(p, shape).unpack()))
 
 
 def is_half(x, w) -> bool:

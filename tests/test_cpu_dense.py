@@ -75,6 +75,49 @@ def test_bits_do_not_depend_on_rows_or_threads(dtype):
         np.testing.assert_array_equal(a, b)
 
 
+def test_packed_weights_give_the_bits_of_c_o():
+    """fp32 w held as panels (``PackedWeight``: [O / 32, C, 32]) gives the bits of w as [C, O], at every row count
+    (groups of four panels for 1-2 rows, of two for 3-4, one panel with a register tile from 5; the products of more
+    than 32 rows on XLA's thread pool) and thread count; 7 panels leave a group's tail on one and on two threads."""
+    packed = jax.jit(cpu_dense.dense_packed)
+    dense = jax.jit(cpu_dense.dense)
+    for c, o in ((1000, 224), (200, 32)):
+        x, w = _operands(40, c, o, jnp.float32, seed=3)
+        pw = cpu_dense.pack(w)
+        assert pw.panels.shape == (o // 32, c, 32) and pw.shape == (c, o)
+        np.testing.assert_array_equal(np.asarray(pw.unpack()), np.asarray(w))
+        for n in (1, 2):
+            cpu_dense.set_threads(n)
+            for rows in (1, 2, 3, 4, 5, 8, 9, 13, 17, 33, 40):
+                np.testing.assert_array_equal(np.asarray(packed(x[:rows], pw.panels)),
+                                              np.asarray(dense(x[:rows], w)), err_msg=f"{rows} rows, {n} threads")
+
+
+def test_packed_weight_in_layers():
+    """``layers.dense`` takes a PackedWeight where it takes w (reshaped as wo [N, H, D] is), with the kernel's bits,
+    at prompt lengths past the kernels' row limits too, and XLA's dot of the unpacked w when the kernels are off."""
+    w = _operands(1, 8 * 24, 64, jnp.float32, seed=4)[1].reshape(8, 24, 64)
+    pw = cpu_dense.pack(w, 2)
+    assert cpu_dense.packable(w, 2) and not cpu_dense.packable(w.astype(jnp.bfloat16), 2)
+    assert not cpu_dense.packable(jnp.ones((64, 40)))  # O not a multiple of 32
+    with pytest.raises(ValueError, match="cannot take the shape"):
+        pw.reshape(8, 64, 24)
+    flat = pw.reshape(8 * 24, -1)
+    assert flat.shape == (192, 64) and flat.rows == 192
+    for tokens in (1, 5, 40):
+        x = jax.random.normal(jax.random.key(tokens), (2, tokens, 192), jnp.float32)
+        want = layers.dense(x, w.reshape(192, 64))
+        got = jax.jit(layers.dense)(x, flat)
+        assert got.shape == (2, tokens, 64)
+        if tokens <= cpu_dense.MAX_TOKENS:
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+        else:  # [C, O] takes XLA's GEMM past the row limits, the panels the kernel's register tiles
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+        with cpu_dense.disabled():
+            np.testing.assert_allclose(np.asarray(layers.dense(x, flat)), _reference(x.reshape(-1, 192),
+                                       w.reshape(192, 64)).reshape(2, tokens, 64), rtol=1e-5, atol=1e-5)
+
+
 def test_concurrent_callers_get_their_own_results():
     """Two threads calling at once (two devices of one process): one takes the pool, the other runs alone."""
     cpu_dense.set_threads(2)

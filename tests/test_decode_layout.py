@@ -33,6 +33,10 @@ def _weight_shapes(cfg: ModelConfig):
     g2 = n // k + 2  # the fused q/k/v layout: per kv head its query heads, its key and its value
     shapes = {(d, n, h), (d, n * h), (n, h, d), (n * h, d), (d, k, h), (d, k * h), (d, f), (f, d),
               (d, k, g2, h), (d, k * g2 * h)}
+    # fp32 matrices held as panels [O / 32, C, 32] (``cpu_dense.PackedWeight``)
+    shapes |= {(o // cpu_dense.PANEL, c, cpu_dense.PANEL) for c, o in ((d, n * h), (n * h, d), (d, k * h), (d, f),
+                                                                        (f, d), (d, k * g2 * h))
+               if o % cpu_dense.PANEL == 0}
     return {",".join(map(str, s)) for s in shapes}
 
 
@@ -106,6 +110,28 @@ def test_unrolled_equals_scanned(model):
     prompts = [[1, 5, 9, 4], [7, 3]]
     assert gen.generate(up, cfg, prompts, max_new_tokens=10, stop_token_ids=()) == \
         gen.generate(params, cfg, prompts, max_new_tokens=10, stop_token_ids=())
+
+
+def test_decode_layout_packs_fp32_matrices_on_cpu(model):
+    """On a CPU with the kernels, the decode layout holds each fp32 matrix whose output columns fill 32-column panels
+    as a ``PackedWeight`` (the others as they are); the stacked layout comes back exactly."""
+    if not cpu_dense.available():
+        pytest.skip("the CPU kernels are not built here")
+    cfg, params = model
+    lp = target.unstack_layers(params).layers[0]
+    assert isinstance(lp.w_qkv, cpu_dense.PackedWeight)  # O = 2 x 4 x 24 = 192
+    assert lp.w_qkv.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2, cfg.head_dim)
+    assert not isinstance(lp.w_up, cpu_dense.PackedWeight)  # O = 176
+    wide = dataclasses.replace(cfg, intermediate_size=192)
+    wp = target.init_params(wide, jax.random.PRNGKey(1), scale=0.1)
+    up = target.unstack_layers(wp)
+    assert isinstance(up.layers[1].w_up, cpu_dense.PackedWeight)
+    for a, b in zip(jax.tree.leaves(target.stack_layers(up)), jax.tree.leaves(wp)):
+        np.testing.assert_array_equal(a, b)
+    prompts = [[1, 5, 9, 4], [7, 3]]
+    with cpu_dense.disabled():  # XLA's dots over [C, O]
+        want = gen.generate(target.unstack_layers(wp), wide, prompts, max_new_tokens=8, stop_token_ids=())
+    assert gen.generate(up, wide, prompts, max_new_tokens=8, stop_token_ids=()) == want
 
 
 @xla_defaults  # logits within 1e-6: XLA:CPU's fast-compile code rounds further apart

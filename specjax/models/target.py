@@ -12,7 +12,8 @@ Two layouts of the layer weights, one math:
   XLA copies each layer's matrices out of the stack on every scan step (a dynamic-slice fusion feeds each dot), which
   is free next to a long sequence but doubles the bytes a bandwidth-bound decode step moves;
 - unstacked (a tuple of per-layer LayerParams, ``unstack_layers``): the layers are unrolled and every dot reads its
-  weight buffer in place. Decode paths (generation, the server, the speculative engine) use this layout.
+  weight buffer in place. Decode paths (generation, the server, the speculative engine) use this layout; on a CPU
+  its fp32 matrices are held packed for specjax's kernels (``cpu_dense.PackedWeight``: read as one stream).
 Attention is ``layers.attend``: over the paged cache it reads the cache in blocks of pages, only as many blocks as the
 longest sequence holds (``layers.paged_attention``), so a step's KV read follows the tokens in use, not the page
 table's capacity.
@@ -28,6 +29,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import kv_cache, layers
+from specjax.kernels import cpu_dense
 from specjax.models import random_params
 from specjax.config import ModelConfig, default_aux_layer_ids
 from specjax.kv_cache import KVCache
@@ -54,6 +56,10 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [H]
     # The fused decode layout (``unstack_layers`` on one device): q/k/v in one matrix, wq/wk/wv then None.
     w_qkv: jax.Array | None = None  # [D, K, G + 2, H]: per kv head its G query heads, its key, its value
+
+
+# A layer's matrices and how many of their leading axes a product contracts (``pack_layer``).
+_MATRICES = {"wq": 1, "wk": 1, "wv": 1, "w_qkv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -131,7 +137,9 @@ def decode_layout(params: TargetParams, layers: Sequence[LayerParams], fuse: boo
     reads them so, without a stacked copy). ``fuse`` as ``unstack_layers``."""
     if fuse is None:
         fuse = _on_one_device(layers)
-    return dataclasses.replace(params, layers=tuple(fuse_layer(lp) if fuse else lp for lp in layers),
+    pack = fuse and _all_on_cpu(layers)
+    layers = tuple(fuse_layer(lp) if fuse else lp for lp in layers)
+    return dataclasses.replace(params, layers=tuple(pack_layer(lp) for lp in layers) if pack else layers,
                                embed_bits=embed_bits(params.embed))
 
 
@@ -139,8 +147,8 @@ def stack_layers(params: TargetParams) -> TargetParams:
     """Inverse of ``unstack_layers`` (the training / checkpoint layout)."""
     if not is_unstacked(params):
         return params
-    return dataclasses.replace(params, embed_bits=None, layers=jax.tree.map(lambda *a: jnp.stack(a),
-                                                           *(unfuse_layer(lp) for lp in params.layers)))
+    return dataclasses.replace(params, embed_bits=None, layers=jax.tree.map(
+        lambda *a: jnp.stack(a), *(unfuse_layer(unpack_layer(lp)) for lp in params.layers)))
 
 
 def fuse_layer(lp: LayerParams) -> LayerParams:
@@ -154,6 +162,24 @@ def fuse_layer(lp: LayerParams) -> LayerParams:
     k = lp.wk.shape[1]
     w_qkv = jnp.concatenate([lp.wq.reshape(d, k, n // k, h), lp.wk[:, :, None], lp.wv[:, :, None]], axis=2)
     return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_qkv=w_qkv)
+
+
+def pack_layer(lp: LayerParams) -> LayerParams:
+    """One layer's fp32 matrices as ``cpu_dense.PackedWeight`` where the CPU kernels take them
+    (``cpu_dense.packable``; the others as they are): the SmolLM2 decode step's products read as one stream per
+    thread (docs/benchmarks.md, forty-third session). Same bits."""
+    def one(name):
+        a = getattr(lp, name)
+        return cpu_dense.pack(a, _MATRICES[name]) if cpu_dense.packable(a, _MATRICES[name]) else a
+    return dataclasses.replace(lp, **{f: one(f) for f in _MATRICES})
+
+
+def unpack_layer(lp: LayerParams) -> LayerParams:
+    """Inverse of ``pack_layer``."""
+    def one(name):
+        a = getattr(lp, name)
+        return a.unpack() if isinstance(a, cpu_dense.PackedWeight) else a
+    return dataclasses.replace(lp, **{f: one(f) for f in _MATRICES})
 
 
 def unfuse_layer(lp: LayerParams) -> LayerParams:

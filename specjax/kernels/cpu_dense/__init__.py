@@ -4,7 +4,10 @@ XLA:CPU runs each matrix-vector product on one thread and its bf16 dot with an f
 batch-1 decode step read its weights at one core's rate whatever the thread count, and bf16 weights bought nothing
 (docs/benchmarks.md). ``dense.cc`` splits each product into chunks that a small pool of threads takes in turn, reads
 bf16 weights as bf16, and gives every output element one fixed sequence of fused multiply-adds: its bits do not
-depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step.
+depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step. The decode
+layout holds fp32 matrices packed (``PackedWeight``, ``pack``: panels of 32 columns, row after row), which the
+kernel reads as one stream per thread with the sums of a tile of rows of x in registers, for any number of rows,
+with the bits of [C, O].
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
 same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
@@ -22,9 +25,11 @@ keeps XLA's own dots and attention.
 from __future__ import annotations
 
 import ctypes
+import dataclasses
 import functools
 import hashlib
 import logging
+import math
 import os
 import platform
 import shutil
@@ -42,7 +47,7 @@ from specjax.hub import default_cache_dir
 
 __all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
            "supports_rope", "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
-           "rms_norm", "rope_qkv",
+           "rms_norm", "rope_qkv", "PackedWeight", "pack", "packable", "PANEL",
            "set_threads", "threads", "MAX_TOKENS", "MAX_PROMPT_ROWS", "DTYPES"]
 
 log = logging.getLogger("specjax")
@@ -185,12 +190,91 @@ def tokens_per_sequence(x) -> int:
 def supports(x, w) -> bool:
     """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), or
     fp32 x with bf16 w (the fp32 product with the widened w: a draft head's matrices kept as their bf16 checkpoint
-    stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, the kernels built and
-    not ``disabled``."""
-    few = tokens_per_sequence(x) <= MAX_TOKENS or (
-        x.dtype == w.dtype == jnp.float32 and x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS)
+    stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, or any rows against a
+    ``PackedWeight``, the kernels built and not ``disabled``."""
+    few = tokens_per_sequence(x) <= MAX_TOKENS or (x.dtype == w.dtype == jnp.float32 and (
+        isinstance(w, PackedWeight) or x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS))
     return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
             and few and not _disabled.value and available())
+
+
+# Columns per panel of a PackedWeight (``dense.cc``'s kPanel).
+PANEL = 32
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass(frozen=True)
+class PackedWeight:
+    """An fp32 weight w of logical ``shape`` (*C, *O), contracted over its leading axes *C, as ``dense.cc`` reads it
+    fastest: ``panels`` [O / 32, C, 32] (C = prod(*C), O = prod(*O)), panel p holding columns 32p..32p+31 of w as
+    [C, O], row after row. A product streams a few panels at a time front to back (one stretch of w per thread
+    where [C, O] reads eight rows of w O apart per pass) with the sums of its rows of x in registers; each output is
+    the same sequence of fmas, so the same bits as over [C, O] (docs/benchmarks.md, forty-third session). ``layers.dense``
+    takes it (as [C, *O]) where it takes w; other products (other platforms, half-precision x) read ``unpack()``.
+    Made by ``pack`` for the decode layout's fp32 matrices on a CPU (``target.decode_layout``)."""
+    panels: jax.Array
+    shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
+
+    @property
+    def dtype(self):
+        return self.panels.dtype
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.panels.nbytes
+
+    @property
+    def rows(self) -> int:
+        """C: the rows of w as [C, O]."""
+        return self.panels.shape[1]
+
+    def reshape(self, *shape) -> "PackedWeight":
+        """The same panels under another logical shape whose leading axes still hold the C rows (``-1`` allowed),
+        e.g. ``wo.reshape(N * H, -1)`` of wo [N, H, D]."""
+        shape = tuple(shape[0]) if len(shape) == 1 and isinstance(shape[0], (tuple, list)) else tuple(shape)
+        if shape.count(-1) == 1:
+            known = math.prod(d for d in shape if d != -1)
+            shape = tuple(self.size // known if d == -1 else d for d in shape)
+        if math.prod(shape) != self.size or self.rows not in {math.prod(shape[:k]) for k in range(1, len(shape))}:
+            raise ValueError(f"a PackedWeight of shape {self.shape} ({self.rows} rows) cannot take the shape {shape}")
+        return PackedWeight(self.panels, tuple(int(d) for d in shape))
+
+    def unpack(self) -> jax.Array:
+        """w itself, [C, *O] (a transpose: a copy)."""
+        return self.panels.transpose(1, 0, 2).reshape(self.shape)
+
+
+def packable(w, c_axes: int = 1) -> bool:
+    """Whether ``pack`` takes w: a concrete fp32 array of 2+ axes whose axes after the first ``c_axes`` (contracted)
+    hold a multiple of PANEL, the kernels built and not ``disabled``."""
+    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.dtype != jnp.float32 or w.ndim < 2:
+        return False
+    c, o = math.prod(w.shape[:c_axes]), math.prod(w.shape[c_axes:])
+    return c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
+
+
+def pack(w, c_axes: int = 1) -> PackedWeight:
+    """w [*C, *O] (its first ``c_axes`` axes contracted) as a ``PackedWeight`` of w's shape, on w's device. Check
+    ``packable`` first."""
+    return PackedWeight(_pack_panels(w.reshape(math.prod(w.shape[:c_axes]), -1)), tuple(w.shape))
+
+
+@jax.jit
+def _pack_panels(w2):
+    c, o = w2.shape
+    return w2.reshape(c, o // PANEL, PANEL).transpose(1, 0, 2)
+
+
+def _packed_xla(x2, panels):
+    return jnp.dot(x2, panels.transpose(1, 0, 2).reshape(panels.shape[1], -1), preferred_element_type=jnp.float32)
 
 
 def _kernel_product(target: str, out_cols, xla_product, doc: str):
@@ -213,6 +297,9 @@ def _kernel_product(target: str, out_cols, xla_product, doc: str):
 dense = _kernel_product(
     "specjax_dense", lambda w2: w2.shape[1], lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
     "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32, or w2 bfloat16); differentiable.")
+dense_packed = _kernel_product(
+    "specjax_dense", lambda p: p.shape[0] * p.shape[2], _packed_xla,
+    "x2 [R, C] float32 . the panels [O / 32, C, 32] of a ``PackedWeight`` -> f32 [R, O]; differentiable.")
 unembed = _kernel_product(
     "specjax_unembed", lambda t: t.shape[0], lambda x, t: jnp.dot(x, t.T, preferred_element_type=jnp.float32),
     "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")

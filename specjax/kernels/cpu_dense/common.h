@@ -184,8 +184,53 @@ inline int DefaultThreads() {
   return n == 0 ? 1 : static_cast<int>(n);
 }
 
-// Run ``fn`` over ``n`` chunks: on the pool when it is free, else on this thread.
+// XLA's intra-op pool (the running custom call's ``ffi::ThreadPool``), where ``Parallel`` runs this thread's chunks
+// while an ``XlaPoolScope`` holds it; null: specjax's own pool.
+inline thread_local xla::ffi::ThreadPool* t_xla_pool = nullptr;
+
+struct XlaPoolScope {
+  explicit XlaPoolScope(xla::ffi::ThreadPool* tp) { t_xla_pool = tp; }
+  ~XlaPoolScope() { t_xla_pool = nullptr; }
+  XlaPoolScope(const XlaPoolScope&) = delete;
+  XlaPoolScope& operator=(const XlaPoolScope&) = delete;
+};
+
+// One job on XLA's pool: the caller and up to n - 1 of the pool's threads take its chunks; a task that starts after
+// the last chunk was taken finds none left and returns (the job, shared with the tasks, outlives the call; the
+// chunks' context is read only by the chunks themselves, all done before the caller returns).
+struct XlaJob {
+  std::atomic<int> next{0}, done{0};
+  ChunkFn fn;
+  const void* ctx;
+  int n;
+  void Take() {
+    for (int i; (i = next.fetch_add(1)) < n;) {
+      fn(ctx, i);
+      done.fetch_add(1, std::memory_order_release);
+    }
+  }
+};
+
+inline void ParallelOnXla(xla::ffi::ThreadPool* tp, ChunkFn fn, const void* ctx, int n) {
+  auto job = std::make_shared<XlaJob>();
+  job->fn = fn; job->ctx = ctx; job->n = n;
+  const int helpers = static_cast<int>(std::min<int64_t>(tp->num_threads(), n - 1));
+  for (int h = 0; h < helpers; ++h) tp->Schedule([job] { job->Take(); });
+  job->Take();
+  while (job->done.load(std::memory_order_acquire) < n) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#endif
+  }
+}
+
+// Run ``fn`` over ``n`` chunks: on XLA's pool inside an ``XlaPoolScope``, else on specjax's pool when it is free,
+// else on this thread.
 inline void Parallel(ChunkFn fn, const void* ctx, int n) {
+  if (t_xla_pool != nullptr && n > 1) {
+    ParallelOnXla(t_xla_pool, fn, ctx, n);
+    return;
+  }
   std::unique_lock<std::mutex> lk(g_pool_mu, std::try_to_lock);
   if (lk.owns_lock() && g_pool && n > 1) {
     g_pool->Run(fn, ctx, n);

@@ -295,6 +295,196 @@ void DenseTiles(const DenseJob<float>& j, float* acc, int64_t c0, int64_t c1) {
 }
 #endif
 
+// ---------------------------------------------------------------------------------------------------------------
+// Packed fp32 w (``cpu_dense.PackedWeight``): [O / kPanel, C, kPanel], panel p holding columns p*kPanel.. of every
+// row of w, row after row. The pool's threads take runs of whole panels, so each reads one contiguous stretch of w
+// front to back (where [C, O] puts the rows of a pass O apart: eight streams), and the sums of a panel's kPanel
+// columns for a few rows of x stay in registers over a whole block of the contraction axis (no pass over y per few
+// rows of w). ``specjax_dense`` keeps its bits: each output is summed from 0 over each block of ``DenseBlocks``
+// in order and the block sums are added in block order, as over [C, O], whichever thread computes it.
+constexpr int kPanel = 32;
+constexpr int kPanelV = kPanel / kLanes;
+constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w, one of x
+constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
+
+// What a tile does with its sums s over rows c0..c1 of w: acc = s (the first block), or acc = acc + s (a block's sums
+// added to the blocks' before it).
+enum class Sums { kSet, kAdd };
+
+// Rows c0..c1 of panel ``panel`` ([C, kPanel]) against rows 0..RT of x (row stride C), into acc (row stride O, from
+// the panel's first column); ``prefetch``: bytes from each line read to the line to prefetch (0: none).
+template <int RT>
+inline void PanelTile(const float* __restrict x, int64_t C, const float* __restrict panel, float* __restrict acc,
+                      int64_t O, int64_t c0, int64_t c1, int64_t prefetch, Sums mode) {
+  const float* __restrict w = panel + c0 * kPanel;
+#if defined(__AVX512F__)
+  __m512 s[RT][kPanelV];
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_setzero_ps();
+  for (int64_t c = c0; c < c1; ++c, w += kPanel) {
+    __m512 a[kPanelV];
+    for (int v = 0; v < kPanelV; ++v) a[v] = _mm512_loadu_ps(w + v * kLanes);
+    if (prefetch)
+      for (int v = 0; v < kPanelV; ++v) PrefetchAhead<kStreamLocality>(w + v * kLanes, prefetch);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
+      for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int v = 0; v < kPanelV; ++v) {
+      float* out = acc + r * O + v * kLanes;
+      _mm512_storeu_ps(out, mode == Sums::kAdd ? _mm512_add_ps(_mm512_loadu_ps(out), s[r][v]) : s[r][v]);
+    }
+#else
+  (void)prefetch;
+  for (int r = 0; r < RT; ++r)
+    for (int u = 0; u < kPanel; ++u) {
+      float s = 0.f;
+      for (int64_t c = c0; c < c1; ++c) s = __builtin_fmaf(x[r * C + c], w[(c - c0) * kPanel + u], s);
+      acc[r * O + u] = mode == Sums::kAdd ? acc[r * O + u] + s : s;
+    }
+#endif
+}
+
+// Rows c0..c1 of panel p against every row of x, in tiles of about equal size (up to kPanelTileR rows). The first
+// tile reads the rows of the panel from memory, prefetching ahead of itself; the last (if another) reads them from
+// cache and prefetches the next rows of w as it goes (the stretch that follows: the next block or panel), so that
+// memory streams while it computes.
+inline void PanelRows(const float* x, int64_t R, int64_t C, const float* w, float* y, int64_t O, int64_t p,
+                      int64_t c0, int64_t c1, Sums mode) {
+  const float* panel = w + p * C * kPanel;
+  const int64_t tiles = (R + kPanelTileR - 1) / kPanelTileR;
+  const int64_t stretch = (c1 - c0) * kPanel * static_cast<int64_t>(sizeof(float));
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t r1 = R * (t + 1) / tiles;
+    const float* xr = x + r0 * C;
+    float* a = y + r0 * O + p * kPanel;
+    const int64_t pf = t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0;
+    switch (r1 - r0) {
+      case 1: PanelTile<1>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 2: PanelTile<2>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 3: PanelTile<3>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 4: PanelTile<4>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 5: PanelTile<5>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 6: PanelTile<6>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 7: PanelTile<7>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 8: PanelTile<8>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 9: PanelTile<9>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 10: PanelTile<10>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 11: PanelTile<11>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      default: PanelTile<kPanelTileR>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+    }
+    r0 = r1;
+  }
+}
+
+// ``specjax_dense`` over packed w: DenseBlocks' blocks of the contraction axis (``BlockStart``), each block's sums
+// added to the blocks' before it, as RunDense adds its partials: the same bits.
+struct PackedJob {
+  const float* x;  // [R, C]
+  const float* w;  // [O / kPanel, C, kPanel]
+  float* y;        // [R, O]
+  int64_t rows, c_dim, o_dim;
+  int blocks;
+  Split split;  // of the panels
+};
+
+// Rows of x per pass over a run of panels: about kRowBlockBytes of x, so that a pass's rows of x stay in L2 while
+// every panel of the run reads them (a 1024-token prompt's x is 2.4-6.3 MB at SmolLM2's shapes); the run's panels
+// are read again per pass, from cache where they fit.
+constexpr int64_t kRowBlockBytes = 256 * 1024;
+inline int64_t RowBlock(int64_t C) {
+  const int64_t rows = kRowBlockBytes / (C * static_cast<int64_t>(sizeof(float)));
+  return std::max<int64_t>(kPanelTileR, rows / kPanelTileR * kPanelTileR);
+}
+
+// Rows c0..c1 of G consecutive panels (from panel p) against RT rows of x: G streams at once, the sums of RT x G x 2
+// vectors in registers (one panel's stream alone left this core's reads short of its memory rate at one row).
+template <int RT, int G>
+inline void PanelGroup(const float* __restrict x, int64_t C, const float* __restrict w, float* __restrict y, int64_t O,
+                       int64_t p, int64_t c0, int64_t c1, Sums mode) {
+#if defined(__AVX512F__)
+  __m512 s[RT][G][kPanelV];
+  for (int r = 0; r < RT; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_setzero_ps();
+  const float* __restrict base = w + p * C * kPanel;
+  for (int64_t c = c0; c < c1; ++c) {
+    __m512 a[G][kPanelV];
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < kPanelV; ++v) a[g][v] = _mm512_loadu_ps(base + (g * C + c) * kPanel + v * kLanes);
+    for (int r = 0; r < RT; ++r) {
+      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_fmadd_ps(xb, a[g][v], s[r][g][v]);
+    }
+  }
+  for (int r = 0; r < RT; ++r)
+    for (int g = 0; g < G; ++g)
+      for (int v = 0; v < kPanelV; ++v) {
+        float* out = y + r * O + (p + g) * kPanel + v * kLanes;
+        _mm512_storeu_ps(out, mode == Sums::kAdd ? _mm512_add_ps(_mm512_loadu_ps(out), s[r][g][v]) : s[r][g][v]);
+      }
+#else
+  for (int g = 0; g < G; ++g) PanelTile<RT>(x, C, w + (p + g) * C * kPanel, y + (p + g) * kPanel, O, c0, c1, 0, mode);
+#endif
+}
+
+// Panels p0..p1 against RT rows of x, G panels at a time, each group's blocks in order.
+template <int RT, int G>
+void PanelGroups(const float* x, int64_t C, const float* w, float* y, int64_t O, int blocks, int64_t p0, int64_t p1) {
+  for (int64_t p = p0; p < p1; p += G) {
+    const int64_t n = std::min<int64_t>(G, p1 - p);
+    for (int k = 0; k < blocks; ++k) {
+      const int64_t c0 = BlockStart(C, blocks, k), c1 = BlockStart(C, blocks, k + 1);
+      const Sums mode = k == 0 ? Sums::kSet : Sums::kAdd;
+      switch (n) {
+        case 1: PanelGroup<RT, 1>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 2: PanelGroup<RT, std::min(G, 2)>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 3: PanelGroup<RT, std::min(G, 3)>(x, C, w, y, O, p, c0, c1, mode); break;
+        default: PanelGroup<RT, G>(x, C, w, y, O, p, c0, c1, mode); break;
+      }
+    }
+  }
+}
+
+// Up to this many rows of x, a product's panels are cut into one run per thread (a single stretch of w each; more
+// rows: about four runs per thread, ``MakeSplit``). One to two rows take groups of four panels, three or four rows
+// groups of two, more rows one panel at a time with up to kPanelTileR rows of x per tile (``PanelRows``).
+constexpr int64_t kRunPerThreadRows = 8;
+
+// A run of panels: each panel's blocks in order, so a run reads its stretch of w front to back (per pass of rows).
+void PackedChunk(const void* ctx, int i) {
+  const auto& j = *static_cast<const PackedJob*>(ctx);
+  const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
+  const int64_t C = j.c_dim, O = j.o_dim, step = RowBlock(C);
+  switch (j.rows) {
+    case 1: return PanelGroups<1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 2: return PanelGroups<2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 3: return PanelGroups<3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 4: return PanelGroups<4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+  }
+  for (int64_t r0 = 0; r0 < j.rows; r0 += step) {
+    const int64_t rows = std::min(step, j.rows - r0);
+    for (int64_t p = p0; p < p1; ++p)
+      for (int k = 0; k < j.blocks; ++k)
+        PanelRows(j.x + r0 * C, rows, C, j.w, j.y + r0 * O, O, p, BlockStart(C, j.blocks, k),
+                  BlockStart(C, j.blocks, k + 1), k == 0 ? Sums::kSet : Sums::kAdd);
+  }
+}
+
+void RunPacked(const float* x, const float* w, float* y, int64_t R, int64_t C, int64_t O) {
+  const int64_t panels = O / kPanel;
+  Split split = MakeSplit(panels, 1, 1);
+  if (R <= kRunPerThreadRows) {
+    const int64_t width = (panels + PoolThreads() - 1) / PoolThreads();
+    split = {width, static_cast<int>((panels + width - 1) / width)};
+  }
+  PackedJob job{x, w, y, R, C, O, DenseBlocks(C), split};
+  Parallel(PackedChunk, &job, job.split.n);
+}
+
 template <typename T>
 void DenseChunk(const void* ctx, int k) {
   const auto& j = *static_cast<const DenseJob<T>*>(ctx);
@@ -451,18 +641,30 @@ void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int6
   Parallel(UnembedChunk<T>, &job, split.n);
 }
 
-// x [R, C] against w: [C, O] (kTable false, ``specjax_dense``) or a table [O, C] (``specjax_unembed``) -> y [R, O].
+// Products of at most this many rows run on specjax's pool (``cpu_dense.MAX_PROMPT_ROWS``: decode steps, trees,
+// draft steps, prompt chunks of up to 32 tokens), longer ones on XLA's.
+constexpr int64_t kOwnPoolRows = 32;
+
+// x [R, C] against w: [C, O] or packed [O / kPanel, C, kPanel] (float32; kTable false, ``specjax_dense``) or a
+// table [O, C] (``specjax_unembed``) -> y [R, O].
 template <bool kTable>
-ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
-  if (xd.size() != 2 || wd.size() != 2 || yd.size() != 2)
-    return ffi::Error::InvalidArgument("specjax cpu dense: x, w and y must be 2-D");
+  // Products of more rows than a decode step, a tree or a short prompt chunk (specjax's pool spins between a
+  // step's short products) take their chunks on XLA's own intra-op pool: two pools on the same cores slowed the
+  // prompts' products 15-27% (docs/benchmarks.md, forty-second and forty-third sessions).
+  const XlaPoolScope scope(xd.size() == 2 && xd[0] > kOwnPoolRows ? &tp : nullptr);
+  const bool packed = !kTable && wd.size() == 3;
+  if (xd.size() != 2 || (wd.size() != 2 && !packed) || yd.size() != 2)
+    return ffi::Error::InvalidArgument("specjax cpu dense: x, w and y must be 2-D (w may be packed)");
   const auto xt = x.element_type(), wt = w.element_type();
   if (!((xt == ffi::DataType::F32 || xt == ffi::DataType::BF16) && (wt == xt || wt == ffi::DataType::BF16)))
     return ffi::Error::InvalidArgument("specjax cpu dense: x and w must be float32 or bfloat16, and w bfloat16 "
                                        "unless both are float32");
-  const int64_t R = xd[0], C = xd[1], O = wd[kTable ? 0 : 1];
-  if (wd[kTable ? 1 : 0] != C || yd[0] != R || yd[1] != O)
+  if (packed && (wt != ffi::DataType::F32 || wd[2] != kPanel))
+    return ffi::Error::InvalidArgument("specjax cpu dense: a packed w must be float32 [O / 32, C, 32]");
+  const int64_t R = xd[0], C = xd[1], O = packed ? wd[0] * kPanel : wd[kTable ? 0 : 1];
+  if (wd[kTable || packed ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
   thread_local std::vector<float> xbuf;
   const float* xf = AsF32(x, xbuf);
@@ -473,7 +675,8 @@ ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buff
     if (f32) RunUnembed(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunUnembed(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   } else {
-    if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
+    if (packed) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O);
+    else if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunDense(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   }
   return ffi::Error::Success();
@@ -481,7 +684,8 @@ ffi::Error ProductImpl(ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buff
 
 }  // namespace
 
-#define SPECJAX_BINDING ffi::Ffi::Bind().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
+#define SPECJAX_BINDING \
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, ProductImpl<false>, SPECJAX_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, ProductImpl<true>, SPECJAX_BINDING);
 
@@ -494,3 +698,4 @@ extern "C" void specjax_cpu_set_threads(int n) {
 }
 
 extern "C" int specjax_cpu_threads() { return PoolThreads(); }
+
