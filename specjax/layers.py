@@ -185,17 +185,25 @@ def dense(x, w, *, preferred_element_type=None):
 
 
 def _packed_dense(x, w, preferred_element_type, one_dot):
-    """``dense`` against a ``cpu_dense.PackedWeight`` (the decode layout's fp32 matrices on a CPU): the kernel for
-    any number of rows, else XLA's dot of the unpacked w."""
+    """``dense`` against a ``cpu_dense.PackedWeight`` (the decode layout's fp32 and bf16 matrices on a CPU): the
+    kernel where ``cpu_dense.supports`` it (fp32: any number of rows; bf16: a decode step, tree or draft step), a bf16
+    prompt chunk in ``cpu_dense.dense_prompt`` (AVX512-BF16), else ``dense`` of the unpacked w (a transpose of w in
+    every call: XLA's copies of SmolLM2's bf16 matrices took longer than its 256-token prompt's products)."""
     shape = w.shape
     if shape[0] != w.rows:
         raise ValueError(f"dense contracts the first axis of w: reshape the packed {shape} to ({w.rows}, -1) first")
-    if not (cpu_dense.supports(x, w) and preferred_element_type in (None, jnp.float32)):
-        return one_dot(x, w.unpack())
+    if preferred_element_type not in (None, jnp.float32):
+        return dense(x, w.unpack(), preferred_element_type=preferred_element_type)
+    if cpu_dense.supports(x, w):
+        product = cpu_dense.dense_packed
+    elif cpu_dense.supports_prompt(x, w):
+        product = cpu_dense.dense_prompt
+    else:
+        return dense(x, w.unpack(), preferred_element_type=preferred_element_type)
     rows = math.prod(x.shape[:-1])
 
     def kernel(x, panels):
-        y = cpu_dense.dense_packed(x.reshape(rows, x.shape[-1]), panels)
+        y = product(x.reshape(rows, x.shape[-1]), panels)
         return y.reshape(*x.shape[:-1], *shape[1:]).astype(preferred_element_type or x.dtype)
     return platforms.select(x, w.panels, cpu=kernel,
                             default=lambda x, p: one_dot(x, cpu_dense.PackedWeight(p, shape).unpack()))

@@ -75,22 +75,49 @@ def test_bits_do_not_depend_on_rows_or_threads(dtype):
         np.testing.assert_array_equal(a, b)
 
 
-def test_packed_weights_give_the_bits_of_c_o():
-    """fp32 w held as panels (``PackedWeight``: [O / 32, C, 32]) gives the bits of w as [C, O], at every row count
-    (groups of four panels for 1-2 rows, of two for 3-4, one panel with a register tile from 5; the products of more
-    than 32 rows on XLA's thread pool) and thread count; 7 panels leave a group's tail on one and on two threads."""
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_weights_give_the_bits_of_c_o(dtype):
+    """fp32 or bf16 w held as panels (``PackedWeight``: [O / 32, C, 32]) gives the bits of w as [C, O], at every
+    row count (groups of four panels for 1-2 rows, of two for 3-4, one panel with a register tile from 5; the
+    products of more than 32 rows on XLA's thread pool) and thread count; 7 panels leave a group's tail on one and
+    on two threads. bf16 panels are read a line per row, even and odd columns widened apart, and put back in order."""
     packed = jax.jit(cpu_dense.dense_packed)
     dense = jax.jit(cpu_dense.dense)
     for c, o in ((1000, 224), (200, 32)):
-        x, w = _operands(40, c, o, jnp.float32, seed=3)
+        x, w = _operands(40, c, o, dtype, seed=3)
         pw = cpu_dense.pack(w)
         assert pw.panels.shape == (o // 32, c, 32) and pw.shape == (c, o)
         np.testing.assert_array_equal(np.asarray(pw.unpack()), np.asarray(w))
         for n in (1, 2):
             cpu_dense.set_threads(n)
             for rows in (1, 2, 3, 4, 5, 8, 9, 13, 17, 33, 40):
-                np.testing.assert_array_equal(np.asarray(packed(x[:rows], pw.panels)),
-                                              np.asarray(dense(x[:rows], w)), err_msg=f"{rows} rows, {n} threads")
+                got = np.asarray(packed(x[:rows], pw.panels))
+                if rows <= cpu_dense.MAX_TOKENS or dtype == jnp.float32:
+                    want = np.asarray(dense(x[:rows], w))
+                else:  # [C, O] bf16 is not run past MAX_TOKENS rows: the one-row products, row by row
+                    want = np.concatenate([np.asarray(dense(x[r:r + 1], w)) for r in range(rows)])
+                np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows, {n} threads")
+
+
+def test_bf16_prompt_products_on_panels():
+    """``dense_prompt`` (a bf16 prompt chunk against bf16 panels: AVX512-BF16's dot products where the CPU has them,
+    else the widening kernel) gives the product within fp32 rounding, for an odd C too (its last row of w paired with
+    zeros), and each output the same bits whatever the rows beside it or the thread count."""
+    prompt = jax.jit(cpu_dense.dense_prompt)
+    for c, o in ((576, 96), (201, 64)):
+        x, w = _operands(300, c, o, jnp.bfloat16, seed=5)
+        panels = cpu_dense.pack(w).panels
+        ref = _reference(x, w)
+        results = []
+        for n in (1, 2):
+            cpu_dense.set_threads(n)
+            full = np.asarray(prompt(x, panels))
+            np.testing.assert_allclose(full, ref, rtol=1e-5, atol=1e-5)
+            for rows in (1, 5, 13, 40):
+                np.testing.assert_array_equal(np.asarray(prompt(x[7:7 + rows], panels)), full[7:7 + rows],
+                                              err_msg=f"{rows} rows, {n} threads")
+            results.append(full)
+        np.testing.assert_array_equal(*results)
 
 
 def test_packed_weight_in_layers():
@@ -98,7 +125,8 @@ def test_packed_weight_in_layers():
     at prompt lengths past the kernels' row limits too, and XLA's dot of the unpacked w when the kernels are off."""
     w = _operands(1, 8 * 24, 64, jnp.float32, seed=4)[1].reshape(8, 24, 64)
     pw = cpu_dense.pack(w, 2)
-    assert cpu_dense.packable(w, 2) and not cpu_dense.packable(w.astype(jnp.bfloat16), 2)
+    assert cpu_dense.packable(w, 2)  # bf16 too where the CPU has AVX512-BF16 (tests/test_decode_layout.py)
+    assert not cpu_dense.packable(w.astype(jnp.float16), 2)
     assert not cpu_dense.packable(jnp.ones((64, 40)))  # O not a multiple of 32
     with pytest.raises(ValueError, match="cannot take the shape"):
         pw.reshape(8, 64, 24)

@@ -40,6 +40,13 @@ def _weight_shapes(cfg: ModelConfig):
     return {",".join(map(str, s)) for s in shapes}
 
 
+def _cpu_has(flag: str) -> bool:
+    try:
+        return flag in open("/proc/cpuinfo").read().split()
+    except OSError:
+        return False
+
+
 def weight_copies(hlo: str, cfg: ModelConfig) -> list[str]:
     """Instructions of an optimized HLO module that materialise a layer-weight-shaped array (copies, slices,
     transposes, fusions); parameters, tuple elements and bitcasts are views."""
@@ -112,14 +119,18 @@ def test_unrolled_equals_scanned(model):
         gen.generate(params, cfg, prompts, max_new_tokens=10, stop_token_ids=())
 
 
-def test_decode_layout_packs_fp32_matrices_on_cpu(model):
-    """On a CPU with the kernels, the decode layout holds each fp32 matrix whose output columns fill 32-column panels
-    as a ``PackedWeight`` (the others as they are); the stacked layout comes back exactly."""
-    if not cpu_dense.available():
-        pytest.skip("the CPU kernels are not built here")
-    cfg, params = model
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_decode_layout_packs_matrices_on_cpu(dtype):
+    """On a CPU with the kernels, the decode layout holds each fp32 or bf16 matrix whose output columns fill
+    32-column panels as a ``PackedWeight`` (the others as they are); the stacked layout comes back exactly. Greedy
+    output is that of [C, O] (fp32: XLA's dots; bf16: the kernel over [C, O], the same bits), and a bf16 prompt
+    longer than the kernels' rows (``cpu_dense.dense_prompt``) gives the logits of YNNPACK's products over [C, O]."""
+    if not cpu_dense.available() or (dtype == "bfloat16" and not _cpu_has("avx512_bf16")):
+        pytest.skip("the CPU kernels are not built here, or (bf16) this CPU has no AVX512-BF16")
+    cfg = ModelConfig.from_hf_dict(HF, dtype=dtype)
+    params = target.init_params(cfg, jax.random.PRNGKey(0), scale=0.1)
     lp = target.unstack_layers(params).layers[0]
-    assert isinstance(lp.w_qkv, cpu_dense.PackedWeight)  # O = 2 x 4 x 24 = 192
+    assert isinstance(lp.w_qkv, cpu_dense.PackedWeight) and lp.w_qkv.dtype == jnp.dtype(dtype)  # O = 2x4x24
     assert lp.w_qkv.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2, cfg.head_dim)
     assert not isinstance(lp.w_up, cpu_dense.PackedWeight)  # O = 176
     wide = dataclasses.replace(cfg, intermediate_size=192)
@@ -128,10 +139,19 @@ def test_decode_layout_packs_fp32_matrices_on_cpu(model):
     assert isinstance(up.layers[1].w_up, cpu_dense.PackedWeight)
     for a, b in zip(jax.tree.leaves(target.stack_layers(up)), jax.tree.leaves(wp)):
         np.testing.assert_array_equal(a, b)
+    plain = dataclasses.replace(up, layers=tuple(target.unpack_layer(lp) for lp in up.layers))
     prompts = [[1, 5, 9, 4], [7, 3]]
-    with cpu_dense.disabled():  # XLA's dots over [C, O]
-        want = gen.generate(target.unstack_layers(wp), wide, prompts, max_new_tokens=8, stop_token_ids=())
+    if dtype == "float32":
+        with cpu_dense.disabled():  # XLA's dots over [C, O]
+            plain = target.unstack_layers(wp)
+    want = gen.generate(plain, wide, prompts, max_new_tokens=8, stop_token_ids=())
     assert gen.generate(up, wide, prompts, max_new_tokens=8, stop_token_ids=()) == want
+    toks = jnp.asarray(np.random.default_rng(0).integers(0, wide.vocab_size, (1, 40)), jnp.int32)
+    pos = jnp.arange(40, dtype=jnp.int32)[None]
+    logits = [np.asarray(target.forward(p, wide, toks, pos).logits, np.float32) for p in (up, plain)]
+    np.testing.assert_allclose(*logits, rtol=2e-2, atol=2e-2)
+    hlo = jax.jit(lambda p: target.forward(p, wide, toks, pos).logits).lower(up).compile().as_text()
+    assert ("specjax_dense_prompt" in hlo) == (dtype == "bfloat16")
 
 
 @xla_defaults  # logits within 1e-6: XLA:CPU's fast-compile code rounds further apart

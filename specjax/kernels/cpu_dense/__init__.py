@@ -5,9 +5,9 @@ batch-1 decode step read its weights at one core's rate whatever the thread coun
 (docs/benchmarks.md). ``dense.cc`` splits each product into chunks that a small pool of threads takes in turn, reads
 bf16 weights as bf16, and gives every output element one fixed sequence of fused multiply-adds: its bits do not
 depend on the number of rows or threads, so a verified tree row is bitwise the one-row decode step. The decode
-layout holds fp32 matrices packed (``PackedWeight``, ``pack``: panels of 32 columns, row after row), which the
-kernel reads as one stream per thread with the sums of a tile of rows of x in registers, for any number of rows,
-with the bits of [C, O].
+layout holds fp32 and bf16 matrices packed (``PackedWeight``, ``pack``: panels of 32 columns, row after row), which
+the kernel reads as one stream per thread with the sums of a tile of rows of x in registers, for any number of
+rows, with the bits of [C, O].
 
 ``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
 same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
@@ -45,8 +45,8 @@ import numpy as np
 
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
-           "supports_rope", "disabled", "dense", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
+__all__ = ["available", "supports", "supports_prompt", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
+           "supports_rope", "disabled", "dense", "dense_prompt", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
            "rms_norm", "rope_qkv", "PackedWeight", "pack", "packable", "PANEL",
            "set_threads", "threads", "MAX_TOKENS", "MAX_PROMPT_ROWS", "DTYPES"]
 
@@ -123,8 +123,10 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.specjax_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.specjax_cpu_threads.restype = ctypes.c_int
+    lib.specjax_cpu_bf16_dots.restype = ctypes.c_int
     jax.ffi.register_ffi_target("specjax_dense", jax.ffi.pycapsule(lib.SpecjaxDense), platform="cpu")
     jax.ffi.register_ffi_target("specjax_unembed", jax.ffi.pycapsule(lib.SpecjaxUnembed), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_dense_prompt", jax.ffi.pycapsule(lib.SpecjaxDensePrompt), platform="cpu")
     jax.ffi.register_ffi_target("specjax_paged_attention", jax.ffi.pycapsule(lib.SpecjaxPagedAttention),
                                 platform="cpu")
     jax.ffi.register_ffi_target("specjax_argmax", jax.ffi.pycapsule(lib.SpecjaxArgmax), platform="cpu")
@@ -190,12 +192,21 @@ def tokens_per_sequence(x) -> int:
 def supports(x, w) -> bool:
     """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), or
     fp32 x with bf16 w (the fp32 product with the widened w: a draft head's matrices kept as their bf16 checkpoint
-    stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, or any rows against a
-    ``PackedWeight``, the kernels built and not ``disabled``."""
+    stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, or (fp32) any rows
+    against a ``PackedWeight``, the kernels built and not ``disabled``. (bf16 prompts take YNNPACK's bf16 products,
+    ``layers.half_dot``: twice the kernel's rate at 256 tokens, which widens bf16 to fp32; forty-fourth session.)"""
     few = tokens_per_sequence(x) <= MAX_TOKENS or (x.dtype == w.dtype == jnp.float32 and (
         isinstance(w, PackedWeight) or x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS))
     return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
             and few and not _disabled.value and available())
+
+
+def supports_prompt(x, w) -> bool:
+    """Whether a bf16 product that ``supports`` refuses (a prompt chunk) runs in ``dense_prompt``: bf16 x against
+    bf16 ``PackedWeight`` panels on a CPU with AVX512-BF16 (``dense.cc``'s ``RunPanelDots``), the kernels built and
+    not ``disabled``. Elsewhere such a product takes ``layers.half_dot`` of the unpacked w."""
+    return (isinstance(w, PackedWeight) and x.dtype == w.dtype == jnp.bfloat16 and x.size > 0
+            and not _disabled.value and _bf16_dots())
 
 
 # Columns per panel of a PackedWeight (``dense.cc``'s kPanel).
@@ -205,13 +216,13 @@ PANEL = 32
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
-    """An fp32 weight w of logical ``shape`` (*C, *O), contracted over its leading axes *C, as ``dense.cc`` reads it
-    fastest: ``panels`` [O / 32, C, 32] (C = prod(*C), O = prod(*O)), panel p holding columns 32p..32p+31 of w as
+    """An fp32 or bf16 weight w of logical ``shape`` (*C, *O), contracted over its leading axes *C, as ``dense.cc``
+    reads it fastest: ``panels`` [O / 32, C, 32] (C = prod(*C), O = prod(*O)), panel p holding columns 32p..32p+31 of w as
     [C, O], row after row. A product streams a few panels at a time front to back (one stretch of w per thread
     where [C, O] reads eight rows of w O apart per pass) with the sums of its rows of x in registers; each output is
     the same sequence of fmas, so the same bits as over [C, O] (docs/benchmarks.md, forty-third session). ``layers.dense``
     takes it (as [C, *O]) where it takes w; other products (other platforms, half-precision x) read ``unpack()``.
-    Made by ``pack`` for the decode layout's fp32 matrices on a CPU (``target.decode_layout``)."""
+    Made by ``pack`` for the decode layout's fp32 and bf16 matrices on a CPU (``target.decode_layout``)."""
     panels: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
 
@@ -253,12 +264,19 @@ class PackedWeight:
 
 
 def packable(w, c_axes: int = 1) -> bool:
-    """Whether ``pack`` takes w: a concrete fp32 array of 2+ axes whose axes after the first ``c_axes`` (contracted)
-    hold a multiple of PANEL, the kernels built and not ``disabled``."""
-    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.dtype != jnp.float32 or w.ndim < 2:
+    """Whether ``pack`` takes w: a concrete fp32 or bf16 array of 2+ axes whose axes after the first ``c_axes``
+    (contracted) hold a multiple of PANEL, the kernels built and not ``disabled``; bf16 only where the CPU has
+    AVX512-BF16 (the prompts' products over bf16 panels, ``supports_prompt``; elsewhere they would copy w)."""
+    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.dtype not in DTYPES or w.ndim < 2:
         return False
     c, o = math.prod(w.shape[:c_axes]), math.prod(w.shape[c_axes:])
-    return c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
+    return (c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
+            and (w.dtype == jnp.float32 or _bf16_dots()))
+
+
+def _bf16_dots() -> bool:
+    lib = _library()
+    return lib is not None and bool(lib.specjax_cpu_bf16_dots())
 
 
 def pack(w, c_axes: int = 1) -> PackedWeight:
@@ -299,7 +317,12 @@ dense = _kernel_product(
     "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32, or w2 bfloat16); differentiable.")
 dense_packed = _kernel_product(
     "specjax_dense", lambda p: p.shape[0] * p.shape[2], _packed_xla,
-    "x2 [R, C] float32 . the panels [O / 32, C, 32] of a ``PackedWeight`` -> f32 [R, O]; differentiable.")
+    "x2 [R, C] . the panels [O / 32, C, 32] of a ``PackedWeight`` -> f32 [R, O] (both float32, or the panels\n"
+    "bfloat16); differentiable.")
+dense_prompt = _kernel_product(
+    "specjax_dense_prompt", lambda p: p.shape[0] * p.shape[2], _packed_xla,
+    "x2 [R, C] bfloat16 . bfloat16 panels [O / 32, C, 32] -> f32 [R, O] by AVX512-BF16's dot products (a bf16 prompt\n"
+    "chunk: not ``dense_packed``'s bits); differentiable.")
 unembed = _kernel_product(
     "specjax_unembed", lambda t: t.shape[0], lambda x, t: jnp.dot(x, t.T, preferred_element_type=jnp.float32),
     "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")

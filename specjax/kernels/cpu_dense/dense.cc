@@ -1,6 +1,7 @@
 // specjax's CPU products for the rows of a decode step, a verified tree or a draft step: XLA FFI custom calls.
 //
-//   specjax_dense:   x [R, C] . w [C, O] -> y [R, O] float32   (every decoder/head weight, as ``layers.dense``)
+//   specjax_dense:   x [R, C] . w [C, O] (or packed panels [O / 32, C, 32]) -> y [R, O] float32   (every
+//                    decoder/head weight, as ``layers.dense``)
 //   specjax_unembed: x [R, D] . t [V, D]^T -> y [R, V] float32 (a tied lm_head read as the embedding table)
 //
 // x and w are both float32, or w is bfloat16 (read as bfloat16; x of either type, taken as float32: float32 x with
@@ -296,9 +297,9 @@ void DenseTiles(const DenseJob<float>& j, float* acc, int64_t c0, int64_t c1) {
 #endif
 
 // ---------------------------------------------------------------------------------------------------------------
-// Packed fp32 w (``cpu_dense.PackedWeight``): [O / kPanel, C, kPanel], panel p holding columns p*kPanel.. of every
-// row of w, row after row. The pool's threads take runs of whole panels, so each reads one contiguous stretch of w
-// front to back (where [C, O] puts the rows of a pass O apart: eight streams), and the sums of a panel's kPanel
+// Packed w (``cpu_dense.PackedWeight``, fp32 or bf16): [O / kPanel, C, kPanel], panel p holding columns p*kPanel.. of
+// every row of w, row after row. The pool's threads take runs of whole panels, so each reads one contiguous stretch
+// of w front to back (where [C, O] puts the rows of a pass O apart: eight streams), and the sums of a panel's kPanel
 // columns for a few rows of x stay in registers over a whole block of the contraction axis (no pass over y per few
 // rows of w). ``specjax_dense`` keeps its bits: each output is summed from 0 over each block of ``DenseBlocks``
 // in order and the block sums are added in block order, as over [C, O], whichever thread computes it.
@@ -307,41 +308,74 @@ constexpr int kPanelV = kPanel / kLanes;
 constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w, one of x
 constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
 
+#if defined(__AVX512F__)
+// One row of a panel as kPanelV vectors of float32: fp32 as two loads; bf16 as one 64-byte line, its even columns
+// (the low halves of its 32-bit lanes) widened into a[0] and its odd ones into a[1], as ``PairedGroup`` reads
+// [C, O]. ``PanelOut`` puts such [even, odd] sums back in column order.
+template <typename T>
+inline void PanelRowOf(const T* __restrict q, __m512 (&a)[kPanelV]) {
+  if constexpr (std::is_same_v<T, float>) {
+    for (int v = 0; v < kPanelV; ++v) a[v] = _mm512_loadu_ps(q + v * kLanes);
+  } else {
+    const __m512i raw = _mm512_loadu_si512(q);
+    a[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+    a[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+  }
+}
+
+// The kPanel sums s of a row of x (as ``PanelRowOf`` gave them) into out, in column order.
+template <typename T>
+inline void PanelOut(float* out, const __m512 (&s)[kPanelV], bool add) {
+  __m512 o[kPanelV] = {s[0], s[1]};
+  if constexpr (!std::is_same_v<T, float>) {
+    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+    o[0] = _mm512_permutex2var_ps(s[0], first, s[1]);
+    o[1] = _mm512_permutex2var_ps(s[0], second, s[1]);
+  }
+  for (int v = 0; v < kPanelV; ++v)
+    _mm512_storeu_ps(out + v * kLanes, add ? _mm512_add_ps(_mm512_loadu_ps(out + v * kLanes), o[v]) : o[v]);
+}
+#endif
+
+// Few-row groups of bf16 panels prefetch each line they read this many bytes ahead into L1: a C++ chain of
+// SmolLM2's 150 bf16 products on one core read 21.6 GB/s without, 25 with (fp32 panels: as fast without; forty-fourth
+// session).
+template <typename T>
+constexpr int64_t kGroupAhead = std::is_same_v<T, float> ? 0 : 1024;
+
 // What a tile does with its sums s over rows c0..c1 of w: acc = s (the first block), or acc = acc + s (a block's sums
 // added to the blocks' before it).
 enum class Sums { kSet, kAdd };
 
 // Rows c0..c1 of panel ``panel`` ([C, kPanel]) against rows 0..RT of x (row stride C), into acc (row stride O, from
 // the panel's first column); ``prefetch``: bytes from each line read to the line to prefetch (0: none).
-template <int RT>
-inline void PanelTile(const float* __restrict x, int64_t C, const float* __restrict panel, float* __restrict acc,
+template <typename T, int RT>
+inline void PanelTile(const float* __restrict x, int64_t C, const T* __restrict panel, float* __restrict acc,
                       int64_t O, int64_t c0, int64_t c1, int64_t prefetch, Sums mode) {
-  const float* __restrict w = panel + c0 * kPanel;
+  const T* __restrict w = panel + c0 * kPanel;
 #if defined(__AVX512F__)
   __m512 s[RT][kPanelV];
   for (int r = 0; r < RT; ++r)
     for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_setzero_ps();
   for (int64_t c = c0; c < c1; ++c, w += kPanel) {
     __m512 a[kPanelV];
-    for (int v = 0; v < kPanelV; ++v) a[v] = _mm512_loadu_ps(w + v * kLanes);
+    PanelRowOf(w, a);
     if (prefetch)
-      for (int v = 0; v < kPanelV; ++v) PrefetchAhead<kStreamLocality>(w + v * kLanes, prefetch);
+      for (int64_t line = 0; line < kPanel * static_cast<int64_t>(sizeof(T)); line += 64)
+        PrefetchAhead<kStreamLocality>(reinterpret_cast<const char*>(w) + line, prefetch);
     for (int r = 0; r < RT; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * C + c]);
       for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
     }
   }
-  for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < kPanelV; ++v) {
-      float* out = acc + r * O + v * kLanes;
-      _mm512_storeu_ps(out, mode == Sums::kAdd ? _mm512_add_ps(_mm512_loadu_ps(out), s[r][v]) : s[r][v]);
-    }
+  for (int r = 0; r < RT; ++r) PanelOut<T>(acc + r * O, s[r], mode == Sums::kAdd);
 #else
   (void)prefetch;
   for (int r = 0; r < RT; ++r)
     for (int u = 0; u < kPanel; ++u) {
       float s = 0.f;
-      for (int64_t c = c0; c < c1; ++c) s = __builtin_fmaf(x[r * C + c], w[(c - c0) * kPanel + u], s);
+      for (int64_t c = c0; c < c1; ++c) s = __builtin_fmaf(x[r * C + c], load(w, (c - c0) * kPanel + u), s);
       acc[r * O + u] = mode == Sums::kAdd ? acc[r * O + u] + s : s;
     }
 #endif
@@ -351,29 +385,30 @@ inline void PanelTile(const float* __restrict x, int64_t C, const float* __restr
 // tile reads the rows of the panel from memory, prefetching ahead of itself; the last (if another) reads them from
 // cache and prefetches the next rows of w as it goes (the stretch that follows: the next block or panel), so that
 // memory streams while it computes.
-inline void PanelRows(const float* x, int64_t R, int64_t C, const float* w, float* y, int64_t O, int64_t p,
-                      int64_t c0, int64_t c1, Sums mode) {
-  const float* panel = w + p * C * kPanel;
+template <typename T>
+void PanelRows(const float* x, int64_t R, int64_t C, const T* w, float* y, int64_t O, int64_t p, int64_t c0,
+               int64_t c1, Sums mode) {
+  const T* panel = w + p * C * kPanel;
   const int64_t tiles = (R + kPanelTileR - 1) / kPanelTileR;
-  const int64_t stretch = (c1 - c0) * kPanel * static_cast<int64_t>(sizeof(float));
+  const int64_t stretch = (c1 - c0) * kPanel * static_cast<int64_t>(sizeof(T));
   for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
     const int64_t r1 = R * (t + 1) / tiles;
     const float* xr = x + r0 * C;
     float* a = y + r0 * O + p * kPanel;
     const int64_t pf = t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0;
     switch (r1 - r0) {
-      case 1: PanelTile<1>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 2: PanelTile<2>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 3: PanelTile<3>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 4: PanelTile<4>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 5: PanelTile<5>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 6: PanelTile<6>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 7: PanelTile<7>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 8: PanelTile<8>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 9: PanelTile<9>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 10: PanelTile<10>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 11: PanelTile<11>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      default: PanelTile<kPanelTileR>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 1: PanelTile<T, 1>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 2: PanelTile<T, 2>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 3: PanelTile<T, 3>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 4: PanelTile<T, 4>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 5: PanelTile<T, 5>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 6: PanelTile<T, 6>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 7: PanelTile<T, 7>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 8: PanelTile<T, 8>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 9: PanelTile<T, 9>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 10: PanelTile<T, 10>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      case 11: PanelTile<T, 11>(xr, C, panel, a, O, c0, c1, pf, mode); break;
+      default: PanelTile<T, kPanelTileR>(xr, C, panel, a, O, c0, c1, pf, mode); break;
     }
     r0 = r1;
   }
@@ -381,9 +416,10 @@ inline void PanelRows(const float* x, int64_t R, int64_t C, const float* w, floa
 
 // ``specjax_dense`` over packed w: DenseBlocks' blocks of the contraction axis (``BlockStart``), each block's sums
 // added to the blocks' before it, as RunDense adds its partials: the same bits.
+template <typename T>
 struct PackedJob {
   const float* x;  // [R, C]
-  const float* w;  // [O / kPanel, C, kPanel]
+  const T* w;      // [O / kPanel, C, kPanel]
   float* y;        // [R, O]
   int64_t rows, c_dim, o_dim;
   int blocks;
@@ -401,19 +437,22 @@ inline int64_t RowBlock(int64_t C) {
 
 // Rows c0..c1 of G consecutive panels (from panel p) against RT rows of x: G streams at once, the sums of RT x G x 2
 // vectors in registers (one panel's stream alone left this core's reads short of its memory rate at one row).
-template <int RT, int G>
-inline void PanelGroup(const float* __restrict x, int64_t C, const float* __restrict w, float* __restrict y, int64_t O,
+template <typename T, int RT, int G>
+inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict w, float* __restrict y, int64_t O,
                        int64_t p, int64_t c0, int64_t c1, Sums mode) {
 #if defined(__AVX512F__)
   __m512 s[RT][G][kPanelV];
   for (int r = 0; r < RT; ++r)
     for (int g = 0; g < G; ++g)
       for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_setzero_ps();
-  const float* __restrict base = w + p * C * kPanel;
+  const T* __restrict base = w + p * C * kPanel;
   for (int64_t c = c0; c < c1; ++c) {
     __m512 a[G][kPanelV];
-    for (int g = 0; g < G; ++g)
-      for (int v = 0; v < kPanelV; ++v) a[g][v] = _mm512_loadu_ps(base + (g * C + c) * kPanel + v * kLanes);
+    for (int g = 0; g < G; ++g) {
+      const T* q = base + (g * C + c) * kPanel;
+      PanelRowOf(q, a[g]);
+      if constexpr (kGroupAhead<T> > 0) PrefetchAhead<3>(q, kGroupAhead<T>);
+    }
     for (int r = 0; r < RT; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * C + c]);
       for (int g = 0; g < G; ++g)
@@ -421,29 +460,26 @@ inline void PanelGroup(const float* __restrict x, int64_t C, const float* __rest
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int g = 0; g < G; ++g)
-      for (int v = 0; v < kPanelV; ++v) {
-        float* out = y + r * O + (p + g) * kPanel + v * kLanes;
-        _mm512_storeu_ps(out, mode == Sums::kAdd ? _mm512_add_ps(_mm512_loadu_ps(out), s[r][g][v]) : s[r][g][v]);
-      }
+    for (int g = 0; g < G; ++g) PanelOut<T>(y + r * O + (p + g) * kPanel, s[r][g], mode == Sums::kAdd);
 #else
-  for (int g = 0; g < G; ++g) PanelTile<RT>(x, C, w + (p + g) * C * kPanel, y + (p + g) * kPanel, O, c0, c1, 0, mode);
+  for (int g = 0; g < G; ++g)
+    PanelTile<T, RT>(x, C, w + (p + g) * C * kPanel, y + (p + g) * kPanel, O, c0, c1, 0, mode);
 #endif
 }
 
 // Panels p0..p1 against RT rows of x, G panels at a time, each group's blocks in order.
-template <int RT, int G>
-void PanelGroups(const float* x, int64_t C, const float* w, float* y, int64_t O, int blocks, int64_t p0, int64_t p1) {
+template <typename T, int RT, int G>
+void PanelGroups(const float* x, int64_t C, const T* w, float* y, int64_t O, int blocks, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += G) {
     const int64_t n = std::min<int64_t>(G, p1 - p);
     for (int k = 0; k < blocks; ++k) {
       const int64_t c0 = BlockStart(C, blocks, k), c1 = BlockStart(C, blocks, k + 1);
       const Sums mode = k == 0 ? Sums::kSet : Sums::kAdd;
       switch (n) {
-        case 1: PanelGroup<RT, 1>(x, C, w, y, O, p, c0, c1, mode); break;
-        case 2: PanelGroup<RT, std::min(G, 2)>(x, C, w, y, O, p, c0, c1, mode); break;
-        case 3: PanelGroup<RT, std::min(G, 3)>(x, C, w, y, O, p, c0, c1, mode); break;
-        default: PanelGroup<RT, G>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 1: PanelGroup<T, RT, 1>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 2: PanelGroup<T, RT, std::min(G, 2)>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 3: PanelGroup<T, RT, std::min(G, 3)>(x, C, w, y, O, p, c0, c1, mode); break;
+        default: PanelGroup<T, RT, G>(x, C, w, y, O, p, c0, c1, mode); break;
       }
     }
   }
@@ -455,15 +491,16 @@ void PanelGroups(const float* x, int64_t C, const float* w, float* y, int64_t O,
 constexpr int64_t kRunPerThreadRows = 8;
 
 // A run of panels: each panel's blocks in order, so a run reads its stretch of w front to back (per pass of rows).
+template <typename T>
 void PackedChunk(const void* ctx, int i) {
-  const auto& j = *static_cast<const PackedJob*>(ctx);
+  const auto& j = *static_cast<const PackedJob<T>*>(ctx);
   const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
   const int64_t C = j.c_dim, O = j.o_dim, step = RowBlock(C);
   switch (j.rows) {
-    case 1: return PanelGroups<1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 2: return PanelGroups<2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 3: return PanelGroups<3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 4: return PanelGroups<4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 1: return PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 2: return PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 3: return PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 4: return PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
   }
   for (int64_t r0 = 0; r0 < j.rows; r0 += step) {
     const int64_t rows = std::min(step, j.rows - r0);
@@ -474,16 +511,115 @@ void PackedChunk(const void* ctx, int i) {
   }
 }
 
-void RunPacked(const float* x, const float* w, float* y, int64_t R, int64_t C, int64_t O) {
+template <typename T>
+void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O) {
   const int64_t panels = O / kPanel;
   Split split = MakeSplit(panels, 1, 1);
   if (R <= kRunPerThreadRows) {
     const int64_t width = (panels + PoolThreads() - 1) / PoolThreads();
     split = {width, static_cast<int>((panels + width - 1) / width)};
   }
-  PackedJob job{x, w, y, R, C, O, DenseBlocks(C), split};
-  Parallel(PackedChunk, &job, job.split.n);
+  PackedJob<T> job{x, w, y, R, C, O, DenseBlocks(C), split};
+  Parallel(PackedChunk<T>, &job, job.split.n);
 }
+
+#if defined(__AVX512BF16__)
+// Many bf16 rows of x against bf16 panels: a bf16 prompt chunk (``cpu_dense.dense_prompt``), where the products are
+// bound by arithmetic, not by reading w. AVX512-BF16's dot products take two rows of w at once (rows c and c+1 of a
+// panel interleaved per column: one vdpbf16ps does 16 columns x 2 rows where the widening fmas above do 16 x 1, from
+// bf16 x read as bf16). Their sums are not the fma sequence of ``specjax_dense`` (a prompt's products never had
+// those bits: XLA's YNNPACK products ran them, as fast as this; docs/benchmarks.md, forty-fourth session), but each
+// output is one fixed sequence whatever the rows or threads.
+constexpr int kDotTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w pairs, one of x
+
+template <int RT>
+inline void PanelDotTile(const uint16_t* __restrict x, int64_t C, const uint16_t* __restrict panel,
+                         float* __restrict acc, int64_t O, int64_t prefetch) {
+  __m512 s[RT][2];
+  for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+  const uint16_t* __restrict w = panel;
+  int64_t c = 0;
+  // lo: columns 8k..8k+3 of each 128-bit lane k, hi: 8k+4..8k+7, each 32-bit lane the pair (w[c], w[c + 1]).
+  auto step = [&](__m512i r0, __m512i r1, const uint32_t (&pair)[RT]) {
+    const __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(r0, r1), hi = (__m512bh)_mm512_unpackhi_epi16(r0, r1);
+    for (int r = 0; r < RT; ++r) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair[r]));
+      s[r][0] = _mm512_dpbf16_ps(s[r][0], xb, lo);
+      s[r][1] = _mm512_dpbf16_ps(s[r][1], xb, hi);
+    }
+  };
+  uint32_t pair[RT];
+  for (; c + 2 <= C; c += 2, w += 2 * kPanel) {
+    if (prefetch) {
+      PrefetchAhead<kStreamLocality>(w, prefetch);
+      PrefetchAhead<kStreamLocality>(w + kPanel, prefetch);
+    }
+    for (int r = 0; r < RT; ++r) std::memcpy(&pair[r], x + r * C + c, sizeof(uint32_t));
+    step(_mm512_loadu_si512(w), _mm512_loadu_si512(w + kPanel), pair);
+  }
+  if (c < C) {  // an odd C's last row of w, paired with zeros
+    for (int r = 0; r < RT; ++r) pair[r] = x[r * C + c];
+    step(_mm512_loadu_si512(w), _mm512_setzero_si512(), pair);
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+  for (int r = 0; r < RT; ++r) {
+    _mm512_storeu_ps(acc + r * O, _mm512_permutex2var_ps(s[r][0], first, s[r][1]));
+    _mm512_storeu_ps(acc + r * O + kLanes, _mm512_permutex2var_ps(s[r][0], second, s[r][1]));
+  }
+}
+
+struct DotJob {
+  const uint16_t* x;  // [R, C] bf16
+  const uint16_t* w;  // [O / kPanel, C, kPanel]
+  float* y;           // [R, O]
+  int64_t rows, c_dim, o_dim;
+  Split split;  // of the panels
+};
+
+// Panel p against R rows of x (from x, y), in tiles of about equal size; prefetches as ``PanelRows``.
+inline void PanelDotRows(const DotJob& j, const uint16_t* x, float* y, int64_t R, int64_t p) {
+  const int64_t C = j.c_dim, O = j.o_dim;
+  const uint16_t* panel = j.w + p * C * kPanel;
+  const int64_t tiles = (R + kDotTileR - 1) / kDotTileR, stretch = C * kPanel * sizeof(uint16_t);
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t r1 = R * (t + 1) / tiles;
+    const uint16_t* xr = x + r0 * C;
+    float* a = y + r0 * O + p * kPanel;
+    const int64_t pf = t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0;
+    switch (r1 - r0) {
+      case 1: PanelDotTile<1>(xr, C, panel, a, O, pf); break;
+      case 2: PanelDotTile<2>(xr, C, panel, a, O, pf); break;
+      case 3: PanelDotTile<3>(xr, C, panel, a, O, pf); break;
+      case 4: PanelDotTile<4>(xr, C, panel, a, O, pf); break;
+      case 5: PanelDotTile<5>(xr, C, panel, a, O, pf); break;
+      case 6: PanelDotTile<6>(xr, C, panel, a, O, pf); break;
+      case 7: PanelDotTile<7>(xr, C, panel, a, O, pf); break;
+      case 8: PanelDotTile<8>(xr, C, panel, a, O, pf); break;
+      case 9: PanelDotTile<9>(xr, C, panel, a, O, pf); break;
+      case 10: PanelDotTile<10>(xr, C, panel, a, O, pf); break;
+      case 11: PanelDotTile<11>(xr, C, panel, a, O, pf); break;
+      default: PanelDotTile<kDotTileR>(xr, C, panel, a, O, pf); break;
+    }
+    r0 = r1;
+  }
+}
+
+// A run of panels against every row of x, a block of rows (about kRowBlockBytes of x) at a time.
+void PanelDotChunk(const void* ctx, int i) {
+  const auto& j = *static_cast<const DotJob*>(ctx);
+  const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
+  const int64_t step = std::max<int64_t>(kDotTileR, kRowBlockBytes / (j.c_dim * 2) / kDotTileR * kDotTileR);
+  for (int64_t r0 = 0; r0 < j.rows; r0 += step)
+    for (int64_t p = p0; p < p1; ++p)
+      PanelDotRows(j, j.x + r0 * j.c_dim, j.y + r0 * j.o_dim, std::min(step, j.rows - r0), p);
+}
+
+void RunPanelDots(const uint16_t* x, const uint16_t* w, float* y, int64_t R, int64_t C, int64_t O) {
+  DotJob job{x, w, y, R, C, O, MakeSplit(O / kPanel, 1, 1)};
+  Parallel(PanelDotChunk, &job, job.split.n);
+}
+#endif
 
 template <typename T>
 void DenseChunk(const void* ctx, int k) {
@@ -654,7 +790,7 @@ void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int6
 // draft steps, prompt chunks of up to 32 tokens), longer ones on XLA's.
 constexpr int64_t kOwnPoolRows = 32;
 
-// x [R, C] against w: [C, O] or packed [O / kPanel, C, kPanel] (float32; kTable false, ``specjax_dense``) or a
+// x [R, C] against w: [C, O] or packed [O / kPanel, C, kPanel] (kTable false, ``specjax_dense``) or a
 // table [O, C] (``specjax_unembed``) -> y [R, O].
 template <bool kTable>
 ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
@@ -670,8 +806,8 @@ ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   if (!((xt == ffi::DataType::F32 || xt == ffi::DataType::BF16) && (wt == xt || wt == ffi::DataType::BF16)))
     return ffi::Error::InvalidArgument("specjax cpu dense: x and w must be float32 or bfloat16, and w bfloat16 "
                                        "unless both are float32");
-  if (packed && (wt != ffi::DataType::F32 || wd[2] != kPanel))
-    return ffi::Error::InvalidArgument("specjax cpu dense: a packed w must be float32 [O / 32, C, 32]");
+  if (packed && wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("specjax cpu dense: a packed w must be [O / 32, C, 32]");
   const int64_t R = xd[0], C = xd[1], O = packed ? wd[0] * kPanel : wd[kTable ? 0 : 1];
   if (wd[kTable || packed ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
@@ -684,10 +820,34 @@ ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, f
     if (f32) RunUnembed(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunUnembed(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   } else {
-    if (packed) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O);
+    if (packed && f32) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O);
+    else if (packed) RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
     else if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunDense(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   }
+  return ffi::Error::Success();
+}
+
+// ``specjax_dense_prompt``: bf16 x [R, C] against bf16 panels [O / 32, C, 32] -> y [R, O] float32 (a bf16 prompt
+// chunk against the decode layout): ``RunPanelDots`` where the CPU has AVX512-BF16 (``specjax_cpu_bf16_dots``),
+// else the widening ``RunPacked``.
+ffi::Error PromptImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+  const XlaPoolScope scope(xd.size() == 2 && xd[0] > kOwnPoolRows ? &tp : nullptr);
+  if (xd.size() != 2 || wd.size() != 3 || yd.size() != 2 || wd[2] != kPanel)
+    return ffi::Error::InvalidArgument("specjax cpu dense prompt: x [R, C], w [O / 32, C, 32], y [R, O] expected");
+  if (x.element_type() != ffi::DataType::BF16 || w.element_type() != ffi::DataType::BF16)
+    return ffi::Error::InvalidArgument("specjax cpu dense prompt: x and w must be bfloat16");
+  const int64_t R = xd[0], C = xd[1], O = wd[0] * kPanel;
+  if (wd[1] != C || yd[0] != R || yd[1] != O)
+    return ffi::Error::InvalidArgument("specjax cpu dense prompt: shapes do not match");
+  const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+#if defined(__AVX512BF16__)
+  RunPanelDots(static_cast<const uint16_t*>(x.untyped_data()), wp, y->typed_data(), R, C, O);
+#else
+  thread_local std::vector<float> xbuf;
+  RunPacked(AsF32(x, xbuf), wp, y->typed_data(), R, C, O);
+#endif
   return ffi::Error::Success();
 }
 
@@ -697,6 +857,7 @@ ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, f
   ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, ProductImpl<false>, SPECJAX_BINDING);
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, ProductImpl<true>, SPECJAX_BINDING);
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDensePrompt, PromptImpl, SPECJAX_BINDING);
 
 // Threads for the products (1: no pool). Called from Python through ctypes.
 extern "C" void specjax_cpu_set_threads(int n) {
@@ -707,4 +868,13 @@ extern "C" void specjax_cpu_set_threads(int n) {
 }
 
 extern "C" int specjax_cpu_threads() { return PoolThreads(); }
+
+// Whether ``specjax_dense_prompt`` runs on AVX512-BF16's dot products (this build's CPU has them).
+extern "C" int specjax_cpu_bf16_dots() {
+#if defined(__AVX512BF16__)
+  return 1;
+#else
+  return 0;
+#endif
+}
 
