@@ -381,37 +381,49 @@ inline void PanelTile(const float* __restrict x, int64_t C, const T* __restrict 
 #endif
 }
 
-// Rows c0..c1 of panel p against every row of x, in tiles of about equal size (up to kPanelTileR rows). The first
-// tile reads the rows of the panel from memory, prefetching ahead of itself; the last (if another) reads them from
-// cache and prefetches the next rows of w as it goes (the stretch that follows: the next block or panel), so that
-// memory streams while it computes.
+// Calls tile(std::integral_constant<int, n>) for 1 <= n <= kPanelTileR: a tile's rows as a template argument.
+template <typename F>
+inline void WithTileRows(int64_t n, F&& tile) {
+  switch (n) {
+    case 1: return tile(std::integral_constant<int, 1>{});
+    case 2: return tile(std::integral_constant<int, 2>{});
+    case 3: return tile(std::integral_constant<int, 3>{});
+    case 4: return tile(std::integral_constant<int, 4>{});
+    case 5: return tile(std::integral_constant<int, 5>{});
+    case 6: return tile(std::integral_constant<int, 6>{});
+    case 7: return tile(std::integral_constant<int, 7>{});
+    case 8: return tile(std::integral_constant<int, 8>{});
+    case 9: return tile(std::integral_constant<int, 9>{});
+    case 10: return tile(std::integral_constant<int, 10>{});
+    case 11: return tile(std::integral_constant<int, 11>{});
+    default: return tile(std::integral_constant<int, kPanelTileR>{});
+  }
+}
+
+// R rows of x against one panel in tiles of about equal size (up to kPanelTileR rows): tile(r0, rows, prefetch). The
+// first tile reads the rows of the panel from memory, prefetching kPanelAhead bytes ahead of itself; the last (if
+// another) reads them from cache and prefetches the ``stretch`` bytes of w that follow (the next block or panel) as
+// it goes, so that memory streams while it computes; the others prefetch nothing.
+template <typename F>
+inline void PanelTiles(int64_t R, int64_t stretch, F&& tile) {
+  const int64_t tiles = (R + kPanelTileR - 1) / kPanelTileR;
+  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
+    const int64_t r1 = R * (t + 1) / tiles;
+    tile(r0, r1 - r0, t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0);
+    r0 = r1;
+  }
+}
+
+// Rows c0..c1 of panel p against every row of x (``PanelTiles``).
 template <typename T>
 void PanelRows(const float* x, int64_t R, int64_t C, const T* w, float* y, int64_t O, int64_t p, int64_t c0,
                int64_t c1, Sums mode) {
   const T* panel = w + p * C * kPanel;
-  const int64_t tiles = (R + kPanelTileR - 1) / kPanelTileR;
-  const int64_t stretch = (c1 - c0) * kPanel * static_cast<int64_t>(sizeof(T));
-  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-    const int64_t r1 = R * (t + 1) / tiles;
-    const float* xr = x + r0 * C;
-    float* a = y + r0 * O + p * kPanel;
-    const int64_t pf = t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0;
-    switch (r1 - r0) {
-      case 1: PanelTile<T, 1>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 2: PanelTile<T, 2>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 3: PanelTile<T, 3>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 4: PanelTile<T, 4>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 5: PanelTile<T, 5>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 6: PanelTile<T, 6>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 7: PanelTile<T, 7>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 8: PanelTile<T, 8>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 9: PanelTile<T, 9>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 10: PanelTile<T, 10>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      case 11: PanelTile<T, 11>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-      default: PanelTile<T, kPanelTileR>(xr, C, panel, a, O, c0, c1, pf, mode); break;
-    }
-    r0 = r1;
-  }
+  PanelTiles(R, (c1 - c0) * kPanel * static_cast<int64_t>(sizeof(T)), [&](int64_t r0, int64_t rows, int64_t pf) {
+    WithTileRows(rows, [&](auto rt) {
+      PanelTile<T, decltype(rt)::value>(x + r0 * C, C, panel, y + r0 * O + p * kPanel, O, c0, c1, pf, mode);
+    });
+  });
 }
 
 // ``specjax_dense`` over packed w: DenseBlocks' blocks of the contraction axis (``BlockStart``), each block's sums
@@ -530,8 +542,6 @@ void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64
 // bf16 x read as bf16). Their sums are not the fma sequence of ``specjax_dense`` (a prompt's products never had
 // those bits: XLA's YNNPACK products ran them, as fast as this; docs/benchmarks.md, forty-fourth session), but each
 // output is one fixed sequence whatever the rows or threads.
-constexpr int kDotTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w pairs, one of x
-
 template <int RT>
 inline void PanelDotTile(const uint16_t* __restrict x, int64_t C, const uint16_t* __restrict panel,
                          float* __restrict acc, int64_t O, int64_t prefetch) {
@@ -577,39 +587,22 @@ struct DotJob {
   Split split;  // of the panels
 };
 
-// Panel p against R rows of x (from x, y), in tiles of about equal size; prefetches as ``PanelRows``.
+// Panel p against R rows of x (from x, y; ``PanelTiles``).
 inline void PanelDotRows(const DotJob& j, const uint16_t* x, float* y, int64_t R, int64_t p) {
   const int64_t C = j.c_dim, O = j.o_dim;
   const uint16_t* panel = j.w + p * C * kPanel;
-  const int64_t tiles = (R + kDotTileR - 1) / kDotTileR, stretch = C * kPanel * sizeof(uint16_t);
-  for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
-    const int64_t r1 = R * (t + 1) / tiles;
-    const uint16_t* xr = x + r0 * C;
-    float* a = y + r0 * O + p * kPanel;
-    const int64_t pf = t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0;
-    switch (r1 - r0) {
-      case 1: PanelDotTile<1>(xr, C, panel, a, O, pf); break;
-      case 2: PanelDotTile<2>(xr, C, panel, a, O, pf); break;
-      case 3: PanelDotTile<3>(xr, C, panel, a, O, pf); break;
-      case 4: PanelDotTile<4>(xr, C, panel, a, O, pf); break;
-      case 5: PanelDotTile<5>(xr, C, panel, a, O, pf); break;
-      case 6: PanelDotTile<6>(xr, C, panel, a, O, pf); break;
-      case 7: PanelDotTile<7>(xr, C, panel, a, O, pf); break;
-      case 8: PanelDotTile<8>(xr, C, panel, a, O, pf); break;
-      case 9: PanelDotTile<9>(xr, C, panel, a, O, pf); break;
-      case 10: PanelDotTile<10>(xr, C, panel, a, O, pf); break;
-      case 11: PanelDotTile<11>(xr, C, panel, a, O, pf); break;
-      default: PanelDotTile<kDotTileR>(xr, C, panel, a, O, pf); break;
-    }
-    r0 = r1;
-  }
+  PanelTiles(R, C * kPanel * static_cast<int64_t>(sizeof(uint16_t)), [&](int64_t r0, int64_t rows, int64_t pf) {
+    WithTileRows(rows, [&](auto rt) {
+      PanelDotTile<decltype(rt)::value>(x + r0 * C, C, panel, y + r0 * O + p * kPanel, O, pf);
+    });
+  });
 }
 
 // A run of panels against every row of x, a block of rows (about kRowBlockBytes of x) at a time.
 void PanelDotChunk(const void* ctx, int i) {
   const auto& j = *static_cast<const DotJob*>(ctx);
   const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
-  const int64_t step = std::max<int64_t>(kDotTileR, kRowBlockBytes / (j.c_dim * 2) / kDotTileR * kDotTileR);
+  const int64_t step = std::max<int64_t>(kPanelTileR, kRowBlockBytes / (j.c_dim * 2) / kPanelTileR * kPanelTileR);
   for (int64_t r0 = 0; r0 < j.rows; r0 += step)
     for (int64_t p = p0; p < p1; ++p)
       PanelDotRows(j, j.x + r0 * j.c_dim, j.y + r0 * j.o_dim, std::min(step, j.rows - r0), p);
