@@ -45,9 +45,9 @@ import numpy as np
 
 from specjax.hub import default_cache_dir
 
-__all__ = ["available", "supports", "supports_prompt", "supports_attention", "supports_argmax", "supports_pages", "supports_norm",
-           "supports_rope", "disabled", "dense", "dense_prompt", "unembed", "paged_attention", "argmax", "kv_write", "take_pages",
-           "rms_norm", "rope_qkv", "PackedWeight", "pack", "packable", "PANEL",
+__all__ = ["available", "supports", "supports_prompt", "supports_attention", "supports_argmax", "supports_pages",
+           "supports_norm", "supports_rope", "disabled", "dense", "dense_prompt", "unembed", "paged_attention",
+           "argmax", "kv_write", "take_pages", "rms_norm", "rope_qkv", "PackedWeight", "pack", "packable", "PANEL",
            "set_threads", "threads", "MAX_TOKENS", "MAX_PROMPT_ROWS", "DTYPES"]
 
 log = logging.getLogger("specjax")
@@ -193,8 +193,9 @@ def supports(x, w) -> bool:
     """Whether a product of x [..., C] with w runs in the kernels on a CPU: one dtype they take (fp32, bf16), or
     fp32 x with bf16 w (the fp32 product with the widened w: a draft head's matrices kept as their bf16 checkpoint
     stores them), at most MAX_TOKENS rows per sequence or (fp32) MAX_PROMPT_ROWS rows in all, or (fp32) any rows
-    against a ``PackedWeight``, the kernels built and not ``disabled``. (bf16 prompts take YNNPACK's bf16 products,
-    ``layers.half_dot``: twice the kernel's rate at 256 tokens, which widens bf16 to fp32; forty-fourth session.)"""
+    against a ``PackedWeight``, the kernels built and not ``disabled``. Longer bf16 products (prompt chunks) take
+    ``dense_prompt`` against panels (``supports_prompt``), else YNNPACK's (``layers.half_dot``): this kernel's fp32
+    fmas over bf16 widened ran a 256-token bf16 prompt at half YNNPACK's rate (forty-fourth session)."""
     few = tokens_per_sequence(x) <= MAX_TOKENS or (x.dtype == w.dtype == jnp.float32 and (
         isinstance(w, PackedWeight) or x.size // max(x.shape[-1], 1) <= MAX_PROMPT_ROWS))
     return ((x.dtype == w.dtype or w.dtype == jnp.bfloat16) and x.dtype in DTYPES and w.ndim >= 2 and x.size > 0
@@ -217,11 +218,12 @@ PANEL = 32
 @dataclasses.dataclass(frozen=True)
 class PackedWeight:
     """An fp32 or bf16 weight w of logical ``shape`` (*C, *O), contracted over its leading axes *C, as ``dense.cc``
-    reads it fastest: ``panels`` [O / 32, C, 32] (C = prod(*C), O = prod(*O)), panel p holding columns 32p..32p+31 of w as
-    [C, O], row after row. A product streams a few panels at a time front to back (one stretch of w per thread
-    where [C, O] reads eight rows of w O apart per pass) with the sums of its rows of x in registers; each output is
-    the same sequence of fmas, so the same bits as over [C, O] (docs/benchmarks.md, forty-third session). ``layers.dense``
-    takes it (as [C, *O]) where it takes w; other products (other platforms, half-precision x) read ``unpack()``.
+    reads it fastest: ``panels`` [O / 32, C, 32] (C = prod(*C), O = prod(*O)), panel p holding columns 32p..32p+31
+    of w as [C, O], row after row. A product streams a few panels at a time front to back (one stretch of w per
+    thread where [C, O] reads eight rows of w O apart per pass) with the sums of its rows of x in registers; each
+    output is the same sequence of fmas, so the same bits as over [C, O] (docs/benchmarks.md, forty-third and
+    forty-fourth sessions). ``layers.dense`` takes it (as [C, *O]) where it takes w (bf16 prompt chunks:
+    ``dense_prompt``); other products (other platforms, kernels off) read ``unpack()``.
     Made by ``pack`` for the decode layout's fp32 and bf16 matrices on a CPU (``target.decode_layout``)."""
     panels: jax.Array
     shape: tuple[int, ...] = dataclasses.field(metadata=dict(static=True))
