@@ -172,16 +172,25 @@ void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t
   for (int64_t o = 0; o < o_pair; o += 32) PairedGroup<R, B>(w, acc, xs, O, o, ahead);
 }
 
-// Columns 0..o_pair of each of ``rows`` rows of acc from [evens, odds] per 32 back to their order.
-inline void UnpairColumns(float* acc, int64_t rows, int64_t o_dim, int64_t o_pair) {
+// The sums of 32 columns kept as [16 even columns, 16 odd ones] in column order: columns 0-15 into in[0], 16-31
+// into in[1].
+inline void InColumnOrder(__m512 (&in)[2]) {
   const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
   const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const __m512 even = in[0], odd = in[1];
+  in[0] = _mm512_permutex2var_ps(even, first, odd);
+  in[1] = _mm512_permutex2var_ps(even, second, odd);
+}
+
+// Columns 0..o_pair of each of ``rows`` rows of acc from [evens, odds] per 32 back to their order.
+inline void UnpairColumns(float* acc, int64_t rows, int64_t o_dim, int64_t o_pair) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t o = 0; o < o_pair; o += 32) {
       float* p = acc + r * o_dim + o;
-      const __m512 even = _mm512_loadu_ps(p), odd = _mm512_loadu_ps(p + kLanes);
-      _mm512_storeu_ps(p, _mm512_permutex2var_ps(even, first, odd));
-      _mm512_storeu_ps(p + kLanes, _mm512_permutex2var_ps(even, second, odd));
+      __m512 v[2] = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + kLanes)};
+      InColumnOrder(v);
+      _mm512_storeu_ps(p, v[0]);
+      _mm512_storeu_ps(p + kLanes, v[1]);
     }
 }
 #endif
@@ -327,12 +336,7 @@ inline void PanelRowOf(const T* __restrict q, __m512 (&a)[kPanelV]) {
 template <typename T>
 inline void PanelOut(float* out, const __m512 (&s)[kPanelV], bool add) {
   __m512 o[kPanelV] = {s[0], s[1]};
-  if constexpr (!std::is_same_v<T, float>) {
-    const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-    const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-    o[0] = _mm512_permutex2var_ps(s[0], first, s[1]);
-    o[1] = _mm512_permutex2var_ps(s[0], second, s[1]);
-  }
+  if constexpr (!std::is_same_v<T, float>) InColumnOrder(o);
   for (int v = 0; v < kPanelV; ++v)
     _mm512_storeu_ps(out + v * kLanes, add ? _mm512_add_ps(_mm512_loadu_ps(out + v * kLanes), o[v]) : o[v]);
 }
