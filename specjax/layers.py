@@ -192,13 +192,9 @@ def _packed_dense(x, w, preferred_element_type, one_dot):
     shape = w.shape
     if shape[0] != w.rows:
         raise ValueError(f"dense contracts the first axis of w: reshape the packed {shape} to ({w.rows}, -1) first")
-    if preferred_element_type not in (None, jnp.float32):
-        return dense(x, w.unpack(), preferred_element_type=preferred_element_type)
-    if cpu_dense.supports(x, w):
-        product = cpu_dense.dense_packed
-    elif cpu_dense.supports_prompt(x, w):
-        product = cpu_dense.dense_prompt
-    else:
+    product = (cpu_dense.dense_packed if cpu_dense.supports(x, w) else
+               cpu_dense.dense_prompt if cpu_dense.supports_prompt(x, w) else None)
+    if product is None or preferred_element_type not in (None, jnp.float32):
         return dense(x, w.unpack(), preferred_element_type=preferred_element_type)
     rows = math.prod(x.shape[:-1])
 

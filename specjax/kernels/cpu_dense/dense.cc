@@ -134,24 +134,29 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
 // slower per byte than fp32's in a decode step; docs/benchmarks.md, twenty-third session). The sums of columns
 // o..o+31 are kept in acc as [16 even columns, 16 odd ones] (``UnpairColumns`` restores the order at the end of a
 // chunk); each column's fmas are the same sequence as in DenseRows, so the bits are DenseRows' bits.
+// The 32 bf16 values of the line at p widened: the even ones into a[0], the odd ones into a[1].
+inline void PairedLine(const uint16_t* p, __m512 (&a)[2]) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  a[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  a[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+
 template <int R, int B>
 inline void PairedGroup(const uint16_t* __restrict w, float* __restrict acc, const float (&xs)[R][B], int64_t O,
                         int64_t o, int64_t ahead) {
   using Pf = DensePrefetch<uint16_t, R>;
-  const __m512i high = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
   __m512 s[R][2];
   for (int r = 0; r < R; ++r)
     for (int h = 0; h < 2; ++h) s[r][h] = _mm512_loadu_ps(acc + r * O + o + h * kLanes);
   for (int b = 0; b < B; ++b) {
     const uint16_t* p = w + b * O + o;
-    const __m512i raw = _mm512_loadu_si512(p);
+    __m512 a[2];
+    PairedLine(p, a);
     PrefetchAhead<Pf::kLocality>(p, ahead);
-    const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(raw, high));
     for (int r = 0; r < R; ++r) {
       const __m512 xb = _mm512_set1_ps(xs[r][b]);
-      s[r][0] = _mm512_fmadd_ps(xb, even, s[r][0]);
-      s[r][1] = _mm512_fmadd_ps(xb, odd, s[r][1]);
+      s[r][0] = _mm512_fmadd_ps(xb, a[0], s[r][0]);
+      s[r][1] = _mm512_fmadd_ps(xb, a[1], s[r][1]);
     }
   }
   for (int r = 0; r < R; ++r)
@@ -318,17 +323,15 @@ constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 
 constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
 
 #if defined(__AVX512F__)
-// One row of a panel as kPanelV vectors of float32: fp32 as two loads; bf16 as one 64-byte line, its even columns
-// (the low halves of its 32-bit lanes) widened into a[0] and its odd ones into a[1], as ``PairedGroup`` reads
-// [C, O]. ``PanelOut`` puts such [even, odd] sums back in column order.
+// One row of a panel as kPanelV vectors of float32: fp32 as two loads; bf16 as one 64-byte line widened into its
+// even and its odd columns (``PairedLine``, as ``PairedGroup`` reads [C, O]). ``PanelOut`` puts such [even, odd]
+// sums back in column order.
 template <typename T>
 inline void PanelRowOf(const T* __restrict q, __m512 (&a)[kPanelV]) {
   if constexpr (std::is_same_v<T, float>) {
     for (int v = 0; v < kPanelV; ++v) a[v] = _mm512_loadu_ps(q + v * kLanes);
   } else {
-    const __m512i raw = _mm512_loadu_si512(q);
-    a[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-    a[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+    PairedLine(q, a);
   }
 }
 
@@ -446,8 +449,8 @@ struct PackedJob {
 // every panel of the run reads them (a 1024-token prompt's x is 2.4-6.3 MB at SmolLM2's shapes); the run's panels
 // are read again per pass, from cache where they fit.
 constexpr int64_t kRowBlockBytes = 256 * 1024;
-inline int64_t RowBlock(int64_t C) {
-  const int64_t rows = kRowBlockBytes / (C * static_cast<int64_t>(sizeof(float)));
+inline int64_t RowBlock(int64_t C, int64_t value_bytes = sizeof(float)) {
+  const int64_t rows = kRowBlockBytes / (C * value_bytes);
   return std::max<int64_t>(kPanelTileR, rows / kPanelTileR * kPanelTileR);
 }
 
@@ -606,7 +609,7 @@ inline void PanelDotRows(const DotJob& j, const uint16_t* x, float* y, int64_t R
 void PanelDotChunk(const void* ctx, int i) {
   const auto& j = *static_cast<const DotJob*>(ctx);
   const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
-  const int64_t step = std::max<int64_t>(kPanelTileR, kRowBlockBytes / (j.c_dim * 2) / kPanelTileR * kPanelTileR);
+  const int64_t step = RowBlock(j.c_dim, sizeof(uint16_t));
   for (int64_t r0 = 0; r0 < j.rows; r0 += step)
     for (int64_t p = p0; p < p1; ++p)
       PanelDotRows(j, j.x + r0 * j.c_dim, j.y + r0 * j.o_dim, std::min(step, j.rows - r0), p);
