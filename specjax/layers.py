@@ -139,7 +139,7 @@ ROWWISE_MAX_ROWS = 8
 ROWWISE_MAX_WEIGHT_BYTES = 24 << 20  # about a CPU's last-level cache: every row after the first reads w from there
 
 
-def dense(x, w, *, preferred_element_type=None):
+def dense(x, w, *, preferred_element_type=None, residual=None):
     """x [..., C] contracted with the first axis of w [C, *O] -> [..., *O]: every weight matmul of the decoder
     layers and the draft heads.
 
@@ -155,14 +155,23 @@ def dense(x, w, *, preferred_element_type=None):
     Where specjax's CPU kernels are built (``kernels.cpu_dense``), a CPU product of fp32 or bf16 operands with at
     most ``cpu_dense.MAX_TOKENS`` rows per sequence (a decode step, a verified tree, a draft step, at any batch) runs
     there instead: one pass over w shared by the threads of a pool, bf16 read as bf16, and each row's bits
-    independent of the rows beside it."""
-    rows = math.prod(x.shape[:-1])
-
-    def one_dot(x, w):
-        return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
-
+    independent of the rows beside it.
+    ``residual`` (the result's shape): ``residual + dense(x, w)``, in one kernel call against a ``PackedWeight``
+    (a decoder layer's residual connections on a CPU), the same bits."""
     if isinstance(w, cpu_dense.PackedWeight):
-        return _packed_dense(x, w, preferred_element_type, one_dot)
+        return _packed_dense(x, w, preferred_element_type, residual)
+    y = _dense(x, w, preferred_element_type)
+    return y if residual is None else residual + y
+
+
+def _one_dot(x, w, preferred_element_type=None):
+    return jnp.tensordot(x, w, axes=1, preferred_element_type=preferred_element_type)
+
+
+def _dense(x, w, preferred_element_type):
+    """``dense`` against an array w."""
+    rows = math.prod(x.shape[:-1])
+    one_dot = functools.partial(_one_dot, preferred_element_type=preferred_element_type)
     if cpu_dense.supports(x, w) and preferred_element_type in (None, jnp.float32):
         def kernel(x, w):
             y = cpu_dense.dense(x.reshape(rows, x.shape[-1]), w.reshape(w.shape[0], -1))
@@ -184,25 +193,37 @@ def dense(x, w, *, preferred_element_type=None):
     return platforms.select(x, w, cpu=rowwise, default=one_dot)
 
 
-def _packed_dense(x, w, preferred_element_type, one_dot):
+def _packed_dense(x, w, preferred_element_type, residual):
     """``dense`` against a ``cpu_dense.PackedWeight`` (the decode layout's fp32 and bf16 matrices on a CPU): the
-    kernel where ``cpu_dense.supports`` it (fp32: any number of rows; bf16: a decode step, tree or draft step), a bf16
-    prompt chunk in ``cpu_dense.dense_prompt`` (AVX512-BF16), else ``dense`` of the unpacked w (a transpose of w in
-    every call: XLA's copies of SmolLM2's bf16 matrices took longer than its 256-token prompt's products)."""
+    kernel where ``cpu_dense.supports`` it (fp32: any number of rows; bf16: a decode step, tree or draft step; the
+    result in its dtype and a residual added in the same call), a bf16 prompt chunk in ``cpu_dense.dense_prompt``
+    (AVX512-BF16), else ``dense`` of the unpacked w (a transpose of w in every call: XLA's copies of SmolLM2's bf16
+    matrices took longer than its 256-token prompt's products)."""
     shape = w.shape
     if shape[0] != w.rows:
         raise ValueError(f"dense contracts the first axis of w: reshape the packed {shape} to ({w.rows}, -1) first")
     product = (cpu_dense.dense_packed if cpu_dense.supports(x, w) else
                cpu_dense.dense_prompt if cpu_dense.supports_prompt(x, w) else None)
     if product is None or preferred_element_type not in (None, jnp.float32):
-        return dense(x, w.unpack(), preferred_element_type=preferred_element_type)
-    rows = math.prod(x.shape[:-1])
+        return dense(x, w.unpack(), preferred_element_type=preferred_element_type, residual=residual)
+    rows, dtype, out_shape = math.prod(x.shape[:-1]), jnp.dtype(preferred_element_type or x.dtype), \
+        (*x.shape[:-1], *shape[1:])
+    fused = (product is cpu_dense.dense_packed and residual is not None and residual.dtype == dtype
+             and residual.shape == out_shape)
 
-    def kernel(x, panels):
-        y = product(x.reshape(rows, x.shape[-1]), panels)
-        return y.reshape(*x.shape[:-1], *shape[1:]).astype(preferred_element_type or x.dtype)
-    return platforms.select(x, w.panels, cpu=kernel,
-                            default=lambda x, p: one_dot(x, cpu_dense.PackedWeight(p, shape).unpack()))
+    def kernel(x, panels, *res):
+        x2 = x.reshape(rows, x.shape[-1])
+        if res:
+            return cpu_dense.dense_packed_add(x2, panels, res[0].reshape(rows, -1)).reshape(out_shape)
+        y = cpu_dense.dense_packed(x2, panels, dtype) if product is cpu_dense.dense_packed else product(x2, panels)
+        return y.reshape(out_shape).astype(dtype)
+
+    def xla(x, panels, *res):
+        y = _one_dot(x, cpu_dense.PackedWeight(panels, shape).unpack(), preferred_element_type)
+        return res[0] + y if res else y
+
+    y = platforms.select(x, w.panels, *((residual,) if fused else ()), cpu=kernel, default=xla)
+    return y if fused or residual is None else residual + y
 
 
 def is_half(x, w) -> bool:
@@ -307,16 +328,24 @@ def _half_unembed(x, table):
     return y.reshape(-1, table.shape[0])[:rows].reshape(*x.shape[:-1], table.shape[0])
 
 
-def out_proj(o, wo):
+def out_proj(o, wo, *, residual=None):
     """The attention output projection: o [B, T, N, H] against wo [N, H, D] -> [B, T, D], contracted over one
-    merged (heads x head_dim) axis (with "btnh,nhd" XLA:CPU transposed wo, a copy of the weight on every step)."""
+    merged (heads x head_dim) axis (with "btnh,nhd" XLA:CPU transposed wo, a copy of the weight on every step).
+    ``residual``: added to the result (``dense``)."""
     b, t, n, hd = o.shape
-    return dense(o.reshape(b, t, n * hd), wo.reshape(n * hd, -1))
+    return dense(o.reshape(b, t, n * hd), wo.reshape(n * hd, -1), residual=residual)
 
 
-def swiglu(x, w_gate, w_up, w_down):
-    """down(silu(gate(x)) * up(x)). x: [B, T, D]; w_gate/w_up: [D, F]; w_down: [F, D]."""
-    return dense(jax.nn.silu(dense(x, w_gate)) * dense(x, w_up), w_down)
+def swiglu(x, w_gate, w_up, w_down, *, w_gate_up=None, residual=None):
+    """down(silu(gate(x)) * up(x)). x: [B, T, D]; w_gate/w_up: [D, F]; w_down: [F, D]; or gate and up fused into
+    ``w_gate_up`` [D, 2, F] (the decode layout: one product, the same sums per output). ``residual``: added to the
+    result (``dense``)."""
+    if w_gate_up is None:
+        gate, up = dense(x, w_gate), dense(x, w_up)
+    else:
+        gate_up = dense(x, w_gate_up)
+        gate, up = gate_up[..., 0, :], gate_up[..., 1, :]
+    return dense(jax.nn.silu(gate) * up, w_down, residual=residual)
 
 
 def causal_mask(valid):

@@ -99,6 +99,29 @@ def test_packed_weights_give_the_bits_of_c_o(dtype):
                 np.testing.assert_array_equal(got, want, err_msg=f"{rows} rows, {n} threads")
 
 
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_packed_products_round_and_add_a_residual_as_xla(dtype):
+    """A packed product can write its sums in x's dtype (bf16: rounded as ``astype``) and add a residual in the same
+    call (a decoder layer's ``h + o @ wo``): the bits of XLA's convert and add after the float32 product, at every
+    row count, on one and two threads."""
+    f32 = jax.jit(cpu_dense.dense_packed)
+    rounded = jax.jit(cpu_dense.dense_packed, static_argnums=2)
+    add = jax.jit(cpu_dense.dense_packed_add)
+    xla_add = jax.jit(lambda h, y: h + y.astype(h.dtype))
+    x, w = _operands(40, 576, 224, dtype, seed=6)
+    h = jnp.asarray(np.random.default_rng(7).standard_normal((40, 224)) * 4, dtype)
+    panels = cpu_dense.pack(w).panels
+    for n in (1, 2):
+        cpu_dense.set_threads(n)
+        for rows in (1, 2, 3, 5, 9, 33, 40):
+            y = f32(x[:rows], panels)
+            got = rounded(x[:rows], panels, dtype)
+            assert got.dtype == dtype
+            np.testing.assert_array_equal(np.asarray(got), np.asarray(y.astype(dtype)))
+            np.testing.assert_array_equal(np.asarray(add(x[:rows], panels, h[:rows])),
+                                          np.asarray(xla_add(h[:rows], y)), err_msg=f"{rows} rows, {n} threads")
+
+
 def test_bf16_prompt_products_on_panels():
     """``dense_prompt`` (a bf16 prompt chunk against bf16 panels: AVX512-BF16's dot products where the CPU has them,
     else the widening kernel) gives the product within fp32 rounding, for an odd C too (its last row of w paired with

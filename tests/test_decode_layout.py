@@ -132,11 +132,13 @@ def test_decode_layout_packs_matrices_on_cpu(dtype):
     lp = target.unstack_layers(params).layers[0]
     assert isinstance(lp.w_qkv, cpu_dense.PackedWeight) and lp.w_qkv.dtype == jnp.dtype(dtype)  # O = 2x4x24
     assert lp.w_qkv.shape == (cfg.hidden_size, cfg.num_kv_heads, cfg.num_heads // cfg.num_kv_heads + 2, cfg.head_dim)
-    assert not isinstance(lp.w_up, cpu_dense.PackedWeight)  # O = 176
+    assert lp.w_gate is None and lp.w_up is None  # gate/up fused into one matrix of O = 2 x 176
+    assert isinstance(lp.w_gate_up, cpu_dense.PackedWeight) and lp.w_gate_up.shape == (80, 2, 176)
+    assert not isinstance(lp.w_down, cpu_dense.PackedWeight)  # O = 80
     wide = dataclasses.replace(cfg, intermediate_size=192)
     wp = target.init_params(wide, jax.random.PRNGKey(1), scale=0.1)
     up = target.unstack_layers(wp)
-    assert isinstance(up.layers[1].w_up, cpu_dense.PackedWeight)
+    assert isinstance(up.layers[1].w_gate_up, cpu_dense.PackedWeight)
     for a, b in zip(jax.tree.leaves(target.stack_layers(up)), jax.tree.leaves(wp)):
         np.testing.assert_array_equal(a, b)
     plain = dataclasses.replace(up, layers=tuple(target.unpack_layer(lp) for lp in up.layers))
@@ -326,7 +328,7 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     assert len(_dots(jax.jit(layers.dense).lower(jax.ShapeDtypeStruct((2, 1024), jnp.float32),
                                                  big).compile().as_text())) == 1
 
-    # A 4-token tree verify over the unrolled (and q/k/v-fused) layers: every layer weight read in place,
+    # A 4-token tree verify over the unrolled (q/k/v- and gate/up-fused) layers: every layer weight read in place,
     # no 4-row layer GEMM.
     up = target.unstack_layers(params)
     assert up.layers[0].w_qkv is not None and up.layers[0].wq is None
@@ -336,8 +338,8 @@ def test_small_row_products_run_rowwise_on_cpu(model):
     hlo = fwd.lower(up, cache).compile().as_text()
     assert weight_copies(hlo, cfg) == []
     qkv = (cfg.num_heads + 2 * cfg.num_kv_heads) * cfg.head_dim
-    layer_outs = {f"1,{qkv}", f"1,{cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
-    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 5 * cfg.num_layers  # qkv, o, gate, up, down per row
+    layer_outs = {f"1,{qkv}", f"1,{2 * cfg.intermediate_size}", f"1,{cfg.hidden_size}"}
+    assert sum(d in layer_outs for d in _dots(hlo)) == 4 * 4 * cfg.num_layers  # qkv, o, gate/up, down per row
 
 
 @xla_defaults

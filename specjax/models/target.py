@@ -56,10 +56,12 @@ class LayerParams:
     k_norm: jax.Array | None = None  # [H]
     # The fused decode layout (``unstack_layers`` on one device): q/k/v in one matrix, wq/wk/wv then None.
     w_qkv: jax.Array | None = None  # [D, K, G + 2, H]: per kv head its G query heads, its key, its value
+    # ... and gate/up in one matrix, w_gate/w_up then None.
+    w_gate_up: jax.Array | None = None  # [D, 2, F]: gate, then up
 
 
 # A layer's matrices and how many of their leading axes a product contracts (``pack_layer``).
-_MATRICES = {"wq": 1, "wk": 1, "wv": 1, "w_qkv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+_MATRICES = {"wq": 1, "wk": 1, "wv": 1, "w_qkv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -81,7 +83,7 @@ LAYER_AXES = {
     "w_gate": ("embed", "ffw"), "w_up": ("embed", "ffw"), "w_down": ("ffw", "embed"),
     "bq": ("heads", "head_dim"), "bk": ("kv_heads", "head_dim"), "bv": ("kv_heads", "head_dim"),
     "q_norm": ("head_dim",), "k_norm": ("head_dim",),
-    "w_qkv": ("embed", "kv_heads", None, "head_dim"),
+    "w_qkv": ("embed", "kv_heads", None, "head_dim"), "w_gate_up": ("embed", None, "ffw"),
 }
 TOP_AXES = {"embed": ("vocab", "embed"), "final_norm": ("embed",), "lm_head": ("embed", "vocab")}
 
@@ -153,15 +155,18 @@ def stack_layers(params: TargetParams) -> TargetParams:
 
 def fuse_layer(lp: LayerParams) -> LayerParams:
     """One layer's fused q/k/v projection ``w_qkv`` [D, K, G + 2, H] (per kv head its G query heads, then its key
-    and value: query head n = kv * G + g, as grouped-query attention pairs them); wq/wk/wv become None. Same
-    arithmetic per output as the separate products. (Fusing gate/up as well measured no faster at batch 1 and 2%
-    slower at batch 8 on a CPU: docs/benchmarks.md, fourteenth session.)"""
-    if lp.w_qkv is not None:
-        return lp
-    d, n, h = lp.wq.shape
-    k = lp.wk.shape[1]
-    w_qkv = jnp.concatenate([lp.wq.reshape(d, k, n // k, h), lp.wk[:, :, None], lp.wv[:, :, None]], axis=2)
-    return dataclasses.replace(lp, wq=None, wk=None, wv=None, w_qkv=w_qkv)
+    and value: query head n = kv * G + g, as grouped-query attention pairs them) and fused gate/up projection
+    ``w_gate_up`` [D, 2, F]; wq/wk/wv, w_gate and w_up become None. Same arithmetic per output as the separate
+    products, one product where there were three and two. (Gate/up fused into XLA's own products measured no faster
+    at batch 1 and 2% slower at batch 8, fourteenth session; into the CPU kernels' panels, ...)"""
+    if lp.w_qkv is None:
+        d, n, h = lp.wq.shape
+        k = lp.wk.shape[1]
+        w_qkv = jnp.concatenate([lp.wq.reshape(d, k, n // k, h), lp.wk[:, :, None], lp.wv[:, :, None]], axis=2)
+        lp = dataclasses.replace(lp, wq=None, wk=None, wv=None, w_qkv=w_qkv)
+    if lp.w_gate_up is None:
+        lp = dataclasses.replace(lp, w_gate=None, w_up=None, w_gate_up=jnp.stack([lp.w_gate, lp.w_up], axis=1))
+    return lp
 
 
 def pack_layer(lp: LayerParams) -> LayerParams:
@@ -184,11 +189,13 @@ def unpack_layer(lp: LayerParams) -> LayerParams:
 
 def unfuse_layer(lp: LayerParams) -> LayerParams:
     """Inverse of ``fuse_layer``."""
-    if lp.w_qkv is None:
-        return lp
-    d, k, g2, h = lp.w_qkv.shape
-    return dataclasses.replace(lp, wq=lp.w_qkv[:, :, :g2 - 2].reshape(d, k * (g2 - 2), h), wk=lp.w_qkv[:, :, -2],
-                               wv=lp.w_qkv[:, :, -1], w_qkv=None)
+    if lp.w_qkv is not None:
+        d, k, g2, h = lp.w_qkv.shape
+        lp = dataclasses.replace(lp, wq=lp.w_qkv[:, :, :g2 - 2].reshape(d, k * (g2 - 2), h), wk=lp.w_qkv[:, :, -2],
+                                 wv=lp.w_qkv[:, :, -1], w_qkv=None)
+    if lp.w_gate_up is not None:
+        lp = dataclasses.replace(lp, w_gate=lp.w_gate_up[:, 0], w_up=lp.w_gate_up[:, 1], w_gate_up=None)
+    return lp
 
 
 def embed_bits(embed) -> jax.Array | None:
@@ -367,9 +374,9 @@ def _layer(cfg: ModelConfig, lp: LayerParams, h, positions, mask, cache, index, 
     o = layers.attend(q, k, v, mask, sm_scale, *kv, positions=positions, sliding_window=cfg.sliding_window,
                       kernel=cache_attention, layer=None if cache is None else index, causal=causal,
                       keys_in_pool=keys_in_pool)
-    h = h + layers.out_proj(o, lp.wo)  # [B, T, D]
+    h = layers.out_proj(o, lp.wo, residual=h)  # [B, T, D]
     y = layers.rms_norm(h, lp.mlp_norm, cfg.rms_norm_eps)
-    h = h + layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down)
+    h = layers.swiglu(y, lp.w_gate, lp.w_up, lp.w_down, w_gate_up=lp.w_gate_up, residual=h)
     return constrain(h, ("batch", "seq", "embed")), k, v, cache
 
 

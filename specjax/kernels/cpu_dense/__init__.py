@@ -125,6 +125,7 @@ def _library() -> ctypes.CDLL | None:
     lib.specjax_cpu_threads.restype = ctypes.c_int
     lib.specjax_cpu_bf16_dots.restype = ctypes.c_int
     jax.ffi.register_ffi_target("specjax_dense", jax.ffi.pycapsule(lib.SpecjaxDense), platform="cpu")
+    jax.ffi.register_ffi_target("specjax_dense_add", jax.ffi.pycapsule(lib.SpecjaxDenseAdd), platform="cpu")
     jax.ffi.register_ffi_target("specjax_unembed", jax.ffi.pycapsule(lib.SpecjaxUnembed), platform="cpu")
     jax.ffi.register_ffi_target("specjax_dense_prompt", jax.ffi.pycapsule(lib.SpecjaxDensePrompt), platform="cpu")
     jax.ffi.register_ffi_target("specjax_paged_attention", jax.ffi.pycapsule(lib.SpecjaxPagedAttention),
@@ -317,10 +318,38 @@ def _kernel_product(target: str, out_cols, xla_product, doc: str):
 dense = _kernel_product(
     "specjax_dense", lambda w2: w2.shape[1], lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32),
     "x2 [R, C] . w2 [C, O] -> f32 [R, O] (both float32, or w2 bfloat16); differentiable.")
-dense_packed = _kernel_product(
-    "specjax_dense", lambda p: p.shape[0] * p.shape[2], _packed_xla,
-    "x2 [R, C] . the panels [O / 32, C, 32] of a ``PackedWeight`` -> f32 [R, O] (both float32, or the panels\n"
-    "bfloat16); differentiable.")
+
+
+@functools.partial(jax.custom_jvp, nondiff_argnums=(2,))
+def dense_packed(x2, panels, dtype=jnp.float32):
+    """x2 [R, C] . the panels [O / 32, C, 32] of a ``PackedWeight`` -> [R, O] in ``dtype`` (float32, or bfloat16:
+    the float32 sums rounded, as ``.astype``), both operands float32 or the panels bfloat16; differentiable."""
+    out = jax.ShapeDtypeStruct((x2.shape[0], panels.shape[0] * panels.shape[2]), dtype)
+    return jax.ffi.ffi_call("specjax_dense", out, vmap_method="sequential")(x2, panels)
+
+
+@dense_packed.defjvp
+def _dense_packed_jvp(dtype, primals, tangents):
+    (x2, panels), (dx, dp) = primals, tangents
+    return dense_packed(x2, panels, dtype), (_packed_xla(dx, panels) + _packed_xla(x2, dp)).astype(dtype)
+
+
+@jax.custom_jvp
+def dense_packed_add(x2, panels, residual):
+    """``residual + dense_packed(x2, panels, residual.dtype)`` (residual [R, O] float32 or bfloat16) in one call, the
+    same bits as that sum in XLA (a bf16 sum taken in float32 and rounded): a decoder layer's residual connection
+    without a convert and an add of its own; differentiable."""
+    out = jax.ShapeDtypeStruct(residual.shape, residual.dtype)
+    return jax.ffi.ffi_call("specjax_dense_add", out, vmap_method="sequential")(x2, panels, residual)
+
+
+@dense_packed_add.defjvp
+def _dense_packed_add_jvp(primals, tangents):
+    (x2, panels, residual), (dx, dp, dr) = primals, tangents
+    return (dense_packed_add(x2, panels, residual),
+            dr + (_packed_xla(dx, panels) + _packed_xla(x2, dp)).astype(residual.dtype))
+
+
 dense_prompt = _kernel_product(
     "specjax_dense_prompt", lambda p: p.shape[0] * p.shape[2], _packed_xla,
     "x2 [R, C] bfloat16 . bfloat16 panels [O / 32, C, 32] -> f32 [R, O] by AVX512-BF16's dot products (a bf16 prompt\n"

@@ -2,6 +2,7 @@
 //
 //   specjax_dense:   x [R, C] . w [C, O] (or packed panels [O / 32, C, 32]) -> y [R, O] float32   (every
 //                    decoder/head weight, as ``layers.dense``)
+//   specjax_dense_add: res [R, O] + x [R, C] . packed w -> y [R, O] in res's type (``h + o @ wo`` in one call)
 //   specjax_unembed: x [R, D] . t [V, D]^T -> y [R, V] float32 (a tied lm_head read as the embedding table)
 //
 // x and w are both float32, or w is bfloat16 (read as bfloat16; x of either type, taken as float32: float32 x with
@@ -433,6 +434,33 @@ void PanelRows(const float* x, int64_t R, int64_t C, const T* w, float* y, int64
   });
 }
 
+// What a packed product writes: the float32 sums y themselves (``out`` null), or each sum rounded to the output's
+// type and, with a residual, added to it in float32 and rounded again: the bits of XLA's ``res + y.astype(dtype)``
+// (which adds two bfloat16 values in float32), so that a decoder layer's ``h + o @ wo`` is one call, not a product,
+// a convert and an add.
+struct Finish {
+  void* out = nullptr;        // [R, O] float32 or bfloat16 (``half``); null: y is the output
+  const void* res = nullptr;  // [R, O] as out, or null
+  bool half = false;
+
+  // Columns o0..o1 of every row of y.
+  void Columns(const float* y, int64_t R, int64_t O, int64_t o0, int64_t o1) const {
+    if (out == nullptr) return;
+    for (int64_t r = 0; r < R; ++r) {
+      const int64_t a = r * O + o0, n = o1 - o0;
+      if (half) {
+        auto* o = static_cast<uint16_t*>(out) + a;
+        const auto* h = static_cast<const uint16_t*>(res) + a;
+        for (int64_t i = 0; i < n; ++i) o[i] = F32ToBf16(res ? bf16_to_f32(h[i]) + HeldBf16(y[a + i]) : y[a + i]);
+      } else {
+        auto* o = static_cast<float*>(out) + a;
+        const auto* h = static_cast<const float*>(res) + a;
+        for (int64_t i = 0; i < n; ++i) o[i] = res ? h[i] + y[a + i] : y[a + i];
+      }
+    }
+  }
+};
+
 // ``specjax_dense`` over packed w: DenseBlocks' blocks of the contraction axis (``BlockStart``), each block's sums
 // added to the blocks' before it, as RunDense adds its partials: the same bits.
 template <typename T>
@@ -443,6 +471,7 @@ struct PackedJob {
   int64_t rows, c_dim, o_dim;
   int blocks;
   Split split;  // of the panels
+  Finish finish;
 };
 
 // Rows of x per pass over a run of panels: about kRowBlockBytes of x, so that a pass's rows of x stay in L2 while
@@ -516,29 +545,32 @@ void PackedChunk(const void* ctx, int i) {
   const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
   const int64_t C = j.c_dim, O = j.o_dim, step = RowBlock(C);
   switch (j.rows) {
-    case 1: return PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 2: return PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 3: return PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
-    case 4: return PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+    case 1: PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 2: PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 3: PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 4: PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    default:
+      for (int64_t r0 = 0; r0 < j.rows; r0 += step) {
+        const int64_t rows = std::min(step, j.rows - r0);
+        for (int64_t p = p0; p < p1; ++p)
+          for (int k = 0; k < j.blocks; ++k)
+            PanelRows(j.x + r0 * C, rows, C, j.w, j.y + r0 * O, O, p, BlockStart(C, j.blocks, k),
+                      BlockStart(C, j.blocks, k + 1), k == 0 ? Sums::kSet : Sums::kAdd);
+      }
   }
-  for (int64_t r0 = 0; r0 < j.rows; r0 += step) {
-    const int64_t rows = std::min(step, j.rows - r0);
-    for (int64_t p = p0; p < p1; ++p)
-      for (int k = 0; k < j.blocks; ++k)
-        PanelRows(j.x + r0 * C, rows, C, j.w, j.y + r0 * O, O, p, BlockStart(C, j.blocks, k),
-                  BlockStart(C, j.blocks, k + 1), k == 0 ? Sums::kSet : Sums::kAdd);
-  }
+  j.finish.Columns(j.y, j.rows, O, p0 * kPanel, p1 * kPanel);
 }
 
+// y: the float32 sums (the output itself where ``finish`` has none).
 template <typename T>
-void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O) {
+void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O, Finish finish = {}) {
   const int64_t panels = O / kPanel;
   Split split = MakeSplit(panels, 1, 1);
   if (R <= kRunPerThreadRows) {
     const int64_t width = (panels + PoolThreads() - 1) / PoolThreads();
     split = {width, static_cast<int>((panels + width - 1) / width)};
   }
-  PackedJob<T> job{x, w, y, R, C, O, DenseBlocks(C), split};
+  PackedJob<T> job{x, w, y, R, C, O, DenseBlocks(C), split, finish};
   Parallel(PackedChunk<T>, &job, job.split.n);
 }
 
@@ -791,41 +823,62 @@ void RunUnembed(const float* x, const T* t, float* y, int64_t R, int64_t D, int6
 constexpr int64_t kOwnPoolRows = 32;
 
 // x [R, C] against w: [C, O] or packed [O / kPanel, C, kPanel] (kTable false, ``specjax_dense``) or a
-// table [O, C] (``specjax_unembed``) -> y [R, O].
-template <bool kTable>
-ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
-  auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
+// table [O, C] (``specjax_unembed``) -> y [R, O] float32. Against packed w, y may also be bfloat16 (the sums rounded)
+// and ``res`` (``specjax_dense_add``, y's type and shape) added to them (``Finish``).
+ffi::Error Product(bool table, ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, const ffi::AnyBuffer* res,
+                   ffi::AnyBuffer y) {
+  auto xd = x.dimensions(), wd = w.dimensions(), yd = y.dimensions();
   // Products of more rows than a decode step, a tree or a short prompt chunk (specjax's pool spins between a
   // step's short products) take their chunks on XLA's own intra-op pool: two pools on the same cores slowed the
   // prompts' products 15-27% (docs/benchmarks.md, forty-second and forty-third sessions).
   const XlaPoolScope scope(xd.size() == 2 && xd[0] > kOwnPoolRows ? &tp : nullptr);
-  const bool packed = !kTable && wd.size() == 3;
+  const bool packed = !table && wd.size() == 3;
   if (xd.size() != 2 || (wd.size() != 2 && !packed) || yd.size() != 2)
     return ffi::Error::InvalidArgument("specjax cpu dense: x, w and y must be 2-D (w may be packed)");
-  const auto xt = x.element_type(), wt = w.element_type();
+  const auto xt = x.element_type(), wt = w.element_type(), yt = y.element_type();
   if (!((xt == ffi::DataType::F32 || xt == ffi::DataType::BF16) && (wt == xt || wt == ffi::DataType::BF16)))
     return ffi::Error::InvalidArgument("specjax cpu dense: x and w must be float32 or bfloat16, and w bfloat16 "
                                        "unless both are float32");
+  if (!FloatType(yt) || ((yt != ffi::DataType::F32 || res != nullptr) && !packed))
+    return ffi::Error::InvalidArgument("specjax cpu dense: y must be float32 (or bfloat16, with a residual or "
+                                       "not, against packed w)");
   if (packed && wd[2] != kPanel)
     return ffi::Error::InvalidArgument("specjax cpu dense: a packed w must be [O / 32, C, 32]");
-  const int64_t R = xd[0], C = xd[1], O = packed ? wd[0] * kPanel : wd[kTable ? 0 : 1];
-  if (wd[kTable || packed ? 1 : 0] != C || yd[0] != R || yd[1] != O)
+  const int64_t R = xd[0], C = xd[1], O = packed ? wd[0] * kPanel : wd[table || packed ? 0 : 1];
+  if (wd[table || packed ? 1 : 0] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense: shapes do not match");
-  thread_local std::vector<float> xbuf;
+  if (res != nullptr && (res->element_type() != yt || res->element_count() != y.element_count()))
+    return ffi::Error::InvalidArgument("specjax cpu dense: the residual must have y's type and shape");
+  thread_local std::vector<float> xbuf, ybuf;
   const float* xf = AsF32(x, xbuf);
-  float* out = y->typed_data();
   const bool f32 = w.element_type() == ffi::DataType::F32;
   const void* wp = w.untyped_data();
-  if constexpr (kTable) {
+  float* out = static_cast<float*>(y.untyped_data());
+  if (table) {
     if (f32) RunUnembed(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunUnembed(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
+  } else if (packed) {
+    const bool half = yt == ffi::DataType::BF16;
+    Finish finish;
+    if (half || res != nullptr) finish = {y.untyped_data(), res ? res->untyped_data() : nullptr, half};
+    if (half) ybuf.resize(R * O), out = ybuf.data();
+    if (f32) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O, finish);
+    else RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O, finish);
   } else {
-    if (packed && f32) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O);
-    else if (packed) RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
-    else if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
+    if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
     else RunDense(xf, static_cast<const uint16_t*>(wp), out, R, C, O);
   }
   return ffi::Error::Success();
+}
+
+template <bool kTable>
+ffi::Error ProductImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::AnyBuffer> y) {
+  return Product(kTable, tp, x, w, nullptr, *y);
+}
+
+ffi::Error ProductAddImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::AnyBuffer res,
+                          ffi::Result<ffi::AnyBuffer> y) {
+  return Product(false, tp, x, w, &res, *y);
 }
 
 // ``specjax_dense_prompt``: bf16 x [R, C] against bf16 panels [O / 32, C, 32] -> y [R, O] float32 (a bf16 prompt
@@ -854,10 +907,12 @@ ffi::Error PromptImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
 }  // namespace
 
 #define SPECJAX_BINDING \
-  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>().Ret<ffi::Buffer<ffi::F32>>()
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, ProductImpl<false>, SPECJAX_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, ProductImpl<true>, SPECJAX_BINDING);
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDensePrompt, PromptImpl, SPECJAX_BINDING);
+  ffi::Ffi::Bind().Ctx<ffi::ThreadPool>().Arg<ffi::AnyBuffer>().Arg<ffi::AnyBuffer>()
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDense, ProductImpl<false>, SPECJAX_BINDING.Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDenseAdd, ProductAddImpl,
+                              SPECJAX_BINDING.Arg<ffi::AnyBuffer>().Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxUnembed, ProductImpl<true>, SPECJAX_BINDING.Ret<ffi::AnyBuffer>());
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SpecjaxDensePrompt, PromptImpl, SPECJAX_BINDING.Ret<ffi::Buffer<ffi::F32>>());
 
 // Threads for the products (1: no pool). Called from Python through ctypes.
 extern "C" void specjax_cpu_set_threads(int n) {
