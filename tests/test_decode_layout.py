@@ -135,10 +135,18 @@ def test_decode_layout_packs_matrices_on_cpu(dtype):
     assert lp.w_gate is None and lp.w_up is None  # gate/up fused into one matrix of O = 2 x 176
     assert isinstance(lp.w_gate_up, cpu_dense.PackedWeight) and lp.w_gate_up.shape == (80, 2, 176)
     assert not isinstance(lp.w_down, cpu_dense.PackedWeight)  # O = 80
-    wide = dataclasses.replace(cfg, intermediate_size=192)
+    assert target.unstack_layers(params).embed_panels is None  # V = 300
+    wide = dataclasses.replace(cfg, intermediate_size=192, vocab_size=320)
     wp = target.init_params(wide, jax.random.PRNGKey(1), scale=0.1)
     up = target.unstack_layers(wp)
     assert isinstance(up.layers[1].w_gate_up, cpu_dense.PackedWeight)
+    # the tied lm_head's panels beside the table: the logits of ``layers.unembed`` to rounding
+    assert isinstance(up.embed_panels, cpu_dense.PackedWeight) and up.embed_panels.shape == (80, 320)
+    np.testing.assert_array_equal(np.asarray(up.embed_panels.unpack()), np.asarray(wp.embed).T)
+    h = jnp.asarray(np.random.default_rng(1).standard_normal((3, 80)), dtype)
+    np.testing.assert_allclose(np.asarray(target.compute_logits(up, h)), np.asarray(layers.unembed(h, wp.embed)),
+                               rtol=1e-5, atol=1e-5)
+    assert target.stack_layers(up).embed_panels is None
     for a, b in zip(jax.tree.leaves(target.stack_layers(up)), jax.tree.leaves(wp)):
         np.testing.assert_array_equal(a, b)
     plain = dataclasses.replace(up, layers=tuple(target.unpack_layer(lp) for lp in up.layers))
@@ -472,7 +480,8 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
     ``layers.ROWWISE_MAX_ROWS`` rows its products are one dot, and its few-row tied logits another pass. With
     specjax's CPU kernels (every product of up to ``cpu_dense.MAX_TOKENS`` rows per sequence) fp32 is exact too."""
     smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                head_dim=64)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at these sizes
+                head_dim=64, vocab_size=320)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at
+    # these sizes; with the kernels, the tied logits over panels (``target.pack_head``)
     cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
     params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))

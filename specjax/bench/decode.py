@@ -308,11 +308,12 @@ def random_params(cfg, seed: int = 0, scale: float = 0.02):
 
 
 def decode_weight_bytes(params) -> int:
-    """Bytes of weights one decode step must read: every weight, less the embedding table unless the lm_head is
-    tied to it (then the whole table is read by the logits)."""
+    """Bytes of weights one decode step must read: every weight, less the embedding table unless the logits read it
+    (a tied lm_head without the decode layout's panels of it)."""
     import jax
     total = sum(x.nbytes for x in jax.tree_util.tree_leaves(dataclasses.replace(params, embed_bits=None)))
-    return total if params.lm_head is None else total - params.embed.nbytes
+    reads_table = params.lm_head is None and getattr(params, "embed_panels", None) is None
+    return total if reads_table else total - params.embed.nbytes
 
 
 def read_bandwidth(mib: int, repeats: int = 10) -> float:

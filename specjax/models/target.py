@@ -74,6 +74,9 @@ class TargetParams:
     # The decode layout of a bf16/f16 table on a CPU: its bytes as uint16 (``embed_bits``), gathered by
     # ``embed_tokens``; None elsewhere.
     embed_bits: jax.Array | None = None
+    # The decode layout's tied lm_head on a CPU: the table as the panels of [D, V] (``pack_head``), a copy beside the
+    # table (which the embedding's row lookups read); None elsewhere.
+    embed_panels: cpu_dense.PackedWeight | None = None
 
 
 # Logical axes of every parameter (without the leading "layers" axis of stacked layer params).
@@ -141,15 +144,17 @@ def decode_layout(params: TargetParams, layers: Sequence[LayerParams], fuse: boo
         fuse = _on_one_device(layers)
     pack = fuse and _all_on_cpu(layers)
     layers = tuple(fuse_layer(lp) if fuse else lp for lp in layers)
-    return dataclasses.replace(params, layers=tuple(pack_layer(lp) for lp in layers) if pack else layers,
-                               embed_bits=embed_bits(params.embed))
+    out = dataclasses.replace(params, layers=tuple(pack_layer(lp) for lp in layers) if pack else layers,
+                              embed_bits=embed_bits(params.embed))
+    return pack_head(out) if pack else out
 
 
 def stack_layers(params: TargetParams) -> TargetParams:
     """Inverse of ``unstack_layers`` (the training / checkpoint layout)."""
     if not is_unstacked(params):
         return params
-    return dataclasses.replace(params, embed_bits=None, layers=jax.tree.map(
+    lm_head = params.lm_head.unpack() if isinstance(params.lm_head, cpu_dense.PackedWeight) else params.lm_head
+    return dataclasses.replace(params, embed_bits=None, embed_panels=None, lm_head=lm_head, layers=jax.tree.map(
         lambda *a: jnp.stack(a), *(unfuse_layer(unpack_layer(lp)) for lp in params.layers)))
 
 
@@ -177,6 +182,17 @@ def pack_layer(lp: LayerParams) -> LayerParams:
         a = getattr(lp, name)
         return cpu_dense.pack(a, _MATRICES[name]) if cpu_dense.packable(a, _MATRICES[name]) else a
     return dataclasses.replace(lp, **{f: one(f) for f in _MATRICES})
+
+
+def pack_head(params: TargetParams) -> TargetParams:
+    """The logits' matrix as panels where the CPU kernels take it (``cpu_dense.packable``): an untied lm_head packed
+    in place, a tied table's panels held beside it (``embed_panels``). Same bits as a packed layer matrix; where the
+    table was read row by row (``layers.unembed``), one stream per thread at any batch: ... (docs/benchmarks.md,
+    forty-fifth session)."""
+    if params.lm_head is not None:
+        packed = cpu_dense.packable(params.lm_head)
+        return dataclasses.replace(params, lm_head=cpu_dense.pack(params.lm_head)) if packed else params
+    return dataclasses.replace(params, embed_panels=cpu_dense.pack_table(params.embed))
 
 
 def unpack_layer(lp: LayerParams) -> LayerParams:
@@ -272,15 +288,18 @@ def embed_tokens(params: TargetParams, tokens):
 
 
 def lm_head_weight(params: TargetParams):
+    if isinstance(params.lm_head, cpu_dense.PackedWeight):
+        return params.lm_head.unpack()
     return params.embed.T if params.lm_head is None else params.lm_head  # [D, V]
 
 
 def compute_logits(params: TargetParams, hidden):
     """f32 logits of final-normed hidden states [..., D] -> [..., V]."""
-    if params.lm_head is None:
+    head = params.embed_panels if params.lm_head is None else params.lm_head
+    if head is None:
         # Contract against embed [V, D] as stored: ``embed.T`` made XLA:CPU copy the whole table on every step.
         return layers.unembed(hidden, params.embed)
-    return layers.dense(hidden, params.lm_head, preferred_element_type=jnp.float32)
+    return layers.dense(hidden, head, preferred_element_type=jnp.float32)
 
 
 def forward(params: TargetParams, cfg: ModelConfig, tokens, positions, *, cache: KVCache | None = None,

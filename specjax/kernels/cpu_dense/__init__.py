@@ -270,11 +270,29 @@ def packable(w, c_axes: int = 1) -> bool:
     """Whether ``pack`` takes w: a concrete fp32 or bf16 array of 2+ axes whose axes after the first ``c_axes``
     (contracted) hold a multiple of PANEL, the kernels built and not ``disabled``; bf16 only where the CPU has
     AVX512-BF16 (the prompts' products over bf16 panels, ``supports_prompt``; elsewhere they would copy w)."""
-    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.dtype not in DTYPES or w.ndim < 2:
+    if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.ndim < 2:
         return False
-    c, o = math.prod(w.shape[:c_axes]), math.prod(w.shape[c_axes:])
-    return (c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
-            and (w.dtype == jnp.float32 or _bf16_dots()))
+    return _fits_panels(math.prod(w.shape[:c_axes]), math.prod(w.shape[c_axes:]), w.dtype)
+
+
+def _fits_panels(c: int, o: int, dtype) -> bool:
+    return (dtype in DTYPES and c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
+            and (dtype == jnp.float32 or _bf16_dots()))
+
+
+def pack_table(table) -> PackedWeight | None:
+    """A table [V, D] read as a matrix [D, V] (a tied lm_head: the logits of x [..., D]) as the ``PackedWeight`` of
+    that matrix, or None where ``pack`` would not take it (``packable``)."""
+    if not isinstance(table, jax.Array) or isinstance(table, jax.core.Tracer) or table.ndim != 2:
+        return None
+    v, d = table.shape
+    return PackedWeight(_table_panels(table), (d, v)) if _fits_panels(d, v, table.dtype) else None
+
+
+@jax.jit
+def _table_panels(table):
+    v, d = table.shape
+    return table.reshape(v // PANEL, PANEL, d).transpose(0, 2, 1)
 
 
 def _bf16_dots() -> bool:
