@@ -100,15 +100,19 @@ def test_prefill_draft_widens_the_bf16_matrices_once(smollm2_pair):
     import jax
     import jax.numpy as jnp
 
+    from specjax.kernels import cpu_dense
     from specjax.speculative.draft import for_prefill
     _, _, _, draft, _ = smollm2_pair
     wide = for_prefill(draft)
     p, w = draft.params, wide.params
     assert w.lm_head is p.lm_head and w.norm is p.norm
+    # on a CPU with the kernels the head's matrices are panels (``draft.pack_head``), widened as panels
+    unpacked = lambda a: a.unpack() if isinstance(a, cpu_dense.PackedWeight) else a
+    assert isinstance(p.lm_head, cpu_dense.PackedWeight) == cpu_dense.packable(unpacked(p.lm_head))
     for name in ("wq", "wk", "wv", "wo", "w_gate", "w_up", "w_down"):
         a, b = getattr(p.layers[0], name), getattr(w.layers[0], name)
         assert b.dtype == jnp.float32 and b.shape == a.shape, name
-        np.testing.assert_array_equal(np.asarray(b), np.asarray(a.astype(jnp.float32)))
+        np.testing.assert_array_equal(np.asarray(unpacked(b)), np.asarray(unpacked(a).astype(jnp.float32)))
     assert w.fc.dtype == jnp.float32 and wide.ids is draft.ids and wide.cfg == draft.cfg
     assert for_prefill(wide) is wide
     all_fp32 = jax.tree.map(lambda a: a.astype(jnp.float32) if jnp.issubdtype(a.dtype, jnp.floating) else a, draft)

@@ -182,8 +182,9 @@ def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions):
 
 def finish_layer(lp: HeadLayerParams, cfg: Eagle3Config, hidden, attn_out):
     """Residual + o_proj, then the SwiGLU MLP. hidden: [B, T, H]; attn_out: [B, T, N, Hd] -> [B, T, H]."""
-    h = hidden + layers.out_proj(attn_out, lp.wo)
-    return h + layers.swiglu(layers.rms_norm(h, lp.post_norm, cfg.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down)
+    h = layers.out_proj(attn_out, lp.wo, residual=hidden)
+    return layers.swiglu(layers.rms_norm(h, lp.post_norm, cfg.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
+                         residual=h)
 
 
 def draft_logits(params: Eagle3Params, cfg: Eagle3Config, hidden):

@@ -254,6 +254,11 @@ def _placed(tree, where: Callable[[set], bool]) -> bool:
                for a in jax.tree.leaves(tree))
 
 
+def on_one_cpu(tree) -> bool:
+    """Every leaf a concrete array held by one CPU device (where the decode layout packs matrices)."""
+    return _on_one_device(tree) and _all_on_cpu(tree)
+
+
 def _all_on_cpu(tree) -> bool:
     return _placed(tree, lambda devices: all(d.platform == "cpu" for d in devices))
 

@@ -17,6 +17,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import layers
+from specjax.kernels import cpu_dense
 from specjax.models import eagle, eagle3, target
 
 ALGORITHMS = ("EAGLE3", "EAGLE")
@@ -36,10 +37,33 @@ class Draft:
         return self.cfg.num_layers
 
 
+# A head's matrices and how many of their leading axes a product contracts (``pack_head``).
+_HEAD_MATRICES = {"fc": 1, "lm_head": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+
+
+def pack_head(params):
+    """A head's matrices (EAGLE3 or EAGLE) as ``cpu_dense.PackedWeight`` panels where the CPU kernels take them
+    (``cpu_dense.packable``), as the target's decode layout holds its own (``target.pack_layer``): a draft step's and
+    a target-only step's head products stream one chunk of panels per thread. Same bits. Params that are not
+    concrete arrays on one CPU device are returned as they are."""
+    if not target.on_one_cpu(params):
+        return params
+
+    def pack(obj):
+        packed = {}
+        for name, c_axes in _HEAD_MATRICES.items():
+            a = getattr(obj, name, None)
+            if a is not None and cpu_dense.packable(a, c_axes):
+                packed[name] = cpu_dense.pack(a, c_axes)
+        return dataclasses.replace(obj, **packed)
+    return dataclasses.replace(pack(params), layers=type(params.layers)(pack(lp) for lp in params.layers))
+
+
 def make_draft(algorithm: str, cfg, params, target_params: target.TargetParams, vocab=None) -> Draft:
     """Wrap a head. ``vocab``: EAGLE3 -> eagle3.VocabMap (None: identity); EAGLE -> hot-token ids i32[Vd] (FR-Spec
     token map) or None (full target vocab)."""
     algorithm = algorithm.upper()
+    params = pack_head(params)
     if algorithm == "EAGLE3":
         if vocab is None:
             vocab = eagle3.VocabMap.identity(cfg.draft_vocab_size)

@@ -48,6 +48,7 @@ from specjax.hub import default_cache_dir
 __all__ = ["available", "supports", "supports_prompt", "supports_attention", "supports_argmax", "supports_pages",
            "supports_norm", "supports_rope", "disabled", "dense", "dense_prompt", "unembed", "paged_attention",
            "argmax", "kv_write", "take_pages", "rms_norm", "rope_qkv", "PackedWeight", "pack", "packable", "PANEL",
+           "dense_packed", "dense_packed_add", "pack_table",
            "set_threads", "threads", "MAX_TOKENS", "MAX_PROMPT_ROWS", "DTYPES"]
 
 log = logging.getLogger("specjax")
