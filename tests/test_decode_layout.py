@@ -481,7 +481,7 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
     specjax's CPU kernels (every product of up to ``cpu_dense.MAX_TOKENS`` rows per sequence) fp32 is exact too."""
     smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
                 head_dim=64, vocab_size=320)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at
-    # these sizes; with the kernels, the tied logits over panels (``target.pack_head``)
+    # these sizes; with the kernels, the tied logits over panels (``target.pack_logits``)
     cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
     params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))

@@ -60,8 +60,9 @@ class LayerParams:
     w_gate_up: jax.Array | None = None  # [D, 2, F]: gate, then up
 
 
-# A layer's matrices and how many of their leading axes a product contracts (``pack_layer``).
-_MATRICES = {"wq": 1, "wk": 1, "wv": 1, "w_qkv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}
+# A layer's matrices and how many of their leading axes a product contracts (``pack_layer``; a draft head's too,
+# ``draft.pack_head``).
+LAYER_MATRICES = {"wq": 1, "wk": 1, "wv": 1, "w_qkv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_gate_up": 1, "w_down": 1}
 
 
 @jax.tree_util.register_dataclass
@@ -74,7 +75,7 @@ class TargetParams:
     # The decode layout of a bf16/f16 table on a CPU: its bytes as uint16 (``embed_bits``), gathered by
     # ``embed_tokens``; None elsewhere.
     embed_bits: jax.Array | None = None
-    # The decode layout's tied lm_head on a CPU: the table as the panels of [D, V] (``pack_head``), a copy beside the
+    # The decode layout's tied lm_head on a CPU: the table as the panels of [D, V] (``pack_logits``), a copy beside the
     # table (which the embedding's row lookups read); None elsewhere.
     embed_panels: cpu_dense.PackedWeight | None = None
 
@@ -146,7 +147,7 @@ def decode_layout(params: TargetParams, layers: Sequence[LayerParams], fuse: boo
     layers = tuple(fuse_layer(lp) if fuse else lp for lp in layers)
     out = dataclasses.replace(params, layers=tuple(pack_layer(lp) for lp in layers) if pack else layers,
                               embed_bits=embed_bits(params.embed))
-    return pack_head(out) if pack else out
+    return pack_logits(out) if pack else out
 
 
 def stack_layers(params: TargetParams) -> TargetParams:
@@ -181,11 +182,11 @@ def pack_layer(lp: LayerParams) -> LayerParams:
     thread (docs/benchmarks.md, forty-third session). Same bits."""
     def one(name):
         a = getattr(lp, name)
-        return cpu_dense.pack(a, _MATRICES[name]) if cpu_dense.packable(a, _MATRICES[name]) else a
-    return dataclasses.replace(lp, **{f: one(f) for f in _MATRICES})
+        return cpu_dense.pack(a, LAYER_MATRICES[name]) if cpu_dense.packable(a, LAYER_MATRICES[name]) else a
+    return dataclasses.replace(lp, **{f: one(f) for f in LAYER_MATRICES})
 
 
-def pack_head(params: TargetParams) -> TargetParams:
+def pack_logits(params: TargetParams) -> TargetParams:
     """The logits' matrix as panels where the CPU kernels take it (``cpu_dense.packable``): an untied lm_head packed
     in place, a tied table's panels held beside it (``embed_panels``). Same bits as a packed layer matrix; where the
     table was read in tiles of rows (``layers.unembed``), one stream per thread at any batch: SmolLM2's bf16 decode
@@ -201,7 +202,7 @@ def unpack_layer(lp: LayerParams) -> LayerParams:
     def one(name):
         a = getattr(lp, name)
         return a.unpack() if isinstance(a, cpu_dense.PackedWeight) else a
-    return dataclasses.replace(lp, **{f: one(f) for f in _MATRICES})
+    return dataclasses.replace(lp, **{f: one(f) for f in LAYER_MATRICES})
 
 
 def unfuse_layer(lp: LayerParams) -> LayerParams:

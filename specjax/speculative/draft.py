@@ -37,8 +37,9 @@ class Draft:
         return self.cfg.num_layers
 
 
-# A head's matrices and how many of their leading axes a product contracts (``pack_head``).
-_HEAD_MATRICES = {"fc": 1, "lm_head": 1, "wq": 1, "wk": 1, "wv": 1, "wo": 2, "w_gate": 1, "w_up": 1, "w_down": 1}
+# A head's matrices (its layers' as a target layer's, its fc and its draft-vocab lm_head) and how many of their
+# leading axes a product contracts (``pack_head``).
+_HEAD_MATRICES = {**target.LAYER_MATRICES, "fc": 1, "lm_head": 1}
 
 
 def pack_head(params):
