@@ -70,9 +70,21 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
     # decode tok/s (hence the fraction) is a difference of two timings: NaN when a loaded CPU inverts them
     assert res["layers"] == 1 and res["copy_bandwidth_Bps"] > 0 and res["specjax"]["generate_tok_s"] > 0
     assert isinstance(res["bandwidth_fraction"], float)
+    assert res["device_kind"] == "cpu" and res["published_bandwidth_Bps"] is None  # no datasheet figure for a CPU
     # every weight but the embedding table: lm_head + one layer + final norm, bf16
     d, f, v = 64, 128, 512
     assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d + 3 * d * f + d)
+
+
+def test_published_peaks_by_device_kind():
+    """The datasheet tables match jax's device_kind strings, the longest name first (an H100 PCIe is no SXM part)."""
+    from specjax.train.train_step import peak_hbm_gbps, peak_tflops
+    assert peak_hbm_gbps("NVIDIA H200") == (4800.0, "H200")
+    assert peak_hbm_gbps("NVIDIA H100 80GB HBM3") == (3350.0, "H100")
+    assert peak_hbm_gbps("NVIDIA H100 PCIe") == (2000.0, "H100 PCIe")
+    assert peak_hbm_gbps("TPU v5 lite") == (819.0, "TPU v5 lite")
+    assert peak_tflops("TPU v4") == (275.0, "TPU v4")
+    assert peak_hbm_gbps("cpu") is None and peak_tflops("cpu") is None
 
 
 def test_llamacpp_runner_decodes_specjax_greedy_tokens():

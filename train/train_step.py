@@ -463,14 +463,29 @@ def make_feature_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh 
 # denominator of the trainer and of ``bench train``.
 PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
                "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
+# Published memory bandwidth (GB/s) of the same kinds: the datasheet ceiling of a memory-bound decode step (H100:
+# the SXM part; A100: the 80 GB SXM part).
+PEAK_HBM_GBPS = {"TPU v4": 1228.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5p": 2765.0, "TPU v5": 2765.0,
+                 "TPU v6 lite": 1640.0, "TPU v6e": 1640.0, "H100": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0,
+                 "A100": 2039.0, "L4": 300.0}
+
+
+def _by_kind(table: dict[str, float], device_kind: str) -> tuple[float, str] | None:
+    """(value, the table's name for it) of the longest table name inside ``device_kind``, or None."""
+    for name in sorted(table, key=len, reverse=True):
+        if name.lower() in device_kind.lower():
+            return table[name], name
+    return None
 
 
 def peak_tflops(device_kind: str) -> tuple[float, str] | None:
     """(dense bf16 peak TFLOP/s, the table's name for it) of a device kind, or None when the table lacks it."""
-    for name in sorted(PEAK_TFLOPS, key=len, reverse=True):
-        if name.lower() in device_kind.lower():
-            return PEAK_TFLOPS[name], name
-    return None
+    return _by_kind(PEAK_TFLOPS, device_kind)
+
+
+def peak_hbm_gbps(device_kind: str) -> tuple[float, str] | None:
+    """(published memory bandwidth GB/s, the table's name for it) of a device kind, or None when the table lacks it."""
+    return _by_kind(PEAK_HBM_GBPS, device_kind)
 
 
 def estimate_flops_per_token(target_cfg: ModelConfig, head_cfg: Eagle3Config, seq_len: int, ttt_length: int = 7,

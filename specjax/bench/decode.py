@@ -20,7 +20,8 @@ it to T cores) and the same bytes streamed by the engines' thread count (``strea
 
 ``--random-llama-8b`` measures what a GPU/TPU can do on a Llama-3.1-8B-shaped model with random bf16 weights: batch-1
 decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
-copy bandwidth (read + write bytes of ``x + 1`` on a --copy-mib uint32 buffer) is measured in the same run.
+copy bandwidth (read + write bytes of ``x + 1`` on a --copy-mib uint32 buffer, the best of 5 calls of 10 passes) is
+measured in the same run, and of the device kind's published bandwidth (``train_step.PEAK_HBM_GBPS``) where known.
 ``--layers`` shrinks the model so the code path also runs on a CPU.
 """
 
@@ -360,24 +361,34 @@ def _time_once(fn) -> float:
     return time.perf_counter() - t0
 
 
-def copy_bandwidth(mib: int, repeats: int = 20) -> float:
+def copy_bandwidth(mib: int, repeats: int = 5, passes: int = 10) -> float:
     """Bytes/s of ``x + 1`` over a ``mib`` MiB uint32 buffer on the default device (read + write bytes counted).
 
     An integer add is free next to the memory traffic on every backend, so this is the device's streaming bandwidth:
-    the ceiling for a decode step that must read every weight once."""
+    the ceiling for a decode step that must read every weight once. One call runs ``passes`` dependent passes in an
+    on-device loop over a donated buffer, so that neither the dispatch nor a fresh output's allocation is timed, and
+    the best of ``repeats`` calls is reported, as the decode figure it bounds is the best of its runs (a median of
+    single passes read 1.84 TB/s on an H200 where 2.66 TB/s had been read before, below the decode it bounds)."""
     import jax
     import jax.numpy as jnp
-    n = mib * (1 << 20) // 4
-    x = jnp.zeros((n,), jnp.uint32)
-    f = jax.jit(lambda a: a + jnp.uint32(1))
-    jax.block_until_ready(f(x))
-    t = _median_time(lambda: jax.block_until_ready(f(x)), repeats)
-    return 2 * x.nbytes / t
+    x = jnp.zeros((mib * (1 << 20) // 4,), jnp.uint32)
+    nbytes = x.nbytes
+    f = jax.jit(lambda a: jax.lax.fori_loop(0, passes, lambda _, b: b + jnp.uint32(1), a), donate_argnums=0)
+    x = jax.block_until_ready(f(x))
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        x = jax.block_until_ready(f(x))
+        best = min(best, time.perf_counter() - t0)
+    return 2 * nbytes * passes / best
 
 
 def bench_random_llama(args) -> dict:
+    import jax
+
     from specjax.config import ModelConfig
     from specjax.models import target
+    from specjax.train.train_step import peak_hbm_gbps
 
     hf = dict(LLAMA_31_8B)
     if args.layers:
@@ -396,7 +407,11 @@ def bench_random_llama(args) -> dict:
     print("  decoding ...", file=sys.stderr, flush=True)
     rates = time_specjax(params, cfg, prompts, args.new_tokens, args.repeats)
     frac = weight_bytes * rates["decode_tok_s"] / bw
-    return {"mode": "random-llama-8b", "layers": cfg.num_layers, "params": cfg.num_params(),
+    kind = jax.devices()[0].device_kind
+    published = peak_hbm_gbps(kind)
+    return {"device_kind": kind, "published_bandwidth_Bps": published[0] * 1e9 if published else None,
+            "published_fraction": weight_bytes * rates["decode_tok_s"] / (published[0] * 1e9) if published else None,
+            "mode": "random-llama-8b", "layers": cfg.num_layers, "params": cfg.num_params(),
             "weight_bytes_per_token": weight_bytes, "copy_bandwidth_Bps": bw, "copy_mib": args.copy_mib,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "machine": machine_description(), "specjax": rates, "bandwidth_fraction": frac,
@@ -408,11 +423,14 @@ def print_random_llama(res: dict) -> None:
     print(f"\nRandom Llama-3.1-8B-shaped model ({res['layers']} layers, {res['params'] / 1e9:.2f}B params, bf16), "
           f"batch 1, prompt {res['prompt_len']}, {res['new_tokens']} new tokens, fastest of {res['repeats']}")
     print(f"machine: {res['machine']}\n")
+    published = res.get("published_bandwidth_Bps")
     print_table(["decode tok/s", "generate tok/s", "weight GB/token", "copy bandwidth GB/s", "limit tok/s",
-                 "fraction of limit"],
+                 "fraction of limit", "published GB/s", "fraction of published"],
                 [[f"{r['decode_tok_s']:.2f}", f"{r['generate_tok_s']:.2f}",
-                  f"{res['weight_bytes_per_token'] / 1e9:.2f}", f"{res['copy_bandwidth_Bps'] / 1e9:.1f}", f"{res['bandwidth_limit_tok_s']:.2f}",
-                  f"{100 * res['bandwidth_fraction']:.1f}%"]], align="---:")
+                  f"{res['weight_bytes_per_token'] / 1e9:.2f}", f"{res['copy_bandwidth_Bps'] / 1e9:.1f}",
+                  f"{res['bandwidth_limit_tok_s']:.2f}", f"{100 * res['bandwidth_fraction']:.1f}%",
+                  f"{published / 1e9:.0f}" if published else "-",
+                  f"{100 * res['published_fraction']:.1f}%" if published else "-"]], align="---:")
 
 
 @dataclasses.dataclass
