@@ -6,6 +6,8 @@
 # regenerate resumes). REGEN_PRECISION: the matmul precision of regeneration (JAX's default on a GPU is TF32;
 # `highest` gives the f32 target's greedy answers as a CPU serves them, but ran 3x slower on an H200). SPS: the expected training
 # steps per second; with it, --training.max_steps is sized to the time left, so the cosine schedule ends in time.
+# EXTRA_REGEN / EXTRA_TRAIN: more flags for regenerate / the trainer. Phase 11 answered prompts 0-19119 of the
+# LATER_TURNS=1 pool (seed 0): EXTRA_REGEN="--first-conversation 19120" answers only the 19,797 it did not reach.
 source scripts/gpu/common.sh
 T0=$(date +%s); TOTAL=${TOTAL:-400}; left() { echo $(( T0 + TOTAL - $(date +%s) )); }
 W=${W:-/root/work}; mkdir -p $W /root/stash; cp .gpu3/q4part* /root/stash/ 2>/dev/null
