@@ -30,7 +30,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
-import statistics
 import sys
 import time
 
@@ -49,15 +48,6 @@ LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (architecture fields)
     "tie_word_embeddings": False, "bos_token_id": 128000, "eos_token_id": [128001, 128008, 128009],
     "torch_dtype": "bfloat16",
 }
-
-
-def _median_time(fn, repeats: int) -> float:
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def make_prompts(vocab_size: int, batch: int, prompt_len: int, seed: int = 0, low: int = 100) -> list[list[int]]:
