@@ -64,13 +64,19 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
     monkeypatch.setattr(bench, "LLAMA_31_8B", small)
     out = tmp_path / "res.json"
     assert bench.main(["--random-llama-8b", "--layers", "1", "--new-tokens", "3", "--prompt-len", "4",
-                       "--repeats", "1", "--copy-mib", "4", "--json", str(out)]) == 0
-    assert "fraction of limit" in capsys.readouterr().out
+                       "--repeats", "1", "--copy-mib", "4", "--json", str(out),
+                       "--profile-dir", str(tmp_path / "trace")]) == 0
+    printed = capsys.readouterr()
+    assert "fraction of limit" in printed.out
+    assert "profile: no device in the trace" in printed.err  # XLA:CPU runs on host threads: nothing to summarise
     res = json.loads(out.read_text())
     # decode tok/s (hence the fraction) is a difference of two timings: NaN when a loaded CPU inverts them
     assert res["layers"] == 1 and res["copy_bandwidth_Bps"] > 0 and res["specjax"]["generate_tok_s"] > 0
     assert isinstance(res["bandwidth_fraction"], float)
     assert res["device_kind"] == "cpu" and res["published_bandwidth_Bps"] is None  # no datasheet figure for a CPU
+    assert res["trace"] is None
+    with pytest.raises(SystemExit, match="--profile-dir goes with --random-llama-8b"):
+        bench.main(["--profile-dir", str(tmp_path / "trace"), "--no-hf"])
     # every weight but the embedding table: lm_head + one layer + final norm, bf16
     d, f, v = 64, 128, 512
     assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d + 3 * d * f + d)

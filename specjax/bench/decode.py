@@ -22,7 +22,9 @@ it to T cores) and the same bytes streamed by the engines' thread count (``strea
 decode tok/s and the fraction of the memory-bandwidth limit, ``weight bytes x tok/s / copy bandwidth``, where the
 copy bandwidth (read + write bytes of ``x + 1`` on a --copy-mib uint32 buffer, the best of 5 calls of 10 passes) is
 measured in the same run, and of the device kind's published bandwidth (``train_step.PEAK_HBM_GBPS``) where known.
-``--layers`` shrinks the model so the code path also runs on a CPU.
+``--layers`` shrinks the model so the code path also runs on a CPU. ``--profile-dir DIR`` then traces one more
+generate call with the JAX profiler (``bench.profile``) and prints the device's time per token: busy against idle
+between kernels, and the kernels that took the most (on an accelerator; a CPU trace has no device to read).
 """
 
 from __future__ import annotations
@@ -37,6 +39,7 @@ import numpy as np
 
 from specjax.bench.common import machine_description, print_table, report
 from specjax.bench.llamacpp import LlamaCppRunner
+from specjax.bench.profile import print_summary, summarize, trace_call
 from specjax.cli import option, parse_options
 
 LLAMA_31_8B = {  # meta-llama/Llama-3.1-8B config.json (architecture fields)
@@ -397,6 +400,14 @@ def bench_random_llama(args) -> dict:
     print("  decoding ...", file=sys.stderr, flush=True)
     rates = time_specjax(params, cfg, prompts, args.new_tokens, args.repeats)
     moved = weight_bytes * rates["decode_tok_s"]  # bytes/s the decode read
+    trace = None
+    if args.profile_dir:
+        run = specjax_runner(params, cfg, prompts)
+        path = trace_call(lambda: run(args.new_tokens), args.profile_dir)
+        try:
+            trace = summarize(path, args.new_tokens) | {"path": path}
+        except ValueError as e:
+            print(f"  profile: {e}", file=sys.stderr)
     kind = jax.devices()[0].device_kind
     published = peak_hbm_gbps(kind)
     published_bps = published[0] * 1e9 if published else None
@@ -406,7 +417,7 @@ def bench_random_llama(args) -> dict:
             "weight_bytes_per_token": weight_bytes, "copy_bandwidth_Bps": bw, "copy_mib": args.copy_mib,
             "prompt_len": args.prompt_len, "new_tokens": args.new_tokens, "repeats": args.repeats,
             "machine": machine_description(), "specjax": rates, "bandwidth_fraction": moved / bw,
-            "bandwidth_limit_tok_s": bw / weight_bytes}
+            "bandwidth_limit_tok_s": bw / weight_bytes, "trace": trace}
 
 
 def print_random_llama(res: dict) -> None:
@@ -422,6 +433,11 @@ def print_random_llama(res: dict) -> None:
                   f"{res['bandwidth_limit_tok_s']:.2f}", f"{100 * res['bandwidth_fraction']:.1f}%",
                   f"{published / 1e9:.0f}" if published else "-",
                   f"{100 * res['published_fraction']:.1f}%" if published else "-"]], align="---:")
+    if res.get("trace"):
+        t = res["trace"]
+        print_summary(t, "token (prefill included)")
+        print(f"\nweights read while the device was busy: {res['weight_bytes_per_token'] / t['busy_ms_per_unit'] / 1e6:.0f}"
+              f" GB/s; trace: {t['path']}")
 
 
 @dataclasses.dataclass
@@ -445,6 +461,9 @@ class DecodeOptions:
     random_llama_8b: bool = option(False, help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the "
                                                "bandwidth limit")
     layers: int | None = option(None, help="with --random-llama-8b: override the 32 layers")
+    profile_dir: str | None = option(None, metavar="DIR", help="with --random-llama-8b: trace one more generate call "
+                                                               "with the JAX profiler into DIR and print the device's "
+                                                               "time per token by kernel")
     copy_mib: int | None = option(None, help="buffer size of the bandwidth measurement (default 1024 on "
                                              "accelerators, 256 on CPU); both modes report the weight-read limit")
     threads: int | None = option(None, help="CPU threads for every engine (torch.set_num_threads, XLA's intra-op "
@@ -463,6 +482,8 @@ def main(argv=None) -> int:
     if args.threads is not None:
         set_cpu_threads(args.threads)
     if not args.random_llama_8b:
+        if args.profile_dir:
+            raise SystemExit("error: --profile-dir goes with --random-llama-8b")
         return report(args, bench_model, print_model_table)
     import jax
     if args.copy_mib is None:

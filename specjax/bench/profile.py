@@ -1,0 +1,99 @@
+"""Where a device's time goes: a ``jax.profiler`` trace of one call, summarised per kernel.
+
+``trace_call(fn, log_dir)`` runs ``fn()`` under ``jax.profiler.trace`` (with a perfetto trace, Chrome's JSON format)
+and returns the trace file; ``summarize(path, units)`` reads the events a device recorded (the processes named
+``/device:...``: on a GPU its streams' kernels and copies) and returns, per ``unit`` (a decoded token, a step),
+the device's busy time (the union of its events), the span from its first event to its last end, and the
+kernels that took the most time. ``busy / span`` below 1 is time the device sat idle between kernels (launches,
+host syncs, a ``while_loop``'s condition read back), the rest is the kernels' own time. On a CPU there is no
+device process (XLA:CPU's work runs on host threads), so ``summarize`` raises ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import glob
+import gzip
+import json
+import os
+
+from specjax.bench.common import print_table
+
+
+def trace_call(fn, log_dir: str) -> str:
+    """Run ``fn()`` under the JAX profiler (blocking on its result); returns the perfetto trace file it wrote."""
+    import jax
+    os.makedirs(log_dir, exist_ok=True)
+    before = set(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "perfetto_trace.json.gz")))
+    with jax.profiler.trace(log_dir, create_perfetto_trace=True):
+        jax.block_until_ready(fn())
+    new = set(glob.glob(os.path.join(log_dir, "plugins", "profile", "*", "perfetto_trace.json.gz"))) - before
+    if not new:
+        raise RuntimeError(f"jax.profiler wrote no perfetto trace under {log_dir}")
+    return max(new, key=os.path.getmtime)
+
+
+def _union_us(intervals: list[tuple[float, float]]) -> float:
+    """Total length of the union of [start, end) intervals."""
+    total, end = 0.0, float("-inf")
+    for s, e in sorted(intervals):
+        if s > end:
+            total += e - s
+            end = e
+        elif e > end:
+            total += e - end
+            end = e
+    return total
+
+
+def device_events(trace: dict) -> tuple[str, list[dict]]:
+    """The complete ('X') events of the trace's device processes (names starting ``/device:``), and those names."""
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name" and "pid" in e}
+    device_pids = {pid for pid, name in procs.items() if str(name).startswith("/device:")}
+    if not device_pids:
+        raise ValueError(f"no device in the trace (processes: {sorted(set(procs.values()))}); on a CPU, XLA's work "
+                         f"runs on host threads")
+    xs = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
+    # A device's 'XLA Modules' / 'XLA Ops' lines span the kernels of its stream lines: keep the streams where the
+    # trace names them (else drop those derived lines), or every kernel would count two or three times.
+    threads = {(e["pid"], e.get("tid")): str(e["args"]["name"]) for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids}
+    streams = {k for k, name in threads.items() if name.startswith("Stream")}
+    derived = {k for k, name in threads.items() if name.startswith(("XLA ", "Steps", "Framework", "Source"))}
+    xs = [e for e in xs if (e["pid"], e.get("tid")) in streams] if streams else \
+        [e for e in xs if (e["pid"], e.get("tid")) not in derived]
+    return ", ".join(sorted(procs[p] for p in device_pids)), xs
+
+
+def summarize(path: str, units: int, top: int = 15) -> dict:
+    """Per-``unit`` device time of the perfetto trace at ``path`` (see the module doc)."""
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    with gzip.open(path, "rt") as f:
+        device, xs = device_events(json.load(f))
+    if not xs:
+        raise ValueError(f"the trace at {path} holds no device events")
+    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs]
+    busy = _union_us(spans)
+    span = max(e for _, e in spans) - min(s for s, _ in spans)
+    by_name: dict[str, list[float]] = {}
+    for e in xs:
+        by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
+    total = sum(sum(d) for d in by_name.values())
+    kernels = sorted(((name, len(d), sum(d)) for name, d in by_name.items()), key=lambda r: -r[2])
+    return {"device": device, "units": units, "events": len(xs), "events_per_unit": len(xs) / units,
+            "busy_ms_per_unit": busy / units / 1e3, "span_ms_per_unit": span / units / 1e3,
+            "busy_fraction": busy / span if span > 0 else 1.0, "distinct_kernels": len(kernels),
+            "top": [{"name": name, "calls_per_unit": n / units, "ms_per_unit": t / units / 1e3,
+                     "share": t / total if total > 0 else 0.0} for name, n, t in kernels[:top]]}
+
+
+def print_summary(s: dict, unit: str = "token") -> None:
+    print(f"\ndevice trace ({s['device']}): per {unit}, {s['events_per_unit']:.0f} device events, busy "
+          f"{s['busy_ms_per_unit']:.3f} ms of a {s['span_ms_per_unit']:.3f} ms span ({100 * s['busy_fraction']:.1f}% "
+          f"busy; the rest is the device idle between kernels), {s['distinct_kernels']} distinct kernels; the top "
+          f"{len(s['top'])}:\n")
+    print_table(["kernel", f"calls / {unit}", f"ms / {unit}", "share of kernel time"],
+                [[k["name"][:90], f"{k['calls_per_unit']:.1f}", f"{k['ms_per_unit']:.3f}", f"{100 * k['share']:.1f}%"]
+                 for k in s["top"]])
