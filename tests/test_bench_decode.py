@@ -82,6 +82,20 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
     assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d + 3 * d * f + d)
 
 
+def test_random_llama_refuses_what_cannot_run(monkeypatch):
+    """--layers below 1, and a model that cannot fit the device, are clear exits before anything is allocated (the
+    full 8B shape on a 24 GB CPU was an out-of-memory traceback; --layers 0 silently built all 32 layers)."""
+    from specjax.bench import common
+    for layers in ("0", "-1"):
+        with pytest.raises(SystemExit, match="--layers must be >= 1"):
+            bench.main(["--random-llama-8b", "--layers", layers])
+    monkeypatch.setattr(common, "available_device_bytes", lambda: 10**9)
+    with pytest.raises(SystemExit, match=r"needs 46\.\d GB and the device has 1\.0 GB available; --layers N"):
+        bench.main(["--random-llama-8b"])
+    monkeypatch.undo()
+    assert common.available_device_bytes() > 10**8  # this CPU's MemAvailable
+
+
 def test_published_peaks_by_device_kind():
     """The datasheet tables match jax's device_kind strings, the longest name first (an H100 PCIe is no SXM part)."""
     from specjax.train.train_step import peak_hbm_gbps, peak_tflops

@@ -32,6 +32,29 @@ def machine_description() -> str:
             f"{dev.platform.upper()}")
 
 
+def available_device_bytes() -> int | None:
+    """Memory the default device can still hold: a CPU's available memory (``MemAvailable``), an accelerator's
+    allocator limit; None where neither is known."""
+    import jax
+    dev = jax.devices()[0]
+    if dev.platform != "cpu":
+        return (dev.memory_stats() or {}).get("bytes_limit")
+    try:
+        with open("/proc/meminfo") as f:
+            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+        return kib * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
+
+
+def check_fits_device(nbytes: int, what: str, hint: str) -> None:
+    """A clear exit, before anything is allocated, when ``nbytes`` cannot fit the default device's memory."""
+    limit = available_device_bytes()
+    if limit is not None and nbytes > limit:
+        raise SystemExit(f"error: {what} needs {nbytes / 1e9:.1f} GB and the device has {limit / 1e9:.1f} GB "
+                         f"available; {hint}")
+
+
 def write_json(path: str | None, results: Any, indent: int = 2) -> None:
     """The results as JSON at ``path`` (nothing when it is None or empty; missing folders are made)."""
     if path:

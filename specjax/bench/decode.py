@@ -37,7 +37,7 @@ import time
 
 import numpy as np
 
-from specjax.bench.common import machine_description, print_table, report
+from specjax.bench.common import check_fits_device, machine_description, print_table, report
 from specjax.bench.llamacpp import LlamaCppRunner
 from specjax.bench.profile import print_summary, summarize, trace_call
 from specjax.cli import option, parse_options
@@ -287,6 +287,30 @@ def print_model_table(res: dict) -> None:
 
 # ---- Llama-3.1-8B-shaped random model ---------------------------------------------------------------------------
 
+def random_llama_config(layers: int | None, dtype: str = "bfloat16"):
+    """The Llama-3.1-8B shape (``layers`` of its 32 layers when given) in ``dtype``; a clear exit when ``layers`` is
+    not positive or its weights cannot fit the default device (a CPU's available memory)."""
+    import math
+
+    import jax
+    import jax.numpy as jnp
+    from specjax.config import ModelConfig
+    from specjax.models import target
+    if layers is not None and layers < 1:
+        raise SystemExit(f"error: --layers must be >= 1, got {layers}")
+    hf = dict(LLAMA_31_8B)
+    if layers:
+        hf["num_hidden_layers"] = layers
+    cfg = ModelConfig.from_hf_dict(hf, dtype=dtype)
+    largest = max(math.prod(x.shape) for x in jax.tree.leaves(target.param_shapes(cfg)))
+    # ``random_params`` draws each stacked leaf in one jitted call: XLA:CPU held 16 bytes per element of the largest
+    # one beside the weights (30.1 GB for the 8B shape's [32, 4096, 14336] matrices)
+    check_fits_device(cfg.num_params() * jnp.dtype(cfg.dtype).itemsize + 16 * largest,
+                      f"the random Llama-3.1-8B-shaped model ({cfg.num_layers} layers, {cfg.dtype}, with the random "
+                      f"draw of its largest matrix)", "--layers N builds fewer of its 32 layers")
+    return cfg
+
+
 def random_params(cfg, seed: int = 0, scale: float = 0.02):
     """Random params generated directly in cfg.dtype on the default device (no float32 copy of an 8B model)."""
     import jax
@@ -379,14 +403,10 @@ def copy_bandwidth(mib: int, repeats: int = 5, passes: int = 10) -> float:
 def bench_random_llama(args) -> dict:
     import jax
 
-    from specjax.config import ModelConfig
     from specjax.models import target
     from specjax.train.train_step import peak_hbm_gbps
 
-    hf = dict(LLAMA_31_8B)
-    if args.layers:
-        hf["num_hidden_layers"] = args.layers
-    cfg = ModelConfig.from_hf_dict(hf, dtype="bfloat16")
+    cfg = random_llama_config(args.layers)
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"random Llama-3.1-8B-shaped model: {cfg.num_layers} layers, {cfg.num_params() / 1e9:.2f}B params, bf16",
           file=sys.stderr, flush=True)

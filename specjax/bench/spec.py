@@ -122,14 +122,10 @@ def random_draft(algorithm: str, tcfg, seed: int = 1):
 
 
 def load_target(args):
-    from specjax.config import ModelConfig
     from specjax.models import target
     if args.random_llama_8b:
-        from specjax.bench.decode import LLAMA_31_8B, random_params
-        hf = dict(LLAMA_31_8B)
-        if args.layers:
-            hf["num_hidden_layers"] = args.layers
-        cfg = ModelConfig.from_hf_dict(hf, dtype=args.dtype or "bfloat16")
+        from specjax.bench.decode import random_llama_config, random_params
+        cfg = random_llama_config(args.layers, args.dtype or "bfloat16")
         note = f"random Llama-3.1-8B-shaped ({cfg.num_layers} layers, {cfg.dtype})"
         return cfg, target.unstack_layers(random_params(cfg)), None, note
     from specjax.weights import load_model, resolve_model_path
