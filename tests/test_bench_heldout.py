@@ -32,3 +32,10 @@ def test_served_view_cuts_first_turn_and_new_tokens():
     assert first_turn_prompts(data, 3) == [[1, 2, 3], [6, 7], [5]]
     assert len(served_view(data, limit=1, max_new_tokens=100)) == 1
     assert served_view(data, limit=1, max_new_tokens=100).example(0)[0].tolist() == two_turns[0][:8]
+
+
+def test_negative_sizes_are_refused_before_the_model_loads(capsys):
+    """--max-prompts -1 served nothing and divided by zero after minutes of scoring; now one line, exit 2."""
+    from specjax.bench.heldout import main
+    assert main(["--config", "smollm2-135m", "--draft", "/nonexistent", "--max-prompts", "-1"]) == 2
+    assert "error: --max-prompts must be >= 0 and --max-new-tokens >= 1 (got -1 and 256)" in capsys.readouterr().err

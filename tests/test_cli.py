@@ -110,6 +110,19 @@ def test_bench_tools_report_user_errors_in_one_line(tmp_path, capsys):
     assert err.startswith("python -m specjax.bench spec: error: no config.json") and "Traceback" not in err
 
 
+@pytest.mark.parametrize("argv, said", [
+    (["--num-prompts", "0"], "--num-prompts must be >= 1, got 0"),  # was an IndexError after loading the model
+    (["--verify-sweep", "0,8"], "--verify-sweep takes comma-separated integers >= 1 (e.g. 1,8,16), got '0,8'"),
+    (["--verify-sweep", "a"], "--verify-sweep takes comma-separated integers >= 1"),
+    (["--runner-steps", "0"], "--runner-steps takes comma-separated integers >= 1"),  # was numpy's "need at least one"
+    (["--context", "-5", "--verify-sweep", "8"], "--context must be >= 1, got -5"),
+])
+def test_bench_spec_refuses_sizes_before_loading(argv, said, capsys):
+    assert bench_main(["spec", "--random-draft"] + argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m specjax.bench spec: error: {said}") and "Traceback" not in err
+
+
 def test_file_system_errors_are_said_in_words(tmp_path):
     """An output path the tools cannot use names the path and what is wrong, not Python's ``[Errno N]``."""
     (tmp_path / "afile").write_text("")

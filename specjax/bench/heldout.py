@@ -111,6 +111,10 @@ def main(argv=None) -> int:
     if (got := config_from_command_line(ap, argv)) is None:
         return 2
     args, cfg = from_namespace(HeldoutOptions, got[0]), got[1]
+    if args.max_prompts < 0 or args.max_new_tokens < 1:
+        print(f"error: --max-prompts must be >= 0 and --max-new-tokens >= 1 (got {args.max_prompts} and "
+              f"{args.max_new_tokens})", file=sys.stderr)
+        return 2
     folder = resolve_model_path(cfg.model.path)
     tcfg, tparams = load_model(folder, dtype=cfg.model.dtype)
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or folder)

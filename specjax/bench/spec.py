@@ -337,7 +337,7 @@ def bench_verify_sweep(args) -> dict:
     from specjax.models import target
 
     tcfg, tparams, _, model_note = load_target(args)
-    ms = [int(x) for x in args.verify_sweep.split(",")]
+    ms = positive_ints(args.verify_sweep, "--verify-sweep")
     b, ctx, page = args.batch, args.context, 16
     max_len = -(-(ctx + max(ms) + 1) // page) * page
     cache = kv_cache.init_cache(tcfg.num_layers, tcfg.num_kv_heads, tcfg.head_dim, b, max_len, page_size=page,
@@ -419,7 +419,7 @@ def bench_runner_steps(args) -> dict:
     alg = args.algorithm.upper()
     head, draft_note = load_head(args, tcfg)
     shape = (args.num_steps, args.topk, args.num_draft_tokens)
-    sizes = [int(x) for x in args.runner_steps.split(",")]
+    sizes = positive_ints(args.runner_steps, "--runner-steps")
     rows = runner_step_times(tcfg, tparams, alg, head, shape, sizes, args.context, args.phase_repeats)
     return dict(model=model_note, draft=draft_note, tree=list(shape), context=args.context, rows=rows)
 
@@ -473,8 +473,30 @@ class SpecOptions(TargetRunOptions):
     json: str | None = option(None, help="also write the results as JSON here")
 
 
+def positive_ints(text: str, flag: str) -> list[int]:
+    """``--flag 1,8,16`` as ints, each >= 1 (ValueError otherwise: one line from the bench tools)."""
+    try:
+        values = [int(x) for x in text.split(",")]
+    except ValueError:
+        values = []
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} takes comma-separated integers >= 1 (e.g. 1,8,16), got {text!r}")
+    return values
+
+
+def check_options(args: SpecOptions) -> None:
+    """Refuse values no mode can run, before the model loads."""
+    for flag in ("num_prompts", "max_new_tokens", "phase_repeats", "context", "batch"):
+        if getattr(args, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(args, flag)}")
+    for flag in ("verify_sweep", "runner_steps"):
+        if getattr(args, flag) is not None:
+            positive_ints(getattr(args, flag), "--" + flag.replace("_", "-"))
+
+
 def main(argv=None) -> int:
     args = parse_options(SpecOptions, argv, "python -m specjax.bench spec", __doc__)
+    check_options(args)
     if args.verify_sweep:
         return report(args, bench_verify_sweep, print_sweep_table)
     if args.runner_steps:
