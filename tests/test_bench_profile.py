@@ -50,6 +50,16 @@ def test_summary_counts_stream_kernels_once_per_unit(tmp_path):
     assert s["top"][0]["share"] == pytest.approx(0.75) and s["top"][0]["calls_per_unit"] == 1
 
 
+def test_tpu_trace_reads_its_xla_ops_line(tmp_path):
+    events = [_meta(3, "/device:TPU:0"), _meta(3, "XLA Modules", tid=1, kind="thread_name"),
+              _meta(3, "XLA Ops", tid=2, kind="thread_name")]
+    events.append({"ph": "X", "pid": 3, "tid": 1, "ts": 0.0, "dur": 100.0, "name": "jit_step"})
+    events += [{"ph": "X", "pid": 3, "tid": 2, "ts": t, "dur": 20.0, "name": "fusion.1"} for t in (0.0, 50.0)]
+    s = summarize(_write(tmp_path, events), units=1)
+    assert s["events"] == 2 and s["busy_ms_per_unit"] == pytest.approx(0.040)
+    assert s["span_ms_per_unit"] == pytest.approx(0.070)
+
+
 def test_cpu_trace_has_no_device(tmp_path):
     f = jax.jit(lambda x: jnp.tanh(x @ x))
     x = jnp.ones((64, 64))

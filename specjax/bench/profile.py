@@ -2,7 +2,7 @@
 
 ``trace_call(fn, log_dir)`` runs ``fn()`` under ``jax.profiler.trace`` (with a perfetto trace, Chrome's JSON format)
 and returns the trace file; ``summarize(path, units)`` reads the events a device recorded (the processes named
-``/device:...``: on a GPU its streams' kernels and copies) and returns, per ``unit`` (a decoded token, a step),
+``/device:...``: a GPU's streams' kernels and copies, a TPU's XLA operations) and returns, per ``unit`` (a decoded token, a step),
 the device's busy time (the union of its events), the span from its first event to its last end, and the
 kernels that took the most time. ``busy / span`` below 1 is time the device sat idle between kernels (launches,
 host syncs, a ``while_loop``'s condition read back), the rest is the kernels' own time. On a CPU there is no
@@ -55,14 +55,18 @@ def device_events(trace: dict) -> tuple[str, list[dict]]:
         raise ValueError(f"no device in the trace (processes: {sorted(set(procs.values()))}); on a CPU, XLA's work "
                          f"runs on host threads")
     xs = [e for e in events if e.get("ph") == "X" and e.get("pid") in device_pids and "dur" in e]
-    # A device's 'XLA Modules' / 'XLA Ops' lines span the kernels of its stream lines: keep the streams where the
-    # trace names them (else drop those derived lines), or every kernel would count two or three times.
+    # A GPU's 'XLA Modules' / 'XLA Ops' lines span the kernels of its stream lines, so one line kind is read, or
+    # every kernel would count two or three times: the streams (a GPU's kernels and copies), else 'XLA Ops' (a TPU's
+    # operations), else every line but the modules and steps that span them.
     threads = {(e["pid"], e.get("tid")): str(e["args"]["name"]) for e in events
                if e.get("ph") == "M" and e.get("name") == "thread_name" and e.get("pid") in device_pids}
-    streams = {k for k, name in threads.items() if name.startswith("Stream")}
-    derived = {k for k, name in threads.items() if name.startswith(("XLA ", "Steps", "Framework", "Source"))}
-    xs = [e for e in xs if (e["pid"], e.get("tid")) in streams] if streams else \
-        [e for e in xs if (e["pid"], e.get("tid")) not in derived]
+    keep = ({k for k, name in threads.items() if name.startswith("Stream")}
+            or {k for k, name in threads.items() if name == "XLA Ops"})
+    if keep:
+        xs = [e for e in xs if (e["pid"], e.get("tid")) in keep]
+    else:
+        spans = {k for k, name in threads.items() if name.startswith(("XLA Modules", "Steps", "Framework"))}
+        xs = [e for e in xs if (e["pid"], e.get("tid")) not in spans]
     return ", ".join(sorted(procs[p] for p in device_pids)), xs
 
 
