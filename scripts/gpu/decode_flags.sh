@@ -3,9 +3,11 @@
 # each (XLA reads XLA_FLAGS when its backend starts), so the fraction of the HBM bandwidth can be compared across
 # code-generation choices in one call. The first set is JAX's defaults and is profiled (--profile-dir: the device's
 # time per token by kernel, busy against idle). Budget: about 35 s per set on an H200 (the eighth and forty-sixth
-# sessions' runs took 33 s). FLAGSETS: sets separated by ';' (an empty set = the defaults).
+# sessions' runs took 33 s), so the three default sets fit after full.sh and more.sh in a 15-minute lease.
+# FLAGSETS: sets separated by ';' (an empty set = the defaults), e.g. add
+# ';--xla_gpu_enable_triton_gemm=false --xla_gpu_graph_min_graph_size=1'.
 source scripts/gpu/common.sh
-FLAGSETS=${FLAGSETS:-";--xla_gpu_enable_triton_gemm=false;--xla_gpu_enable_command_buffer=;--xla_gpu_enable_triton_gemm=false --xla_gpu_graph_min_graph_size=1"}
+FLAGSETS=${FLAGSETS:-";--xla_gpu_enable_triton_gemm=false;--xla_gpu_enable_command_buffer="}
 IFS=';' read -r -a SETS <<< "$FLAGSETS"
 i=0
 for flags in "${SETS[@]}"; do
