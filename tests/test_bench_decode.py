@@ -68,7 +68,9 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
                        "--profile-dir", str(tmp_path / "trace")]) == 0
     printed = capsys.readouterr()
     assert "fraction of limit" in printed.out
-    assert "profile: no device in the trace" in printed.err  # XLA:CPU runs on host threads: nothing to summarise
+    # XLA:CPU runs on host threads: nothing to summarise (a trace with no device process, or, with the suite's fake
+    # CPU devices, device processes without events)
+    assert "profile: no device" in printed.err and "on a CPU, XLA's work runs on host threads" in printed.err
     res = json.loads(out.read_text())
     # decode tok/s (hence the fraction) is a difference of two timings: NaN when a loaded CPU inverts them
     assert res["layers"] == 1 and res["copy_bandwidth_Bps"] > 0 and res["specjax"]["generate_tok_s"] > 0

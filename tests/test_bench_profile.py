@@ -60,6 +60,12 @@ def test_tpu_trace_reads_its_xla_ops_line(tmp_path):
     assert s["span_ms_per_unit"] == pytest.approx(0.070)
 
 
+def test_device_without_events_is_said(tmp_path):
+    path = _write(tmp_path, [_meta(4, "/device:CPU:0"), _meta(1, "/host:CPU")])
+    with pytest.raises(ValueError, match=r"no device events in the trace at .* \(/device:CPU:0\); on a CPU"):
+        summarize(path, units=1)
+
+
 def test_cpu_trace_has_no_device(tmp_path):
     f = jax.jit(lambda x: jnp.tanh(x @ x))
     x = jnp.ones((64, 64))

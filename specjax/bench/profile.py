@@ -77,7 +77,8 @@ def summarize(path: str, units: int, top: int = 15) -> dict:
     with gzip.open(path, "rt") as f:
         device, xs = device_events(json.load(f))
     if not xs:
-        raise ValueError(f"the trace at {path} holds no device events")
+        raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on host "
+                         f"threads")
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs]
     busy = _union_us(spans)
     span = max(e for _, e in spans) - min(s for s, _ in spans)
