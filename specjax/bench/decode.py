@@ -456,8 +456,8 @@ def print_random_llama(res: dict) -> None:
     if res.get("trace"):
         t = res["trace"]
         print_summary(t, "token (prefill included)")
-        print(f"\nweights read while the device was busy: {res['weight_bytes_per_token'] / t['busy_ms_per_unit'] / 1e6:.0f}"
-              f" GB/s; trace: {t['path']}")
+        busy_gbps = res["weight_bytes_per_token"] / t["busy_ms_per_unit"] / 1e6
+        print(f"\nweights read while the device was busy: {busy_gbps:.0f} GB/s; trace: {t['path']}")
 
 
 @dataclasses.dataclass
@@ -481,9 +481,9 @@ class DecodeOptions:
     random_llama_8b: bool = option(False, help="random bf16 Llama-3.1-8B-shaped model, batch 1, fraction of the "
                                                "bandwidth limit")
     layers: int | None = option(None, help="with --random-llama-8b: override the 32 layers")
-    profile_dir: str | None = option(None, metavar="DIR", help="with --random-llama-8b: trace one more generate call "
-                                                               "with the JAX profiler into DIR and print the device's "
-                                                               "time per token by kernel")
+    profile_dir: str | None = option(None, metavar="DIR",
+                                     help="with --random-llama-8b: trace one more generate call with the JAX profiler "
+                                          "into DIR and print the device's time per token by kernel")
     copy_mib: int | None = option(None, help="buffer size of the bandwidth measurement (default 1024 on "
                                              "accelerators, 256 on CPU); both modes report the weight-read limit")
     threads: int | None = option(None, help="CPU threads for every engine (torch.set_num_threads, XLA's intra-op "

@@ -2,11 +2,11 @@
 
 ``trace_call(fn, log_dir)`` runs ``fn()`` under ``jax.profiler.trace`` (with a perfetto trace, Chrome's JSON format)
 and returns the trace file; ``summarize(path, units)`` reads the events a device recorded (the processes named
-``/device:...``: a GPU's streams' kernels and copies, a TPU's XLA operations) and returns, per ``unit`` (a decoded token, a step),
-the device's busy time (the union of its events), the span from its first event to its last end, and the
-kernels that took the most time. ``busy / span`` below 1 is time the device sat idle between kernels (launches,
-host syncs, a ``while_loop``'s condition read back), the rest is the kernels' own time. On a CPU there is no
-device process (XLA:CPU's work runs on host threads), so ``summarize`` raises ``ValueError``.
+``/device:...``: a GPU's streams' kernels and copies, a TPU's XLA operations) and returns, per ``unit`` (a decoded
+token, a step), the device's busy time (the union of its events), the span from its first event to its last end,
+and the kernels that took the most time. ``busy / span`` below 1 is time the device sat idle between kernels
+(launches, host syncs, a ``while_loop``'s condition read back), the rest is the kernels' own time. A CPU has no
+device events (XLA:CPU's work runs on host threads), so there ``summarize`` raises ``ValueError``.
 """
 
 from __future__ import annotations
