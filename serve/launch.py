@@ -28,7 +28,7 @@ from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
-from specjax.host import cpu_model
+from specjax.host import cpu_model, device_bytes_limit
 from specjax.speculative.tune import TreeChoice, same_machine, tuned_on
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
@@ -95,15 +95,6 @@ def _resolve_chat_template(given: str | None, tokenizer) -> str:
         return tmpl
     log.warning("the tokenizer has no chat template and --chat-template is not set; /v1/chat/completions uses ChatML")
     return CHATML
-
-
-def device_bytes_limit() -> int | None:
-    """Memory of one device as the runtime reports it (None on CPU, which has no device limit)."""
-    try:
-        stats = jax.devices()[0].memory_stats()
-    except Exception:  # noqa: BLE001 - CPU backends may raise instead of returning None
-        stats = None
-    return (stats or {}).get("bytes_limit") or None
 
 
 def _kv_budget_tokens(args: ServerArgs, param_bytes: int, page_bytes_per_device: int, max_running: int,

@@ -13,7 +13,8 @@ The SmolLM2 bf16 train step ran 10-18% faster (fp32 9%). Memory the process free
 before). Not for servers: asynchronous dispatch lets their host work run beside the device's.
 
 And what the host is: ``cpu_model`` and ``cpu_flags`` (named beside every measured figure, and compared with the
-machine a head's tree table was tuned on).
+machine a head's tree table was tuned on), ``device_bytes_limit`` (an accelerator's memory, which the server sizes its
+KV pool from) and ``available_host_bytes`` (what a CPU can still hold).
 """
 
 from __future__ import annotations
@@ -45,6 +46,24 @@ def _cpuinfo(field: str) -> str | None:
 def cpu_model() -> str:
     """The CPU's model name (from /proc/cpuinfo; the platform's processor string elsewhere)."""
     return _cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def device_bytes_limit() -> int | None:
+    """Memory of one device as the runtime reports it (None on CPU, which has no device limit)."""
+    try:
+        stats = jax.devices()[0].memory_stats()
+    except Exception:  # noqa: BLE001 - CPU backends may raise instead of returning None
+        stats = None
+    return (stats or {}).get("bytes_limit") or None
+
+
+def available_host_bytes() -> int | None:
+    """The host memory the kernel says is available (``MemAvailable`` of /proc/meminfo); None where it is unknown."""
+    try:
+        with open("/proc/meminfo") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:")) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def cpu_flags() -> set[str]:

@@ -27,6 +27,11 @@ train_head() {  # train_head SECONDS INIT CKPT LOG [flags]: fine-tune INIT on $W
     --checkpoint.dir "$ckpt" --checkpoint.every 50 --logging.progress false "$@" ${EXTRA_TRAIN:-} > "$log" 2>&1
   echo "train rc=$?"; grep -v "^\s*$" "$log" | tail -25
 }
+decode8b() {  # decode8b TAG SECONDS LINES [flags]: the random Llama-3.1-8B-shaped bf16 decode (bench decode), its JSON
+  local tag=$1 secs=$2 lines=$3; shift 3  # to $OUT/decode8b$TAG.json, the last LINES lines of its output shown
+  timeout -k 5 "$secs" $PY -m specjax.bench decode --random-llama-8b --new-tokens 128 --repeats 3 \
+    --json "$OUT/decode8b$tag.json" "$@" 2>&1 | grep -v "^\s*$" | grep -v "^W0000\|^I0000" | tail -"$lines"
+}
 pack() {  # pack CKPT: export the head (bf16 HF EAGLE3) and bring it back with the conversations, in 15 MB parts
   rm -rf $W/pk; mkdir -p $W/pk
   $PY -m specjax.convert export-head "$1" $W/pk/head --dtype bfloat16 2>&1 | tail -2

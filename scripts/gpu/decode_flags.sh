@@ -12,9 +12,8 @@ IFS=';' read -r -a SETS <<< "$FLAGSETS"
 i=0
 for flags in "${SETS[@]}"; do
   stamp "decode8b flags [${flags:-defaults}]"
-  prof=""; [ $i = 0 ] && prof="--profile-dir /tmp/trace8b"
-  XLA_FLAGS="$flags" timeout -k 5 ${T1:-90} $PY -m specjax.bench decode --random-llama-8b --new-tokens 128 --repeats 3 \
-    --json $OUT/decode8b.$i.json $prof 2>&1 | grep -v "^\s*$" | grep -v "^W0000\|^I0000" | tail -$([ $i = 0 ] && echo 40 || echo 6)
+  if [ $i = 0 ]; then XLA_FLAGS="$flags" decode8b ".$i" ${T1:-90} 45 --profile-dir /tmp/trace8b
+  else XLA_FLAGS="$flags" decode8b ".$i" ${T1:-90} 6; fi
   i=$((i + 1))
 done
 stamp done

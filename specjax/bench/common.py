@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from specjax.cli import check_output_file, option
 from specjax.config import DTYPES
-from specjax.host import cpu_model
+from specjax.host import available_host_bytes, cpu_model, device_bytes_limit
 
 
 @dataclasses.dataclass
@@ -33,18 +33,8 @@ def machine_description() -> str:
 
 
 def available_device_bytes() -> int | None:
-    """Memory the default device can still hold: a CPU's available memory (``MemAvailable``), an accelerator's
-    allocator limit; None where neither is known."""
-    import jax
-    dev = jax.devices()[0]
-    if dev.platform != "cpu":
-        return (dev.memory_stats() or {}).get("bytes_limit")
-    try:
-        with open("/proc/meminfo") as f:
-            kib = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
-        return kib * 1024
-    except (OSError, StopIteration, ValueError):
-        return None
+    """Memory the default device can hold: an accelerator's allocator limit, else the host's available memory."""
+    return device_bytes_limit() or available_host_bytes()
 
 
 def check_fits_device(nbytes: int, what: str, hint: str) -> None:
