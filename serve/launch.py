@@ -208,8 +208,8 @@ class Backend:
             raise RequestError(f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
                                f"{len(ids)} tokens", param="logprob_start_len")
 
-    def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None):
-        return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed)
+    def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None, group=None):
+        return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed, group=group)
 
     def warmup(self) -> float:
         """Compile the common shapes, then run one request end to end. Returns seconds."""

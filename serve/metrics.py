@@ -54,14 +54,19 @@ class Metrics:
             self._l(self.prompt_tokens).inc(computed)
             self._l(self.cached_tokens).inc(cached)
 
+    def on_generated(self, tokens: int) -> None:
+        """Tokens added to requests' outputs (the prefill's first token included, tokens past a stop not)."""
+        if self.enabled and tokens:
+            self._l(self.generation_tokens).inc(tokens)
+
     def on_step(self, tokens: int, batch: int, seconds: float) -> None:
+        """A decode step that gave ``batch`` requests ``tokens`` output tokens in ``seconds``."""
         now = time.monotonic()
         with self._lock:
             self._window.append((now, tokens))
             self._window_tokens += tokens
             self._prune(now)
         if self.enabled and tokens:
-            self._l(self.generation_tokens).inc(tokens)
             self._l(self.itl).observe(seconds * batch / tokens)
 
     def on_finish(self, req, meta: dict) -> None:

@@ -12,9 +12,9 @@ from __future__ import annotations
 import dataclasses
 import time
 import uuid
-from typing import Any, ClassVar, Literal, Union
+from typing import Annotated, Any, ClassVar, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from specjax import sampling
 
@@ -33,9 +33,14 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
     return False
 
 
+# A count or seed: an integer, or a float with an integral value (JSON clients send 3.0), as ``SamplingParams``
+# takes them; a string or a bool is refused (the bodies are strict: "10" is no int, 1 no bool). Token ids stay int.
+Int = Annotated[int, BeforeValidator(lambda v: int(v) if isinstance(v, float) and v.is_integer() else v)]
+
+
 class _Body(BaseModel):
     """A request body: extra fields are collected (not dropped) so that ``check_fields`` can name each one."""
-    model_config = ConfigDict(extra="allow", allow_inf_nan=False)
+    model_config = ConfigDict(extra="allow", allow_inf_nan=False, strict=True)  # "10" is no int, 1 no bool
     # field -> neutral values: fields other servers define that specjax does not implement; sent with one of these
     # values (or null / empty) they ask for nothing and are accepted, otherwise refused.
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {}
@@ -97,22 +102,22 @@ NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": 
 
 class GenerateSamplingParams(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = NEUTRAL_EXTRAS
-    max_new_tokens: int | None = 128
+    max_new_tokens: Int | None = 128
     temperature: float = 1.0
     top_p: float = 1.0
-    top_k: int = -1
+    top_k: Int = -1
     min_p: float = 0.0
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     skip_special_tokens: bool = True
-    n: int = 1
-    seed: int | None = None
-    sampling_seed: int | None = None
+    n: Int = 1
+    seed: Int | None = None
+    sampling_seed: Int | None = None
     frequency_penalty: float = 0.0
     presence_penalty: float = 0.0
     repetition_penalty: float = 1.0
-    min_new_tokens: int = 0
+    min_new_tokens: Int = 0
     logit_bias: dict[str, float] | None = None
     no_stop_trim: bool = False
 
@@ -143,8 +148,8 @@ class GenerateRequest(_Body):
     stream: bool = False
     rid: str | list[str] | None = None
     return_logprob: bool | list[bool] | None = None
-    logprob_start_len: int | list[int] = -1
-    top_logprobs_num: int | list[int] = 0
+    logprob_start_len: Int | list[Int] = -1
+    top_logprobs_num: Int | list[Int] = 0
     return_text_in_logprobs: bool = False
 
     def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
@@ -177,14 +182,14 @@ class _OpenAISampling(_Body):
     model: str | None = None
     temperature: float | None = None
     top_p: float | None = None
-    n: int = 1
+    n: Int = 1
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    seed: int | None = None
+    seed: Int | None = None
     user: str | None = None  # an end-user id for the caller's own records; no effect on the output
     # SGLang / vLLM extensions.
-    top_k: int | None = None
+    top_k: Int | None = None
     min_p: float | None = None
     ignore_eos: bool = False
     stop_token_ids: list[int] | None = None
@@ -193,7 +198,7 @@ class _OpenAISampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
-    min_tokens: int | None = None
+    min_tokens: Int | None = None
     no_stop_trim: bool = False
 
     def logprob_request(self) -> tuple[bool, int, bool]:
@@ -230,9 +235,9 @@ class _OpenAISampling(_Body):
 
 class CompletionRequest(_OpenAISampling):
     prompt: Union[str, list[str], list[int], list[list[int]]]
-    max_tokens: int | None = 16
+    max_tokens: Int | None = 16
     echo: bool = False
-    logprobs: int | None = None  # completions: the number of top logprobs per token (0: the chosen token's only)
+    logprobs: Int | None = None  # completions: the number of top logprobs per token (0: the chosen token's only)
 
     def logprob_request(self) -> tuple[bool, int, bool]:
         if self.logprobs is not None and not 0 <= self.logprobs <= sampling.TOP_LOGPROBS:
@@ -277,11 +282,11 @@ class ChatMessage(_Body):
 
 class ChatCompletionRequest(_OpenAISampling):
     messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = None
-    max_completion_tokens: int | None = None
+    max_tokens: Int | None = None
+    max_completion_tokens: Int | None = None
     chat_template_kwargs: dict[str, Any] | None = None  # extra variables for the chat template (enable_thinking...)
     logprobs: bool = False
-    top_logprobs: int | None = None
+    top_logprobs: Int | None = None
 
     def logprob_request(self) -> tuple[bool, int, bool]:
         if self.top_logprobs is not None:

@@ -16,6 +16,7 @@ from specjax import sampling
 
 INT32_MAX = (1 << 31) - 1
 DETOK_CONTEXT = 6  # prompt tokens decoded with the output so that the first output token gets its leading space
+MAX_STOP_CHARS = 512  # per stop string: the held-back tail is compared against each on every step
 
 
 class RequestError(ValueError):
@@ -86,6 +87,8 @@ class SamplingParams:
             raise RequestError(f"n must be in [1, 64], got {self.n}", "n")
         if len(self.stop) > 16:
             raise RequestError("at most 16 stop strings", "stop")
+        if any(len(x) > MAX_STOP_CHARS for x in self.stop):
+            raise RequestError(f"a stop string may have at most {MAX_STOP_CHARS} characters", "stop")
         if not 0 <= self.top_logprobs_num <= sampling.TOP_LOGPROBS:
             raise RequestError(f"top_logprobs must be in [0, {sampling.TOP_LOGPROBS}], got {self.top_logprobs_num}",
                                "top_logprobs_num")
@@ -193,6 +196,17 @@ def _number(name: str, v) -> float:
     raise RequestError(f"{name} must be a finite number, got {v!r}", name)
 
 
+def stop_prefix_at_end(text: str, stop: str) -> int:
+    """Length of the longest tail of ``text`` that begins ``stop`` (shorter than ``stop`` itself). Only the tails
+    that start with ``stop[0]`` are compared, longest first, so a step costs no scan over every length."""
+    j = text.find(stop[0], max(0, len(text) - len(stop) + 1))
+    while j != -1:
+        if stop.startswith(text[j:]):
+            return len(text) - j
+        j = text.find(stop[0], j + 1)
+    return 0
+
+
 @dataclasses.dataclass
 class Request:
     rid: str
@@ -200,6 +214,7 @@ class Request:
     params: SamplingParams
     sink: Callable[[dict], None]  # receives output events; called on the scheduler thread
     seed: int = 0
+    group: str | None = None  # the client's rid when it was expanded per prompt / copy (an abort by it stops all)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # Scheduling state (owned by the scheduler thread).
     slot: int | None = None
@@ -310,11 +325,7 @@ class Request:
         """New text and ids since the last event. While running, text that might begin a stop string is held back."""
         end = len(self.text)
         if not self.finished and self.params.stop:
-            for s in self.params.stop:
-                for k in range(min(len(s) - 1, end), 0, -1):
-                    if self.text.endswith(s[:k]):
-                        end = min(end, len(self.text) - k)
-                        break
+            end -= max(stop_prefix_at_end(self.text, s) for s in self.params.stop)
         end = max(end, self.sent_chars)
         text = self.text[self.sent_chars:end]
         ids = self.output_ids[self.sent_ids:]

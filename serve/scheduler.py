@@ -93,9 +93,10 @@ class Scheduler:
         return self.context_length - prompt_len
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
-               seed: int | None = None) -> Request:
+               seed: int | None = None, group: str | None = None) -> Request:
         """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
-        names a request still in flight."""
+        names a request still in flight. ``group``: the client's rid of a request submitted under an expanded rid
+        (a batch or n copies), which an abort names as well."""
         ids = token_ids(prompt_ids)  # integers only: a float or a string id is refused, never truncated
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
@@ -120,7 +121,8 @@ class Scheduler:
                                param="max_tokens", code="kv_pool_too_small")
         if seed is None:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 31 - 1))
-        req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed))
+        req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed),
+                      group=group)
         with self._live_lock:  # an abort names a rid: two requests under one would both be aborted (SGLang refuses)
             if req.rid in self._live:
                 raise RequestError(f"a request with rid {req.rid!r} is already in flight; give each request its own "
@@ -196,12 +198,13 @@ class Scheduler:
             self.waiting.append(req)
         elif kind == "abort":
             rid = item[1]
+            named = lambda r: r is not None and rid in (r.rid, r.group)  # noqa: E731
             for req in list(self.waiting):
-                if req.rid == rid:
+                if named(req):
                     self.waiting.remove(req)
                     self._finish(req, {"type": "abort", "message": "aborted by the client"})
             for req in self.slots:
-                if req is not None and req.rid == rid:
+                if named(req):
                     self._finish(req, {"type": "abort", "message": "aborted by the client"})
         elif kind == "call":
             _, fn, fut = item
@@ -273,7 +276,7 @@ class Scheduler:
             req.prefilled += n
             self.totals["prompt_tokens"] += n
             if req.prefill_done:
-                self.metrics.on_prefill(n, req.cached_tokens)
+                self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
                 self._cache_prefix(req)
                 self._first_token(req, tok)
 
@@ -333,19 +336,19 @@ class Scheduler:
             return False
         rows = np.nonzero(keep)[0]
         lps = self._logprobs([reqs[b] for b in rows])
-        n_out = 0
+        n_out = 0  # tokens the requests received (a step's tokens past a stop are dropped)
         for b in rows:
             req = reqs[b]
             req.spec_verify_ct += 1
             c = int(counts[b])
-            n_out += c
-            self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
+            if self.spec:
+                self.totals["spec_tokens"] += c
+            n_out += self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
         now = time.perf_counter()
         self.metrics.on_step(n_out, len(rows), now - max(inflight.t0, self._last_collect))
         self._last_collect = now
         if self.spec:
             self.totals["spec_verify_ct"] += len(rows)
-            self.totals["spec_tokens"] += n_out
         return True
 
     def _first_token(self, req: Request, tok: int) -> None:
@@ -372,12 +375,14 @@ class Scheduler:
         """The runner's logprobs of the latest step (host arrays), fetched only when one of ``reqs`` wants them."""
         return self.runner.logprobs(self.state) if any(r.params.return_logprob for r in reqs) else None
 
-    def _emit_tokens(self, req: Request, tokens, logprobs=None) -> None:
+    def _emit_tokens(self, req: Request, tokens, logprobs=None) -> int:
+        """Append a step's tokens to ``req`` (up to a stop), stream or finish it. Returns how many it took."""
+        before = len(req.output_ids)
         try:
-            before = len(req.output_ids)
             req.append_tokens(tokens, self.tokenizer, self.eos_ids, self.max_new_tokens_cap(len(req.prompt_ids)),
                               logprobs)
             self.totals["generated_tokens"] += len(req.output_ids) - before
+            self.metrics.on_generated(len(req.output_ids) - before)
             if req.finished:
                 self._finish(req)
             else:
@@ -389,6 +394,7 @@ class Scheduler:
             log.exception("output processing of request %s failed", req.rid)
             if not req.finished or req.slot is not None:
                 self._finish(req, {"type": "abort", "message": f"{type(e).__name__}: {e}"})
+        return len(req.output_ids) - before
 
     # ---- finishing -----------------------------------------------------------------------------------------------
     def _cache_prefix(self, req: Request) -> None:

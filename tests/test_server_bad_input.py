@@ -230,6 +230,32 @@ def test_every_field_refuses_a_bad_value(server, path, body, field):
     assert_error(post(server, path, json=body), 400, field)
 
 
+COERCIBLE = [  # values a lax parser would convert ("10" -> 10, "true" / 1 -> True, true -> 1): refused, as OpenAI does
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "10"}}, "max_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"ignore_eos": "true"}}, "ignore_eos"),
+    ("/generate", {"text": "x", "sampling_params": {"n": True}}, "n"),
+    ("/generate", {"text": "x", "stream": "yes"}, "stream"),
+    ("/generate", {"input_ids": ["1", "2"]}, "input_ids"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": "7"}, "seed"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": 1}, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "max_tokens": "3"}, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "logprobs": "true"}, "logprobs"),
+]
+
+
+@pytest.mark.parametrize("path, body, field", COERCIBLE, ids=[f"{p}-{f}" for p, _, f in COERCIBLE])
+def test_values_of_the_wrong_type_are_not_converted(server, path, body, field):
+    assert_error(post(server, path, json=body), 400, field)
+
+
+def test_integral_floats_count_as_integers(server):
+    """A count sent as 3.0 (JSON clients that have only doubles) is 3, as SamplingParams takes it; 2.5 is not."""
+    r = post(server, "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 3.0, "n": 1.0})
+    assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] <= 3, r.text
+    assert_error(post(server, "/v1/chat/completions", json={"model": "tiny", "messages": MSG, "max_tokens": 2.5}),
+                 400, "max_tokens")
+
+
 def test_neutral_values_are_accepted(server):
     """Fields specjax does not implement are fine at the value that asks for nothing (what SDKs send by default)."""
     for path, body in [

@@ -117,6 +117,12 @@ def test_openai_completions_logprobs_and_echo(client, hf):
     assert all(len(t) <= 2 for t in lp.top_logprobs[n_prompt:]) and lp.top_logprobs[0] is None
     assert all(isinstance(t, dict) and 1 <= len(t) <= 2 for t in lp.top_logprobs[1:n_prompt])  # prompt tops
     assert all(max(t.values()) >= x - 1e-5 for t, x in zip(lp.top_logprobs[1:], lp.token_logprobs[1:]))
+    chunks = [c.choices[0].logprobs for c in client.completions.create(
+        model=SHARED_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=2, echo=True, stream=True,
+        extra_body={"ignore_eos": True}) if c.choices and c.choices[0].logprobs]
+    assert len(chunks) > 1  # offsets run on across chunks, as in the whole response
+    assert [t for c in chunks for t in c.tokens] == lp.tokens
+    assert [o for c in chunks for o in c.text_offset] == lp.text_offset
     plain = client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=4, temperature=0, logprobs=0,
                                       extra_body={"ignore_eos": True})
     assert len(plain.choices[0].logprobs.tokens) == 4

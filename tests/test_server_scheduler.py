@@ -274,3 +274,34 @@ def test_a_rid_in_flight_is_refused_until_it_finishes():
         pass
     assert ev["meta_info"]["id"] == "r" and ev["meta_info"]["completion_tokens"] == 2
     sched.shutdown()
+
+
+def test_an_abort_by_the_clients_rid_stops_every_copy():
+    """A batch or n > 1 under one client rid runs as rid-k-j requests (``group`` = the client's rid): an abort by
+    the client's rid reaches each of them, running or waiting, as SGLang's does; another group is untouched."""
+    sched = make(FakeRunner(max_batch=2))
+    qs = {r: queue.Queue() for r in ("g-0-0", "g-0-1", "g-0-2", "h")}
+    for rid, q in qs.items():
+        sched.submit([1], SamplingParams(max_new_tokens=24, ignore_eos=True), q.put, rid=rid,
+                     group=None if rid == "h" else "g")
+    sched.abort("g")
+    for rid, q in qs.items():
+        while not (ev := q.get(timeout=10))["finished"]:
+            pass
+        assert ev["meta_info"]["finish_reason"]["type"] == ("length" if rid == "h" else "abort"), rid
+    sched.shutdown()
+
+
+def test_metrics_count_every_prompt_chunk_and_every_token_delivered():
+    """The Prometheus counters agree with the scheduler's totals: a prompt prefilled in several chunks counts
+    whole, and generation counts the tokens requests received (the prefill's first included, none past a stop)."""
+    pytest.importorskip("prometheus_client")
+    from specjax.serve.metrics import Metrics
+    m = Metrics(enabled=True)
+    sched = make(FakeRunner(tokens_per_step=4), chunked_prefill_size=4, metrics=m)
+    ids, _ = run(sched, list(range(10)), 20, stop_token_ids=[16])
+    assert ids == [10, 11, 12, 13, 14, 15, 16]  # the step that emits 16 also made 17, 18, which are dropped
+    get = lambda name: m.registry.get_sample_value(name, {"model_name": ""})  # noqa: E731
+    assert get("specjax:prompt_tokens_total") == 10 == sched.totals["prompt_tokens"]
+    assert get("specjax:generation_tokens_total") == 7 == sched.totals["generated_tokens"]
+    sched.shutdown()

@@ -8,6 +8,7 @@ import subprocess
 import sys
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 
 from specjax.bench.serve import launch_flags, median_round, speedup_cell
@@ -17,7 +18,7 @@ from specjax.config import ConfigError, ModelConfig
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
 from specjax.serve.launch import LONGER_CONTEXT_ENV, build, check_context_length
 from specjax.serve.pages import PagePool, RadixCache
-from specjax.serve.request import Request, RequestError, SamplingParams
+from specjax.serve.request import MAX_STOP_CHARS, Request, RequestError, SamplingParams, stop_prefix_at_end
 from server_helpers import tiny_model_dir
 
 
@@ -170,6 +171,19 @@ def test_streaming_holds_back_a_possible_stop(tokenizer):
     req.finish_reason = {"type": "length", "length": 1}
     req.flush_text(tokenizer)
     assert "".join(pieces) + req.stream_delta()[0] == "go to Paris."
+
+
+def test_the_held_back_tail_is_the_longest_that_begins_a_stop():
+    """``stop_prefix_at_end`` against the definition (every tail length, longest first), on texts full of the stop's
+    first character; stop strings past MAX_STOP_CHARS are refused (each step compares tails against them)."""
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        text = "".join(rng.choice(list("aab"), size=rng.integers(0, 12)))
+        stop = "".join(rng.choice(list("ab"), size=rng.integers(1, 7)))
+        want = next((k for k in range(min(len(stop) - 1, len(text)), 0, -1) if text.endswith(stop[:k])), 0)
+        assert stop_prefix_at_end(text, stop) == want, (text, stop)
+    with pytest.raises(RequestError, match="at most 512 characters"):
+        SamplingParams(stop=["x" * (MAX_STOP_CHARS + 1)]).validate()
 
 
 def test_split_utf8_is_never_streamed_half(tokenizer):

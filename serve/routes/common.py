@@ -66,7 +66,7 @@ _TYPE_TAGS = ("str", "int", "float", "bool", "none", "list", "dict", "literal", 
 def _field_path(loc) -> list[str]:
     """pydantic's error location without list indices and union-member tags: the field names only."""
     return [str(x) for x in loc if isinstance(x, str) and x != "body" and not x[:1].isupper()
-            and x.split("[")[0].lower() not in _TYPE_TAGS]
+            and x.split("[")[0].split("-")[0].lower() not in _TYPE_TAGS]  # "function-before[...]": a tag
 
 
 def validation_message(e: pydantic.ValidationError | RequestValidationError) -> tuple[str, str | None]:
@@ -172,14 +172,16 @@ class Fanout:
         self.ids: list[list[int]] = []
         self.meta: list[dict] = []
 
-    def add(self, ids: list[int], sp: SamplingParams, rid: str | None = None, seed: int | None = None) -> int:
+    def add(self, ids: list[int], sp: SamplingParams, rid: str | None = None, seed: int | None = None,
+            group: str | None = None) -> int:
         i = len(self.reqs)
 
         def sink(ev, i=i):
             self.loop.call_soon_threadsafe(self.queue.put_nowait, (i, ev))
 
         try:
-            self.reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink, rid=rid, seed=seed))
+            self.reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink, rid=rid, seed=seed,
+                                                 group=group))
         except Exception:
             self.abort()
             raise

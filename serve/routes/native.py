@@ -56,10 +56,10 @@ async def generate(request: Request):
     fan = Fanout(backend)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
         for j in range(sp.n):
-            rid = rids[k]
+            rid, group = rids[k], None
             if rid is not None and (sp.n > 1 or (len(prompts) > 1 and not isinstance(body.rid, list))):
-                rid = f"{rid}-{k}-{j}"
-            fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j))
+                rid, group = f"{rid}-{k}-{j}", rid  # an abort by the client's rid still reaches every copy
+            fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j), group=group)
     single = not batch and len(fan.reqs) == 1
 
     def item(i):

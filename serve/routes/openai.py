@@ -67,17 +67,19 @@ async def completions(request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def gen():
-            echoed, sent = set(), {}
+            echoed, sent, offset = set(), {}, {}  # per choice: tokens with logprobs sent, characters they span
             async for i, ev in fan.events():
                 text = ev["text"]
                 lps = P.completion_logprobs(ev["meta_info"], backend.tokenizer, sp.top_logprobs_num, body.echo,
-                                            start=sent.get(i, 0))
+                                            start=sent.get(i, 0), text_offset=offset.get(i, 0))
                 sent[i] = len(ev["meta_info"].get("output_token_logprobs", ()))
+                if lps and lps["tokens"]:
+                    offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
                 if body.echo and i not in echoed:
                     text, _ = echo_text[i // sp.n] + text, echoed.add(i)
                 fr = P.finish_reason_openai(ev["meta_info"]["finish_reason"]) if ev["finished"] else None
-                if not text and fr is None:
-                    continue
+                if not text and fr is None and not (lps and lps["tokens"]):
+                    continue  # (a token whose text is held back still sends its logprobs, as chat does)
                 yield sse(P.CompletionStreamResponse(id=cid, created=created, model=served, choices=[
                     P.CompletionStreamChoice(index=i, text=text, finish_reason=fr, logprobs=lps)]))
             if include_usage:
