@@ -162,7 +162,7 @@ def test_refuses_mismatched_target(tmp_path):
         head_weights.load_eagle3_head(str(tmp_path), tcfg)
 
 
-def test_cli_import_then_export(tmp_path):
+def test_cli_import_then_export(tmp_path, capsys):
     """import-head -> a training checkpoint (head.init_from) -> export-head gives back the same HF head."""
     tcfg_dir = tmp_path / "target"
     tcfg_dir.mkdir()
@@ -172,6 +172,8 @@ def test_cli_import_then_export(tmp_path):
     H.export_head(params, hcfg, vmap, str(tmp_path / "hf"), tcfg)
     from specjax.convert.__main__ import main
     assert main(["import-head", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--target", str(tcfg_dir)]) == 0
+    assert main(["import-head", str(tmp_path / "hf"), str(tmp_path / "ckpt"), "--target", str(tcfg_dir)]) == 2
+    assert "is not empty" in capsys.readouterr().err  # a second import never meets orbax's bare message
     assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out")]) == 0
     cfg2, params2, vmap2 = head_weights.load_eagle3_head(str(tmp_path / "out"), tcfg)
     assert cfg2 == hcfg

@@ -139,6 +139,8 @@ def test_missing_data_is_a_clear_error(tmp_path, capsys):
     assert V.main([*argv, "--out", str(tmp_path / "v.npz")]) == 2
     err = capsys.readouterr().err
     assert "error: data path" in err and "regenerated.jsonl does not exist" in err
+    assert V.main([*argv, "--model.path", str(tmp_path / "no-model"), "--out", str(tmp_path / "v.npz")]) == 2
+    assert "no-model" in capsys.readouterr().err  # a model path that is no model: one line, no traceback
     env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "specjax.train", *argv, "--checkpoint.dir", str(tmp_path / "ck")],
                        capture_output=True, text=True, env=env, timeout=240, cwd=root)

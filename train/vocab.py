@@ -131,8 +131,8 @@ def main(argv=None) -> int:
     if (got := config_from_command_line(p, argv)) is None:
         return 2
     args, cfg = from_namespace(VocabOptions, got[0]), got[1]
-    tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
-    try:
+    try:  # a model.path that is no model folder is a WeightsError / ConfigError, both ValueErrors
+        tcfg = ModelConfig.from_pretrained(resolve_model_path(cfg.model.path))
         check_output_file(args.out, "--out")
         vm, counts = compute_vocab_map(cfg, tcfg.vocab_size)
     except (data_lib.NoUsableData, ValueError) as e:

@@ -175,6 +175,8 @@ def _import_main(argv) -> int:
         export_head(params, head_cfg, vmap, a.out, target_cfg)
     else:
         from specjax.train import checkpoint as ck
+        if os.path.isdir(a.out) and os.listdir(a.out):
+            raise HeadFormatError(f"{a.out} is not empty: import into a new (or empty) folder")
         head32 = head_cfg.replace(dtype="float32")
         params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         target_path = os.path.abspath(a.target) if os.path.exists(a.target) else a.target
