@@ -142,3 +142,15 @@ def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys)
     assert res["weight_bytes"] == 4 * 2 * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * v * d
     with pytest.raises(SystemExit, match="--rows must be positive"):
         gemm.main(["--rows", "0"])
+
+
+@pytest.mark.parametrize("kind", ["decode", "gemm"])
+@pytest.mark.parametrize("threads", ["0", "-2"])
+def test_threads_below_one_are_refused_up_front(kind, threads, capsys, monkeypatch):
+    """``--threads 0`` was torch's RuntimeError from set_num_threads: one line, exit 2, the environment untouched."""
+    from specjax.bench.__main__ import main as bench_main
+    monkeypatch.delenv("SPECJAX_CPU_THREADS", raising=False)
+    assert bench_main([kind, "--threads", threads]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m specjax.bench {kind}: error: --threads must be >= 1, got " \
+                                              f"{threads}"
+    assert "SPECJAX_CPU_THREADS" not in os.environ

@@ -116,6 +116,8 @@ def test_bench_tools_report_user_errors_in_one_line(tmp_path, capsys):
     (["--verify-sweep", "a"], "--verify-sweep takes comma-separated integers >= 1"),
     (["--runner-steps", "0"], "--runner-steps takes comma-separated integers >= 1"),  # was numpy's "need at least one"
     (["--context", "-5", "--verify-sweep", "8"], "--context must be >= 1, got -5"),
+    (["--topk", "1", "--num-draft-tokens", "6"],  # was said after loading the model and warming up
+     "with speculative eagle_topk == 1 (a chain) num_draft_tokens must be num_steps + 1 = 4, got 6"),
 ])
 def test_bench_spec_refuses_sizes_before_loading(argv, said, capsys):
     assert bench_main(["spec", "--random-draft"] + argv) == 2
@@ -143,6 +145,13 @@ def test_outputs_are_checked_before_the_work(tmp_path, capsys):
     with pytest.raises(ValueError, match="is a folder; give a file name"):
         cli.check_output_file(str(tmp_path), "--out")
     cli.check_output_file(str(tmp_path / "new" / "x.json"), "--json")  # missing folders are made when it is written
+    assert not (tmp_path / "new").exists()  # the check made them to try, and removed them again
+    (tmp_path / "kept.json").write_text("old")
+    cli.check_output_file(str(tmp_path / "kept.json"), "--json")
+    assert (tmp_path / "kept.json").read_text() == "old"
+    # os.access lets root write anywhere under /proc; the real attempt does not (the bench ran, then failed to write)
+    with pytest.raises(ValueError, match=r"^--json /proc/specjax-no/out\.json: "):
+        cli.check_output_file("/proc/specjax-no/out.json", "--json")
     assert bench_main(["decode", "--json", str(tmp_path / "afile" / "x.json"), "--batch-sizes", "1"]) == 2
     err = capsys.readouterr().err
     assert err.strip() == (f"python -m specjax.bench decode: error: --json {tmp_path / 'afile' / 'x.json'}: "
@@ -155,3 +164,31 @@ def test_bench_train_refuses_sizes_before_compiling(capsys):
     assert "error: --ttt-length must be >= 1, got 0" in capsys.readouterr().err
     assert bench_main(["train", "--model-config", "smollm2-135m", "--head-dtype", "float42"]) == 2
     assert "--head-dtype must be float32, bfloat16 or float16" in capsys.readouterr().err
+
+
+def test_prompt_files_in_the_trainers_chat_formats(tmp_path):
+    """``--prompts FILE`` (bench spec, tune, serve): ShareGPT ``conversations``, ``messages``, ``turns``, ``prompt``
+    and plain lines all give their first user turn (ShareGPT records were a KeyError); records without one are
+    skipped; a file without any is one ValueError before the model loads (an empty file was an IndexError after)."""
+    from specjax.bench.common import read_prompt_file
+    from specjax.bench.spec import prompt_texts
+    f = tmp_path / "mixed.jsonl"
+    f.write_text('{"conversations": [{"from": "gpt", "value": "hi"}, {"from": "human", "value": "A?"}, '
+                 '{"from": "gpt", "value": "a"}]}\n'
+                 '{"messages": [{"role": "system", "content": "s"}, {"role": "user", "content": "B?"}]}\n'
+                 '{"id": 3}\n{"turns": ["C?", "more"]}\nnot json {\n\n{"prompt": "D?"}\n{"broken": \n')
+    assert read_prompt_file(str(f)) == ["A?", "B?", "C?", "not json {", "D?"]
+    assert prompt_texts(str(f), 2) == (["A?", "B?"], f"{f} (first 2)", False)
+    for text in ("", '{"id": 1}\n{"messages": [{"role": "assistant", "content": "x"}]}\n'):
+        f.write_text(text)
+        with pytest.raises(ValueError, match=f"no usable prompts in {f} \\(expected one prompt per line, or JSON"):
+            read_prompt_file(str(f))
+
+
+def test_bench_spec_reads_the_prompt_file_before_the_model(tmp_path, capsys):
+    """A prompt file without prompts is said before the model loads (the model folder here is not one)."""
+    (tmp_path / "empty.jsonl").write_text("")
+    assert bench_main(["spec", "--model", str(tmp_path), "--random-draft", "--prompts",
+                       str(tmp_path / "empty.jsonl")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m specjax.bench spec: error: no usable prompts in {tmp_path / 'empty.jsonl'}")

@@ -4,13 +4,19 @@ radix cache (sharing, ref counts, LRU eviction)."""
 
 from __future__ import annotations
 
+import contextlib
+import http.server
+import json
+import socket
 import subprocess
 import sys
+import threading
 from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from specjax.bench.__main__ import main as bench_main
 from specjax.bench.serve import launch_flags, median_round, speedup_cell
 from specjax.heads import DEFAULT_HEAD
 from specjax.hub import default_smollm2_path
@@ -344,3 +350,69 @@ def test_a_context_longer_than_the_model_is_refused(monkeypatch):
         check_context_length(ServerArgs.from_kwargs(model_path="m", context_length=2 * n), cfg)
     monkeypatch.setenv(LONGER_CONTEXT_ENV, "1")
     assert check_context_length(ServerArgs.from_kwargs(model_path="m", context_length=2 * n), cfg) == 2 * n
+
+
+class _KeyedServer(http.server.BaseHTTPRequestHandler):
+    """A server that lists a model to anyone and refuses every completion (as a wrong --api-key would get)."""
+
+    def do_GET(self):
+        self._answer(200, {"data": [{"id": "m"}]} if self.path == "/v1/models" else {})
+
+    def do_POST(self):
+        self._answer(401, {"error": "invalid api key"})
+
+    def _answer(self, code: int, body: dict):
+        data = json.dumps(body).encode()
+        self.send_response(code)
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+    def log_message(self, *args):
+        pass
+
+
+@contextlib.contextmanager
+def _keyed_server():
+    httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), _KeyedServer)
+    threading.Thread(target=httpd.serve_forever, daemon=True).start()
+    try:
+        yield f"http://127.0.0.1:{httpd.server_address[1]}"
+    finally:
+        httpd.shutdown()
+        httpd.server_close()
+
+
+def _nobody_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return f"http://127.0.0.1:{s.getsockname()[1]}"
+
+
+@pytest.mark.parametrize("argv, said", [
+    (["--concurrency", "4", "0"], "--concurrency must be at least 1"),
+    (["--num-prompts", "0"], "--num-prompts must be at least 1"),  # was a ZeroDivisionError
+    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+])
+def test_bench_serve_refuses_sizes_up_front(argv, said, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench_main(["serve", "--url", _nobody_url()] + argv)
+    assert e.value.code == 2 and f"error: {said}" in capsys.readouterr().err
+
+
+def test_bench_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
+    """No server at --url (was httpx's ConnectError traceback), a prompt file without prompts (a ZeroDivisionError),
+    every request of a level failing (a table of nan, exit 0): one line each, exit 2."""
+    url = _nobody_url()
+    assert bench_main(["serve", "--url", url, "--prompts", "builtin"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith(f"python -m specjax.bench serve: error: no server answers at {url}")
+    assert "python -m specjax.serve" in err and "Traceback" not in err and len(err.strip().splitlines()) == 1
+    (tmp_path / "p.jsonl").write_text('{"id": 1}\n')
+    assert bench_main(["serve", "--url", url, "--prompts", str(tmp_path / "p.jsonl")]) == 2
+    assert f"error: no usable prompts in {tmp_path / 'p.jsonl'}" in capsys.readouterr().err
+    with _keyed_server() as url:
+        assert bench_main(["serve", "--url", url, "--prompts", "builtin", "--num-prompts", "2", "--concurrency", "1",
+                           "--warmup-requests", "0"]) == 2
+    out, err = capsys.readouterr()
+    assert f"error: all 2 requests to {url} at concurrency 1 failed, e.g. HTTP 401" in err and "nan" not in out

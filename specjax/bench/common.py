@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import json
 import os
 import platform
@@ -11,6 +12,10 @@ from typing import Any, Callable
 from specjax.cli import check_output_file, option
 from specjax.config import DTYPES
 from specjax.host import available_host_bytes, cpu_model, device_bytes_limit
+from specjax.train.data import COMPRESSION, BadRecord, to_messages
+
+PROMPT_FORMATS = ("one prompt per line, or JSON lines with a prompt in turns[0], prompt, text, or the first user turn "
+                  "of messages / conversations")
 
 
 @dataclasses.dataclass
@@ -51,6 +56,53 @@ def write_json(path: str | None, results: Any, indent: int = 2) -> None:
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
         with open(path, "w") as f:
             json.dump(results, f, indent=indent)
+
+
+def prompt_of(record: Any) -> str | None:
+    """The prompt of one JSON record in the chat formats the trainer reads (MT-bench's ``turns``, a ``prompt`` or
+    ``text`` field, the first user turn of ``messages`` / ``conversations``), or None when it holds none."""
+    if not isinstance(record, dict):
+        return None
+    turns = record.get("turns")
+    for text in ([turns[0]] if isinstance(turns, list) and turns else []) + [record.get("prompt"), record.get("text")]:
+        if isinstance(text, str) and text.strip():
+            return text
+    try:
+        msgs = to_messages(record, prompts=True)
+    except BadRecord:
+        return None
+    return next(m["content"] for m in msgs if m["role"] == "user")
+
+
+def _prompt_lines(path: str):
+    """Each non-empty line of ``path`` (decompressed when its name says so): a JSON record or a plain prompt."""
+    ext = os.path.splitext(path)[1].lower()
+    opener = importlib.import_module(COMPRESSION[ext]).open if ext in COMPRESSION else open
+    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
+        for line in f:
+            line = line.strip()
+            if line.startswith("{"):
+                try:
+                    yield json.loads(line)
+                except json.JSONDecodeError:
+                    yield None  # a broken line is skipped like a record without a prompt
+            elif line:
+                yield line
+
+
+def read_prompt_file(path: str, n: int | None = None) -> list[str]:
+    """The first ``n`` (default: all) prompts of ``path``; records without a prompt are skipped. A ValueError,
+    before anything loads, when none is usable (was a KeyError on ShareGPT records, an IndexError on an empty file)."""
+    out = []
+    for item in _prompt_lines(path):
+        text = item if isinstance(item, str) else prompt_of(item)
+        if text:
+            out.append(text)
+            if n is not None and len(out) >= n:
+                break
+    if not out:
+        raise ValueError(f"no usable prompts in {path} (expected {PROMPT_FORMATS})")
+    return out
 
 
 def print_table(header: list[str], rows: list[list[Any]], align: str = "---") -> None:

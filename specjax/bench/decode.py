@@ -126,7 +126,10 @@ def set_cpu_threads(n: int) -> None:
     every engine and the bandwidth measurements run on the same cores: XLA:CPU in JAX 0.10 spreads one large
     matrix-vector product over every core whatever ``intra_op_parallelism_threads`` says (33.6 GB/s on two cores of
     the Intel VM, 16.8 GB/s pinned to one). XLA reads its flags when the backend starts and the pools inherit the
-    affinity when they start, so this must run before the first JAX computation (``main`` calls it first)."""
+    affinity when they start, so this must run before the first JAX computation (``main`` calls it first). ``n`` < 1
+    is a ValueError naming --threads (torch's RuntimeError otherwise, after XLA's flags were set)."""
+    if n < 1:
+        raise ValueError(f"--threads must be >= 1, got {n}")
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if 0 < n < len(cores):
         os.sched_setaffinity(0, cores[:n])

@@ -31,7 +31,7 @@ import time
 
 import numpy as np
 
-from specjax.bench.common import write_json
+from specjax.bench.common import read_prompt_file, write_json
 from specjax.cli import check_output_file, option, options_parser, parse_into
 
 BUILTIN_PROMPTS = [
@@ -48,7 +48,7 @@ BUILTIN_PROMPTS = [
 
 def load_prompts(spec: str, n: int) -> list[str]:
     """``mtbench`` (first turns of MT-bench, fetched by ``python -m specjax.convert fetch-mtbench``), ``builtin``,
-    or a file: JSONL with a "prompt"/"text"/"turns" field per line, or plain text with one prompt per line."""
+    or a file (see ``read_prompt_file``): JSON lines in the trainer's chat formats, or one prompt per line."""
     if spec == "builtin":
         rows = BUILTIN_PROMPTS
     else:
@@ -60,15 +60,7 @@ def load_prompts(spec: str, n: int) -> list[str]:
                 print(f"MT-bench questions not found at {path}; fetch them with "
                       f"`python -m specjax.convert fetch-mtbench` (using the built-in prompts now)", file=sys.stderr)
                 return (BUILTIN_PROMPTS * (n // len(BUILTIN_PROMPTS) + 1))[:n]
-        with open(path) as f:
-            lines = [line.strip() for line in f if line.strip()]
-        rows = []
-        for line in lines:
-            if line.startswith("{"):
-                d = json.loads(line)
-                rows.append(d["turns"][0] if "turns" in d else d.get("prompt") or d.get("text"))
-            else:
-                rows.append(line)
+        rows = read_prompt_file(path, n)  # records without a prompt are dropped; none left is a ValueError
     return (rows * (n // len(rows) + 1))[:n]
 
 
@@ -137,6 +129,8 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         out["accept_len"] = (after["spec_tokens"] - before["spec_tokens"]) / (
             after["spec_verify_ct"] - before["spec_verify_ct"])
     errors = sorted({r["error"] for r in results if "error" in r})
+    if results and not ok:  # a table of nan would hide the reason (a wrong --api-key, a server that fails)
+        raise ValueError(f"all {len(results)} requests to {url} at concurrency {concurrency} failed, e.g. {errors[0]}")
     if errors:
         print(f"  {len(results) - len(ok)} failed requests, e.g. {errors[0]}", file=sys.stderr)
     return out
@@ -152,13 +146,26 @@ def server_state(url: str, headers: dict) -> dict | None:
 
 
 def served_model(url: str, headers: dict) -> str:
+    """The model ``url`` serves (ValueError, one line, when nothing answers there or the answer is not a model list:
+    no server, a wrong --api-key)."""
     import httpx
-    return httpx.get(url + "/v1/models", headers=headers, timeout=30).json()["data"][0]["id"]
+    try:
+        r = httpx.get(url + "/v1/models", headers=headers, timeout=30)
+    except httpx.HTTPError as e:
+        raise ValueError(f"no server answers at {url} ({type(e).__name__}: {e}); start one with `python -m "
+                         f"specjax.serve --model-path MODEL --port PORT` and pass its --url, or use --launch") from None
+    if r.status_code != 200:
+        hint = "; check --api-key" if r.status_code in (401, 403) else ""
+        raise ValueError(f"{url}/v1/models answered HTTP {r.status_code}: {r.text[:200]}{hint}")
+    try:
+        return r.json()["data"][0]["id"]
+    except (ValueError, LookupError, TypeError):
+        raise ValueError(f"{url}/v1/models did not answer an OpenAI model list: {r.text[:200]}") from None
 
 
-def sweep(url: str, args) -> list[dict]:
+def sweep(url: str, args, prompts: list[str]) -> list[dict]:
     """Warm the server up, then run each concurrency level in turn (``args.rounds`` times each)."""
-    target = Target(url, args)
+    target = Target(url, args, prompts)
     target.warm()
     return [median_round([target.level(c) for _ in range(args.rounds)]) for c in args.concurrency]
 
@@ -186,11 +193,10 @@ def speedup_cell(row: dict, base: dict) -> str:
 class Target:
     """One server under load: its URL, auth headers, served model name and the prompts."""
 
-    def __init__(self, url: str, args, name: str = ""):
-        self.url, self.args, self.name = url, args, name
+    def __init__(self, url: str, args, prompts: list[str], name: str = ""):
+        self.url, self.args, self.name, self.prompts = url, args, name, prompts
         self.headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
         self.model = served_model(url, self.headers)
-        self.prompts = load_prompts(args.prompts, args.num_prompts)
 
     def warm(self) -> None:
         n = self.args.warmup_requests
@@ -313,16 +319,16 @@ def launched(name: str, args):
             proc.kill()
 
 
-def launch_and_sweep(name: str, args) -> list[dict]:
+def launch_and_sweep(name: str, args, prompts: list[str]) -> list[dict]:
     with launched(name, args) as url:
-        return sweep(url, args)
+        return sweep(url, args, prompts)
 
 
-def launch_interleaved(names: list[str], args) -> dict[str, list[dict]]:
+def launch_interleaved(names: list[str], args, prompts: list[str]) -> dict[str, list[dict]]:
     """Every configuration's server up at once; each concurrency level runs them back to back (in reverse order on
     every other level and round), so a drifting machine shifts all of them alike; ``args.rounds`` times over."""
     with contextlib.ExitStack() as stack:
-        targets = [Target(stack.enter_context(launched(n, args)), args, n) for n in names]
+        targets = [Target(stack.enter_context(launched(n, args)), args, prompts, n) for n in names]
         for t in targets:
             t.warm()
         runs: dict[str, list[list[dict]]] = {n: [[] for _ in args.concurrency] for n in names}
@@ -372,23 +378,28 @@ def main(argv=None) -> int:
     ap = options_parser(ServeBenchOptions, "python -m specjax.bench serve", __doc__.split("\n\n")[0],
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args = parse_into(ServeBenchOptions, ap, argv)
-    if args.rounds < 1:
-        ap.error("--rounds must be at least 1")
+    for flag, value in (("rounds", args.rounds), ("concurrency", min(args.concurrency)),
+                        ("num-prompts", args.num_prompts), ("max-tokens", args.max_tokens)):
+        if value < 1:
+            ap.error(f"--{flag} must be at least 1")
+    if args.warmup_requests < 0:
+        ap.error("--warmup-requests must be at least 0")
     if args.interleave and not args.launch:
         ap.error("--interleave runs the servers of --launch side by side; give --launch plain,eagle3 (or others)")
     check_output_file(args.json, "--json")
+    if args.launch and not args.model_path:
+        ap.error("--launch needs --model-path")
+    prompts = load_prompts(args.prompts, args.num_prompts)  # a file without prompts is said before any server starts
     if args.launch:
-        if not args.model_path:
-            ap.error("--launch needs --model-path")
         names = [n.strip() for n in args.launch.split(",") if n.strip()]
-        results = launch_interleaved(names, args) if args.interleave else {n: launch_and_sweep(n, args)
-                                                                            for n in names}
+        results = launch_interleaved(names, args, prompts) if args.interleave else {
+            n: launch_and_sweep(n, args, prompts) for n in names}
         for name in names:
             print_table(results[name], title=name)
         if len(results) > 1:
             print_side_by_side(results)
     else:
-        results = {"server": sweep(args.url.rstrip("/"), args)}
+        results = {"server": sweep(args.url.rstrip("/"), args, prompts)}
         print_table(results["server"], title=args.url)
     write_json(args.json, results, indent=1)
     return 0

@@ -34,15 +34,15 @@ alternating, median over at least ``--phase-repeats`` x 4 steps (the KV pools do
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import statistics
 import sys
 import time
 
-from specjax.bench.common import TargetRunOptions, print_table, report
+from specjax.bench.common import TargetRunOptions, print_table, read_prompt_file, report
 from specjax.bench.llamacpp import LlamaServer
 from specjax.cli import option, parse_options
+from specjax.speculative.tree import validate as validate_tree
 
 
 def _median(fn, repeats: int) -> float:
@@ -86,23 +86,22 @@ def prompt_texts(spec: str, n: int) -> tuple[list[str], str, bool]:
                 note = f"MT-bench first turns ({path}; fetch_mtbench failed: {type(e).__name__})"
         if path is None:
             raise SystemExit("MT-bench questions unavailable: run `python -m specjax.convert fetch-mtbench`")
-        with open(path) as f:
-            return [json.loads(line)["turns"][0] for line in f if line.strip()][:n], note, True
+        return read_prompt_file(path, n), note, True
     if os.path.exists(spec):
-        with open(spec) as f:
-            lines = [line.strip() for line in f if line.strip()]
-        texts = [json.loads(x)["turns"][0] if x.startswith("{") else x for x in lines][:n]
+        texts = read_prompt_file(spec, n)
         return texts, f"{spec} (first {len(texts)})", False
     raise SystemExit(f"--prompts: expected 'mtbench', 'random' or a file, got {spec!r}")
 
 
-def load_prompts(spec: str, tokenizer, n: int, vocab_size: int) -> tuple[list[list[int]], str]:
-    """Token ids of the first ``n`` prompts and a note on where they came from."""
+def load_prompts(spec: str, tokenizer, n: int, vocab_size: int,
+                 texts: tuple[list[str], str, bool] | None = None) -> tuple[list[list[int]], str]:
+    """Token ids of the first ``n`` prompts and a note on where they came from; ``texts``: what
+    ``prompt_texts(spec, n)`` gave, when the caller read them before loading the model."""
     import numpy as np
     if spec == "random":
         rng = np.random.default_rng(0)
         return rng.integers(100, vocab_size, size=(n, 64)).tolist(), "random 64-token prompts"
-    texts, note, chat = prompt_texts(spec, n)
+    texts, note, chat = texts or prompt_texts(spec, n)
     if tokenizer is None:
         raise SystemExit("text prompts need a tokenizer in the model folder; use --prompts random")
     from specjax.generate import encode_prompts
@@ -220,11 +219,12 @@ def bench_spec(args) -> dict:
     from specjax.speculative import draft as draft_lib, spec_step as step_lib
     from specjax.speculative.spec_generate import speculative_generate
 
+    texts = None if args.prompts == "random" else prompt_texts(args.prompts, args.num_prompts)  # before the model
     tcfg, tparams, tokenizer, model_note = load_target(args)
     alg = args.algorithm.upper()
     (dcfg, dparams, vocab), draft_note = load_head(args, tcfg)
     draft = draft_lib.make_draft(alg, dcfg, dparams, tparams, vocab)
-    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
+    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size, texts)
     stop = tuple(tcfg.eos_token_ids)
     conf = dict(num_steps=args.num_steps, topk=args.topk, num_draft_tokens=args.num_draft_tokens)
     budget = dict(max_new_tokens=args.max_new_tokens)
@@ -492,6 +492,7 @@ def check_options(args: SpecOptions) -> None:
     for flag in ("verify_sweep", "runner_steps"):
         if getattr(args, flag) is not None:
             positive_ints(getattr(args, flag), "--" + flag.replace("_", "-"))
+    validate_tree(args.num_steps, args.topk, args.num_draft_tokens)  # was said after loading and warming up
 
 
 def main(argv=None) -> int:
