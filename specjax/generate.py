@@ -38,7 +38,7 @@ from specjax.safetensors_io import SafetensorsError
 from specjax.sharding import committed_device, put_kv_pool, use_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
-from specjax.speculative.tree import validate as validate_tree
+from specjax.speculative.tree import num_candidates, validate as validate_tree
 from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, shape_for
 from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
@@ -257,9 +257,14 @@ class GenerateOptions:
                                                     "the default model, none otherwise; NONE forces plain decoding)")
     speculative_draft_model_path: str | None = option(None, metavar="PATH",
                                                       help="the draft head's folder (HF format)")
-    speculative_num_steps: int | None = option(None, metavar="N", help="draft depth (default: the head's tuned)")
-    speculative_eagle_topk: int | None = option(None, metavar="N", help="branching per draft step")
-    speculative_num_draft_tokens: int | None = option(None, metavar="N", help="tree tokens verified per step")
+    speculative_num_steps: int | None = option(None, metavar="N", help="draft depth (default: the head's tuned "
+                                                                       "shape (`bench tune`), else 5)")
+    speculative_eagle_topk: int | None = option(None, metavar="N", help="branching per draft step (default: the "
+                                                                        "head's tuned shape, else 1)")
+    speculative_num_draft_tokens: int | None = option(None, metavar="N",
+                                                      help="tree tokens verified per step (default: num_steps + 1 "
+                                                           "when eagle_topk is 1, else the head's tuned shape, at "
+                                                           "most what the tree holds)")
     no_compare: bool = option(False, help="with speculative decoding, skip the timed plain run beside it")
 
 
@@ -276,6 +281,41 @@ def _parser() -> argparse.ArgumentParser:
                "--speculative-draft-model-path HEAD --chat --prompt 'Hi'")
 
 
+DEFAULT_TREE = (5, 1, 6)  # a chain: the shape of a head without a `bench tune` table
+TREE_FLAGS = ("--speculative-num-steps", "--speculative-eagle-topk", "--speculative-num-draft-tokens")
+
+
+def _tuned_shape(args, head: str, say: bool) -> tuple[int, int, int]:
+    """The head's tuned tree shape at this batch size (DEFAULT_TREE without a tune table); ``say``: print a note
+    when the table measured plain decoding faster (the tuned tree runs anyway)."""
+    table = load_tune(head, dtype=args.dtype)
+    if not table:
+        return DEFAULT_TREE
+    b = len(args.prompt or [1])
+    tuned = shape_for(table, b)
+    if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
+        tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
+        if say:
+            print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
+                  f"{b} ({head}/{tune_filename(args.dtype)}); running its fastest shape anyway", file=sys.stderr)
+    return tuned
+
+
+def _tree_shape(args, head: str) -> tuple[int, int, int]:
+    """The tree flags given, the others filled from the head's tuned shape so that the tree is one that runs (a
+    chain's num_draft_tokens is num_steps + 1): a flag the user never set is never the one blamed."""
+    steps, topk, draft = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    if None in (steps, topk, draft):
+        base = _tuned_shape(args, head, say=(steps, topk, draft) == (None, None, None))
+        topk = base[1] if topk is None else topk
+        if steps is None:
+            steps = draft - 1 if draft is not None and topk == 1 else base[0]
+        if draft is None:
+            draft = steps + 1 if topk == 1 else min(base[2], 1 + num_candidates(steps, topk))
+    validate_tree(steps, topk, draft)
+    return steps, topk, draft
+
+
 def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, int] | None]:
     """(model folder, algorithm or None, head folder, tree shape) from the flags and the defaults."""
     model, algo, head = args.model, args.speculative_algorithm, args.speculative_draft_model_path
@@ -286,6 +326,11 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
             fetch_smollm2(model)
         if algo is None and head is None and default_head_available():
             algo, head = DEFAULT_ALGORITHM, DEFAULT_HEAD
+    given = [f for f, v in zip(TREE_FLAGS, (args.speculative_num_steps, args.speculative_eagle_topk,
+                                             args.speculative_num_draft_tokens)) if v is not None]
+    if given and head is None and algo in (None, "NONE"):  # plain decoding would ignore them
+        raise ValueError(f"tree flags ({', '.join(given)}) need --speculative-algorithm and "
+                         f"--speculative-draft-model-path")
     if algo == "NONE":
         if head is not None:
             raise ValueError("--speculative-algorithm NONE decodes plainly: drop --speculative-draft-model-path, or "
@@ -297,18 +342,7 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH")
     if algo is None:
         return model, None, None, None
-    flags = (args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    tuned = None
-    if all(f is None for f in flags) and (table := load_tune(head, dtype=args.dtype)):
-        b = len(args.prompt or [1])
-        tuned = shape_for(table, b)
-        if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
-            tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
-            print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
-                  f"{b} ({head}/{tune_filename(args.dtype)}); running its fastest shape anyway", file=sys.stderr)
-    shape = tuned or tuple(f if f is not None else d for f, d in zip(flags, (5, 1, 6)))
-    validate_tree(*shape)
-    return model, algo, head, shape
+    return model, algo, head, _tree_shape(args, head)
 
 
 def _timed(fn, max_new_tokens: int):

@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from specjax.config import ModelConfig
-from specjax.generate import encode_prompts, generate, generate_text, main
+from specjax.generate import GenerateOptions, _parser, _resolve_pair, encode_prompts, generate, generate_text, main
+from specjax.heads import DEFAULT_HEAD
 from specjax.models import target
 from specjax.safetensors_io import save_file
 from specjax.weights import params_to_hf
@@ -225,3 +226,33 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
     for flag in ("--model", "--prompt", "--chat", "--max-new-tokens", "--temperature", "--top-k", "--top-p",
                  "--seed", "--dtype"):
         assert flag in help_text
+
+
+def test_tree_flags_fill_from_the_tuned_shape(tmp_path):
+    """One tree flag: the others from the head's tuned shape (the shipped head's at batch 1 is (1, 2, 3)), a chain's
+    num_draft_tokens = num_steps + 1 (was (5, 1, 6)'s values, then an error naming num_draft_tokens=6, never set)."""
+    def shape(head=DEFAULT_HEAD, **flags):
+        opts = GenerateOptions(model=str(tmp_path), speculative_algorithm="EAGLE3",
+                               speculative_draft_model_path=head, **flags)
+        return _resolve_pair(opts)[3]
+    assert shape() == (1, 2, 3)
+    assert shape(speculative_num_steps=3) == (3, 2, 3)
+    assert shape(speculative_eagle_topk=1) == (1, 1, 2)
+    assert shape(speculative_eagle_topk=1, speculative_num_draft_tokens=5) == (4, 1, 5)
+    assert shape(head=str(tmp_path), speculative_num_steps=3) == (3, 1, 4)  # no tune table: a chain
+    assert shape(head=str(tmp_path), speculative_eagle_topk=4, speculative_num_steps=1) == (1, 4, 5)
+    with pytest.raises(ValueError, match="num_draft_tokens=9 exceeds"):
+        shape(speculative_num_draft_tokens=9)
+    help_text = " ".join(_parser().format_help().split())
+    assert "num_steps + 1 when eagle_topk is 1" in help_text and "else 5" in help_text
+
+
+def test_tree_flags_without_a_head_are_refused(tmp_path, capsys):
+    """Tree flags with a model and no --speculative-algorithm decode plainly: refused, not silently ignored."""
+    assert main(["--model", str(tmp_path), "--speculative-num-steps", "3", "--speculative-eagle-topk", "2"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: tree flags (--speculative-num-steps, --speculative-eagle-topk) need --speculative-algorithm and "
+        "--speculative-draft-model-path")
+    assert main(["--model", str(tmp_path), "--speculative-algorithm", "NONE", "--speculative-num-draft-tokens",
+                 "4"]) == 2
+    assert "error: tree flags (--speculative-num-draft-tokens) need" in capsys.readouterr().err
