@@ -108,3 +108,25 @@ def test_prompt_only_records_are_regenerated(tmp_path):
     assert [c.id for c in convs] == ["a", "b"]
     assert [m["content"] for m in convs[1].users] == ["be brief", "q1", "q2"]
     assert stats == {"empty": 1}
+
+
+def test_nothing_usable_is_an_error_before_the_model_loads(tmp_path, capsys):
+    """An empty file, records without messages, a --first-conversation past the end: exit 2 with the counts (was
+    "wrote 0 conversations" and exit 0, after loading the model; "x" is no model). All of the slice already written
+    is no error: the rerun of a finished run."""
+    src = tmp_path / "in.jsonl"
+    argv = ["--model", "x", "--out", str(tmp_path / "out.jsonl"), "--data", str(src)]
+    for text, said in (("", "(counts: no records)"), ('{"id": 1}\n{"text": "hi"}\n', "(counts: bad_format 2)")):
+        src.write_text(text)
+        assert regen.main(argv) == 2
+        assert capsys.readouterr().err.strip() == f"error: no usable conversations in {src} {said}"
+    src.write_text("\n".join(json.dumps({"conversations": [{"from": "human", "value": f"q{i}"}]})
+                             for i in range(3)) + "\n")
+    assert regen.main(argv + ["--first-conversation", "5"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: no usable conversations in {src} (counts: "
+                                               f"before_first_conversation 3); --first-conversation 5 is past its 3 "
+                                               f"records")
+    cfg = regen.RegenConfig(model="x", data=[str(src)], out="unused")
+    stats = regen.collections.Counter()
+    assert list(regen.usable_conversations(cfg, {0, 1, 2}, stats)) == [] and stats == {"already_done": 3}
+    assert [c.source_index for c in regen.usable_conversations(cfg, {1}, stats)] == [0, 2]

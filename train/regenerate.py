@@ -25,11 +25,12 @@ from __future__ import annotations
 import argparse
 import collections
 import dataclasses
+import itertools
 import json
 import os
 import sys
 import time
-from typing import Iterable, Sequence
+from typing import Iterable, Iterator, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -108,6 +109,7 @@ def iter_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Coun
         if cfg.max_conversations and i >= cfg.first_conversation + cfg.max_conversations:
             return
         if i < cfg.first_conversation:
+            stats["before_first_conversation"] += 1  # said when nothing is left: a --first-conversation past the end
             continue
         if i in skip:
             stats["already_done"] += 1
@@ -121,6 +123,26 @@ def iter_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Coun
         users = system + [m for m in msgs if m["role"] == "user"][: cfg.max_turns]
         rid = rec.get("id") if isinstance(rec, dict) else None
         yield Conversation(source_index=i, id=str(rid if rid is not None else i), users=users)
+
+
+def _in_slice(cfg: RegenConfig, i: int) -> bool:
+    """Whether input record ``i`` is in the slice ``--first-conversation`` / ``--max-conversations`` select."""
+    return i >= cfg.first_conversation and not (cfg.max_conversations and
+                                                i >= cfg.first_conversation + cfg.max_conversations)
+
+
+def usable_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Counter) -> Iterator[Conversation]:
+    """``iter_conversations``, read up to the first usable one now: a NoUsableData (before the model loads) when the
+    slice holds none and none of it was already written (was "wrote 0 conversations" and exit status 0)."""
+    convs = iter_conversations(cfg, skip, stats)
+    first = next(convs, None)
+    if first is None and not stats["already_done"]:
+        counts = ", ".join(f"{k} {v:,}" for k, v in sorted(stats.items())) or "no records"
+        before = stats["before_first_conversation"]
+        past = (f"; --first-conversation {cfg.first_conversation:,} is past its {before:,} records"
+                if before and before == sum(stats.values()) else "")
+        raise data_lib.NoUsableData(f"no usable conversations in {', '.join(cfg.data)} (counts: {counts}){past}")
+    return itertools.chain([first] if first else [], convs)
 
 
 def _next_prompt(conv: Conversation) -> list[dict] | None:
@@ -204,10 +226,11 @@ def regenerate(cfg: RegenConfig, log=print) -> collections.Counter:
     if skip:
         log(f"resuming: {len(skip):,} conversations already in {out}")
     stats: collections.Counter = collections.Counter()
+    convs = usable_conversations(cfg, skip, stats)
     regen = Regenerator(cfg)
     t0 = time.perf_counter()
-    bar = tqdm(desc="regenerate", unit="conv", total=cfg.max_conversations or None, initial=len(skip),
-               dynamic_ncols=True)
+    bar = tqdm(desc="regenerate", unit="conv", total=cfg.max_conversations or None,
+               initial=sum(_in_slice(cfg, i) for i in skip), dynamic_ncols=True)  # the slice's, not other slices'
     chunk: list[Conversation] = []
     with open(out, "a", encoding="utf-8") as f:
         def flush(chunk):
@@ -216,7 +239,7 @@ def regenerate(cfg: RegenConfig, log=print) -> collections.Counter:
             bar.update(len(chunk))
             bar.set_postfix(tok_s=f"{regen.generated_tokens / (time.perf_counter() - t0):.0f}",
                             written=stats["written"])
-        for conv in iter_conversations(cfg, skip, stats):
+        for conv in convs:
             chunk.append(conv)
             if len(chunk) == cfg.chunk:
                 flush(chunk)
