@@ -9,6 +9,7 @@ SGLang-named flags, the bench and convert tools); :func:`add_dotted_options` tur
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import errno
 import importlib
@@ -203,7 +204,10 @@ def nearest_existing(path: str) -> str:
 
 def check_output_file(path: str | None, flag: str) -> None:
     """Raise a ValueError now, before the work, when ``path`` cannot be written as a file later: it is a folder,
-    its nearest existing folder is a file, or that folder is not writable (missing folders are created then)."""
+    its nearest existing folder is a file, or that folder is not writable (missing folders are created then).
+    The write is also tried for real (the missing folders made, the file opened for appending, then what did not
+    exist removed again): ``os.access`` trusts permission bits, which root passes under /proc or on a read-only
+    mount."""
     if not path:
         return
     path = os.path.abspath(os.path.expanduser(path))
@@ -214,6 +218,32 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: {parent} is a file, not a folder")
     if not os.access(parent, os.W_OK):
         raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
+    _try_writing(path, parent, flag)
+
+
+def _try_writing(path: str, parent: str, flag: str) -> None:
+    """Make ``path``'s missing folders below ``parent`` and open it for appending (its content untouched), then
+    remove what this made; a ValueError naming ``flag`` when the file system refuses."""
+    existed = os.path.exists(path)
+    made = []  # the missing folders, outermost first
+    folder = os.path.dirname(path)
+    while folder != parent and len(folder) > len(parent):
+        made.insert(0, folder)
+        folder = os.path.dirname(folder)
+    try:
+        for d in made:
+            os.mkdir(d)
+        with open(path, "a"):
+            pass
+    except OSError as e:  # "does not exist" would puzzle where the file is to be made: say what could not be
+        said = f"cannot create {e.filename}" if e.errno == errno.ENOENT and e.filename else error_text(e)
+        raise ValueError(f"{flag} {path}: {said}") from None
+    finally:
+        if not existed and os.path.isfile(path):
+            os.remove(path)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):  # only the empty folders this made
+                os.rmdir(d)
 
 
 def check_field_types(cls, values: dict[str, Any]) -> dict[str, Any]:

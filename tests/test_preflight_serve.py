@@ -72,6 +72,17 @@ def test_serve_preflight_bad_input(v5e, tmp_path, capsys, argv, message):
     assert message in capsys.readouterr().err
 
 
+def test_serve_preflight_reads_the_head_before_compiling(v5e, tmp_path, capsys, monkeypatch):
+    """A --speculative-draft-model-path without a head is said before any program compiles (the plain programs
+    compiled for minutes first)."""
+    monkeypatch.setattr(preflight, "plain_programs", lambda *a, **k: pytest.fail("compiled before reading the head"))
+    assert preflight.main(["serve", "--model-path", small_config(tmp_path), "--topology", "v5e-1",
+                           "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                           str(tmp_path / "nonexistent"), *SMALL_FLAGS]) == 1
+    err = capsys.readouterr().err
+    assert err.startswith(f"preflight: error: --speculative-draft-model-path {tmp_path / 'nonexistent'}: ")
+
+
 def test_abstract_setup_matches_what_the_server_builds(v5e, tmp_path):
     """The abstract params are the server's decode layout (``target.unstack_layers`` of the tp-sharded params) and
     the pool plan is the server's own (``serve.launch.plan_pool`` against the chip's HBM)."""

@@ -54,6 +54,8 @@ def test_overrides_and_types(tmp_path):
     (["--training.ttt_length", "100000"], "must be smaller than data.max_length"),
     (["--training.ttt_length", "100", "--data.max_length", "4096"], "training.ttt_length must be <= 64"),
     (["--data.eval_max", "-1"], "data.eval_max must be >= 0"),
+    (["--data.max_examples", "-1"], r"data.max_examples must be >= 1 \(or null: all\), got -1"),
+    (["--data.max_examples", "0"], "data.max_examples must be >= 1"),
     (["--head.num_layers", "0"], "head.num_layers must be >= 1"),
     (["--head.aux_layer_ids", "[1, 1, 2]"], "must be distinct"),
     (["--head.dtype", "float42"], "head.dtype must be"),
@@ -91,6 +93,22 @@ def test_help_lists_every_key_with_its_documentation():
             assert f"--{sec.name}.{f.name} " in text
             assert field_help(f), f"{sec.name}.{f.name} has no help text"
             assert " ".join(field_help(f).split()) in text
+
+
+def test_help_start_here_trains_on_what_its_fetch_steps_make():
+    """The --help "Start here" train command reads only what the fetch commands above it put in the cache (the
+    config's own data, the regenerated set, is not one of them: the command failed with "data path ... does not
+    exist"); run by hand it trains (checked with --training.max_steps 2)."""
+    from specjax.train.__main__ import HELP_EPILOG
+    start = HELP_EPILOG.split("Start here")[1].split("What happens")[0].replace("\\\n", " ")
+    fetched = {line.split()[3].removeprefix("fetch-") for line in start.splitlines() if "convert fetch-" in line}
+    train = next(line.split("#")[0].split() for line in start.splitlines() if "-m specjax.train " in line)
+    assert fetched == {"smollm2", "sharegpt"}
+    args = train[train.index("--config"):]
+    args[1] = os.path.join(ROOT, args[1])
+    cfg = load_config(args[1], args[2:])
+    assert list(cfg.data.paths) == ["sharegpt"] and not cfg.data.hf_datasets
+    assert cfg.model.path == os.path.expanduser("~/.cache/specjax/SmolLM2-135M-Instruct")  # fetch-smollm2's
 
 
 def test_cli_flags_reach_the_config(tmp_path, capsys):

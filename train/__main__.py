@@ -42,7 +42,9 @@ Every key of the run config can be overridden on the command line as --section.k
 Start here (CPU, a few minutes):
   python -m specjax.convert fetch-smollm2            # real SmolLM2-135M-Instruct into ~/.cache/specjax
   python -m specjax.convert fetch-sharegpt           # real ShareGPT chats (JSONL) into the same cache
-  python -m specjax.train --config configs/smollm2-135m.yaml --data.max_examples 500 --training.max_steps 20
+  python -m specjax.train --config configs/smollm2-135m.yaml --data.paths sharegpt --data.max_examples 500 \\
+      --training.max_steps 20   # ShareGPT's own answers; the recipe trains on the target's regenerated ones
+                                # (python -m specjax.train.regenerate: see configs/smollm2-135m.yaml)
 
 What happens:
   - the target (model.path: an HF folder with config.json, *.safetensors and a tokenizer with a chat template)

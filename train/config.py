@@ -439,6 +439,7 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "training.decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
     "data.eval_max": (lambda v: v >= 0, ">= 0"),
+    "data.max_examples": (lambda v: v >= 1, ">= 1 (or null: all)"),  # -1 was "kept 0 of 0 conversations"
     "head.num_layers": (lambda v: v >= 1, ">= 1"),
     "logging.every": (lambda v: v >= 1, ">= 1"),
     "logging.eval_every": (lambda v: v >= 0, ">= 0 (0: never)"),
