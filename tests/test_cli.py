@@ -192,3 +192,6 @@ def test_bench_spec_reads_the_prompt_file_before_the_model(tmp_path, capsys):
                        str(tmp_path / "empty.jsonl")]) == 2
     err = capsys.readouterr().err
     assert err.startswith(f"python -m specjax.bench spec: error: no usable prompts in {tmp_path / 'empty.jsonl'}")
+    assert bench_main(["tune", "--model", str(tmp_path), "--draft", str(tmp_path), "--prompts",
+                       str(tmp_path / "empty.jsonl")]) == 2  # bench tune too
+    assert "no usable prompts in" in capsys.readouterr().err

@@ -34,7 +34,7 @@ import jax
 
 from specjax.batching import warmup_budget
 from specjax.bench.common import TargetRunOptions, machine_description, write_json
-from specjax.bench.spec import load_prompts, load_target
+from specjax.bench.spec import load_prompts, load_target, prompt_texts
 from specjax.cli import check_output_file, option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
 
@@ -75,11 +75,12 @@ def tune(args) -> dict:
     from specjax.speculative import draft as draft_lib
     from specjax.speculative.spec_generate import speculative_generate
 
+    texts = None if args.prompts == "random" else prompt_texts(args.prompts, args.num_prompts)  # before the model
     tcfg, tparams, tokenizer, model_note = load_target(args)
     dcfg, dparams, vocab = head_weights.load_draft(args.draft, args.algorithm, tcfg,
                                                    token_map=args.speculative_token_map)
     draft = draft_lib.make_draft(args.algorithm, dcfg, dparams, tparams, vocab)
-    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size)
+    prompts, prompt_note = load_prompts(args.prompts, tokenizer, args.num_prompts, tcfg.vocab_size, texts)
     kw = dict(stop_token_ids=tuple(tcfg.eos_token_ids), temperature=args.temperature, seed=args.seed)
     rows, best, best_spec = [], {}, {}
     for b in args.batch_sizes:
