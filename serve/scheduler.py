@@ -124,6 +124,8 @@ class Scheduler:
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed),
                       group=group)
         with self._live_lock:  # an abort names a rid: two requests under one would both be aborted (SGLang refuses)
+            if self._stop.is_set():  # nothing would ever answer it (the loop fails what it holds when it stops)
+                raise RuntimeError("the scheduler is shut down: start a new engine / server")
             if req.rid in self._live:
                 raise RequestError(f"a request with rid {req.rid!r} is already in flight; give each request its own "
                                    f"rid", param="rid", code="duplicate_rid")
@@ -168,6 +170,19 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - the scheduler must never die
                 log.exception("scheduler iteration failed; failing the running batch and resetting device state")
                 self._recover("internal error in the scheduler")
+        self._fail_live("the scheduler shut down")
+
+    def _fail_live(self, message: str) -> None:
+        """Finish every request still in flight with an abort, so that no consumer waits forever (``submit``
+        refuses new ones once ``_stop`` is set, under the same lock)."""
+        with self._live_lock:
+            live = list(self._live.values())
+        for req in live:
+            try:
+                self.waiting = [r for r in self.waiting if r is not req]
+                self._finish(req, {"type": "abort", "message": message})
+            except Exception:  # noqa: BLE001 - the others must still hear it
+                log.exception("while failing request %s at shutdown", req.rid)
 
     def _drain(self, block: bool) -> None:
         try:

@@ -305,3 +305,29 @@ def test_metrics_count_every_prompt_chunk_and_every_token_delivered():
     assert get("specjax:prompt_tokens_total") == 10 == sched.totals["prompt_tokens"]
     assert get("specjax:generation_tokens_total") == 7 == sched.totals["generated_tokens"]
     sched.shutdown()
+
+
+def test_shutdown_answers_what_is_in_flight_and_refuses_what_comes_after():
+    """A consumer never waits forever: requests running or waiting when the scheduler stops finish with an abort,
+    and a request submitted after it stopped is refused at once."""
+    runner = FakeRunner(max_batch=1)
+    sched = make(runner)
+    gate = threading.Event()
+    q1, q2 = queue.Queue(), queue.Queue()
+
+    def held(ev):  # holds the scheduler thread inside the first step's event
+        gate.wait(10)
+        q1.put(ev)
+    sched.submit([1], SamplingParams(max_new_tokens=24, ignore_eos=True), held)
+    sched.submit([2], SamplingParams(max_new_tokens=4, ignore_eos=True), q2.put)  # waits for the slot
+    stopper = threading.Thread(target=sched.shutdown)
+    stopper.start()
+    assert sched._stop.wait(10)  # shutdown has begun while the first request's step is held
+    gate.set()
+    stopper.join(20)
+    for q in (q1, q2):
+        while not (ev := q.get(timeout=10))["finished"]:
+            pass
+        assert ev["meta_info"]["finish_reason"]["type"] == "abort"
+    with pytest.raises(RuntimeError, match="shut down"):
+        sched.submit([3], SamplingParams(max_new_tokens=4), q2.put)
