@@ -19,9 +19,10 @@ from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
+from .launch import version
 from .request import RequestError
 from .routes import admin, native, openai
-from .routes.common import APIError, error_response, validation_message, version
+from .routes.common import APIError, error_response, validation_message
 
 log = logging.getLogger("specjax.serve")
 

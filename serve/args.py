@@ -20,7 +20,8 @@ log = logging.getLogger("specjax.serve")
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
-GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "enable_torch_compile", "torch_compile_max_bs", "attention_backend")
+GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
+                  "torch_compile_max_bs", "attention_backend")
 # --help sections (argument groups), in the order of the fields.
 _MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
 
@@ -110,6 +111,8 @@ class ServerArgs:
                                                      help="SGLang's relaxed acceptance; 1.0 = lossless")
     # SGLang's CUDA-only flags: accepted so that a copied SGLang command still starts, then ignored (see notices()).
     cuda_graph_max_bs: int | None = option(None, group=_GPU, hidden=True)
+    disable_cuda_graph: bool = option(False, group=_GPU, hidden=True)
+    disable_cuda_graph_padding: bool = option(False, group=_GPU, hidden=True)
     enable_torch_compile: bool = option(False, group=_GPU, hidden=True)
     torch_compile_max_bs: int | None = option(None, group=_GPU, hidden=True)
     attention_backend: str | None = option(None, group=_GPU, hidden=True)

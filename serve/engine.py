@@ -5,7 +5,8 @@
     out = llm.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
     for chunk in llm.generate("Hi", {"max_new_tokens": 8}, stream=True):
         print(chunk["text"], end="")      # streamed chunks carry the NEW text (and token ids) only
-    llm.shutdown()
+    out = await llm.async_generate("Hi", {"max_new_tokens": 8})          # in asyncio code; stream=True too
+    llm.shutdown()                        # requests still in flight finish with an abort; later calls are refused
 
 Keyword arguments are ServerArgs' fields (the same set as the command line flags, dashes -> underscores).
 Like ``python -m specjax.serve``, the Engine keeps its compiled programs in jax's persistent compilation cache
@@ -15,9 +16,10 @@ next process that builds the same Engine loads them instead of compiling them ag
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import queue
-from typing import Any, Iterator
+from typing import Any, AsyncIterator, Iterator
 
 import numpy as np
 
@@ -25,7 +27,29 @@ from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
 from .args import ServerArgs
-from .request import RequestError, SamplingParams, check_text, token_ids
+from .protocol import GenerateRequest, refuse_unsupported
+from .request import RequestError, SamplingParams, check_text, token_ids, with_logprob_fields
+
+
+LOGPROB_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+
+def _empty_output() -> dict[str, Any]:
+    return {"text": "", "output_ids": [], "meta_info": {}}
+
+
+def _merge(outs: list[dict], i: int, ev: dict) -> int:
+    """Add a scheduler event to request ``i``'s output; 1 when it finished it."""
+    outs[i]["text"] += ev["text"]
+    outs[i]["output_ids"] += ev["token_ids"]
+    outs[i]["meta_info"] = ev["meta_info"]
+    return int(ev["finished"])
+
+
+def _chunk(i: int, ev: dict) -> dict:
+    """A streamed chunk: the event's new text and token ids."""
+    return {"text": ev["text"], "output_ids": ev["token_ids"], "meta_info": ev["meta_info"], "index": i,
+            "finished": ev["finished"]}
 
 
 class Engine:
@@ -61,22 +85,26 @@ class Engine:
             raise RequestError("empty batch: no prompt given", "prompt")
         return prompts, single
 
-    def _params(self, sampling_params, prompts) -> list[SamplingParams]:
-        """One SamplingParams per prompt; an explicit max_new_tokens past the context and a logprob_start_len past
-        the prompt are errors, as over HTTP."""
+    def _params(self, sampling_params, prompts, logprobs: dict) -> list[SamplingParams]:
+        """One SamplingParams per prompt, with SGLang's request-level logprob fields (``logprobs``) applied; an
+        explicit max_new_tokens past the context and a logprob_start_len past the prompt are errors, as over HTTP."""
         many = isinstance(sampling_params, (list, tuple))
         if many and len(sampling_params) != len(prompts):
             raise RequestError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
                                "sampling_params")
         given = list(sampling_params) if many else [sampling_params] * len(prompts)
-        sps = [SamplingParams.from_dict(s) for s in given]
+        sps = with_logprob_fields([SamplingParams.from_dict(s) for s in given], **logprobs)
         for ids, d, sp in zip(prompts, given, sps):
             self.backend.check_request(ids, sp, max_new_given=bool(d) and d.get("max_new_tokens") is not None)
         return sps
 
-    def _submit_all(self, prompt, sampling_params, input_ids, sink_for):
+    def _submit_all(self, prompt, sampling_params, input_ids, sink_for, logprobs: dict, extra: dict):
+        for name, value in extra.items():  # SGLang's other generate() arguments: none asked for, or refused
+            if name not in GenerateRequest.UNSUPPORTED:
+                raise TypeError(f"Engine.generate() got an unexpected keyword argument {name!r}")
+            refuse_unsupported(name, value, GenerateRequest.UNSUPPORTED)
         prompts, single = self._prompts(prompt, input_ids)
-        sps = self._params(sampling_params, prompts)
+        sps = self._params(sampling_params, prompts, logprobs)
         reqs = []
         try:
             for ids, sp in zip(prompts, sps):
@@ -91,27 +119,54 @@ class Engine:
 
     # ---- API -----------------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False
-                 ) -> dict | list[dict] | Iterator[dict]:
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
+                 return_logprob: bool | list[bool] | None = None, logprob_start_len: int | list[int] | None = None,
+                 top_logprobs_num: int | list[int] | None = None, return_text_in_logprobs: bool | None = None,
+                 **unsupported) -> dict | list[dict] | Iterator[dict]:
         """Returns {text, output_ids, meta_info} for one prompt (n == 1), else a list in prompt order (n copies
         of each prompt in a row). With ``stream=True`` returns an iterator of chunks {text, output_ids, meta_info,
-        index, finished} holding each request's new text and token ids."""
+        index, finished} holding each request's new text and token ids. The logprob arguments are SGLang's (a value,
+        or one per prompt; they may also sit in ``sampling_params``); SGLang's arguments for features specjax lacks
+        (``image_data``, ``lora_path``, ...) are accepted only when they ask for nothing."""
         q: queue.Queue = queue.Queue()
-        reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))))
+        logprobs = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
+                        top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
+        reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))),
+                                        logprobs, unsupported)
         if stream:
             return self._stream(q, reqs)
-        outs: list[dict[str, Any]] = [{"text": "", "output_ids": [], "meta_info": {}} for _ in reqs]
+        outs = [_empty_output() for _ in reqs]
         done = 0
         try:
             while done < len(reqs):
-                i, ev = q.get()
-                outs[i]["text"] += ev["text"]
-                outs[i]["output_ids"] += ev["token_ids"]
-                outs[i]["meta_info"] = ev["meta_info"]
-                done += ev["finished"]
+                done += _merge(outs, *q.get())
         except BaseException:
-            for r in reqs:
-                self.backend.scheduler.abort(r.rid)
+            self._abort(reqs)
+            raise
+        return outs[0] if single else outs
+
+    async def async_generate(self, prompt: str | list[str] | None = None,
+                             sampling_params: dict | list[dict] | None = None,
+                             input_ids: list[int] | list[list[int]] | None = None, stream: bool = False,
+                             **kwargs) -> dict | list[dict] | AsyncIterator[dict]:
+        """``generate`` for asyncio code, as SGLang's: ``await llm.async_generate(...)``; with ``stream=True`` it
+        returns an async iterator of the same chunks (``async for chunk in await llm.async_generate(...)``). The
+        event loop is never blocked: the scheduler thread hands each event to it."""
+        loop = asyncio.get_running_loop()
+        q: asyncio.Queue = asyncio.Queue()
+        logprobs = {k: kwargs.pop(k, None) for k in LOGPROB_ARGS}
+        reqs, single = self._submit_all(
+            prompt, sampling_params, input_ids,
+            lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))), logprobs, kwargs)
+        if stream:
+            return self._astream(q, reqs)
+        outs = [_empty_output() for _ in reqs]
+        done = 0
+        try:
+            while done < len(reqs):
+                done += _merge(outs, *await q.get())
+        except BaseException:  # a cancelled task frees its requests' slots and pages
+            self._abort(reqs)
             raise
         return outs[0] if single else outs
 
@@ -121,19 +176,30 @@ class Engine:
             while done < len(reqs):
                 i, ev = q.get()
                 done += ev["finished"]
-                yield {"text": ev["text"], "output_ids": ev["token_ids"], "meta_info": ev["meta_info"], "index": i,
-                       "finished": ev["finished"]}
+                yield _chunk(i, ev)
         finally:
-            for r in reqs:
-                self.backend.scheduler.abort(r.rid)  # no-op for finished ones; frees pages if the caller stopped
+            self._abort(reqs)  # no-op for finished ones; frees pages if the caller stopped
+
+    async def _astream(self, q: asyncio.Queue, reqs) -> AsyncIterator[dict]:
+        done = 0
+        try:
+            while done < len(reqs):
+                i, ev = await q.get()
+                done += ev["finished"]
+                yield _chunk(i, ev)
+        finally:
+            self._abort(reqs)
+
+    def _abort(self, reqs) -> None:
+        for r in reqs:
+            self.backend.scheduler.abort(r.rid)
 
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()
 
     def get_server_info(self) -> dict:
-        info = {k: v for k, v in dataclasses.asdict(self.server_args).items() if k != "api_key"}
-        info["internal_states"] = [self.backend.scheduler.stats()]
-        return info
+        """What /get_server_info answers: the effective arguments, the version and the scheduler's state."""
+        return self.backend.server_info()
 
     def shutdown(self) -> None:
         self.backend.shutdown()

@@ -17,6 +17,7 @@ import logging
 import os
 import threading
 import time
+from importlib.metadata import PackageNotFoundError, version as package_version
 
 import jax
 import numpy as np
@@ -162,6 +163,13 @@ def plan_pool(args: ServerArgs, cfg, draft_layers: int | None, param_bytes: int,
     return PoolPlan(context_length, pages_per_seq, max_running, num_pages, chunk, page_bytes, kv_layers)
 
 
+def version() -> str:
+    try:
+        return package_version("specjax")
+    except PackageNotFoundError:
+        return "0.0.0"
+
+
 @dataclasses.dataclass
 class Backend:
     """Everything the HTTP layer and the offline engine share."""
@@ -176,6 +184,14 @@ class Backend:
     spec: bool
     metrics: Metrics
     startup_s: float = 0.0
+
+    def server_info(self) -> dict:
+        """/get_server_info and ``Engine.get_server_info``: the effective arguments (no api key), the version and
+        the scheduler's state."""
+        info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        info.update(version=version(), context_length=self.context_length,
+                    internal_states=[self.scheduler.stats()], startup_seconds=round(self.startup_s, 2))
+        return info
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])

@@ -9,7 +9,6 @@ of the responses are built here (``chat_logprobs``, ``completion_logprobs``, ``l
 
 from __future__ import annotations
 
-import dataclasses
 import time
 import uuid
 from typing import Annotated, Any, ClassVar, Literal, Union
@@ -18,7 +17,7 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from specjax import sampling
 
-from .request import RequestError, SamplingParams
+from .request import RequestError, SamplingParams, with_logprob_fields
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:
@@ -31,6 +30,14 @@ def _is_neutral(value: Any, neutral: tuple) -> bool:
         elif value == n:
             return True
     return False
+
+
+def refuse_unsupported(name: str, value: Any, table: dict[str, tuple], where: str = "") -> None:
+    """A RequestError (400) for a field other servers define that specjax does not implement (``table``: field ->
+    its neutral values), unless it asks for nothing (None, empty, or one of its neutral values)."""
+    if not _is_neutral(value, table[name]):
+        raise RequestError(f"{where}{name}={value!r} is not supported by specjax", param=name,
+                           code="unsupported_parameter")
 
 
 # A count or seed: an integer, or a float with an integral value (JSON clients send 3.0), as ``SamplingParams``
@@ -48,12 +55,9 @@ class _Body(BaseModel):
     def check_fields(self, where: str = "") -> None:
         """RequestError (400) naming the first field that is neither honoured nor neutral, here or nested."""
         for k, v in (self.model_extra or {}).items():
-            if k in self.UNSUPPORTED:
-                if not _is_neutral(v, self.UNSUPPORTED[k]):
-                    raise RequestError(f"{where}{k}={v!r} is not supported by specjax", param=k,
-                                       code="unsupported_parameter")
-            else:
+            if k not in self.UNSUPPORTED:
                 raise RequestError(f"unknown field {where}{k!r}", param=k, code="unknown_parameter")
+            refuse_unsupported(k, v, self.UNSUPPORTED, where)
         for name in type(self).model_fields:
             v = getattr(self, name)
             items = v if isinstance(v, list) else [v]
@@ -154,21 +158,9 @@ class GenerateRequest(_Body):
 
     def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` (one per prompt) with this request's logprob fields (scalars or one per prompt) applied."""
-        def pick(v, i, name):
-            if not isinstance(v, list):
-                return v
-            if len(v) != len(params):
-                raise RequestError(f"{len(v)} values of {name} for {len(params)} prompts", param=name)
-            return v[i]
-        out = []
-        for i, sp in enumerate(params):
-            sp = dataclasses.replace(sp, return_logprob=bool(pick(self.return_logprob, i, "return_logprob")),
-                                     logprob_start_len=pick(self.logprob_start_len, i, "logprob_start_len"),
-                                     top_logprobs_num=pick(self.top_logprobs_num, i, "top_logprobs_num"),
-                                     return_text_in_logprobs=self.return_text_in_logprobs)
-            sp.validate()
-            out.append(sp)
-        return out
+        return with_logprob_fields(params, return_logprob=self.return_logprob,
+                                   logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
+                                   return_text_in_logprobs=self.return_text_in_logprobs)
 
 
 # ---- OpenAI ------------------------------------------------------------------------------------------------------

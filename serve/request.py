@@ -196,6 +196,26 @@ def _number(name: str, v) -> float:
     raise RequestError(f"{name} must be a finite number, got {v!r}", name)
 
 
+def with_logprob_fields(params: list[SamplingParams], **fields) -> list[SamplingParams]:
+    """``params`` (one per prompt) with SGLang's request-level logprob fields applied (``return_logprob``,
+    ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``): each a value for every prompt or a
+    list of one per prompt; None leaves a field as it is."""
+    out = []
+    for i, sp in enumerate(params):
+        given = {}
+        for name, v in fields.items():
+            if isinstance(v, list):
+                if len(v) != len(params):
+                    raise RequestError(f"{len(v)} values of {name} for {len(params)} prompts", param=name)
+                v = v[i]
+            if v is not None:
+                given[name] = v
+        sp = dataclasses.replace(sp, **given)
+        sp.validate()
+        out.append(sp)
+    return out
+
+
 def stop_prefix_at_end(text: str, stop: str) -> int:
     """Length of the longest tail of ``text`` that begins ``stop`` (shorter than ``stop`` itself). Only the tails
     that start with ``stop[0]`` are compared, longest first, so a step costs no scan over every length."""

@@ -125,6 +125,38 @@ def test_bad_inputs_are_clear_errors(engine, kw, message):
     assert engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]
 
 
+def test_sglang_generate_arguments_and_async_generate(engine):
+    """SGLang's request-level logprob arguments (a value or one per prompt) give what the same fields inside
+    sampling_params give; its arguments for features specjax lacks are refused unless they ask for nothing;
+    ``async_generate`` (plain and streamed) returns what ``generate`` does; get_server_info is /get_server_info's."""
+    import asyncio
+    from specjax.serve.request import RequestError
+    sp = {"max_new_tokens": 4, "temperature": 0, "ignore_eos": True}
+    inside = engine.generate("Hello", dict(sp, return_logprob=True, top_logprobs_num=2))
+    outside = engine.generate("Hello", sp, return_logprob=True, top_logprobs_num=2)
+    assert outside["meta_info"]["output_token_logprobs"] == inside["meta_info"]["output_token_logprobs"]
+    assert len(outside["meta_info"]["output_top_logprobs"][0]) == 2
+    two = engine.generate(["Hello", "World"], sp, return_logprob=[True, False])
+    assert "output_token_logprobs" in two[0]["meta_info"] and "output_token_logprobs" not in two[1]["meta_info"]
+    with pytest.raises(RequestError, match="2 values of top_logprobs_num for 1 prompts"):
+        engine.generate("Hello", sp, return_logprob=True, top_logprobs_num=[1, 2])
+    assert engine.generate("Hello", sp, lora_path=None, image_data=None)["output_ids"] == outside["output_ids"]
+    with pytest.raises(RequestError, match="lora_path='a' is not supported"):
+        engine.generate("Hello", sp, lora_path="a")
+    with pytest.raises(TypeError, match="unexpected keyword argument 'temprature'"):
+        engine.generate("Hello", sp, temprature=0)
+
+    async def run():
+        out = await engine.async_generate("Hello", sp)
+        chunks = [c async for c in await engine.async_generate("Hello", sp, stream=True)]
+        return out, chunks
+    out, chunks = asyncio.run(run())
+    assert out["output_ids"] == outside["output_ids"] and out["text"] == outside["text"]
+    assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"] and chunks[-1]["finished"]
+    info = engine.get_server_info()
+    assert {"version", "internal_states", "startup_seconds"} <= set(info) and info["context_length"] == 256
+
+
 def test_small_pool_refuses_what_cannot_fit():
     import specjax
     from specjax.serve.request import RequestError

@@ -53,11 +53,12 @@ def test_cli_every_spec_flag_parses():
              "--speculative-num-draft-tokens", "6", "--speculative-token-map", "map.pt",
              "--speculative-accept-threshold-single", "1.0", "--speculative-accept-threshold-acc", "1.0",
              "--cuda-graph-max-bs", "8", "--enable-torch-compile", "--torch-compile-max-bs", "4",
-             "--attention-backend", "fa3"]
+             "--attention-backend", "fa3", "--disable-cuda-graph", "--disable-cuda-graph-padding"]
     a = parse_args(flags)
     assert a.schedule_policy == "lpm" and a.disable_radix_cache and a.api_key == "k"
     assert a.disable_overlap_schedule and not parse_args(["--model", "m"]).disable_overlap_schedule
-    assert len(a.notices()) == 4 and all("no effect" in n for n in a.notices())
+    assert len(a.notices()) == 6 and all("no effect" in n for n in a.notices())
+    assert ServerArgs.from_kwargs(model_path="m", disable_cuda_graph=True).disable_cuda_graph  # Engine(...) too
 
 
 @pytest.mark.parametrize("argv, message", [

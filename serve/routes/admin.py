@@ -4,7 +4,6 @@ Prometheus metrics."""
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import uuid
 
 from fastapi import APIRouter, Request
@@ -12,7 +11,7 @@ from fastapi.responses import PlainTextResponse, Response
 
 from .. import protocol as P
 from ..request import SamplingParams
-from .common import APIError, Fanout, backend_of, drain, error_response, parse, version
+from .common import APIError, Fanout, backend_of, drain, error_response, parse
 
 router = APIRouter()
 
@@ -51,12 +50,7 @@ async def get_model_info(request: Request):
 
 @router.get("/get_server_info")
 async def get_server_info(request: Request):
-    backend = backend_of(request)
-    args = backend.args
-    info = {k: v for k, v in dataclasses.asdict(args).items() if k != "api_key"}
-    info.update(version=version(), context_length=backend.context_length,
-                internal_states=[backend.scheduler.stats()], startup_seconds=round(backend.startup_s, 2))
-    return info
+    return backend_of(request).server_info()
 
 
 @router.api_route("/flush_cache", methods=["GET", "POST"])

@@ -10,7 +10,6 @@ import json
 import logging
 import re
 import time
-from importlib.metadata import PackageNotFoundError, version as package_version
 from typing import Any
 
 import pydantic
@@ -244,10 +243,3 @@ def seed_for(sp: SamplingParams, j: int) -> int | None:
 async def drain(fan: Fanout) -> None:
     async for _ in fan.events():
         pass
-
-
-def version() -> str:
-    try:
-        return package_version("specjax")
-    except PackageNotFoundError:
-        return "0.0.0"
