@@ -17,6 +17,7 @@ import argparse
 import dataclasses
 import functools
 import os
+import statistics
 import sys
 import time
 from typing import Sequence
@@ -266,6 +267,8 @@ class GenerateOptions:
                                                            "when eagle_topk is 1, else the head's tuned shape, at "
                                                            "most what the tree holds)")
     no_compare: bool = option(False, help="with speculative decoding, skip the timed plain run beside it")
+    timing_runs: int = option(3, metavar="N", help="timed runs of each, speculative and plain taking turns; the "
+                                                   "figures are their medians (a shared host's speed drifts)")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -371,23 +374,41 @@ def speculative_demo(args, prompts: list[str]) -> int:
     draft = make_draft(algo, dcfg, dparams, params, vocab)
     print(f"{algo} head {head}, tree (steps {shape[0]}, topk {shape[1]}, draft tokens {shape[2]}); compiling ...",
           file=sys.stderr, flush=True)
-    (outs, stats), t_spec = _timed(lambda **budget: speculative_generate(
+    spec_fn = lambda **budget: speculative_generate(  # noqa: E731
         params, cfg, draft, ids, algorithm=algo, num_steps=shape[0], topk=shape[1], num_draft_tokens=shape[2], **kw,
-        **budget), args.max_new_tokens)
+        **budget)
+    (outs, stats), t_first = _timed(spec_fn, args.max_new_tokens)
     _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
     n = sum(len(o) for o in outs)
     accept = (f"accept length {stats['tau']:.2f} tokens per verify step" if sum(stats["verify_steps"]) else
               "no verify step (every answer ended with its first token)")
-    print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, {accept}")
     if args.no_compare:
+        print(f"\n{algo}: {n} tokens in {t_first:.2f} s = {n / t_first:.1f} tok/s, {accept}")
         return 0
-    plain, t_plain = _timed(lambda **budget: generate(params, cfg, ids, **kw, **budget), args.max_new_tokens)
+    plain, t_spec, t_plain = _interleaved(spec_fn, lambda **budget: generate(params, cfg, ids, **kw, **budget),
+                                          args.max_new_tokens, args.timing_runs, t_first)
     m = sum(len(o) for o in plain)
     same = ("identical to" if plain == outs else "differs (sampling) from" if args.temperature > 0 else
             "DIFFERS from")
+    runs = f" (medians of {args.timing_runs} runs each, taking turns)" if args.timing_runs > 1 else ""
+    print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, {accept}")
     print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {(n / t_spec) / (m / t_plain):.2f}x;"
-          f" output {same} plain decoding")
+          f" output {same} plain decoding{runs}")
     return 0
+
+
+def _interleaved(spec_fn, plain_fn, max_new_tokens: int, runs: int, t_spec_first: float):
+    """The plain run's result and the median seconds of ``runs`` speculative runs (the first already timed:
+    ``t_spec_first``) and ``runs`` plain ones, taking turns (plain, speculative, plain, ...), so that a host whose
+    speed drifts slows both alike. Returns (plain result, spec seconds, plain seconds)."""
+    plain, t_plain = _timed(plain_fn, max_new_tokens)
+    spec_times, plain_times = [t_spec_first], [t_plain]
+    for _ in range(runs - 1):
+        for fn, times in ((spec_fn, spec_times), (plain_fn, plain_times)):
+            t0 = time.perf_counter()
+            fn(max_new_tokens=max_new_tokens)
+            times.append(time.perf_counter() - t0)
+    return plain, statistics.median(spec_times), statistics.median(plain_times)
 
 
 def _print_texts(prompts, texts) -> None:
@@ -405,6 +426,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         sampling.validate(args.temperature, args.top_k, args.top_p, args.min_p)
         if args.max_new_tokens < 1:
             raise ValueError("--max-new-tokens must be >= 1")
+        if args.timing_runs < 1:
+            raise ValueError("--timing-runs must be >= 1")
         return speculative_demo(args, prompts)
     except (WeightsError, ConfigError, SafetensorsError, FetchError, TuneError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

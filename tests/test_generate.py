@@ -199,7 +199,9 @@ def test_cli_speculative_comparison(model, model_dir, tmp_path, capsys):
     out = capsys.readouterr().out
     assert re.search(r"EAGLE3: \d+ tokens in [\d.]+ s = [\d.]+ tok/s, accept length [\d.]+ tokens per verify step", out)
     assert re.search(r"plain: \d+ tokens in [\d.]+ s = [\d.]+ tok/s; speedup [\d.]+x; output identical to plain "
-                     r"decoding", out)
+                     r"decoding \(medians of 3 runs each, taking turns\)", out)
+    assert main(args + ["--max-new-tokens", "4", "--timing-runs", "0"]) == 2
+    assert "--timing-runs must be >= 1" in capsys.readouterr().err
 
 
 def test_cli_errors(tmp_path, capsys, monkeypatch):
