@@ -183,6 +183,8 @@ def has_lone_surrogate(text: str) -> bool:
 def _token_key(k) -> int:
     """A logit_bias key: a token id, or its decimal string (JSON object keys are strings)."""
     try:
+        if isinstance(k, str) and not (k.isascii() and k.lstrip("-").isdigit()):
+            raise ValueError(k)  # int() would also take " 5", "1_0" and other digits than 0-9
         return int(k, 10) if isinstance(k, str) else _integer("logit_bias", k)
     except (RequestError, ValueError):
         raise RequestError(f"logit_bias keys must be token ids, got {k!r}", "logit_bias") from None

@@ -113,6 +113,8 @@ def test_refusals(engine):
     (dict(prompt="x", sampling_params={"stop_token_ids": [2 ** 40]}), "stop_token_ids must be a list of token ids"),
     (dict(prompt="x", sampling_params={"logit_bias": [1, 2]}), "logit_bias must map token ids to numbers"),
     (dict(prompt="x", sampling_params={"logit_bias": {"-1": 1}}), r"outside \[0, vocab size\)"),
+    (dict(prompt="x", sampling_params={"logit_bias": {" 5": 1}}), "logit_bias keys must be token ids"),
+    (dict(prompt="x", sampling_params={"logit_bias": {"1_0": 1}}), "logit_bias keys must be token ids"),
     (dict(input_ids=[5], sampling_params={"return_logprob": True, "logprob_start_len": 5}),
      "must be smaller than the prompt's 1 tokens"),
 ])
