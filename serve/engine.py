@@ -98,8 +98,11 @@ class Engine:
             self.backend.check_request(ids, sp, max_new_given=bool(d) and d.get("max_new_tokens") is not None)
         return sps
 
-    def _submit_all(self, prompt, sampling_params, input_ids, sink_for, logprobs: dict, extra: dict):
-        for name, value in extra.items():  # SGLang's other generate() arguments: none asked for, or refused
+    def _submit_all(self, prompt, sampling_params, input_ids, sink_for, kwargs: dict):
+        """Submit every request (n copies of each prompt); ``kwargs``: SGLang's other generate() arguments."""
+        extra = dict(kwargs)
+        logprobs = {name: extra.pop(name) for name in LOGPROB_ARGS if name in extra}
+        for name, value in extra.items():  # the features specjax lacks: accepted when they ask for nothing
             if name not in GenerateRequest.UNSUPPORTED:
                 raise TypeError(f"Engine.generate() got an unexpected keyword argument {name!r}")
             refuse_unsupported(name, value, GenerateRequest.UNSUPPORTED)
@@ -112,27 +115,23 @@ class Engine:
                     seed = None if sp.seed is None else sp.seed + j
                     reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), seed=seed))
         except Exception:
-            for r in reqs:
-                self.backend.scheduler.abort(r.rid)
+            self._abort(reqs)
             raise
         return reqs, single and len(reqs) == 1
 
     # ---- API -----------------------------------------------------------------------------------------------------
     def generate(self, prompt: str | list[str] | None = None, sampling_params: dict | list[dict] | None = None,
-                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, *,
-                 return_logprob: bool | list[bool] | None = None, logprob_start_len: int | list[int] | None = None,
-                 top_logprobs_num: int | list[int] | None = None, return_text_in_logprobs: bool | None = None,
-                 **unsupported) -> dict | list[dict] | Iterator[dict]:
+                 input_ids: list[int] | list[list[int]] | None = None, stream: bool = False, **kwargs
+                 ) -> dict | list[dict] | Iterator[dict]:
         """Returns {text, output_ids, meta_info} for one prompt (n == 1), else a list in prompt order (n copies
         of each prompt in a row). With ``stream=True`` returns an iterator of chunks {text, output_ids, meta_info,
-        index, finished} holding each request's new text and token ids. The logprob arguments are SGLang's (a value,
-        or one per prompt; they may also sit in ``sampling_params``); SGLang's arguments for features specjax lacks
-        (``image_data``, ``lora_path``, ...) are accepted only when they ask for nothing."""
+        index, finished} holding each request's new text and token ids. ``kwargs``: SGLang's ``return_logprob``,
+        ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs`` (a value, or one per prompt; they
+        may also sit in ``sampling_params``), and its arguments for features specjax lacks (``image_data``,
+        ``lora_path``, ...), accepted only when they ask for nothing."""
         q: queue.Queue = queue.Queue()
-        logprobs = dict(return_logprob=return_logprob, logprob_start_len=logprob_start_len,
-                        top_logprobs_num=top_logprobs_num, return_text_in_logprobs=return_text_in_logprobs)
         reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))),
-                                        logprobs, unsupported)
+                                        kwargs)
         if stream:
             return self._stream(q, reqs)
         outs = [_empty_output() for _ in reqs]
@@ -154,10 +153,9 @@ class Engine:
         event loop is never blocked: the scheduler thread hands each event to it."""
         loop = asyncio.get_running_loop()
         q: asyncio.Queue = asyncio.Queue()
-        logprobs = {k: kwargs.pop(k, None) for k in LOGPROB_ARGS}
         reqs, single = self._submit_all(
             prompt, sampling_params, input_ids,
-            lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))), logprobs, kwargs)
+            lambda i: (lambda ev: loop.call_soon_threadsafe(q.put_nowait, (i, ev))), kwargs)
         if stream:
             return self._astream(q, reqs)
         outs = [_empty_output() for _ in reqs]
