@@ -96,7 +96,12 @@ def test_corrupt_latest_falls_back(tmp_path, damage):
 
     ck = Checkpointer(str(root), keep=3, async_save=False)  # quarantines step 2
     assert ck.valid_steps() == [1]
-    assert not step_dir.exists() and any(n.startswith("corrupt-2-") for n in os.listdir(root))
+    # a save that never got its marker is as if never made (a kill in the step after orbax finished): moved aside as
+    # interrupted, which is not counted as damage (a run with no other step starts fresh rather than refusing)
+    prefix = "interrupted-2-" if damage == "no_marker" else "corrupt-2-"
+    assert not step_dir.exists() and any(n.startswith(prefix) for n in os.listdir(root))
+    if damage == "no_marker":
+        assert ck.damaged_steps_seen() == []
     step, out = ck.restore(params=_abstract(p1), train=_abstract(t1))
     assert step == 1
     _equal(out["params"], p1)
@@ -222,3 +227,15 @@ def test_another_runs_checkpoint_is_not_taken_for_a_damaged_one(tmp_path):
     check_resumable(HEAD, HEAD.replace(draft_vocab_size=30), "/models/t", "/models/u", notes.append)
     assert "draft_vocab_size 20 (config: 30)" in notes[0] and "trained against /models/t" in notes[1]
     ck.close()
+
+
+def test_a_folder_that_cannot_be_written_is_said_at_once(tmp_path, monkeypatch):
+    """A checkpoint folder the run cannot write (a read-only mount, which root's permission bits do not show) is an
+    OSError naming it when the Checkpointer opens, not a save that waits minutes for a folder orbax cannot make."""
+    from etils import epath
+
+    def refuse(self, *a, **k):
+        raise OSError(30, "Read-only file system")
+    monkeypatch.setattr(epath.Path, "write_text", refuse)
+    with pytest.raises(OSError, match=f"cannot write checkpoints to {tmp_path / 'ck'}: Read-only file system"):
+        Checkpointer(str(tmp_path / "ck"), keep=3, async_save=False)

@@ -147,6 +147,11 @@ def test_damaged_checkpoints_fall_back_or_stop(assets):
     assert Checkpointer(str(run)).valid_steps() == []
     r = _run(cmd + ["--checkpoint.resume", "false"], env)
     assert "resumed" not in r.stdout and Checkpointer(str(run)).latest_step() == 12
+    # now the folder holds that run's steps: a fresh start there would delete them as it saves (keep), so it stops
+    r = subprocess.run(cmd + ["--checkpoint.resume", "false"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=300)
+    assert r.returncode == 2 and "of an earlier run and checkpoint.resume is false" in r.stdout, r.stdout[-3000:]
+    assert Checkpointer(str(run)).latest_step() == 12
 
 
 def test_nonfinite_loss_never_reaches_a_checkpoint(assets, tmp_path):

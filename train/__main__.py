@@ -396,6 +396,10 @@ def init_head(cfg, log, ckpt, optimizer, mesh, target, head_cfg, train_data, bat
     newest good checkpoint, else fresh (from ``head.init_from``, ``head.vocab_map`` or the training data).
     ``target``: (model folder, ModelConfig, params), as ``load_target`` returns them."""
     model_dir, target_cfg, target_params = target
+    if not cfg.checkpoint.resume and (earlier := ckpt.valid_steps()):
+        raise Stop(2, f"error: {cfg.checkpoint.dir} holds steps {earlier} of an earlier run and checkpoint.resume is "
+                      f"false: this run's saves would delete them (checkpoint.keep {cfg.checkpoint.keep}); give it "
+                      f"its own checkpoint.dir, or remove those steps")
     resume_step = ckpt.latest_step() if cfg.checkpoint.resume else None
     if cfg.checkpoint.resume and resume_step is None and (damaged := ckpt.damaged_steps_seen()):
         raise Stop(1, f"error: {cfg.checkpoint.dir} holds no usable checkpoint, only damaged ones moved aside "

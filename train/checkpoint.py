@@ -35,6 +35,8 @@ from specjax.models.eagle3 import Eagle3Config, VocabMap
 COMMIT_FILE = "specjax_commit.json"
 FORMAT_VERSION = 2  # 1: sizes only; 2: sizes and SHA-256
 CORRUPT_PREFIX = "corrupt-"
+INTERRUPTED_PREFIX = "interrupted-"  # a step whose save never finished: absent, not damaged
+NO_MARKER = "no commit marker (interrupted save?)"
 _HASH_CHUNK = 8 << 20
 log = logging.getLogger("specjax.train.checkpoint")
 
@@ -84,7 +86,7 @@ def validate_step_dir(step_dir: epath.Path, *, content: bool = False) -> str | N
     with the manifest (reads the whole step; done before a restore)."""
     marker = step_dir / COMMIT_FILE
     if not marker.exists():
-        return "no commit marker (interrupted save?)"
+        return NO_MARKER
     try:
         manifest = json.loads(marker.read_text())["files"]
         entries = {rel: (e, None) if isinstance(e, int) else (int(e["size"]), str(e["sha256"]))
@@ -103,6 +105,17 @@ def validate_step_dir(step_dir: epath.Path, *, content: bool = False) -> str | N
             if digest is not None and _sha256(step_dir / rel) != digest:
                 return f"file {rel} is damaged (its SHA-256 differs from the one recorded at save)"
     return None
+
+
+def check_writable(root: epath.Path) -> None:
+    """An OSError naming ``root`` unless a file can be written there now (permission bits pass root under a
+    read-only mount, where orbax's first save would wait minutes for a folder it cannot make)."""
+    probe = root / f".specjax-write-probe-{os.getpid()}"
+    try:
+        probe.write_text("")
+        probe.unlink()
+    except OSError as e:
+        raise OSError(e.errno, f"cannot write checkpoints to {root}: {e.strerror or e}") from None
 
 
 def _sync(name: str) -> None:
@@ -136,6 +149,7 @@ class Checkpointer:
             return
         if self.primary:
             self.root.mkdir(parents=True, exist_ok=True)
+            check_writable(self.root)
         _sync("specjax_ckpt_mkdir")
         self.quarantine_invalid()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
@@ -165,11 +179,16 @@ class Checkpointer:
         return sorted(bad)
 
     def _move_aside(self, step: int, reason: str) -> None:
+        """Move a step folder aside: ``interrupted-`` for a save that never got its marker (a kill between orbax's
+        end and the marker, one step later: as if never saved), ``corrupt-`` for a damaged one."""
         self.quarantined.append(step)
         if self.primary:
-            dst = self.root / f"{CORRUPT_PREFIX}{step}-{int(time.time() * 1000)}"
-            log.warning("checkpoint step %d is invalid (%s); moved to %s", step, reason, dst)
-            print(f"checkpoint: step {step} is invalid ({reason}); moved aside to {dst.name}", flush=True)
+            interrupted = reason == NO_MARKER
+            dst = self.root / f"{INTERRUPTED_PREFIX if interrupted else CORRUPT_PREFIX}{step}-{int(time.time() * 1000)}"
+            what = "was not finished saving (the run stopped first); it is not used" if interrupted else \
+                f"is invalid ({reason})"
+            log.warning("checkpoint step %d %s; moved to %s", step, what, dst)
+            print(f"checkpoint: step {step} {what}; moved aside to {dst.name}", flush=True)
             (self.root / str(step)).rename(dst)
 
     def damaged_steps_seen(self) -> list[str]:
@@ -242,10 +261,9 @@ class Checkpointer:
                 if step is not None:
                     break
                 if not self.read_only:
-                    if self.primary:
-                        (self.root / str(s) / COMMIT_FILE).unlink(missing_ok=True)
-                    _sync("specjax_ckpt_unmark")
-                    self.quarantine_invalid()
+                    self._move_aside(s, reason)
+                    _sync("specjax_ckpt_quarantine")
+                    self.mgr.reload()
         raise CheckpointError(f"no checkpoint in {self.root} could be restored: " + "; ".join(errors))
 
     def _restore_one(self, s: int, params, train, vocab, abstract) -> dict[str, Any]:
