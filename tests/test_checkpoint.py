@@ -111,7 +111,7 @@ def test_corrupt_latest_falls_back(tmp_path, damage):
     assert Checkpointer(str(root), keep=3).valid_steps() == [1, 2]
 
 
-def test_export_load_and_empty(tmp_path):
+def test_export_load_and_empty(tmp_path, capsys):
     with pytest.raises(CheckpointError):
         load_head_for_export(str(tmp_path / "nothing"))
     ck = Checkpointer(str(tmp_path / "ck"), keep=3)
@@ -124,6 +124,13 @@ def test_export_load_and_empty(tmp_path):
     np.testing.assert_array_equal(vm2.t2d, vm.t2d)
     cfg, params, _, _ = load_head_for_export(str(tmp_path / "ck" / "5"))  # a step folder works too
     _equal(params, p)
+    (tmp_path / "ck" / "7").mkdir()  # a newer step that is not valid: the export says which step it took, and why
+    load_head_for_export(str(tmp_path / "ck"))
+    err = capsys.readouterr().err
+    assert "loading step 5 of" in err and "newer step(s) skipped: 7: no commit marker" in err
+    (tmp_path / "ck" / "5" / COMMIT_FILE).unlink()
+    with pytest.raises(CheckpointError, match=r"no valid checkpoint in .* \(step 5: no commit marker"):
+        load_head_for_export(str(tmp_path / "ck"))
 
 
 def test_relative_directory_is_resolved(tmp_path, monkeypatch):

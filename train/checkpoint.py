@@ -20,6 +20,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import time
 from typing import Any, Callable
 
@@ -246,7 +247,8 @@ class Checkpointer:
         the error is raised instead. CheckpointError when no step can be restored."""
         steps = [step] if step is not None else self.valid_steps()[::-1]
         if not steps:
-            raise CheckpointError(f"no valid checkpoint in {self.root}")
+            bad = "; ".join(f"step {n}: {validate_step_dir(p)}" for n, p in sorted(_step_dirs(self.root).items()))
+            raise CheckpointError(f"no valid checkpoint in {self.root}" + (f" ({bad})" if bad else ""))
         errors = []
         for s in steps:
             try:
@@ -349,9 +351,14 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
     try:
         if step is not None and (reason := validate_step_dir(ck.root / str(step))) is not None:
             raise CheckpointError(f"checkpoint {ckpt_dir} is not valid: {reason}")
-        _, out = ck.restore(step, abstract=abstract)
+        got, out = ck.restore(step, abstract=abstract)
     finally:
         ck.mgr.close()
+    skipped = sorted((n, p) for n, p in _step_dirs(ck.root).items() if n > got)
+    if skipped:  # an older step than the folder's newest: say so, and why
+        why = "; ".join(f"{n}: {validate_step_dir(p, content=True) or 'could not be restored'}" for n, p in skipped)
+        print(f"checkpoint: loading step {got} of {ck.root}; newer step(s) skipped: {why}", file=sys.stderr,
+              flush=True)
     head_cfg = head_config_from_dict(out["meta"]["head_config"])
     vm = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
     return head_cfg, out["params"], vm, out["meta"].get("target_model_path", "")
