@@ -99,6 +99,7 @@ def test_kill_and_sigterm_resume_match_uninterrupted(assets):
     assert Checkpointer(str(root / "killed")).latest_step() == stopped_at
     r = _run(_cmd(assets, "killed"), env)
     assert f"resumed from {root / 'killed'} step {stopped_at}" in r.stdout
+    assert "settings differ" not in r.stdout  # the same command: nothing to say
     got = _losses(metrics)
     assert sorted(got) == list(range(1, STEPS + 1))
     for s in range(1, STEPS + 1):
@@ -133,6 +134,7 @@ def test_damaged_checkpoints_fall_back_or_stop(assets):
     r = _run(_cmd(assets, "damaged", "--training.max_steps", "9", "--logging.every", "3"), env)
     assert f"file {victim.relative_to(run / '6')} is damaged" in r.stdout, r.stdout[-3000:]
     assert f"resumed from {run} step 3" in r.stdout
+    assert "settings differ from the checkpoint's run: training.max_steps 9 (was 6)" in r.stdout, r.stdout[-3000:]
 
     from specjax.train.checkpoint import Checkpointer
     steps = Checkpointer(str(run)).valid_steps()

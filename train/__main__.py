@@ -454,7 +454,24 @@ def resume(cfg, log, ckpt, optimizer, mesh, model_dir, target_cfg, head_cfg, bat
     batches.load_state_dict(out["meta"]["data_state"])
     log.info(f"resumed from {cfg.checkpoint.dir} step {resume_step} (data epoch {batches.epoch}, "
              f"batch {batches.position})")
+    if changed := changed_settings(out["meta"].get("run_config") or {}, cfg.to_dict()):
+        log.info(f"note: this run's settings differ from the checkpoint's run: {', '.join(changed)}; they apply from "
+                 f"here on (the data position is the saved one, so other data or batch sizes do not continue its "
+                 f"plan)")
     return head_cfg, state, vocab_map, resume_step
+
+
+def changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
+    """``key NEW (was OLD)`` for each run-config key whose value differs from the saved run's
+    (``checkpoint.resume`` aside: it is how a run resumes, not what it trains)."""
+    out = []
+    for key, value in now.items():
+        name, old = prefix + key, saved.get(key)
+        if isinstance(value, dict) and isinstance(old, dict):
+            out += changed_settings(old, value, name + ".")
+        elif key in saved and old != value and name != "checkpoint.resume":
+            out.append(f"{name} {value} (was {old})")
+    return out
 
 
 def check_resumable(saved: Eagle3Config, asked: Eagle3Config, saved_target: str | None, target: str, note) -> None:
