@@ -93,7 +93,7 @@ def test_kill_and_sigterm_resume_match_uninterrupted(assets):
     p.send_signal(signal.SIGTERM)
     out = p.communicate(timeout=120)[0]
     assert p.returncode == 0, out[-3000:]
-    assert "saving a checkpoint" in out
+    assert "saving a checkpoint" in out and "(rerun the same command to go on)" in out
     stopped_at = max(_losses(metrics))
     from specjax.train.checkpoint import Checkpointer
     assert Checkpointer(str(root / "killed")).latest_step() == stopped_at

@@ -562,7 +562,9 @@ def train(run: Run) -> int:
     run.save(step, wait=True)
     run.ckpt.close()
     log.close()
-    log.info(f"done at step {step}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
+    what = (f"stopped at step {step} of {run.total_steps} (rerun the same command to go on)" if step < run.total_steps
+            else f"done at step {step}")
+    log.info(f"{what}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
              f"export-head {cfg.checkpoint.dir} OUT_DIR")
     return 0
 
