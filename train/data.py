@@ -56,7 +56,7 @@ class BadRecord(Exception):
 COMPRESSION = {".gz": "gzip", ".bz2": "bz2", ".xz": "lzma"}
 
 
-def _open_binary(path: str):
+def open_binary(path: str):
     """The file's bytes, decompressed when its name ends in .gz, .bz2 or .xz."""
     ext = os.path.splitext(path)[1].lower()
     if ext in COMPRESSION:
@@ -75,7 +75,7 @@ def _problem(path: str, exc, log: Callable[[str], None]) -> BadRecord:
 def _read_json_array(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     """Items of a top-level JSON array; an unparseable item or a cut-off tail is logged with its place and
     counted, the items after a bad one are still read."""
-    with _open_binary(path) as f:
+    with open_binary(path) as f:
         text = f.read().decode("utf-8", errors="surrogatepass")
     for item in parse_truncated_json_array(text):
         yield _problem(path, item, log) if isinstance(item, ParseProblem) else item
@@ -84,7 +84,7 @@ def _read_json_array(path: str, log: Callable[[str], None]) -> Iterator[Any]:
 def _read_jsonl(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     lineno = 0
     try:
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             for lineno, line in enumerate(f, 1):
                 if not line.strip():
                     continue
@@ -112,7 +112,7 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     if base.endswith(".jsonl"):
         yield from _read_jsonl(path, log)
     elif base.endswith(".json"):
-        with _open_binary(path) as f:
+        with open_binary(path) as f:
             head = f.read(4096).lstrip()
         if head.startswith(b"["):
             yield from _read_json_array(path, log)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import dataclasses
-import importlib
 import json
 import os
 import platform
@@ -12,7 +11,7 @@ from typing import Any, Callable
 from specjax.cli import check_output_file, option
 from specjax.config import DTYPES
 from specjax.host import available_host_bytes, cpu_model, device_bytes_limit
-from specjax.train.data import COMPRESSION, BadRecord, to_messages
+from specjax.train.data import BadRecord, open_binary, to_messages
 
 PROMPT_FORMATS = ("one prompt per line, or JSON lines with a prompt in turns[0], prompt, text, or the first user turn "
                   "of messages / conversations")
@@ -76,11 +75,9 @@ def prompt_of(record: Any) -> str | None:
 
 def _prompt_lines(path: str):
     """Each non-empty line of ``path`` (decompressed when its name says so): a JSON record or a plain prompt."""
-    ext = os.path.splitext(path)[1].lower()
-    opener = importlib.import_module(COMPRESSION[ext]).open if ext in COMPRESSION else open
-    with opener(path, "rt", encoding="utf-8", errors="replace") as f:
-        for line in f:
-            line = line.strip()
+    with open_binary(path) as f:
+        for raw in f:
+            line = raw.decode("utf-8", errors="replace").strip()
             if line.startswith("{"):
                 try:
                     yield json.loads(line)
