@@ -356,7 +356,8 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
         ck.mgr.close()
     skipped = sorted((n, p) for n, p in _step_dirs(ck.root).items() if n > got)
     if skipped:  # an older step than the folder's newest: say so, and why
-        why = "; ".join(f"{n}: {validate_step_dir(p, content=True) or 'could not be restored'}" for n, p in skipped)
+        # (a step whose files were hashed and failed was already said by restore: no second read of it here)
+        why = "; ".join(f"{n}: {validate_step_dir(p) or 'could not be restored'}" for n, p in skipped)
         print(f"checkpoint: loading step {got} of {ck.root}; newer step(s) skipped: {why}", file=sys.stderr,
               flush=True)
     head_cfg = head_config_from_dict(out["meta"]["head_config"])
