@@ -106,9 +106,9 @@ def iter_conversations(cfg: RegenConfig, skip: set[int], stats: collections.Coun
     """Usable conversations (human turns only), in file order, skipping those already written."""
     dcfg = DataConfig(paths=list(cfg.data), format=cfg.format)
     for i, rec in enumerate(data_lib.iter_records(dcfg)):
-        if cfg.max_conversations and i >= cfg.first_conversation + cfg.max_conversations:
-            return
-        if i < cfg.first_conversation:
+        if not _in_slice(cfg, i):
+            if i >= cfg.first_conversation:
+                return  # past the slice's end
             stats["before_first_conversation"] += 1  # said when nothing is left: a --first-conversation past the end
             continue
         if i in skip:
