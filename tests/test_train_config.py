@@ -59,6 +59,7 @@ def test_overrides_and_types(tmp_path):
     (["--head.num_layers", "0"], "head.num_layers must be >= 1"),
     (["--head.aux_layer_ids", "[1, 1, 2]"], "must be distinct"),
     (["--head.dtype", "float42"], "head.dtype must be"),
+    (["--head.widen_vocab", "true"], "head.widen_vocab grows the vocab of the head given by head.init_from"),
     (["--model.dtype", "bogus"], "model.dtype must be"),
     (["--logging.every", "0"], "logging.every must be >= 1"),
     (["--logging.eval_every", "-1"], "logging.eval_every must be >= 0"),

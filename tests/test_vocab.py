@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import subprocess
 import sys
 from types import SimpleNamespace
@@ -83,9 +84,38 @@ def test_cli(tmp_path):
     np.testing.assert_array_equal(np.nonzero(np.asarray(vm.t2d))[0], want)
 
 
-def test_finetune_keeps_head_map(tmp_path):
+def test_widen_vocab_map_keeps_every_id_then_adds_the_most_frequent():
+    counts = np.array([0, 9, 1, 5, 0, 7, 1, 0, 2, 0])
+    vm = V.VocabMap.from_used_ids(np.array([0, 3]), 10)  # 0 never occurs: kept all the same
+    np.testing.assert_array_equal(np.asarray(V.widen_vocab_map(vm, counts, 5).d2t) + np.arange(5), [0, 1, 3, 5, 8])
+    # fewer other ids occur than asked: the smallest unused ones fill
+    grown = V.widen_vocab_map(vm, counts, 9)
+    np.testing.assert_array_equal(np.nonzero(np.asarray(grown.t2d))[0], np.arange(9))
+    for size in (2, 1, 11):
+        with pytest.raises(ValueError, match="can only grow"):
+            V.widen_vocab_map(vm, counts, size)
+
+
+def test_widen_lm_head_keeps_rows_and_maps_the_target():
+    """Old rows stay as they were at their ids' new places; when the head's rows ARE a linear image of the target's,
+    the added rows are that image exactly."""
+    from specjax.models import eagle3
+    rng = np.random.default_rng(0)
+    target_rows = rng.standard_normal((40, 6)).astype(np.float32)  # [V, Ht]
+    m = rng.standard_normal((6, 5)).astype(np.float32)  # the map into the head's space (H = 5)
+    old, new = np.array([2, 5, 7, 11, 13, 17, 19, 23, 29, 31]), np.arange(0, 40, 1)[::2]
+    new = np.union1d(old, new)
+    lm_head = (target_rows[old] @ m).T  # [H, Vd]
+    out = np.asarray(eagle3.widen_lm_head(lm_head, old, new, target_rows))
+    assert out.shape == (5, len(new))
+    np.testing.assert_array_equal(out[:, np.searchsorted(new, old)], lm_head)
+    np.testing.assert_allclose(out, (target_rows[new] @ m).T, atol=1e-4)
+
+
+@pytest.mark.parametrize("widen", [False, True])
+def test_finetune_keeps_head_map(tmp_path, widen):
     """--head.init_from: the new run trains the old head's params under the old head's vocab map, whatever the
-    data would count."""
+    data would count; with --head.widen_vocab the map grows to head.draft_vocab_size, every old id kept."""
     import jax
     from specjax.config import ModelConfig
     from specjax.models import eagle3
@@ -104,14 +134,19 @@ def test_finetune_keeps_head_map(tmp_path):
     r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                         "--data.paths", f"[{data}]", "--data.buckets", "[256]", "--training.max_steps", "1",
                         "--training.ttt_length", "1", "--logging.eval_every", "0", "--logging.progress", "false",
-                        "--head.init_from", str(tmp_path / "old"), "--checkpoint.dir", str(tmp_path / "new")],
+                        "--head.init_from", str(tmp_path / "old"), "--checkpoint.dir", str(tmp_path / "new")]
+                       + (["--head.widen_vocab", "true", "--head.draft_vocab_size", "80"] if widen else []),
                        capture_output=True, text=True, env=env, timeout=240,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    assert "draft vocab 48 (head" in r.stdout
+    size = 80 if widen else 48
+    assert f"draft vocab {size} (head" in r.stdout
+    assert (re.search(r"grown from 48 ids \(covering [\d.]+% of the training tokens\) to 80 \(100.00%\)",
+                      r.stdout) is not None) == widen
     cfg, params, vm2, _ = load_head_for_export(str(tmp_path / "new"))
-    assert cfg.draft_vocab_size == 48
-    np.testing.assert_array_equal(np.nonzero(np.asarray(vm2.t2d))[0], used)
+    assert cfg.draft_vocab_size == size and params.lm_head.shape[1] == size
+    got = np.nonzero(np.asarray(vm2.t2d))[0]
+    assert len(got) == size and np.isin(used, got).all()
 
 
 def test_train_with_no_usable_conversations_is_a_clear_error(tmp_path):

@@ -40,7 +40,10 @@ class HeadConfig:
     draft_vocab_size: int = option(
         32000, help='Vd: the most frequent target ids of the data (capped at the target vocab)')
     num_layers: int = option(1, help='decoder layers of the head (EAGLE3: 1)')
-    init_from: str | None = option(None, help='specjax checkpoint dir: fine-tune that head (keeps its vocab map)')
+    init_from: str | None = option(None, help='specjax checkpoint dir: fine-tune that head (keeps its vocab map; see widen_vocab)')
+    widen_vocab: bool = option(
+        False, help="with init_from: grow that head's draft vocab to draft_vocab_size (its ids and rows kept, the "
+        "data's most frequent other ids added, their lm_head rows mapped from the target's)")
     init_lm_head: str = option(
         "random", help="random | target: a fresh head's lm_head/norm start as the target's (draft rows)")
     vocab_map: str | None = option(
@@ -395,6 +398,8 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError("checkpoint.every and checkpoint.keep must be >= 1")
     if cfg.head.draft_vocab_size < 1:
         raise ConfigError("head.draft_vocab_size must be >= 1")
+    if cfg.head.widen_vocab and not cfg.head.init_from:
+        raise ConfigError("head.widen_vocab grows the vocab of the head given by head.init_from: set that too")
     if cfg.head.init_lm_head not in ("random", "target"):
         raise ConfigError(f"head.init_lm_head must be random or target, not {cfg.head.init_lm_head!r}")
     for key, (ok, what) in _RANGES.items():

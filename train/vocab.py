@@ -54,6 +54,20 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
     return VocabMap.from_used_ids(select_draft_ids(counts, draft_vocab_size), len(counts))
 
 
+def widen_vocab_map(vm: VocabMap, counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
+    """``vm``'s draft vocab grown to ``draft_vocab_size`` ids: every id it has, then the most frequent other ids of
+    ``counts`` (ties: smaller id first), then the smallest unused ids if too few others occur."""
+    old = np.asarray(vm.d2t).astype(np.int64) + np.arange(len(vm.d2t))
+    counts = np.asarray(counts)
+    if not len(old) < draft_vocab_size <= len(counts):
+        raise ValueError(f"a draft vocab of {len(old)} ids can only grow to a size in ({len(old)}, "
+                         f"{len(counts)}], not {draft_vocab_size}")
+    rest = counts.astype(np.int64)
+    rest[old] = -1  # never taken again: below every unseen id
+    extra = np.argsort(-rest, kind="stable")[:draft_vocab_size - len(old)]
+    return VocabMap.from_used_ids(np.concatenate([old, extra]), len(counts))
+
+
 def vocab_map_to_numpy(vm: VocabMap) -> dict[str, np.ndarray]:
     return {"d2t": np.asarray(vm.d2t).astype(np.int64), "t2d": np.asarray(vm.t2d).astype(bool)}
 

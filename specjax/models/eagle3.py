@@ -157,6 +157,24 @@ def init_params_from_target(cfg: Eagle3Config, key: jax.Array, embed, lm_head, f
     return dataclasses.replace(params, lm_head=head.astype(dt), norm=norm.astype(dt))
 
 
+def widen_lm_head(lm_head, old_ids, new_ids, target_rows):
+    """A trained head's output layer grown to a larger draft vocab.
+
+    lm_head: [H, Vd] the head's rows of the sorted target ids ``old_ids`` (i32[Vd]); new_ids: sorted i32[Vd'] that
+    contains every old id; target_rows: [V, Ht] the target's output rows (its lm_head transposed, or the tied
+    embedding). Returns [H, Vd']: the old rows as they were (moved to their ids' new places) and, for each added id,
+    the target's row through the linear map that takes the target's rows of the old ids closest to the head's
+    (least squares). The target's final norm scales its rows' columns, which such a map absorbs, so it is not
+    needed. A head trained from the target's rows (``init_lm_head: target``) keeps them close to a linear image of
+    them: SmolLM2's shipped head is fitted at cosine 0.98 on ids left out of the fit."""
+    old_ids, new_ids = jnp.asarray(old_ids), jnp.asarray(new_ids)
+    src = jnp.take(target_rows, old_ids, axis=0).astype(jnp.float32)  # [Vd, Ht]
+    fit, *_ = jnp.linalg.lstsq(src, lm_head.T.astype(jnp.float32))  # [Ht, H]
+    rows = jnp.take(target_rows, new_ids, axis=0).astype(jnp.float32) @ fit  # [Vd', H]
+    rows = rows.at[jnp.searchsorted(new_ids, old_ids)].set(lm_head.T.astype(jnp.float32))
+    return rows.T.astype(lm_head.dtype)
+
+
 def project_aux(params: Eagle3Params, aux):
     """fc over the concatenated target aux features: [B, T, 3*Ht] -> [B, T, H], in the head's activation dtype (its
     norms'; its matrices may be stored narrower, ``head_weights.stored_matrix_dtype``)."""
