@@ -96,6 +96,18 @@ def test_widen_vocab_map_keeps_every_id_then_adds_the_most_frequent():
             V.widen_vocab_map(vm, counts, size)
 
 
+def test_vocab_counts_are_read_back_from_npz_only(tmp_path):
+    counts = np.arange(20) % 7
+    vm = V.build_vocab_map(counts, 6)
+    V.save_vocab_map(str(tmp_path / "v.npz"), vm, counts=counts)
+    np.testing.assert_array_equal(V.load_vocab_counts(str(tmp_path / "v.npz")), counts)
+    V.save_vocab_map(str(tmp_path / "bare.npz"), vm)
+    V.save_vocab_map(str(tmp_path / "v.safetensors"), vm, counts=counts)
+    for name in ("bare.npz", "v.safetensors"):
+        with pytest.raises(ValueError, match="holds no token counts"):
+            V.load_vocab_counts(str(tmp_path / name))
+
+
 def test_widen_lm_head_keeps_rows_and_maps_the_target():
     """Old rows stay as they were at their ids' new places; when the head's rows ARE a linear image of the target's,
     the added rows are that image exactly."""
@@ -112,7 +124,7 @@ def test_widen_lm_head_keeps_rows_and_maps_the_target():
     np.testing.assert_allclose(out, (target_rows[new] @ m).T, atol=1e-4)
 
 
-@pytest.mark.parametrize("widen", [False, True])
+@pytest.mark.parametrize("widen", [None, "data", "counts"])
 def test_finetune_keeps_head_map(tmp_path, widen):
     """--head.init_from: the new run trains the old head's params under the old head's vocab map, whatever the
     data would count; with --head.widen_vocab the map grows to head.draft_vocab_size, every old id kept."""
@@ -130,23 +142,30 @@ def test_finetune_keeps_head_map(tmp_path, widen):
     ck.save(7, params=eagle3.init_params(head, jax.random.PRNGKey(3)), train={"step": np.int32(7)}, vocab=vm,
             meta={"head_config": head_config_to_dict(head), "target_model_path": model})
     ck.close()
+    counted = str(tmp_path / "counts.npz")  # counts that rank ids 0..31 (beside the old ones) first
+    V.save_vocab_map(counted, vm, counts=np.r_[np.full(32, 5), np.zeros(tcfg.vocab_size - 32, np.int64)])
     env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                         "--data.paths", f"[{data}]", "--data.buckets", "[256]", "--training.max_steps", "1",
                         "--training.ttt_length", "1", "--logging.eval_every", "0", "--logging.progress", "false",
                         "--head.init_from", str(tmp_path / "old"), "--checkpoint.dir", str(tmp_path / "new")]
-                       + (["--head.widen_vocab", "true", "--head.draft_vocab_size", "80"] if widen else []),
+                       + (["--head.widen_vocab", "true", "--head.draft_vocab_size", "80"] if widen else [])
+                       + (["--head.vocab_map", counted] if widen == "counts" else []),
                        capture_output=True, text=True, env=env, timeout=240,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     size = 80 if widen else 48
     assert f"draft vocab {size} (head" in r.stdout
-    assert (re.search(r"grown from 48 ids \(covering [\d.]+% of the training tokens\) to 80 \(100.00%\)",
-                      r.stdout) is not None) == widen
+    said = {"data": "training", "counts": "counted"}.get(widen, "")
+    grown = re.search(r"grown from 48 ids \(covering [\d.]+% of the .*" + said + r" tokens\) to 80 \(100.00%\)",
+                      r.stdout)
+    assert (grown is not None) == (widen is not None)
     cfg, params, vm2, _ = load_head_for_export(str(tmp_path / "new"))
     assert cfg.draft_vocab_size == size and params.lm_head.shape[1] == size
     got = np.nonzero(np.asarray(vm2.t2d))[0]
     assert len(got) == size and np.isin(used, got).all()
+    if widen == "counts":
+        np.testing.assert_array_equal(got, np.r_[np.arange(32), used])
 
 
 def test_train_with_no_usable_conversations_is_a_clear_error(tmp_path):

@@ -32,8 +32,8 @@ from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 from specjax.sharding import ShardingError, make_mesh
 from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, train_step as step_lib
-from specjax.train.config import RunConfig, add_override_options, config_from_command_line
-from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_map, widen_vocab_map
+from specjax.train.config import HeadConfig, RunConfig, add_override_options, config_from_command_line
+from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_counts, load_vocab_map, widen_vocab_map
 
 HELP_EPILOG = """\
 Every key of the run config can be overridden on the command line as --section.key VALUE, e.g.
@@ -415,8 +415,8 @@ def init_head(cfg, log, ckpt, optimizer, mesh, target, head_cfg, train_data, bat
             init_params = jax.tree.map(lambda x: jax.make_array_from_callback(
                 x.shape, rep, lambda idx, x=np.asarray(jax.device_get(x)): x[idx]), init_params)
         if cfg.head.widen_vocab:
-            head_cfg, init_params, vocab_map, grown = widen_head(cfg.head.draft_vocab_size, head_cfg, init_params,
-                                                                  vocab_map, train_data, target_params)
+            head_cfg, init_params, vocab_map, grown = widen_head(cfg.head, head_cfg, init_params, vocab_map,
+                                                                  train_data, target_params)
             vocab_source += grown
         if init_params is None and cfg.head.init_lm_head == "target":
             init_params = eagle3.init_params_from_target(
@@ -527,19 +527,26 @@ def fresh_head(cfg, target_cfg, head_cfg, train_data):
     return head_cfg, None, vocab_map, f"counted over {int(counts.sum())} training tokens"
 
 
-def widen_head(size: int, head_cfg, params, vocab_map, train_data, target_params):
-    """``head.widen_vocab``: the init_from head grown to ``size`` draft ids (``vocab.widen_vocab_map``, the added
-    ids' lm_head rows by ``eagle3.widen_lm_head``). Returns (head config, params, vocab map, what was done)."""
-    counts = count_tokens(train_data.tokens, train_data.loss_mask, head_cfg.vocab_size)
+def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target_params):
+    """``head.widen_vocab``: the init_from head grown to ``head.draft_vocab_size`` ids (``vocab.widen_vocab_map``;
+    the ids added by the counts saved in ``head.vocab_map`` when given, else by the training split's; their lm_head
+    rows by ``eagle3.widen_lm_head``). Returns (head config, params, vocab map, what was done)."""
+    size, counted = head.draft_vocab_size, "training"
     try:
+        if head.vocab_map:
+            counts, counted = load_vocab_counts(head.vocab_map), f"{head.vocab_map}'s counted"
+            if len(counts) != head_cfg.vocab_size:
+                raise ValueError(f"{head.vocab_map} counts {len(counts)} ids, the target has {head_cfg.vocab_size}")
+        else:
+            counts = count_tokens(train_data.tokens, train_data.loss_mask, head_cfg.vocab_size)
         grown = widen_vocab_map(jax.device_get(vocab_map), counts, size)
     except ValueError as e:
-        raise Stop(2, f"error: head.widen_vocab: {e} (head.draft_vocab_size)") from None
+        raise Stop(2, f"error: head.widen_vocab: {e}") from None
     ids = lambda vm: np.asarray(vm.d2t, np.int64) + np.arange(len(vm.d2t))
     rows = target_params.embed if target_params.lm_head is None else target_params.lm_head.T  # [V, Ht]
     lm_head = eagle3.widen_lm_head(params.lm_head, ids(vocab_map), ids(grown), rows)
     share = lambda vm: counts[np.asarray(vm.t2d)].sum() / max(1, counts.sum())
-    note = (f"; grown from {len(vocab_map.d2t)} ids (covering {share(vocab_map):.2%} of the training tokens) to "
+    note = (f"; grown from {len(vocab_map.d2t)} ids (covering {share(vocab_map):.2%} of the {counted} tokens) to "
             f"{size} ({share(grown):.2%}), the added lm_head rows mapped from the target's")
     return head_cfg.replace(draft_vocab_size=size), dataclasses.replace(params, lm_head=lm_head), grown, note
 

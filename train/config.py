@@ -43,11 +43,13 @@ class HeadConfig:
     init_from: str | None = option(None, help='specjax checkpoint dir: fine-tune that head (keeps its vocab map; see widen_vocab)')
     widen_vocab: bool = option(
         False, help="with init_from: grow that head's draft vocab to draft_vocab_size (its ids and rows kept, the "
-        "data's most frequent other ids added, their lm_head rows mapped from the target's)")
+        "most frequent other ids of the data, or of vocab_map's saved counts when given, added; their lm_head rows "
+        "mapped from the target's)")
     init_lm_head: str = option(
         "random", help="random | target: a fresh head's lm_head/norm start as the target's (draft rows)")
     vocab_map: str | None = option(
-        None, help='.npz / .safetensors from `python -m specjax.train.vocab`; default: computed')
+        None, help='.npz / .safetensors from `python -m specjax.train.vocab`; default: computed (with widen_vocab: '
+        'an .npz whose counts choose the added ids)')
     dtype: str = option(
         "float32", help='compute dtype of the head (master weights and Adam moments are fp32 regardless)')
     aux_layer_ids: tuple[int, ...] | None = option(None, help="default: EAGLE3's {1, L/2-1, L-4}")

@@ -115,6 +115,18 @@ def load_vocab_map(path: str) -> VocabMap:
                          f"({type(e).__name__}: {e})") from None
 
 
+def load_vocab_counts(path: str) -> np.ndarray:
+    """The token counts a ``.npz`` written by ``python -m specjax.train.vocab`` keeps beside its map."""
+    load_vocab_map(path)  # the same checks and messages as reading the map
+    if not path.endswith(".npz"):
+        raise ValueError(f"vocab map {path} holds no token counts (only the .npz files of python -m "
+                         f"specjax.train.vocab keep them)")
+    with np.load(path, allow_pickle=False) as z:
+        if "counts" not in z:
+            raise ValueError(f"vocab map {path} holds no token counts")
+        return np.asarray(z["counts"], np.int64)
+
+
 def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.ndarray]:
     """Tokenize the run config's data (same split as training) and build the map."""
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
