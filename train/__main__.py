@@ -531,10 +531,10 @@ def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target
     """``head.widen_vocab``: the init_from head grown to ``head.draft_vocab_size`` ids (``vocab.widen_vocab_map``;
     the ids added by the counts saved in ``head.vocab_map`` when given, else by the training split's; their lm_head
     rows by ``eagle3.widen_lm_head``). Returns (head config, params, vocab map, what was done)."""
-    size, counted = head.draft_vocab_size, "training"
+    size, counted = head.draft_vocab_size, "the training tokens"
     try:
         if head.vocab_map:
-            counts, counted = load_vocab_counts(head.vocab_map), f"{head.vocab_map}'s counted"
+            counts, counted = load_vocab_counts(head.vocab_map), f"the tokens counted in {head.vocab_map}"
             if len(counts) != head_cfg.vocab_size:
                 raise ValueError(f"{head.vocab_map} counts {len(counts)} ids, the target has {head_cfg.vocab_size}")
         else:
@@ -546,7 +546,7 @@ def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target
     rows = target_params.embed if target_params.lm_head is None else target_params.lm_head.T  # [V, Ht]
     lm_head = eagle3.widen_lm_head(params.lm_head, ids(vocab_map), ids(grown), rows)
     share = lambda vm: counts[np.asarray(vm.t2d)].sum() / max(1, counts.sum())
-    note = (f"; grown from {len(vocab_map.d2t)} ids (covering {share(vocab_map):.2%} of the {counted} tokens) to "
+    note = (f"; grown from {len(vocab_map.d2t)} ids (covering {share(vocab_map):.2%} of {counted}) to "
             f"{size} ({share(grown):.2%}), the added lm_head rows mapped from the target's")
     return head_cfg.replace(draft_vocab_size=size), dataclasses.replace(params, lm_head=lm_head), grown, note
 
