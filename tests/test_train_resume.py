@@ -43,16 +43,18 @@ def _env(assets, devices=4):
 def _losses(path):
     """step -> loss; a step logged twice (re-run after a kill) keeps its last value."""
     out = {}
-    if not os.path.exists(path):
+    try:  # (the trainer's start-up probe of the path creates and removes it: not there, or gone since a check)
+        with open(path) as f:
+            lines = f.readlines()
+    except FileNotFoundError:
         return out
-    with open(path) as f:
-        for line in f:
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError:
-                continue  # a line cut by the kill
-            if "loss" in rec:
-                out[rec["step"]] = rec["loss"]
+    for line in lines:
+        try:
+            rec = json.loads(line)
+        except json.JSONDecodeError:
+            continue  # a line cut by the kill
+        if "loss" in rec:
+            out[rec["step"]] = rec["loss"]
     return out
 
 
