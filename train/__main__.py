@@ -539,10 +539,11 @@ def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target
                 raise ValueError(f"{head.vocab_map} counts {len(counts)} ids, the target has {head_cfg.vocab_size}")
         else:
             counts = count_tokens(train_data.tokens, train_data.loss_mask, head_cfg.vocab_size)
-        grown = widen_vocab_map(jax.device_get(vocab_map), counts, size)
+        vocab_map = jax.device_get(vocab_map)  # host arrays (the grown map is placed with the rest after this)
+        grown = widen_vocab_map(vocab_map, counts, size)
     except ValueError as e:
         raise Stop(2, f"error: head.widen_vocab: {e}") from None
-    ids = lambda vm: np.asarray(vm.d2t, np.int64) + np.arange(len(vm.d2t))
+    ids = lambda vm: np.asarray(vm.draft_to_target(np.arange(len(vm.d2t))))  # sorted target ids, on the host
     rows = target_params.embed if target_params.lm_head is None else target_params.lm_head.T  # [V, Ht]
     lm_head = eagle3.widen_lm_head(params.lm_head, ids(vocab_map), ids(grown), rows)
     share = lambda vm: counts[np.asarray(vm.t2d)].sum() / max(1, counts.sum())

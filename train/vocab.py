@@ -57,7 +57,7 @@ def build_vocab_map(counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
 def widen_vocab_map(vm: VocabMap, counts: np.ndarray, draft_vocab_size: int) -> VocabMap:
     """``vm``'s draft vocab grown to ``draft_vocab_size`` ids: every id it has, then the most frequent other ids of
     ``counts`` (ties: smaller id first), then the smallest unused ids if too few others occur."""
-    old = np.asarray(vm.d2t).astype(np.int64) + np.arange(len(vm.d2t))
+    old = np.asarray(vm.draft_to_target(np.arange(len(vm.d2t))), np.int64)
     counts = np.asarray(counts)
     if not len(old) < draft_vocab_size <= len(counts):
         raise ValueError(f"a draft vocab of {len(old)} ids can only grow to a size in ({len(old)}, "
