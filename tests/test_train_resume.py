@@ -179,3 +179,16 @@ def test_nonfinite_loss_never_reaches_a_checkpoint(assets, tmp_path):
     assert "the update was skipped" in r.stdout and "Traceback" not in r.stderr
     from specjax.train.checkpoint import Checkpointer
     assert Checkpointer(str(assets[0] / "nan_run")).valid_steps() == []
+
+
+def test_saturated_head_stops_the_run(assets):
+    """A learning rate far too high saturates the head in a few updates: its gradient becomes exactly zero and the
+    loss stays finite, so nothing is skipped; after training.max_zero_grad_steps such updates in a row the run stops
+    with exit 1, saying since when and which checkpoint holds the saturated head (it used to end "done")."""
+    cmd = _cmd(assets, "dead_run", "--optimizer.lr", "1e3", "--optimizer.warmup_ratio", "0",
+               "--training.max_zero_grad_steps", "3", "--training.max_steps", "30", "--logging.every", "1")
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=300)
+    assert r.returncode == 1, r.stdout[-3000:] + r.stderr[-3000:]
+    assert "updates since step" in r.stdout and "training.max_zero_grad_steps=3" in r.stdout, r.stdout[-3000:]
+    assert "the head saturated and no longer learns" in r.stdout and "Traceback" not in r.stderr
+    assert "done at step" not in r.stdout

@@ -151,28 +151,54 @@ class Logger:
             self.tb.close()
 
 
-class NonFiniteGuard:
-    """Counts the updates the train step skipped for a non-finite loss or gradient, on the device (no host sync per
-    step): the current run of consecutive skips, the longest run and the total. ``error`` (a sync: call it at
-    logging and checkpoint steps) says why to stop once ``limit`` updates in a row were skipped."""
+class Streak:
+    """Steps in a row on which a per-step flag (a device scalar, 1.0 or 0.0) was set, counted on the device (no host
+    sync per step): the current run, the longest run and the total. ``reached`` (a sync: call it at logging and
+    checkpoint steps) says whether ``limit`` flags in a row were seen: in the longest run, or with ``ongoing`` only
+    in the run still going on."""
 
     def __init__(self, limit: int):
         self.limit = max(int(limit), 1)
         self.run = self.longest = self.sum = jnp.zeros((), jnp.float32)
 
-    def add(self, skipped) -> None:
-        self.run = jnp.where(skipped > 0, self.run + 1, 0.0)
+    def add(self, flag) -> None:
+        self.run = jnp.where(flag > 0, self.run + 1, 0.0)
         self.longest = jnp.maximum(self.longest, self.run)
-        self.sum = self.sum + skipped
+        self.sum = self.sum + flag
 
     def total(self) -> float:
         return float(self.sum)
 
-    def error(self, step: int) -> str | None:
-        if float(self.longest) < self.limit:
-            return None
-        return (f"{self.limit} updates in a row had a non-finite loss or gradient (by step {step}; "
-                f"training.max_nonfinite_steps={self.limit}); each was skipped, none reached the weights")
+    def current(self) -> int:
+        return int(self.run)
+
+    def reached(self, ongoing: bool = False) -> bool:
+        return float(self.run if ongoing else self.longest) >= self.limit
+
+
+def stop_reason(run: Run, nonfinite: Streak, stalled: Streak, step: int) -> str | None:
+    """Why the run must stop at ``step``, naming what its checkpoints hold; None to go on. A skipped (non-finite)
+    update never reaches the weights, so the last checkpoint is good; a gradient of exactly zero on batches with
+    answer tokens means the head saturated (the usual cause: a learning rate far too high) and no longer learns:
+    checkpoints saved since it began hold that head."""
+    cfg = run.cfg
+    if nonfinite.reached():
+        last = (f"the last checkpoint in {cfg.checkpoint.dir} (step {run.saved_step}) holds finite weights"
+                if run.saved_step is not None else "no checkpoint was saved yet")
+        return (f"{nonfinite.limit} updates in a row had a non-finite loss or gradient (by step {step}; "
+                f"training.max_nonfinite_steps={nonfinite.limit}); each was skipped, none reached the weights; "
+                f"{last}: lower optimizer.lr or check the data, then resume")
+    if stalled.reached(ongoing=True):
+        since = step - stalled.current() + 1
+        saved = run.saved_step
+        held = ("no checkpoint was saved yet" if saved is None else
+                f"the checkpoint at step {saved} in {cfg.checkpoint.dir} holds it" if saved >= since - 1 else
+                f"the last checkpoint (step {saved}) was saved before it")
+        return (f"the gradient has been exactly zero for the {stalled.current()} updates since step {since} "
+                f"(training.max_zero_grad_steps={stalled.limit}): the head saturated and no longer learns "
+                f"(optimizer.lr={cfg.optimizer.lr:g}); {held}: start again from an earlier checkpoint or from "
+                f"scratch with a lower optimizer.lr")
+    return None
 
 
 def peak_flops(device) -> float | None:
@@ -555,18 +581,19 @@ def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target
 # ---- the loop --------------------------------------------------------------------------------------------------------
 def train(run: Run) -> int:
     """Step until ``total_steps`` (or a signal): metrics every ``logging.every`` steps, evals, checkpoints; stop with
-    status 1 when too many updates in a row were not finite. The last step is always saved."""
+    status 1 when too many updates in a row were not finite or had a zero gradient. The last step is always saved."""
     cfg, log = run.cfg, run.log
     stop = watch_signals()
     step = int(jax.device_get(run.state.step))
     bar = log.progress(run.total_steps, step, cfg.logging.progress)
     meter = Throughput(run)
-    nonfinite = NonFiniteGuard(cfg.training.max_nonfinite_steps)
+    nonfinite, stalled = Streak(cfg.training.max_nonfinite_steps), Streak(cfg.training.max_zero_grad_steps)
     while step < run.total_steps:
         batch, info = next(run.batches)
         run.state, metrics = run.train_step(run.state, run.target_arg, run.vocab_map, batch)
         step += 1
         nonfinite.add(metrics["skipped"])
+        stalled.add(((metrics["grad_norm"] == 0) & (metrics["valid_tokens"] > 0)).astype(jnp.float32))
         meter.add(info)
         if step % cfg.logging.every == 0 or step == run.total_steps:
             log_metrics(run, step, metrics, info, meter.take(), nonfinite.total(), bar)
@@ -575,10 +602,8 @@ def train(run: Run) -> int:
         if cfg.logging.eval_every and step % cfg.logging.eval_every == 0:
             log_eval(run, step)
         if (step % cfg.logging.every == 0 or step % cfg.checkpoint.every == 0 or step == run.total_steps) and \
-                (err := nonfinite.error(step)):
-            last = (f"the last checkpoint in {cfg.checkpoint.dir} (step {run.saved_step}) holds finite weights"
-                    if run.saved_step is not None else "no checkpoint was saved yet")
-            log.info(f"error: {err}; {last}: lower optimizer.lr or check the data, then resume")
+                (err := stop_reason(run, nonfinite, stalled, step)):
+            log.info(f"error: {err}")
             run.ckpt.close()
             log.close()
             return 1

@@ -86,6 +86,8 @@ class TrainingConfig:
     decay: float = option(0.8, help='weight of rollout step k is decay**k')
     max_nonfinite_steps: int = option(
         10, help='a NaN/inf loss or gradient skips the update; this many in a row stop the run')
+    max_zero_grad_steps: int = option(
+        10, help='this many updates in a row with a gradient of exactly zero (a saturated head) stop the run')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -446,6 +448,7 @@ _RANGES: dict[str, tuple[Callable[[float], bool], str]] = {
     "optimizer.clip_norm": (lambda v: v >= 0, ">= 0 (0: off)"),
     "training.decay": (lambda v: 0 < v <= 1, "in (0, 1]"),
     "training.max_nonfinite_steps": (lambda v: v >= 1, ">= 1"),
+    "training.max_zero_grad_steps": (lambda v: v >= 1, ">= 1"),
     "data.eval_max": (lambda v: v >= 0, ">= 0"),
     "data.max_examples": (lambda v: v >= 1, ">= 1 (or null: all)"),  # -1 was "kept 0 of 0 conversations"
     "head.num_layers": (lambda v: v >= 1, ">= 1"),
