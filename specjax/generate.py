@@ -258,6 +258,9 @@ class GenerateOptions:
                                                     "the default model, none otherwise; NONE forces plain decoding)")
     speculative_draft_model_path: str | None = option(None, metavar="PATH",
                                                       help="the draft head's folder (HF format)")
+    speculative_token_map: str | None = option(None, metavar="PATH",
+                                               help="FR-Spec hot-token ids for an EAGLE head (.json list, .npy, .pt): "
+                                                    "its draft proposes only these tokens")
     speculative_num_steps: int | None = option(None, metavar="N", help="draft depth (default: the head's tuned "
                                                                        "shape (`bench tune`), else 5)")
     speculative_eagle_topk: int | None = option(None, metavar="N", help="branching per draft step (default: the "
@@ -343,6 +346,9 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         raise ValueError("--speculative-draft-model-path needs --speculative-algorithm EAGLE3 (or EAGLE)")
     if algo is not None and head is None:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH")
+    if args.speculative_token_map is not None and algo != "EAGLE":
+        raise ValueError("--speculative-token-map is for EAGLE heads (--speculative-algorithm EAGLE); EAGLE3 heads "
+                         "carry their own vocab map")
     if algo is None:
         return model, None, None, None
     return model, algo, head, _tree_shape(args, head)
@@ -370,7 +376,7 @@ def speculative_demo(args, prompts: list[str]) -> int:
         outs = generate(params, cfg, ids, max_new_tokens=args.max_new_tokens, **kw)
         _print_texts(prompts, [tok.decode(o, skip_special_tokens=True) for o in outs])
         return 0
-    dcfg, dparams, vocab = load_draft(head, algo, cfg)
+    dcfg, dparams, vocab = load_draft(head, algo, cfg, token_map=args.speculative_token_map)
     draft = make_draft(algo, dcfg, dparams, params, vocab)
     print(f"{algo} head {head}, tree (steps {shape[0]}, topk {shape[1]}, draft tokens {shape[2]}); compiling ...",
           file=sys.stderr, flush=True)

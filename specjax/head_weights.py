@@ -125,7 +125,9 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
     hf = eagle3.read_hf_config(path)
     try:
         head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=dtype)
-    except (KeyError, ValueError) as e:
+    except KeyError as e:
+        raise HeadFormatError(f"{path}/config.json lacks the field {e.args[0]!r}") from None
+    except ValueError as e:
         raise HeadFormatError(f"{path}/config.json: {e}") from None
     check_head_matches_target(head_cfg, target_cfg)
     ckpt = CheckpointIndex(path)
@@ -240,6 +242,10 @@ def params_from_hf(tensors: dict[str, np.ndarray], cfg: eagle.EagleConfig) -> ea
             post_norm=put(need(p + "post_attention_layernorm.weight", (h,))),
             w_gate=put(need(p + "mlp.gate_proj.weight", (f, h)).T), w_up=put(need(p + "mlp.up_proj.weight", (f, h)).T),
             w_down=put(need(p + "mlp.down_proj.weight", (h, f)).T)))
+    for key in _TOLERATED:  # unused, but a table of another vocab or width names another target's head
+        if key in t and (np.ndim(t[key]) != 2 or np.shape(t[key])[0] != cfg.vocab_size or np.shape(t[key])[1] != h):
+            raise EagleHeadError(f"EAGLE head tensor {key!r} has shape {np.shape(t[key])}, expected "
+                                 f"{(cfg.vocab_size, h)} (vocab_size x hidden_size): another target's head?")
     left = sorted(k for k in t if k not in used and not k.endswith(_IGNORED_SUFFIXES) and k not in _TOLERATED)
     if left:
         raise EagleHeadError(f"EAGLE head has tensors the architecture does not use: {left[:8]}")
@@ -270,7 +276,10 @@ def load_eagle_head(folder: str, dtype: str | None = None) -> tuple[eagle.EagleC
     cfg_path = os.path.join(folder, "config.json")
     if not os.path.exists(cfg_path):
         raise EagleHeadError(f"no config.json in EAGLE head folder {folder}")
-    cfg = eagle.config_from_hf(read_json(cfg_path), dtype=dtype)
+    try:
+        cfg = eagle.config_from_hf(read_json(cfg_path), dtype=dtype)
+    except KeyError as e:
+        raise EagleHeadError(f"{cfg_path} lacks the field {e.args[0]!r}") from None
     return cfg, params_from_hf(_read_tensors(folder), cfg)
 
 
@@ -324,6 +333,9 @@ def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: st
         if cfg.hidden_size != target_cfg.hidden_size:
             raise ValueError(f"EAGLE head hidden_size {cfg.hidden_size} != target hidden_size "
                              f"{target_cfg.hidden_size}")
+        if cfg.vocab_size != target_cfg.vocab_size:  # the head reads the target's embedding and lm_head
+            raise EagleHeadError(f"EAGLE head {path} has vocab_size={cfg.vocab_size} but the target's vocab is "
+                                 f"{target_cfg.vocab_size}: this head was trained for another target")
         ids = load_token_map(token_map, target_cfg.vocab_size) if token_map else None
         return cfg, params, ids
     raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE3 or EAGLE")

@@ -136,6 +136,40 @@ def test_load_draft_eagle_with_token_map(reference, tmp_path):
     np.testing.assert_array_equal(np.asarray(d.lm_head), np.asarray(tp.lm_head)[:, hot])
 
 
+def test_eagle_head_of_another_target_or_config_refused(reference, tmp_path, capsys):
+    """A head config without a required field is one line naming it (was a KeyError); a head of another vocab, or
+    with an embedding table of another shape, is refused (the head reads the target's embedding and lm_head, so it
+    used to load and serve at near-zero acceptance); import-head / export-head say what to do with an EAGLE head."""
+    import shutil
+    from specjax.convert.head import main as convert_main
+    tcfg = tiny_config(vocab=V, hidden=H)
+
+    def variant(name, config=None, tensors=None):
+        folder = tmp_path / name
+        shutil.copytree(reference["folder"], folder)
+        if config is not None:
+            (folder / "config.json").write_text(json.dumps(config))
+        if tensors is not None:
+            save_file(tensors, str(folder / "model.safetensors"))
+        return str(folder)
+
+    no_field = variant("no_vocab", config={k: v for k, v in hf_config().items() if k != "vocab_size"})
+    with pytest.raises(eagle.EagleHeadError, match="lacks the field 'vocab_size'"):
+        head_weights.load_draft(no_field, "EAGLE", tcfg)
+    other_vocab = variant("v2", config=dict(hf_config(), vocab_size=2 * V),
+                          tensors=dict(reference["sd"], **{"embed_tokens.weight": np.zeros((2 * V, H), np.float32)}))
+    with pytest.raises(eagle.EagleHeadError, match="trained for another target"):
+        head_weights.load_draft(other_vocab, "EAGLE", tcfg)
+    small_table = variant("table", tensors=dict(reference["sd"], **{"embed_tokens.weight": np.zeros((3, H),
+                                                                                                   np.float32)}))
+    with pytest.raises(eagle.EagleHeadError, match="another target's head"):
+        head_weights.load_draft(small_table, "EAGLE", tcfg)
+    for argv in (["import-head", reference["folder"], str(tmp_path / "o1"), "--target", "unused"],
+                 ["export-head", reference["folder"], str(tmp_path / "o2")]):
+        assert convert_main(argv[0], argv[1:]) == 2
+        assert "is an EAGLE-1/2 head" in capsys.readouterr().err
+
+
 def test_load_draft_eagle3_uses_the_head_importer(tmp_path):
     from specjax.convert.head import export_head
     tcfg = tiny_config()

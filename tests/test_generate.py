@@ -204,6 +204,31 @@ def test_cli_speculative_comparison(model, model_dir, tmp_path, capsys):
     assert "--timing-runs must be >= 1" in capsys.readouterr().err
 
 
+def test_cli_eagle_head_with_token_map(model, model_dir, tmp_path, capsys):
+    """An EAGLE head with an FR-Spec token map from the CLI (the server's and Engine's flag): greedy output identical
+    to plain; the map with an EAGLE3 head is refused rather than ignored."""
+    import numpy as np
+    from spec_models import random_models
+    from specjax.head_weights import params_to_hf as head_to_hf
+    from specjax.models import eagle
+    cfg, _ = model
+    _, _, (ecfg, eparams, _) = random_models(cfg, seed=4)
+    head = tmp_path / "eagle"
+    head.mkdir()
+    (head / "config.json").write_text(json.dumps(eagle.config_to_hf(ecfg)))
+    save_file(head_to_hf(eparams, ecfg), str(head / "model.safetensors"))
+    (tmp_path / "hot.json").write_text(json.dumps([int(i) for i in np.arange(0, VOCAB, 2)]))
+    args = ["--model", model_dir, "--speculative-algorithm", "EAGLE", "--speculative-draft-model-path", str(head),
+            "--speculative-token-map", str(tmp_path / "hot.json"), "--speculative-num-steps", "2",
+            "--speculative-eagle-topk", "1", "--speculative-num-draft-tokens", "3", "--prompt", "w5 w6",
+            "--max-new-tokens", "12", "--timing-runs", "1"]
+    assert main(args) == 0
+    assert "output identical to plain decoding" in capsys.readouterr().out
+    args[3] = "EAGLE3"
+    assert main(args) == 2
+    assert "--speculative-token-map is for EAGLE heads" in capsys.readouterr().err
+
+
 def test_cli_errors(tmp_path, capsys, monkeypatch):
     import huggingface_hub.constants as hub_constants
     monkeypatch.setattr(hub_constants, "HF_HUB_OFFLINE", True)

@@ -270,7 +270,9 @@ def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dic
 def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None = None) -> Eagle3Config:
     archs = hf.get("architectures") or []
     if archs and archs[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"):
-        raise ValueError(f"not an EAGLE3 head: architectures={archs}")
+        hint = (" (an EAGLE-1/2 head: serve it as it is with --speculative-algorithm EAGLE)"
+                if archs[0] in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM") else "")
+        raise ValueError(f"not an EAGLE3 head: architectures={archs}{hint}")
     h = int(hf["hidden_size"])
     n = int(hf["num_attention_heads"])
     ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
