@@ -192,3 +192,19 @@ def test_saturated_head_stops_the_run(assets):
     assert "updates since step" in r.stdout and "training.max_zero_grad_steps=3" in r.stdout, r.stdout[-3000:]
     assert "the head saturated and no longer learns" in r.stdout and "Traceback" not in r.stderr
     assert "done at step" not in r.stdout
+
+
+def test_a_second_signal_exits_at_once():
+    """The first SIGTERM asks the loop to save and stop at the next step; a second one exits now (a save that cannot
+    finish held a run that `timeout` or tpu_scripts/stop.sh had signalled), leaving the last complete checkpoint."""
+    code = ("import os, signal, time\n"
+            "from specjax.train.__main__ import watch_signals\n"
+            "stop = watch_signals()\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "assert stop['signal'] == signal.SIGTERM, stop\n"
+            "print('first taken', flush=True)\n"
+            "os.kill(os.getpid(), signal.SIGTERM)\n"
+            "time.sleep(30)\n")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
+    assert r.returncode == 128 + 15, r.stdout + r.stderr
+    assert "first taken" in r.stdout and "again: exiting now without a final checkpoint" in r.stdout

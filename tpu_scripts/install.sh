@@ -18,12 +18,13 @@ tpu_scp all "${TARBALL}" "specjax.tar.gz"
 echo "installing on all hosts"
 tpu_ssh all "set -euo pipefail
   mkdir -p ~/${REMOTE_DIR} && tar -xzf ~/specjax.tar.gz -C ~/${REMOTE_DIR} && rm ~/specjax.tar.gz
-  sudo apt-get -qq update >/dev/null && sudo apt-get -qq install -y python3-venv >/dev/null
-  python3 -m venv ~/specjax-venv
+  # the image's Python is 3.10 and specjax's jax needs 3.11+: uv (from PyPI) makes a venv on a managed Python 3.12
+  python3 -m pip install -q --user uv
+  ~/.local/bin/uv venv -q --python 3.12 --seed --allow-existing ~/specjax-venv
   . ~/specjax-venv/bin/activate
   pip install -q --upgrade pip
-  pip install -q -U 'jax[tpu]' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
-  pip install -q -e ~/${REMOTE_DIR}
+  # the tpu extra pins jax[tpu] (libtpu) at the version the test suite runs on; gcs: gs:// checkpoint folders
+  pip install -q -e ~/${REMOTE_DIR}'[tpu,gcs]' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
   python -c 'import jax; print(jax.process_index(), jax.local_device_count(), jax.devices()[0].device_kind)'
   cd ~/${REMOTE_DIR}
   python -m specjax.convert fetch-sharegpt

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import hashlib
 import json
 import os
 import signal
@@ -91,6 +92,42 @@ def init_distributed(mh) -> None:
                                    process_id=mh.process_id)
     else:
         jax.distributed.initialize()
+
+
+def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+    out = {}
+    for k, v in d.items():
+        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+    return out
+
+
+def _digest(value) -> int:
+    """31 bits of the SHA-256 of ``value``'s JSON (an int32 that every backend gathers as it is)."""
+    raw = hashlib.sha256(json.dumps(value, sort_keys=True, default=str).encode()).digest()
+    return int.from_bytes(raw[:4], "little") >> 1
+
+
+def check_same_config(cfg: RunConfig) -> None:
+    """With several processes: a :class:`Stop` on every process unless all run the same settings (``multihost.*``
+    aside), naming the keys that differ. Different seeds gave each host another "replicated" head and vocab map in
+    silence; other differences ended minutes later in a collective mismatch or a barrier timeout."""
+    if jax.process_count() == 1:
+        return
+    flat = {k: v for k, v in _flat(cfg.to_dict()).items() if not k.startswith("multihost.")}
+    keys = sorted(flat)
+    mine = np.asarray([_digest(keys)] + [_digest(flat[k]) for k in keys], np.int32)
+    sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(mine)))).reshape(-1)
+    every = (np.asarray(multihost_utils.process_allgather(mine)).reshape(len(sizes), -1)
+             if len(set(sizes.tolist())) == 1 else None)
+    if every is None or (every[:, 0] != every[0, 0]).any():
+        raise Stop(2, "error: the processes run different specjax versions (their run configs have different keys): "
+                      "install the same checkout on every host")
+    differ = [k for i, k in enumerate(keys, 1) if (every[:, i] != every[0, i]).any()]
+    if differ:
+        raise Stop(2, f"error: the processes were started with different settings: {', '.join(differ[:8])}"
+                      f"{' ...' if len(differ) > 8 else ''} (this process: "
+                      f"{', '.join(f'{k}={flat[k]}' for k in differ[:4])}); every host must run the same command "
+                      f"and config")
 
 
 class Logger:
@@ -295,11 +332,16 @@ def main(argv=None) -> int:
     primary = jax.process_index() == 0
     made = ckpt_lib.first_missing_dir(cfg.checkpoint.dir) if primary else None
     try:
+        for path in (cfg.checkpoint.dir, cfg.head.init_from):
+            ckpt_lib.check_filesystem(path or "")
+        check_same_config(cfg)
         log = Logger(cfg, primary)
         run = setup(cfg, log)
     except (Stop, OSError, ShardingError) as e:  # the user's to fix: said in a line, no empty checkpoint folder left
-        if primary:
-            print("\n".join(e.lines if isinstance(e, Stop) else [f"error: {error_text(e)}"]), flush=True)
+        # on every process: a cause that only one host meets (its own data path, disk) is in that host's log
+        who = f"process {jax.process_index()}: " if jax.process_count() > 1 else ""
+        print("\n".join(who + line for line in (e.lines if isinstance(e, Stop) else
+                                                 [f"error: {error_text(e)}"])), flush=True)
         ckpt_lib.remove_if_no_files(made)
         return e.code if isinstance(e, Stop) else 2
     if run is None:  # offline.build: the cache is written
@@ -493,13 +535,14 @@ def resume(cfg, log, ckpt, optimizer, mesh, model_dir, target_cfg, head_cfg, bat
 
 def changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
     """``key NEW (was OLD)`` for each run-config key whose value differs from the saved run's
-    (``checkpoint.resume`` aside: it is how a run resumes, not what it trains)."""
+    (``checkpoint.resume`` and ``multihost.*`` aside: how a run resumes and how its processes meet, not what it
+    trains)."""
     out = []
     for key, value in now.items():
         name, old = prefix + key, saved.get(key)
         if isinstance(value, dict) and isinstance(old, dict):
             out += changed_settings(old, value, name + ".")
-        elif key in saved and old != value and name != "checkpoint.resume":
+        elif key in saved and old != value and name != "checkpoint.resume" and not name.startswith("multihost."):
             out.append(f"{name} {value} (was {old})")
     return out
 
@@ -611,7 +654,8 @@ def train(run: Run) -> int:
             run.save(step)
         run.ckpt.poll()
         if should_stop(stop, step, cfg.logging.every, run.total_steps):
-            log.info(f"signal {stop['signal']}: saving a checkpoint at step {step} and exiting")
+            got = f"signal {stop['signal']}" if stop["signal"] is not None else "another process got a signal"
+            log.info(f"{got}: saving a checkpoint at step {step} and exiting")
             break
     run.save(step, wait=True)
     run.ckpt.close()
@@ -624,10 +668,15 @@ def train(run: Run) -> int:
 
 
 def watch_signals() -> dict:
-    """SIGTERM (preemption) and SIGINT set ``stop["signal"]``; the loop saves and exits at the next step."""
+    """SIGTERM (preemption) and SIGINT set ``stop["signal"]``; the loop saves and exits at the next step. A second
+    signal exits at once (a save that cannot finish, e.g. on a folder other hosts do not share, would hold the first)."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
+        if stop["signal"] is not None:  # a second one: the save or step in progress may be stuck, do not wait
+            print(f"signal {signum} again: exiting now without a final checkpoint (the last complete one is kept)",
+                  flush=True)
+            os._exit(128 + signum)
         stop["signal"] = signum
 
     signal.signal(signal.SIGTERM, on_signal)

@@ -26,8 +26,10 @@ from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import orbax.checkpoint as ocp
 from etils import epath
+from jax.experimental import multihost_utils
 
 from specjax.cli import nearest_existing
 from specjax.models import eagle3
@@ -108,6 +110,17 @@ def validate_step_dir(step_dir: epath.Path, *, content: bool = False) -> str | N
     return None
 
 
+def check_filesystem(path: str) -> None:
+    """An OSError naming the missing package when ``path`` is on Cloud Storage and gcsfs (which orbax's paths need
+    for gs://) is not installed: said before the target and data load, not as an ImportError at the first save."""
+    if str(path).startswith("gs://"):
+        try:
+            import gcsfs  # noqa: F401
+        except ImportError:
+            raise OSError(f"{path}: gs:// folders need the gcsfs package: pip install 'specjax[gcs]' (or pip install "
+                          f"gcsfs)") from None
+
+
 def check_writable(root: epath.Path) -> None:
     """An OSError naming ``root`` unless a file can be written there now (permission bits pass root under a
     read-only mount, where orbax's first save would wait minutes for a folder it cannot make)."""
@@ -119,9 +132,30 @@ def check_writable(root: epath.Path) -> None:
         raise OSError(e.errno, f"cannot write checkpoints to {root}: {e.strerror or e}") from None
 
 
+def check_shared(root: epath.Path) -> None:
+    """With several processes: an OSError on every process unless all of them see one folder at ``root`` (orbax's
+    saves coordinate through it; a folder local to each host made every process wait at the first save, silently and
+    for ever). Process 0 writes a file named by a nonce it broadcasts; each process looks for it."""
+    if jax.process_count() == 1:
+        return
+    nonce = int(multihost_utils.broadcast_one_to_all(np.int32(np.random.randint(1, 2**31 - 1))))
+    probe = root / f".specjax-shared-probe-{nonce}"
+    if jax.process_index() == 0:
+        probe.write_text("")
+    _sync("specjax_ckpt_shared_write")
+    seen = np.asarray(multihost_utils.process_allgather(np.int32(probe.exists()))).reshape(-1)
+    _sync("specjax_ckpt_shared_read")
+    if jax.process_index() == 0:
+        probe.unlink()
+    blind = [i for i, v in enumerate(seen) if not v]
+    if blind:
+        raise OSError(f"checkpoint.dir {root} is not one folder that every process sees (process(es) {blind} do "
+                      f"not see a file process 0 wrote there): use a gs:// bucket or a filesystem shared by all "
+                      f"hosts")
+
+
 def _sync(name: str) -> None:
     if jax.process_count() > 1:
-        from jax.experimental import multihost_utils
         multihost_utils.sync_global_devices(name)
 
 
@@ -132,6 +166,7 @@ class Checkpointer:
         # orbax (tensorstore/OCDBT) needs absolute local paths; gs:// and other URLs pass through unchanged.
         if "://" not in str(directory):
             directory = os.path.abspath(os.path.expanduser(str(directory)))
+        check_filesystem(directory)
         self.root = epath.Path(directory)
         self.read_only = read_only
         self.primary = jax.process_index() == 0 and not read_only
@@ -152,6 +187,7 @@ class Checkpointer:
             self.root.mkdir(parents=True, exist_ok=True)
             check_writable(self.root)
         _sync("specjax_ckpt_mkdir")
+        check_shared(self.root)
         self.quarantine_invalid()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                             cleanup_tmp_directories=True)  # half-written saves of a killed run
@@ -325,6 +361,7 @@ def _single_device(tree):
 
 def _resolve_dir(ckpt_dir: str) -> tuple[str, int | None]:
     """A manager root -> (root, None); a step folder inside one -> (root, step)."""
+    check_filesystem(ckpt_dir)
     p = epath.Path(ckpt_dir)
     if p.name.isdigit() and ((p / COMMIT_FILE).exists() or (p / "meta").exists()):
         return str(p.parent), int(p.name)

@@ -165,7 +165,7 @@ def _export_main(argv) -> int:
         from specjax.train.checkpoint import CheckpointError, load_head_for_export
         try:
             head_cfg, params, vmap, target_path = load_head_for_export(a.ckpt)
-        except CheckpointError as e:
+        except (CheckpointError, OSError) as e:
             raise HeadFormatError(str(e)) from None
         target_cfg = _target_config(a.target or target_path, f"checkpoint {a.ckpt} names no target model")
     hf = export_head(params, head_cfg, vmap, a.out_dir, target_cfg, dtype=a.dtype)
