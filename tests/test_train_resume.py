@@ -208,3 +208,20 @@ def test_a_second_signal_exits_at_once():
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
     assert r.returncode == 128 + 15, r.stdout + r.stderr
     assert "first taken" in r.stdout and "again: exiting now without a final checkpoint" in r.stdout
+
+
+def test_gs_folder_without_gcsfs_is_one_line(assets):
+    """A gs:// checkpoint folder without gcsfs stops before the target and data load, naming the package (it was an
+    ImportError traceback at the first save, after both had loaded); export-head says the same."""
+    import importlib.util
+    if importlib.util.find_spec("gcsfs") is not None:
+        pytest.skip("gcsfs is installed here")
+    cmd = _cmd(assets, "unused")
+    cmd[cmd.index("--checkpoint.dir") + 1] = "gs://some-bucket/run"
+    r = subprocess.run(cmd, cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
+    assert "gs:// folders need the gcsfs package" in r.stdout and "Traceback" not in r.stderr
+    assert "data:" not in r.stdout  # nothing loaded first
+    r = subprocess.run([sys.executable, "-m", "specjax.convert", "export-head", "gs://some-bucket/run", "out"],
+                       cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=120)
+    assert r.returncode == 2 and "gs:// folders need the gcsfs package" in r.stderr, r.stderr[-2000:]
