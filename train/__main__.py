@@ -87,6 +87,9 @@ def init_distributed(mh) -> None:
         return
     if env.get("JAX_PLATFORMS", "") == "cpu":
         jax.config.update("jax_cpu_collectives_implementation", "gloo")
+    who = f"process {mh.process_id} of {mh.num_processes} via {mh.coordinator}" if explicit else "from the environment"
+    print(f"multihost: connecting the processes ({who}); jax waits about 5 minutes for every one of them, then stops "
+          f"with its own fatal error", flush=True)
     if explicit:
         jax.distributed.initialize(coordinator_address=mh.coordinator, num_processes=mh.num_processes,
                                    process_id=mh.process_id)
