@@ -25,7 +25,7 @@ tpu_ssh all "set -euo pipefail
   pip install -q --upgrade pip
   # the tpu extra pins jax[tpu] (libtpu) at the version the test suite runs on; gcs: gs:// checkpoint folders
   pip install -q -e ~/${REMOTE_DIR}'[tpu,gcs]' -f https://storage.googleapis.com/jax-releases/libtpu_releases.html
-  python -c 'import jax; print(jax.process_index(), jax.local_device_count(), jax.devices()[0].device_kind)'
+  python -c 'import jax; jax.distributed.initialize(); print(jax.process_index(), jax.local_device_count(), jax.device_count(), jax.devices()[0].device_kind)'
   cd ~/${REMOTE_DIR}
   python -m specjax.convert fetch-sharegpt
   python -m specjax.convert fetch-smollm2 || echo 'note: SmolLM2 fetch failed (only the smollm2 config needs it)'
