@@ -130,13 +130,14 @@ class ModelConfig:
         if family == "mistral" and hf.get("sliding_window"):
             sliding = int(hf["sliding_window"])
 
-        if family == "llama" and hf.get("attention_bias"):
+        if family != "qwen2" and hf.get("attention_bias"):  # Qwen2's q/k/v biases are the family's own
             raise ConfigError(f"{arch}: attention_bias=true is not supported")
 
         if dtype is None:
             dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
         if dtype not in DTYPES:
-            raise ConfigError(f"unsupported dtype {dtype!r}")
+            raise ConfigError(f"unsupported dtype {dtype!r} (config.json's torch_dtype / dtype): pass --dtype "
+                              f"float32, bfloat16 or float16")
 
         return cls(
             architecture=arch,
@@ -209,6 +210,9 @@ def _rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
         rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rtype not in SUPPORTED_ROPE_TYPES:
             raise ConfigError(f"{arch}: rope_scaling type {rtype!r} is not supported ({SUPPORTED_ROPE_TYPES})")
+        needed = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}.get(rtype, ())
+        if missing := [k for k in needed if k not in rope_scaling]:
+            raise ConfigError(f"{arch}: rope_scaling of type {rtype!r} lacks {', '.join(missing)}")
         if rtype == "default":
             rope_scaling = None
         else:

@@ -40,7 +40,9 @@ def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "to
         raise WeightsError(f"{path} is a file; pass the folder that holds config.json and *.safetensors")
     try:
         from huggingface_hub import snapshot_download
-        return snapshot_download(path, allow_patterns=list(allow_patterns))
+        # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
+        return snapshot_download(path, allow_patterns=list(allow_patterns),
+                                 ignore_patterns=["consolidated*.safetensors"])
     except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
         raise WeightsError(
             f"{path!r} is not a local folder and the Hugging Face hub could not provide it ({type(e).__name__}: "

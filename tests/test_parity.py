@@ -215,3 +215,22 @@ def test_unsupported_rope_type(tmp_path, rope):
     hf_config("llama", rope_scaling=rope).save_pretrained(str(tmp_path))
     with pytest.raises(ConfigError, match=f"rope.*{rope['rope_type']}.*not supported"):
         ModelConfig.from_pretrained(str(tmp_path))
+
+
+def test_config_refusals_name_the_field():
+    """Settings specjax would get wrong are refused at load in one line: a llama3 rope without its original context
+    (was a KeyError at the first forward), attention_bias on Qwen3 (was blamed on "the wrong config.json" by the
+    weights check), a dtype of "auto" (says to pass --dtype)."""
+    base = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=VOCAB, hidden_size=64,
+                intermediate_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                torch_dtype="float32")
+    with pytest.raises(ConfigError, match="rope_scaling of type 'llama3' lacks original_max_position_embeddings"):
+        ModelConfig.from_hf_dict(dict(base, rope_scaling=dict(rope_type="llama3", factor=8.0)))
+    with pytest.raises(ConfigError, match="lacks factor"):
+        ModelConfig.from_hf_dict(dict(base, rope_scaling=dict(type="linear")))
+    qwen3 = dict(base, architectures=["Qwen3ForCausalLM"], model_type="qwen3", attention_bias=True)
+    with pytest.raises(ConfigError, match="attention_bias=true is not supported"):
+        ModelConfig.from_hf_dict(qwen3)
+    with pytest.raises(ConfigError, match="unsupported dtype 'auto'.*pass --dtype"):
+        ModelConfig.from_hf_dict(dict(base, torch_dtype="auto"))
+    assert ModelConfig.from_hf_dict(dict(base, torch_dtype="auto"), dtype="float32").dtype == "float32"
