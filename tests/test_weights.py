@@ -128,3 +128,23 @@ def test_a_bad_layout_and_a_missing_tensor_in_the_decode_layout(ckpt, tmp_path):
     bad = _edit(ckpt[0], tmp_path / "m", lambda t: {k: v for k, v in t.items() if k != key})
     with pytest.raises(WeightsError, match=f"lacks tensor '{key}'"):
         load_model(bad, dtype="float32", layout="decode")
+
+
+def test_hub_download_skips_mistral_consolidated_weights(monkeypatch, tmp_path):
+    """A hub id downloads config, tokenizer and HF safetensors, not Mistral's second copy of the weights
+    (consolidated.safetensors, as large as the shards)."""
+    import fnmatch
+
+    import huggingface_hub
+    seen = {}
+
+    def fake_download(repo_id, allow_patterns=None, ignore_patterns=None):
+        seen.update(repo=repo_id, allow=allow_patterns, ignore=ignore_patterns)
+        return str(tmp_path)
+
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_download)
+    assert resolve_model_path("mistralai/Mistral-7B-Instruct-v0.3") == str(tmp_path)
+    files = ["config.json", "model-00001-of-00003.safetensors", "consolidated.safetensors", "tokenizer.json"]
+    kept = [f for f in files if any(fnmatch.fnmatch(f, p) for p in seen["allow"])
+            and not any(fnmatch.fnmatch(f, p) for p in seen["ignore"])]
+    assert kept == ["config.json", "model-00001-of-00003.safetensors", "tokenizer.json"]
