@@ -51,3 +51,61 @@ def test_offline_matches_online(tmp_path):
     r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode != 0 and "rebuild it" in (r.stdout + r.stderr)
     np.testing.assert_equal(man["tokens"] > 0, True)
+
+
+def test_offline_tied_target_and_caches_of_another_target(tmp_path):
+    """A tied target (SmolLM2's layout) trains from its cache with the online losses (it crashed at the first step:
+    the offline step's embeddings lacked the tied table's panels field); a cache is refused in one line when it
+    came from another model of the same tokenizer and width (it trained in silence on the wrong features), from a
+    target of another dtype, or when a file is shorter than its manifest says; a build leaves no empty checkpoint
+    folder."""
+    model = tf.make_tiny_model(str(tmp_path / "model"), tied=True)
+    other = tf.make_tiny_model(str(tmp_path / "other"), seed=5, tied=True)
+    data = tf.write_jsonl(str(tmp_path / "data.jsonl"), tf.make_conversations(24, seed=2))
+    env = tf.subprocess_env(1, SPECJAX_CACHE=str(tmp_path / "cache"))
+    cache = str(tmp_path / "features")
+
+    def run(ckpt, *extra, model_dir=model, ok=True):
+        cmd = tf.train_command(model_dir, data, str(tmp_path / ckpt), 2, *extra)
+        r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+        assert (r.returncode == 0) == ok, r.stdout[-3000:] + r.stderr[-3000:]
+        return r.stdout + r.stderr
+
+    run("online")
+    run("build", "--offline.dir", cache, "--offline.build", "true")
+    assert not (tmp_path / "build").exists()
+    run("offline", "--offline.dir", cache)
+    on, off = tf.metrics(tmp_path / "online" / "metrics.jsonl"), tf.metrics(tmp_path / "offline" / "metrics.jsonl")
+    for s in on:
+        assert off[s]["loss"] == pytest.approx(on[s]["loss"], rel=1e-4, abs=1e-6), s
+    out = run("x1", "--offline.dir", cache, model_dir=other, ok=False)
+    assert "was built with another target's weights" in out and "Traceback" not in out
+    out = run("x2", "--offline.dir", cache, "--model.dtype", "bfloat16", ok=False)
+    assert "was built with a float32 target, this run's target is bfloat16" in out
+    with open(os.path.join(cache, "hidden.bin"), "r+b") as f:
+        f.truncate(100)
+    out = run("x3", "--offline.dir", cache, ok=False)
+    assert "hidden.bin holds 100 bytes" in out and "rebuild it" in out and "Traceback" not in out
+
+
+def test_cache_space_reserved_before_the_build(tmp_path, monkeypatch):
+    """A cache file's space is reserved up front: a full disk is one OSError naming the file and the size (writing
+    into a sparse mapping on a full disk was a bare "Bus error"); a filesystem without fallocate still works."""
+    import errno
+
+    from specjax.train import offline
+    dt = np.dtype(np.float32)
+    rows = offline._reserve(str(tmp_path / "a.bin"), dt, (10, 4))
+    assert rows.shape == (10, 4) and os.path.getsize(tmp_path / "a.bin") == 160
+
+    def full(fd, offset, length):
+        raise OSError(errno.ENOSPC, "No space left on device")
+    monkeypatch.setattr(os, "posix_fallocate", full)
+    with pytest.raises(OSError, match=r"b.bin needs 0.00 GB and the disk has less free"):
+        offline._reserve(str(tmp_path / "b.bin"), dt, (10, 4))
+
+    def unsupported(fd, offset, length):
+        raise OSError(errno.EOPNOTSUPP, "Operation not supported")
+    monkeypatch.setattr(os, "posix_fallocate", unsupported)
+    assert offline._reserve(str(tmp_path / "c.bin"), dt, (3, 4)).shape == (3, 4)
+    assert os.path.getsize(tmp_path / "c.bin") == 48

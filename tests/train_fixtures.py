@@ -65,9 +65,10 @@ def make_tokenizer(out_dir: str, template: str = CHATML, vocab_size: int = 320):
     return fast
 
 
-def make_tiny_model(out_dir: str, vocab_size: int = 320, seed: int = 0) -> str:
+def make_tiny_model(out_dir: str, vocab_size: int = 320, seed: int = 0, tied: bool = False) -> str:
     """A tiny random Llama in HF format (config.json, fp32 model.safetensors) plus the tiny tokenizer, written
-    without torch (specjax's own random init and HF-name mapping) so that it is fast."""
+    without torch (specjax's own random init and HF-name mapping) so that it is fast; ``tied``: the lm_head is the
+    embedding (SmolLM2's layout)."""
     import jax
     import numpy as np
     from specjax.config import ModelConfig
@@ -80,7 +81,7 @@ def make_tiny_model(out_dir: str, vocab_size: int = 320, seed: int = 0) -> str:
     hf = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": max(vocab_size, len(tok)),
           "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 4, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 512, "rms_norm_eps": 1e-5, "rope_theta": 10000.0,
-          "tie_word_embeddings": False, "hidden_act": "silu", "eos_token_id": eos, "torch_dtype": "float32"}
+          "tie_word_embeddings": tied, "hidden_act": "silu", "eos_token_id": eos, "torch_dtype": "float32"}
     with open(os.path.join(out_dir, "config.json"), "w") as f:
         json.dump(hf, f, indent=1)
     cfg = ModelConfig.from_hf_dict(hf)

@@ -347,7 +347,8 @@ def main(argv=None) -> int:
                                                  [f"error: {error_text(e)}"])), flush=True)
         ckpt_lib.remove_if_no_files(made)
         return e.code if isinstance(e, Stop) else 2
-    if run is None:  # offline.build: the cache is written
+    if run is None:  # offline.build: the cache is written (and no checkpoint folder is left empty)
+        ckpt_lib.remove_if_no_files(made)
         return 0
     return train(run)
 
@@ -374,6 +375,7 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
     if cfg.offline.build:
         offline_lib.build_cache(cfg.offline.dir, full, target_cfg, head_cfg, target_params, mesh,
                                 fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
+                                target_fp=target_identity(cfg, model_dir),
                                 batch_size=cfg.training.batch_size, buckets=cfg.data.buckets,
                                 max_length=cfg.data.max_length, pad_id=pad_id, log=log.info)
         return None
@@ -382,7 +384,9 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
         try:
             features = offline_lib.FeatureCache(cfg.offline.dir, expect_tokens=len(full.tokens),
                                                 expect_fingerprint=data_lib.fingerprint(cfg.data, tokenizer),
-                                                expect_aux_layers=head_cfg.aux_layer_ids)
+                                                expect_aux_layers=head_cfg.aux_layer_ids,
+                                                expect_target=(target_identity(cfg, model_dir),
+                                                               target_cfg.hidden_size, target_cfg.dtype))
         except (ValueError, FileNotFoundError) as e:
             raise Stop(2, f"error: offline.dir: {e}") from None
     it_kw = dict(batch_size=cfg.training.batch_size, grad_accum=cfg.training.grad_accum, buckets=cfg.data.buckets,
@@ -428,6 +432,12 @@ def make_run_mesh(cfg: RunConfig, log: Logger):
     log.info(f"mesh dp={dp} tp={tp} on {jax.device_count()} {jax.devices()[0].platform} devices, "
              f"{jax.process_count()} process(es)")
     return mesh
+
+
+def target_identity(cfg: RunConfig, model_dir: str) -> str:
+    """What an offline cache records of the target that built it: its weights' fingerprint, or the seed of random
+    ones (``model.random_init``)."""
+    return f"random-init-{cfg.training.seed}" if cfg.model.random_init else offline_lib.target_fingerprint(model_dir)
 
 
 def load_target(cfg: RunConfig, mesh, log: Logger):

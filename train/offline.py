@@ -5,14 +5,17 @@ the train step recomputes the logits with the target's lm_head (see ``make_train
 not logits). Files in the cache folder:
     aux.bin     [N, 3*D] target dtype, row n = token n of the tokenized dataset (its offsets give the examples)
     hidden.bin  [N, D]
-    manifest.json  dims, dtype, N, the dataset fingerprint; written last ("complete": true)
+    manifest.json  dims, dtype, N, the dataset's and the target's fingerprints; written last ("complete": true)
 Features of a token depend only on its own sequence (causal attention, padding after it), so caching per example
-is exact. Size: 4*D*N values (Qwen2.5-7B: 28 KB per token in bf16), so plan the disk; every host of a multi-host
-run needs the folder (shared disk, or copy it).
+is exact. Size: (k+1)*D*N values for k aux layers (Qwen2.5-7B, k=3: 28 KB per token in bf16); the space is reserved
+before the first batch (a full disk is one line, not a bus error mid-build). Every host of a multi-host run needs
+the folder (shared disk, or copy it).
 """
 
 from __future__ import annotations
 
+import errno
+import hashlib
 import json
 import os
 import time
@@ -32,12 +35,52 @@ def _np_dtype(name: str):
     return np.dtype(jnp.dtype(name))
 
 
+def target_fingerprint(model_dir: str) -> str:
+    """A short hash of the target's weights that a cache must have been built with: the first embedding rows, the
+    final norm and (untied) the first lm_head rows, read from the checkpoint (a few KB). Another model of the same
+    tokenizer and width, or a fine-tune of it, gives another fingerprint."""
+    ckpt = CheckpointIndex(model_dir)
+    h = hashlib.sha256()
+    for key in ("model.embed_tokens.weight", "embed_tokens.weight", "model.norm.weight", "norm.weight",
+                "lm_head.weight"):
+        if key in ckpt:
+            h.update(key.encode() + np.ascontiguousarray(np.asarray(ckpt.tensor(key)[:8], np.float32)).tobytes())
+    return h.hexdigest()[:16]
+
+
+def _open_rows(path: str, dt, shape: tuple[int, int], folder: str) -> np.memmap:
+    """A cache file read-only, refused in a line when it is shorter than the manifest says."""
+    need = shape[0] * shape[1] * dt.itemsize
+    have = os.path.getsize(path)
+    if have < need:
+        raise ValueError(f"offline cache {folder}: {os.path.basename(path)} holds {have} bytes, its manifest says "
+                         f"{need} (a damaged or partly copied cache); rebuild it")
+    return np.memmap(path, dt, "r", shape=shape)
+
+
+def _reserve(path: str, dt, shape: tuple[int, int]) -> np.memmap:
+    """A new cache file with its space reserved on disk now (posix_fallocate), written through a mapping: writing
+    into a sparse mapping on a full disk kills the process with SIGBUS instead."""
+    nbytes = shape[0] * shape[1] * dt.itemsize
+    with open(path, "wb") as f:
+        try:
+            os.posix_fallocate(f.fileno(), 0, nbytes)
+        except OSError as e:
+            if e.errno == errno.ENOSPC:
+                raise OSError(f"offline cache: {path} needs {nbytes / 1e9:.2f} GB and the disk has less free; free "
+                              f"space or choose another offline.dir") from None
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
+                raise
+            f.truncate(nbytes)
+    return np.memmap(path, dt, "r+", shape=shape)
+
+
 class FeatureCache:
     """Read side: ``spec`` {name: (dim, dtype)} and ``rows(example) -> {"aux": [len, 3D], "target_hidden": [len, D]}``
     (the key names the offline train step expects)."""
 
     def __init__(self, folder: str, expect_fingerprint: str | None = None, expect_tokens: int | None = None,
-                 expect_aux_layers: tuple[int, ...] | None = None):
+                 expect_aux_layers: tuple[int, ...] | None = None, expect_target: tuple[str, int, str] | None = None):
         path = os.path.join(folder, "manifest.json")
         if not os.path.exists(path):
             raise FileNotFoundError(f"no complete offline cache in {folder}; build it first with --offline.build true")
@@ -52,11 +95,27 @@ class FeatureCache:
         if expect_aux_layers is not None and saved is not None and list(saved) != list(expect_aux_layers):
             raise ValueError(f"offline cache {folder} holds the features of target layers {saved}, the head reads "
                              f"{list(expect_aux_layers)}; rebuild it or set head.aux_layer_ids to {saved}")
+        if expect_target is not None:
+            self._check_target(folder, *expect_target)
         dt = _np_dtype(m["dtype"])
         self.offsets = np.asarray(m["offsets"], np.int64)
-        self.aux = np.memmap(os.path.join(folder, "aux.bin"), dt, "r", shape=(m["tokens"], m["aux_dim"]))
-        self.hidden = np.memmap(os.path.join(folder, "hidden.bin"), dt, "r", shape=(m["tokens"], m["hidden_dim"]))
+        self.aux = _open_rows(os.path.join(folder, "aux.bin"), dt, (m["tokens"], m["aux_dim"]), folder)
+        self.hidden = _open_rows(os.path.join(folder, "hidden.bin"), dt, (m["tokens"], m["hidden_dim"]), folder)
         self.spec = {"aux": (m["aux_dim"], dt), "target_hidden": (m["hidden_dim"], dt)}
+
+    def _check_target(self, folder: str, fingerprint: str, hidden: int, dtype: str) -> None:
+        """The cache must come from this run's target: its width, its weights (caches written before the target's
+        fingerprint was recorded skip that check) and its dtype (features of a bf16 target are not an fp32 one's)."""
+        m = self.manifest
+        if m["hidden_dim"] != hidden:
+            raise ValueError(f"offline cache {folder} holds features of width {m['hidden_dim']}, this run's target "
+                             f"has hidden size {hidden}: it was built with another model; rebuild it")
+        if m.get("target_fingerprint", fingerprint) != fingerprint:
+            raise ValueError(f"offline cache {folder} was built with another target's weights (same width and "
+                             f"tokenizer): rebuild it for model.path, or point model.path at the model that built it")
+        if m["dtype"] != dtype:
+            raise ValueError(f"offline cache {folder} was built with a {m['dtype']} target, this run's target is "
+                             f"{dtype}: set model.dtype {m['dtype']}, or rebuild it")
 
     def rows(self, example: int) -> dict[str, np.ndarray]:
         a, b = self.offsets[example], self.offsets[example + 1]
@@ -64,7 +123,8 @@ class FeatureCache:
 
 
 def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg, target_params, mesh, *,
-                fingerprint: str, batch_size: int, buckets, max_length: int, pad_id: int = 0, log=print) -> None:
+                fingerprint: str, target_fp: str, batch_size: int, buckets, max_length: int, pad_id: int = 0,
+                log=print) -> None:
     """Run the target over every example of ``data`` (all of it: train and eval) and write the cache."""
     primary = jax.process_index() == 0
     n_tok = len(data.tokens)
@@ -75,8 +135,8 @@ def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg,
         os.makedirs(folder, exist_ok=True)
         if os.path.exists(os.path.join(folder, "manifest.json")):
             os.remove(os.path.join(folder, "manifest.json"))
-        aux = np.memmap(os.path.join(folder, "aux.bin"), dt, "w+", shape=(max(n_tok, 1), aux_dim))
-        hid = np.memmap(os.path.join(folder, "hidden.bin"), dt, "w+", shape=(max(n_tok, 1), d))
+        aux = _reserve(os.path.join(folder, "aux.bin"), dt, (max(n_tok, 1), aux_dim))
+        hid = _reserve(os.path.join(folder, "hidden.bin"), dt, (max(n_tok, 1), d))
     features = make_feature_fn(target_cfg, head_cfg, mesh)
     sharding = NamedSharding(mesh, P("dp"))
     it = data_lib.BatchIterator(data, batch_size=batch_size, grad_accum=1, buckets=buckets, max_length=max_length,
@@ -107,6 +167,7 @@ def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg,
         hid.flush()
         manifest = {"complete": True, "fingerprint": fingerprint, "tokens": n_tok, "aux_dim": aux_dim,
                     "hidden_dim": d, "dtype": target_cfg.dtype, "aux_layer_ids": list(head_cfg.aux_layer_ids),
+                    "target_fingerprint": target_fp,
                     "offsets": data.offsets.tolist()}
         tmp = os.path.join(folder, "manifest.json.tmp")
         with open(tmp, "w") as f:

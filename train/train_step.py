@@ -59,6 +59,7 @@ class TargetEmbeddings:
     """The only target weights the offline step needs: the embedding (head inputs) and the lm_head (logits)."""
     embed: jax.Array  # [V, D]
     lm_head: jax.Array | None  # [D, V]; None when tied to embed
+    embed_panels: None = None  # never packed (target.compute_logits reads the table itself, as for TargetParams)
 
 
 def target_embeddings(params: target.TargetParams) -> TargetEmbeddings:
