@@ -11,6 +11,7 @@ import logging
 from specjax import kv_cache
 from specjax.cli import add_options, check_field_types, option
 from specjax.config import ConfigError
+from specjax.head_weights import check_token_map_use
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.hub import default_smollm2_path
 from specjax.speculative.tree import validate as validate_tree
@@ -223,6 +224,10 @@ class ServerArgs:
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ArgsError(f"--log-level must be debug, info, warning, error or critical (got {self.log_level!r})")
         algo = self.speculative_algorithm
+        try:
+            check_token_map_use(algo, self.speculative_token_map)
+        except ValueError as e:
+            raise ArgsError(str(e)) from None
         if algo is None:
             if self.speculative_draft_model_path:
                 raise ArgsError("--speculative-draft-model-path is set but --speculative-algorithm is not; "
@@ -243,8 +248,6 @@ class ServerArgs:
             v = getattr(self, name)
             if not 0.0 < v <= 1.0:
                 raise ArgsError(f"--{name.replace('_', '-')} must be in (0, 1] (got {v})")
-        if self.speculative_token_map and algo != "EAGLE":
-            log.warning("--speculative-token-map is meant for EAGLE heads; EAGLE3 heads carry their own vocab map")
         return self
 
     @property

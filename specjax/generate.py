@@ -31,7 +31,7 @@ from specjax import kv_cache, plain_step as decode, sampling
 from specjax.batching import capacity_for, prefill_chunks, prefill_plan, validate_requests, warmup_budget
 from specjax.cli import option, options_parser, parse_into
 from specjax.config import ConfigError, ModelConfig
-from specjax.head_weights import load_draft
+from specjax.head_weights import check_token_map_use, load_draft
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.hub import FetchError, default_smollm2_path, enable_compilation_cache, fetch_smollm2
 from specjax.models import target
@@ -332,6 +332,7 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
             fetch_smollm2(model)
         if algo is None and head is None and default_head_available():
             algo, head = DEFAULT_ALGORITHM, DEFAULT_HEAD
+    check_token_map_use(algo, args.speculative_token_map)
     given = [f for f, v in zip(TREE_FLAGS, (args.speculative_num_steps, args.speculative_eagle_topk,
                                              args.speculative_num_draft_tokens)) if v is not None]
     if given and head is None and algo in (None, "NONE"):  # plain decoding would ignore them
@@ -346,9 +347,6 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
         raise ValueError("--speculative-draft-model-path needs --speculative-algorithm EAGLE3 (or EAGLE)")
     if algo is not None and head is None:
         raise ValueError(f"--speculative-algorithm {algo} needs --speculative-draft-model-path PATH")
-    if args.speculative_token_map is not None and algo != "EAGLE":
-        raise ValueError("--speculative-token-map is for EAGLE heads (--speculative-algorithm EAGLE); EAGLE3 heads "
-                         "carry their own vocab map")
     if algo is None:
         return model, None, None, None
     return model, algo, head, _tree_shape(args, head)

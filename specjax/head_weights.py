@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import warnings
 
 import jax.numpy as jnp
 import numpy as np
@@ -317,17 +316,23 @@ def load_token_map(path: str, vocab_size: int | None = None) -> np.ndarray:
 
 
 # ---- either head -------------------------------------------------------------------------------------------------
+def check_token_map_use(algorithm: str | None, token_map: str | None) -> None:
+    """An FR-Spec token map (``--speculative-token-map``) belongs to an EAGLE head: with any other algorithm (EAGLE3
+    heads carry their own vocab map, plain decoding has no draft) it would be ignored, so it is refused."""
+    if token_map is not None and (algorithm or "").upper() != "EAGLE":
+        raise ValueError("--speculative-token-map is for EAGLE heads (--speculative-algorithm EAGLE); EAGLE3 heads "
+                         "carry their own vocab map")
+
+
 def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,
                dtype: str | None = None):
     """(draft_cfg, draft_params, vocab) from an HF head folder. vocab: EAGLE3 -> eagle3.VocabMap (from the head's
     d2t/t2d); EAGLE -> hot-token ids from ``token_map`` (``--speculative-token-map``) or None."""
     algorithm = algorithm.upper()
     dtype = dtype or target_cfg.dtype
+    check_token_map_use(algorithm, token_map)
     if algorithm == "EAGLE3":
-        cfg, params, vocab = load_eagle3_head(path, target_cfg=target_cfg, dtype=dtype)
-        if token_map is not None:
-            warnings.warn("--speculative-token-map is ignored for EAGLE3 heads (they carry their own d2t map)")
-        return cfg, params, vocab
+        return load_eagle3_head(path, target_cfg=target_cfg, dtype=dtype)
     if algorithm == "EAGLE":
         cfg, params = load_eagle_head(path, dtype=dtype)
         if cfg.hidden_size != target_cfg.hidden_size:

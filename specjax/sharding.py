@@ -12,6 +12,7 @@ from typing import Sequence
 
 import jax
 import numpy as np
+from jax.experimental import multihost_utils
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 DEFAULT_RULES: dict[str, str | None] = {
@@ -134,3 +135,16 @@ def committed_device(*trees) -> jax.Device | None:
     devices = {d for a in jax.tree.leaves(trees) if isinstance(a, jax.Array) and not isinstance(a, jax.core.Tracer)
                and a.committed for d in a.sharding.device_set}
     return devices.pop() if len(devices) == 1 else None
+
+
+def agree_on_error(error: str | None) -> str | None:
+    """Every process learns whether any of them failed a local check (one allgather of flags), so that none is left
+    waiting in a collective the failed ones never join: its own error, or which processes failed; None when all
+    passed. One process: ``error`` as it is."""
+    if jax.process_count() == 1:
+        return error
+    flags = np.asarray(multihost_utils.process_allgather(np.int32(error is not None))).reshape(-1)
+    failed = [i for i, f in enumerate(flags) if f]
+    if not failed:
+        return None
+    return error or f"process(es) {failed} stopped on a local check: their logs say why"

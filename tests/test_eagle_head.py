@@ -5,6 +5,7 @@ or pytorch_model.bin, ``model.`` prefix, tolerated embed_tokens), safe FR-Spec t
 import json
 import os
 import pickle
+import shutil
 
 import jax.numpy as jnp
 import numpy as np
@@ -13,6 +14,7 @@ import torch
 from spec_models import np_init, tiny_config
 
 from specjax import head_weights, layers
+from specjax.convert.head import main as convert_main
 from specjax.models import eagle, eagle3, target
 from specjax.safetensors_io import save_file
 from specjax.speculative import draft as draft_lib
@@ -140,8 +142,6 @@ def test_eagle_head_of_another_target_or_config_refused(reference, tmp_path, cap
     """A head config without a required field is one line naming it (was a KeyError); a head of another vocab, or
     with an embedding table of another shape, is refused (the head reads the target's embedding and lm_head, so it
     used to load and serve at near-zero acceptance); import-head / export-head say what to do with an EAGLE head."""
-    import shutil
-    from specjax.convert.head import main as convert_main
     tcfg = tiny_config(vocab=V, hidden=H)
 
     def variant(name, config=None, tensors=None):

@@ -12,10 +12,12 @@ import jax
 import numpy as np
 import pytest
 
+from spec_models import random_models
 from specjax.config import ModelConfig
 from specjax.generate import GenerateOptions, _parser, _resolve_pair, encode_prompts, generate, generate_text, main
+from specjax.head_weights import params_to_hf as head_to_hf
 from specjax.heads import DEFAULT_HEAD
-from specjax.models import target
+from specjax.models import eagle, target
 from specjax.safetensors_io import save_file
 from specjax.weights import params_to_hf
 
@@ -186,7 +188,6 @@ def test_cli(model_dir, capsys):
 def test_cli_speculative_comparison(model, model_dir, tmp_path, capsys):
     """The README's first command on a tiny pair: with an EAGLE3 head, the CLI prints the answer, the EAGLE3 run's
     tok/s and accept length, then the plain run's and that the greedy outputs are identical."""
-    from spec_models import random_models
     from specjax.convert.head import export_head
     cfg, _ = model
     _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3)
@@ -207,10 +208,6 @@ def test_cli_speculative_comparison(model, model_dir, tmp_path, capsys):
 def test_cli_eagle_head_with_token_map(model, model_dir, tmp_path, capsys):
     """An EAGLE head with an FR-Spec token map from the CLI (the server's and Engine's flag): greedy output identical
     to plain; the map with an EAGLE3 head is refused rather than ignored."""
-    import numpy as np
-    from spec_models import random_models
-    from specjax.head_weights import params_to_hf as head_to_hf
-    from specjax.models import eagle
     cfg, _ = model
     _, _, (ecfg, eparams, _) = random_models(cfg, seed=4)
     head = tmp_path / "eagle"

@@ -101,4 +101,5 @@ def test_processes_that_disagree_stop_at_once(tmp_path):
         assert code == 2, out[-3000:]
         assert f"process {i}: error: checkpoint.dir" in out and "is not one folder that every process sees" in out
         assert "process(es) [1]" in out and "Traceback" not in out
+        assert "data: kept" not in out  # said before the data and the target load
     assert not (cwds[0] / "ck").exists()  # no empty checkpoint folder left behind

@@ -1,5 +1,6 @@
 """Offline mode: --offline.build caches the target's features; training from the cache gives the online losses."""
 
+import errno
 import json
 import os
 import subprocess
@@ -9,6 +10,7 @@ import numpy as np
 import pytest
 
 import train_fixtures as tf
+from specjax.train import offline
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS = 3
@@ -91,9 +93,6 @@ def test_offline_tied_target_and_caches_of_another_target(tmp_path):
 def test_cache_space_reserved_before_the_build(tmp_path, monkeypatch):
     """A cache file's space is reserved up front: a full disk is one OSError naming the file and the size (writing
     into a sparse mapping on a full disk was a bare "Bus error"); a filesystem without fallocate still works."""
-    import errno
-
-    from specjax.train import offline
     dt = np.dtype(np.float32)
     rows = offline._reserve(str(tmp_path / "a.bin"), dt, (10, 4))
     assert rows.shape == (10, 4) and os.path.getsize(tmp_path / "a.bin") == 160
@@ -103,6 +102,7 @@ def test_cache_space_reserved_before_the_build(tmp_path, monkeypatch):
     monkeypatch.setattr(os, "posix_fallocate", full)
     with pytest.raises(OSError, match=r"b.bin needs 0.00 GB and the disk has less free"):
         offline._reserve(str(tmp_path / "b.bin"), dt, (10, 4))
+    assert not (tmp_path / "b.bin").exists()  # what it had reserved is freed again
 
     def unsupported(fd, offset, length):
         raise OSError(errno.EOPNOTSUPP, "Operation not supported")

@@ -69,6 +69,9 @@ def test_cli_every_spec_flag_parses():
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
     (["--port", "0"], "--port"),
     (["--chunked-prefill-size", "0"], "-1 to disable"),
+    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-token-map", "m.json"],
+     "--speculative-token-map is for EAGLE heads"),  # was a warning, the map ignored
+    (["--speculative-token-map", "m.json"], "--speculative-token-map is for EAGLE heads"),  # plain decoding
 ])
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):

@@ -1,6 +1,7 @@
 """The training CLI on configs/tiny.yaml: killed mid-way (SIGKILL) or stopped (SIGTERM) and resumed, the loss
 trajectory equals an uninterrupted run's, step for step."""
 
+import importlib.util
 import json
 import os
 import signal
@@ -195,8 +196,9 @@ def test_saturated_head_stops_the_run(assets):
 
 
 def test_a_second_signal_exits_at_once():
-    """The first SIGTERM asks the loop to save and stop at the next step; a second one exits now (a save that cannot
-    finish held a run that `timeout` or tpu_scripts/stop.sh had signalled), leaving the last complete checkpoint."""
+    """The first SIGTERM asks the loop to save and stop at the next step; a second one ends the process through the
+    default action (a save that cannot finish held a run that `timeout` or tpu_scripts/stop.sh had signalled, and a
+    thread stuck in C++ runs no Python handler), leaving the last complete checkpoint."""
     code = ("import os, signal, time\n"
             "from specjax.train.__main__ import watch_signals\n"
             "stop = watch_signals()\n"
@@ -206,16 +208,15 @@ def test_a_second_signal_exits_at_once():
             "os.kill(os.getpid(), signal.SIGTERM)\n"
             "time.sleep(30)\n")
     r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=120)
-    assert r.returncode == 128 + 15, r.stdout + r.stderr
-    assert "first taken" in r.stdout and "again: exiting now without a final checkpoint" in r.stdout
+    assert r.returncode == -15, r.stdout + r.stderr  # ended by the signal itself, as a stuck process would be
+    assert "first taken" in r.stdout and "the same signal again exits at once" in r.stdout
 
 
 def test_gs_folder_without_gcsfs_is_one_line(assets):
     """A gs:// checkpoint folder without gcsfs stops before the target and data load, naming the package (it was an
     ImportError traceback at the first save, after both had loaded); export-head says the same."""
-    import importlib.util
-    if importlib.util.find_spec("gcsfs") is not None:
-        pytest.skip("gcsfs is installed here")
+    if any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        pytest.skip("a gs:// filesystem (gcsfs or TensorFlow) is installed here")
     cmd = _cmd(assets, "unused")
     cmd[cmd.index("--checkpoint.dir") + 1] = "gs://some-bucket/run"
     r = subprocess.run(cmd, cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=120)

@@ -1,9 +1,11 @@
 """The safetensors loader: exact values, sharded and half-precision checkpoints, and loud refusals."""
 
 import copy
+import fnmatch
 import os
 import shutil
 
+import huggingface_hub
 import jax
 import ml_dtypes
 import numpy as np
@@ -133,9 +135,6 @@ def test_a_bad_layout_and_a_missing_tensor_in_the_decode_layout(ckpt, tmp_path):
 def test_hub_download_skips_mistral_consolidated_weights(monkeypatch, tmp_path):
     """A hub id downloads config, tokenizer and HF safetensors, not Mistral's second copy of the weights
     (consolidated.safetensors, as large as the shards)."""
-    import fnmatch
-
-    import huggingface_hub
     seen = {}
 
     def fake_download(repo_id, allow_patterns=None, ignore_patterns=None):

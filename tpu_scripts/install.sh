@@ -19,6 +19,7 @@ echo "installing on all hosts"
 tpu_ssh all "set -euo pipefail
   mkdir -p ~/${REMOTE_DIR} && tar -xzf ~/specjax.tar.gz -C ~/${REMOTE_DIR} && rm ~/specjax.tar.gz
   # the image's Python is 3.10 and specjax's jax needs 3.11+: uv (from PyPI) makes a venv on a managed Python 3.12
+  sudo apt-get -qq update >/dev/null && sudo apt-get -qq install -y python3-pip >/dev/null
   python3 -m pip install -q --user uv
   ~/.local/bin/uv venv -q --python 3.12 --seed --allow-existing ~/specjax-venv
   . ~/specjax-venv/bin/activate

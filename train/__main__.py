@@ -31,7 +31,7 @@ from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
-from specjax.sharding import ShardingError, make_mesh
+from specjax.sharding import ShardingError, agree_on_error, make_mesh
 from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, train_step as step_lib
 from specjax.train.config import HeadConfig, RunConfig, add_override_options, config_from_command_line
 from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_counts, load_vocab_map, widen_vocab_map
@@ -97,10 +97,21 @@ def init_distributed(mh) -> None:
         jax.distributed.initialize()
 
 
-def _flat(d: dict, prefix: str = "") -> dict[str, Any]:
+# Run-config keys that are not what a run trains: how it resumes, how its processes meet, host-local places and
+# display (they may differ between a run and its resume, or between the hosts of one run).
+NOT_SETTINGS = ("checkpoint.resume", "multihost.", "data.cache_dir", "logging.progress", "logging.jsonl",
+                "logging.tensorboard")
+
+
+def run_settings(d: dict, prefix: str = "") -> dict[str, Any]:
+    """A run config's dict flattened to ``section.key: value``, without :data:`NOT_SETTINGS`."""
     out = {}
     for k, v in d.items():
-        out.update(_flat(v, f"{prefix}{k}.") if isinstance(v, dict) else {prefix + k: v})
+        name = prefix + k
+        if isinstance(v, dict):
+            out.update(run_settings(v, name + "."))
+        elif not any(name == n or (n.endswith(".") and name.startswith(n)) for n in NOT_SETTINGS):
+            out[name] = v
     return out
 
 
@@ -110,13 +121,29 @@ def _digest(value) -> int:
     return int.from_bytes(raw[:4], "little") >> 1
 
 
+def check_processes_agree(cfg: RunConfig) -> None:
+    """Before the target loads, on every process alike (a :class:`Stop` or an OSError on all of them): gs:// paths
+    have a filesystem here, the processes run the same settings, and the checkpoint folder is one folder that all
+    of them can write (made now; a setup error later removes it again while it holds no files)."""
+    err = None
+    try:
+        for path in (cfg.checkpoint.dir, cfg.head.init_from):
+            ckpt_lib.check_filesystem(path or "")
+    except OSError as e:
+        err = str(e)
+    if err := agree_on_error(err):
+        raise Stop(2, f"error: {err}")
+    check_same_config(cfg)
+    ckpt_lib.open_shared_dir(ckpt_lib.checkpoint_root(cfg.checkpoint.dir))
+
+
 def check_same_config(cfg: RunConfig) -> None:
-    """With several processes: a :class:`Stop` on every process unless all run the same settings (``multihost.*``
-    aside), naming the keys that differ. Different seeds gave each host another "replicated" head and vocab map in
+    """With several processes: a :class:`Stop` on every process unless all run the same settings
+    (:func:`run_settings`), naming the keys that differ. Different seeds gave each host another "replicated" head and vocab map in
     silence; other differences ended minutes later in a collective mismatch or a barrier timeout."""
     if jax.process_count() == 1:
         return
-    flat = {k: v for k, v in _flat(cfg.to_dict()).items() if not k.startswith("multihost.")}
+    flat = run_settings(cfg.to_dict())
     keys = sorted(flat)
     mine = np.asarray([_digest(keys)] + [_digest(flat[k]) for k in keys], np.int32)
     sizes = np.asarray(multihost_utils.process_allgather(np.int32(len(mine)))).reshape(-1)
@@ -335,9 +362,7 @@ def main(argv=None) -> int:
     primary = jax.process_index() == 0
     made = ckpt_lib.first_missing_dir(cfg.checkpoint.dir) if primary else None
     try:
-        for path in (cfg.checkpoint.dir, cfg.head.init_from):
-            ckpt_lib.check_filesystem(path or "")
-        check_same_config(cfg)
+        check_processes_agree(cfg)
         log = Logger(cfg, primary)
         run = setup(cfg, log)
     except (Stop, OSError, ShardingError) as e:  # the user's to fix: said in a line, no empty checkpoint folder left
@@ -546,18 +571,11 @@ def resume(cfg, log, ckpt, optimizer, mesh, model_dir, target_cfg, head_cfg, bat
     return head_cfg, state, vocab_map, resume_step
 
 
-def changed_settings(saved: dict, now: dict, prefix: str = "") -> list[str]:
-    """``key NEW (was OLD)`` for each run-config key whose value differs from the saved run's
-    (``checkpoint.resume`` and ``multihost.*`` aside: how a run resumes and how its processes meet, not what it
-    trains)."""
-    out = []
-    for key, value in now.items():
-        name, old = prefix + key, saved.get(key)
-        if isinstance(value, dict) and isinstance(old, dict):
-            out += changed_settings(old, value, name + ".")
-        elif key in saved and old != value and name != "checkpoint.resume" and not name.startswith("multihost."):
-            out.append(f"{name} {value} (was {old})")
-    return out
+def changed_settings(saved: dict, now: dict) -> list[str]:
+    """``key NEW (was OLD)`` for each of the run's settings (:func:`run_settings`) whose value differs from the saved
+    run's."""
+    was = run_settings(saved)
+    return [f"{k} {v} (was {was[k]})" for k, v in run_settings(now).items() if k in was and was[k] != v]
 
 
 def check_resumable(saved: Eagle3Config, asked: Eagle3Config, saved_target: str | None, target: str, note) -> None:
@@ -686,11 +704,13 @@ def watch_signals() -> dict:
     stop = {"signal": None}
 
     def on_signal(signum, _frame):
-        if stop["signal"] is not None:  # a second one: the save or step in progress may be stuck, do not wait
-            print(f"signal {signum} again: exiting now without a final checkpoint (the last complete one is kept)",
-                  flush=True)
-            os._exit(128 + signum)
         stop["signal"] = signum
+        # A second signal takes the default action, from the kernel: it ends the process even while the main thread
+        # is stuck in a save or a collective (where no Python handler could run).
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        print(f"signal {signum}: stopping at the next step with a checkpoint (the same signal again exits at once, "
+              f"without that checkpoint; the last complete one is kept)", flush=True)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import importlib.util
 import json
 import logging
 import os
@@ -32,6 +33,7 @@ from etils import epath
 from jax.experimental import multihost_utils
 
 from specjax.cli import nearest_existing
+from specjax.sharding import agree_on_error
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 
@@ -111,14 +113,37 @@ def validate_step_dir(step_dir: epath.Path, *, content: bool = False) -> str | N
 
 
 def check_filesystem(path: str) -> None:
-    """An OSError naming the missing package when ``path`` is on Cloud Storage and gcsfs (which orbax's paths need
-    for gs://) is not installed: said before the target and data load, not as an ImportError at the first save."""
-    if str(path).startswith("gs://"):
+    """An OSError naming the missing package when ``path`` is on Cloud Storage and neither gcsfs nor TensorFlow
+    (etils' two backends for gs://, which orbax's paths go through) is installed: said before the target and data
+    load, not as an ImportError at the first save."""
+    if str(path).startswith("gs://") and not any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
+        raise OSError(f"{path}: gs:// folders need the gcsfs package: pip install 'specjax[gcs]' (or pip install "
+                      f"gcsfs)")
+
+
+def checkpoint_root(directory: str) -> epath.Path:
+    """The folder a run's checkpoints live in: absolute (orbax's tensorstore needs absolute local paths; gs:// and
+    other URLs pass through unchanged), its filesystem checked (:func:`check_filesystem`)."""
+    if "://" not in str(directory):
+        directory = os.path.abspath(os.path.expanduser(str(directory)))
+    check_filesystem(directory)
+    return epath.Path(directory)
+
+
+def open_shared_dir(root: epath.Path) -> None:
+    """Process 0 makes ``root`` and checks that it can write there, then every process checks that it sees the same
+    folder (:func:`check_shared`); an OSError on every process when either fails."""
+    failed = None
+    if jax.process_index() == 0:
         try:
-            import gcsfs  # noqa: F401
-        except ImportError:
-            raise OSError(f"{path}: gs:// folders need the gcsfs package: pip install 'specjax[gcs]' (or pip install "
-                          f"gcsfs)") from None
+            root.mkdir(parents=True, exist_ok=True)
+            check_writable(root)
+        except OSError as e:
+            failed = e
+    if err := agree_on_error(None if failed is None else str(failed)):
+        raise failed if failed is not None else OSError(err)
+    _sync("specjax_ckpt_mkdir")
+    check_shared(root)
 
 
 def check_writable(root: epath.Path) -> None:
@@ -163,11 +188,7 @@ class Checkpointer:
     """Save / validate / restore training checkpoints under ``directory``."""
 
     def __init__(self, directory: str, *, keep: int = 3, async_save: bool = True, read_only: bool = False):
-        # orbax (tensorstore/OCDBT) needs absolute local paths; gs:// and other URLs pass through unchanged.
-        if "://" not in str(directory):
-            directory = os.path.abspath(os.path.expanduser(str(directory)))
-        check_filesystem(directory)
-        self.root = epath.Path(directory)
+        self.root = checkpoint_root(directory)
         self.read_only = read_only
         self.primary = jax.process_index() == 0 and not read_only
         self._pending: list[int] = []
@@ -183,11 +204,7 @@ class Checkpointer:
             finally:
                 absl_log.setLevel(level)
             return
-        if self.primary:
-            self.root.mkdir(parents=True, exist_ok=True)
-            check_writable(self.root)
-        _sync("specjax_ckpt_mkdir")
-        check_shared(self.root)
+        open_shared_dir(self.root)
         self.quarantine_invalid()
         opts = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=async_save, create=True,
                                             cleanup_tmp_directories=True)  # half-written saves of a killed run

@@ -27,6 +27,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import weights
 from specjax.safetensors_io import CheckpointIndex
+from specjax.sharding import agree_on_error
 from specjax.train import data as data_lib
 from specjax.train.train_step import TargetEmbeddings, make_feature_fn
 
@@ -36,15 +37,13 @@ def _np_dtype(name: str):
 
 
 def target_fingerprint(model_dir: str) -> str:
-    """A short hash of the target's weights that a cache must have been built with: the first embedding rows, the
-    final norm and (untied) the first lm_head rows, read from the checkpoint (a few KB). Another model of the same
-    tokenizer and width, or a fine-tune of it, gives another fingerprint."""
+    """A short hash of the target's weights that a cache must have been built with: the first 8 rows of every tensor
+    of the checkpoint (read in place, a few KB per tensor). Another model of the same tokenizer and width, a
+    fine-tune or a merged LoRA of it, gives another fingerprint."""
     ckpt = CheckpointIndex(model_dir)
     h = hashlib.sha256()
-    for key in ("model.embed_tokens.weight", "embed_tokens.weight", "model.norm.weight", "norm.weight",
-                "lm_head.weight"):
-        if key in ckpt:
-            h.update(key.encode() + np.ascontiguousarray(np.asarray(ckpt.tensor(key)[:8], np.float32)).tobytes())
+    for key in sorted(ckpt.keys()):
+        h.update(key.encode() + np.ascontiguousarray(np.asarray(ckpt.tensor(key)[:8], np.float32)).tobytes())
     return h.hexdigest()[:16]
 
 
@@ -64,9 +63,13 @@ def _reserve(path: str, dt, shape: tuple[int, int]) -> np.memmap:
     nbytes = shape[0] * shape[1] * dt.itemsize
     with open(path, "wb") as f:
         try:
+            if not hasattr(os, "posix_fallocate"):  # macOS: no reservation, the file is sparse
+                raise OSError(errno.EOPNOTSUPP, "no posix_fallocate")
             os.posix_fallocate(f.fileno(), 0, nbytes)
         except OSError as e:
             if e.errno == errno.ENOSPC:
+                f.close()
+                os.remove(path)  # the part reserved is the space the message asks to free
                 raise OSError(f"offline cache: {path} needs {nbytes / 1e9:.2f} GB and the disk has less free; free "
                               f"space or choose another offline.dir") from None
             if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL):
@@ -131,12 +134,18 @@ def build_cache(folder: str, data: data_lib.TokenizedData, target_cfg, head_cfg,
     d = target_cfg.hidden_size
     aux_dim = len(head_cfg.aux_layer_ids) * d
     dt = _np_dtype(target_cfg.dtype)
+    failed = None
     if primary:
-        os.makedirs(folder, exist_ok=True)
-        if os.path.exists(os.path.join(folder, "manifest.json")):
-            os.remove(os.path.join(folder, "manifest.json"))
-        aux = _reserve(os.path.join(folder, "aux.bin"), dt, (max(n_tok, 1), aux_dim))
-        hid = _reserve(os.path.join(folder, "hidden.bin"), dt, (max(n_tok, 1), d))
+        try:
+            os.makedirs(folder, exist_ok=True)
+            if os.path.exists(os.path.join(folder, "manifest.json")):
+                os.remove(os.path.join(folder, "manifest.json"))
+            aux = _reserve(os.path.join(folder, "aux.bin"), dt, (max(n_tok, 1), aux_dim))
+            hid = _reserve(os.path.join(folder, "hidden.bin"), dt, (max(n_tok, 1), d))
+        except OSError as e:
+            failed = e
+    if err := agree_on_error(None if failed is None else str(failed)):  # the other processes must not wait
+        raise failed if failed is not None else OSError(err)
     features = make_feature_fn(target_cfg, head_cfg, mesh)
     sharding = NamedSharding(mesh, P("dp"))
     it = data_lib.BatchIterator(data, batch_size=batch_size, grad_accum=1, buckets=buckets, max_length=max_length,

@@ -105,23 +105,27 @@ def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Vo
 
 
 # ---- command line ----------------------------------------------------------------------------------------------
-def _hf_architectures(path: str) -> list:
+def _architectures(path: str) -> list:
     try:
         with open(os.path.join(path, "config.json")) as f:
             archs = json.load(f).get("architectures") or []
     except (OSError, ValueError, AttributeError):
         return []
-    archs = archs if isinstance(archs, list) else [archs]
-    if any(a in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM") for a in archs):
+    return archs if isinstance(archs, list) else [archs]
+
+
+def _refuse_eagle1(path: str) -> None:
+    """An EAGLE-1/2 head folder is refused saying what to do with it (these commands convert EAGLE3 heads)."""
+    archs = _architectures(path)
+    if any(a in eagle3.EAGLE_ARCHITECTURES for a in archs):
         raise HeadFormatError(f"{path} is an EAGLE-1/2 head ({archs[0]}): import-head and export-head convert "
                               f"EAGLE3 heads; serve an EAGLE head as it is with --speculative-algorithm EAGLE "
                               f"--speculative-draft-model-path {path}")
-    return archs
 
 
 def _is_hf_head(path: str) -> bool:
-    """An HF EAGLE3 head folder (rather than a training checkpoint); an EAGLE-1/2 head is refused, saying why."""
-    return any("Eagle3" in str(a) for a in _hf_architectures(path))
+    """An HF EAGLE3 head folder (rather than a training checkpoint)."""
+    return any("Eagle3" in str(a) for a in _architectures(path))
 
 
 def _target_config(path: str | None, what: str) -> ModelConfig:
@@ -158,6 +162,7 @@ def _export_main(argv) -> int:
     a = parse_options(ExportOptions, argv, "python -m specjax.convert export-head",
                       "training checkpoint (or HF head folder) -> HF LlamaForCausalLMEagle3",
                       formatter_class=argparse.HelpFormatter)
+    _refuse_eagle1(a.ckpt)
     if _is_hf_head(a.ckpt):
         target_cfg = _target_config(a.target, "exporting an HF head folder")
         head_cfg, params, vmap = load_eagle3_head(a.ckpt, target_cfg)
@@ -179,7 +184,7 @@ def _export_main(argv) -> int:
 def _import_main(argv) -> int:
     a = parse_options(ImportOptions, argv, "python -m specjax.convert import-head",
                       "published EAGLE3 head folder -> specjax head checkpoint", formatter_class=argparse.HelpFormatter)
-    _hf_architectures(a.src)
+    _refuse_eagle1(a.src)
     target_cfg = _target_config(a.target, "import-head")
     head_cfg, params, vmap = load_eagle3_head(a.src, target_cfg)
     if a.format == "hf":

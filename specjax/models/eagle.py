@@ -94,7 +94,7 @@ def forward(params: EagleParams, cfg: EagleConfig, emb, feature, positions, atte
 # ---- HF format ---------------------------------------------------------------------------------------------------
 def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> EagleConfig:
     archs = hf.get("architectures") or []
-    if archs and archs[0] not in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM", "LlamaForCausalLM"):
+    if archs and archs[0] not in (*eagle3.EAGLE_ARCHITECTURES, "LlamaForCausalLM"):
         raise EagleHeadError(f"not an EAGLE-1/2 head: architectures={archs} (EAGLE3 heads use --speculative-algorithm "
                              f"EAGLE3)")
     if hf.get("attention_bias") or hf.get("mlp_bias"):

@@ -267,11 +267,15 @@ def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dic
     return out
 
 
+# HF architecture names of EAGLE-1/2 heads (models/eagle.py loads them; EAGLE3 readers refuse them with a hint)
+EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
+
+
 def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None = None) -> Eagle3Config:
     archs = hf.get("architectures") or []
     if archs and archs[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"):
         hint = (" (an EAGLE-1/2 head: serve it as it is with --speculative-algorithm EAGLE)"
-                if archs[0] in ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM") else "")
+                if archs[0] in EAGLE_ARCHITECTURES else "")
         raise ValueError(f"not an EAGLE3 head: architectures={archs}{hint}")
     h = int(hf["hidden_size"])
     n = int(hf["num_attention_heads"])
