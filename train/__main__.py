@@ -256,12 +256,12 @@ def stop_reason(run: Run, nonfinite: Streak, stalled: Streak, step: int) -> str 
                 f"training.max_nonfinite_steps={nonfinite.limit}); each was skipped, none reached the weights; "
                 f"{last}: lower optimizer.lr or check the data, then resume")
     if stalled.reached(ongoing=True):
-        since = step - stalled.current() + 1
-        saved = run.saved_step
+        n = stalled.current()
+        since, saved = step - n + 1, run.saved_step
         held = ("no checkpoint was saved yet" if saved is None else
                 f"the checkpoint at step {saved} in {cfg.checkpoint.dir} holds it" if saved >= since - 1 else
                 f"the last checkpoint (step {saved}) was saved before it")
-        return (f"the gradient has been exactly zero for the {stalled.current()} updates since step {since} "
+        return (f"the gradient has been exactly zero for the {n} updates since step {since} "
                 f"(training.max_zero_grad_steps={stalled.limit}): the head saturated and no longer learns "
                 f"(optimizer.lr={cfg.optimizer.lr:g}); {held}: start again from an earlier checkpoint or from "
                 f"scratch with a lower optimizer.lr")
@@ -667,7 +667,7 @@ def train(run: Run) -> int:
         run.state, metrics = run.train_step(run.state, run.target_arg, run.vocab_map, batch)
         step += 1
         nonfinite.add(metrics["skipped"])
-        stalled.add(((metrics["grad_norm"] == 0) & (metrics["valid_tokens"] > 0)).astype(jnp.float32))
+        stalled.add(metrics["zero_grad"])
         meter.add(info)
         if step % cfg.logging.every == 0 or step == run.total_steps:
             log_metrics(run, step, metrics, info, meter.take(), nonfinite.total(), bar)

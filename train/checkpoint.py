@@ -130,9 +130,15 @@ def checkpoint_root(directory: str) -> epath.Path:
     return epath.Path(directory)
 
 
+_OPENED: set[str] = set()  # folders open_shared_dir passed in this process (every process calls it alike)
+
+
 def open_shared_dir(root: epath.Path) -> None:
     """Process 0 makes ``root`` and checks that it can write there, then every process checks that it sees the same
-    folder (:func:`check_shared`); an OSError on every process when either fails."""
+    folder (:func:`check_shared`); an OSError on every process when either fails. Once per folder and process: the
+    trainer checks before the target loads, and its Checkpointer then finds the folder checked."""
+    if str(root) in _OPENED and (jax.process_count() > 1 or root.exists()):  # hosts skip alike, no collective
+        return
     failed = None
     if jax.process_index() == 0:
         try:
@@ -144,6 +150,7 @@ def open_shared_dir(root: epath.Path) -> None:
         raise failed if failed is not None else OSError(err)
     _sync("specjax_ckpt_mkdir")
     check_shared(root)
+    _OPENED.add(str(root))
 
 
 def check_writable(root: epath.Path) -> None:

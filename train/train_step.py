@@ -337,7 +337,8 @@ def _update_step(parts: _StepParts, head_cfg, optimizer, mesh, *, ttt_length, de
             params, opt_state = jax.tree.map(lambda new, old: jnp.where(finite, new, old),
                                              (params, opt_state), (state.params, state.opt_state))
             metrics.update(grad_norm=grad_norm, lr=current_lr(opt_state),
-                           skipped=jnp.logical_not(finite).astype(jnp.float32))
+                           skipped=jnp.logical_not(finite).astype(jnp.float32),
+                           zero_grad=((grad_norm == 0) & (metrics["valid_tokens"] > 0)).astype(jnp.float32))
             return TrainState(params=params, opt_state=opt_state, step=state.step + 1, rng=rng), metrics
 
     if mesh is None:
@@ -395,7 +396,8 @@ def make_train_step(target_cfg: ModelConfig, head_cfg: Eagle3Config, optimizer, 
     [B, T] means A = 1), B divisible by the mesh's dp. ``grad_accum`` (when given) is checked against A.
     metrics: ``loss``, ``ploss_k``, ``acc_k``, ``acc_k_allpos``, ``valid_tokens``, ``grad_norm`` (before clipping),
     ``lr`` (of this update), ``skipped`` (1.0 when the loss or gradient was not finite and the update was dropped:
-    params and optimizer state unchanged, ``step`` still advances), as f32 scalars (replicated).
+    params and optimizer state unchanged, ``step`` still advances), ``zero_grad`` (1.0 when the gradient was exactly
+    zero on a batch with answer tokens: a saturated head), as f32 scalars (replicated).
     """
     parts = _step_parts(target_cfg, head_cfg, mesh, offline=False, compute_dtype=compute_dtype,
                         head_sharding=head_sharding)
