@@ -1,7 +1,6 @@
 """The training CLI on configs/tiny.yaml: killed mid-way (SIGKILL) or stopped (SIGTERM) and resumed, the loss
 trajectory equals an uninterrupted run's, step for step."""
 
-import importlib.util
 import json
 import os
 import signal
@@ -212,17 +211,20 @@ def test_a_second_signal_exits_at_once():
     assert "first taken" in r.stdout and "the same signal again exits at once" in r.stdout
 
 
-def test_gs_folder_without_gcsfs_is_one_line(assets):
+def test_gs_folder_without_gcsfs_is_one_line(assets, tmp_path):
     """A gs:// checkpoint folder without gcsfs stops before the target and data load, naming the package (it was an
-    ImportError traceback at the first save, after both had loaded); export-head says the same."""
-    if any(importlib.util.find_spec(m) for m in ("gcsfs", "tensorflow")):
-        pytest.skip("a gs:// filesystem (gcsfs or TensorFlow) is installed here")
+    ImportError traceback at the first save, after both had loaded); export-head says the same. The child processes
+    see neither gcsfs nor TensorFlow whether or not this machine has them (a sitecustomize marks both absent)."""
+    (tmp_path / "sitecustomize.py").write_text("import sys\nsys.modules['gcsfs'] = None\n"
+                                                "sys.modules['tensorflow'] = None\n")
+    env = _env(assets, devices=1)
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (str(tmp_path), env.get("PYTHONPATH")) if p)
     cmd = _cmd(assets, "unused")
     cmd[cmd.index("--checkpoint.dir") + 1] = "gs://some-bucket/run"
-    r = subprocess.run(cmd, cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=120)
+    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2, r.stdout[-2000:] + r.stderr[-2000:]
     assert "gs:// folders need the gcsfs package" in r.stdout and "Traceback" not in r.stderr
     assert "data:" not in r.stdout  # nothing loaded first
     r = subprocess.run([sys.executable, "-m", "specjax.convert", "export-head", "gs://some-bucket/run", "out"],
-                       cwd=ROOT, env=_env(assets, devices=1), capture_output=True, text=True, timeout=120)
+                       cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert r.returncode == 2 and "gs:// folders need the gcsfs package" in r.stderr, r.stderr[-2000:]
