@@ -62,23 +62,27 @@ def test_kernel_compiles_for_tpu_matrix(generation):
 
 
 def test_preflight_catches_a_tpu_only_error_that_interpret_mode_passes():
-    """A 512-token prefill chunk at SmolLM2's heads (9 x 64, fp32) runs correctly in interpret mode, but its query
-    block exceeds the TPU's scoped VMEM, which only Mosaic checks: preflight sees the error, and the hook's limit
-    (``tpu_unsupported_reason``) routes such chunks to the XLA path."""
+    """A 512-token prefill chunk at SmolLM2's heads (9 x 64, fp32) in one query tile runs correctly in interpret mode,
+    but its query block exceeds the TPU's scoped VMEM, which only Mosaic checks: preflight sees the error. The
+    kernel's default cuts such chunks into query tiles that fit (``query_tile``: two of 256), which compile."""
     chip = one_chip("v5e")
     rng = np.random.default_rng(0)
     b, t, z = 1, 512, 16
     f = lambda *s: jnp.asarray(rng.standard_normal(s), jnp.float32)
     args = (f(b, t, 9, 64), f(b, t, 3, 64), f(b, t, 3, 64), jnp.asarray(np.tril(np.ones((b, t, t), bool))),
             f(4, 3, z, 64), f(4, 3, z, 64), jnp.asarray([[2, 0]], jnp.int32), jnp.asarray([20], jnp.int32))
-    got = tree_attention(*args, sm_scale=0.125, interpret=True)
+    got = tree_attention(*args, sm_scale=0.125, interpret=True, query_tile_rows=t)
     ref = kernel_lib.ref_tree_attention(*args, sm_scale=0.125)
     np.testing.assert_allclose(np.asarray(got), np.asarray(ref), atol=1e-5)  # interpret mode: fine
+    one_tile = functools.partial(tree_attention, query_tile_rows=t)
     with pytest.raises(Exception) as err:
-        compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=t, page_size=z, dtype=jnp.float32, b=1)
+        compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=t, page_size=z, dtype=jnp.float32, b=1,
+                       fn=one_tile)
     assert "vmem" in str(err.value).lower()
-    assert "VMEM" in tpu_unsupported_reason(9, 3, 64, z, jnp.float32, tree_tokens=t)
-    compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=256, page_size=z, dtype=jnp.float32, b=1)
+    assert kernel_lib.query_tile(9, 64, jnp.float32, t) == 256
+    assert tpu_unsupported_reason(9, 3, 64, z, jnp.float32, tree_tokens=t) is None
+    compiled = compile_kernel(chip, groups=3, kv_heads=3, head_dim=64, t=t, page_size=z, dtype=jnp.float32, b=1)
+    assert 'custom_call_target="tpu_custom_call"' in compiled.as_text()
 
 
 def test_unsupported_shape_falls_back_to_xla_with_a_logged_reason(caplog):

@@ -127,7 +127,7 @@ def test_serve_preflight_smollm2_with_its_head(v5e, capsys):
                                              ("qwen2.5-7b", "v5e-4")])
 def test_serve_preflight_8b_at_the_server_defaults(capsys, model, topology):
     """The full 7B/8B serve programs at the server's default flags, tp=4 (docs/07-preflight.md's tables; minutes of
-    CPU each): the plain decode step and the EAGLE3 step run the Pallas kernel, every program fits."""
+    CPU each): every program runs the Pallas kernel (the 512-token prefill chunks in query tiles) and fits."""
     try:
         preflight.get_topology(topology)
     except preflight.PreflightError as e:
@@ -138,32 +138,37 @@ def test_serve_preflight_8b_at_the_server_defaults(capsys, model, topology):
     assert rc == 0, out
     got = rows(out)
     assert len(got) == 4 and all(fits for *_, fits in got.values()), out
-    assert out.count("attention: Pallas kernel") == 2, out
+    assert out.count("attention: Pallas kernel") == 4, out
 
 
-def test_kernel_query_block_limit_routes_long_prefill_chunks_to_xla():
+def test_long_prefill_chunks_stay_on_the_kernel_in_query_tiles():
     """A 512-token prefill chunk of Llama-8B's heads on one of 4 chips (8 q / 2 kv heads x 128, bf16) would put 1 MiB
-    of queries in VMEM, which Mosaic refuses (slow test below); the hook runs the XLA path for it. Trees and
-    256-token chunks stay on the kernel."""
+    of queries in VMEM, and SmolLM2's bf16 chunk 9 MiB of [512, 512] fp32 scores, which Mosaic refuses (slow test
+    below); the kernel takes both in query tiles of 256. Only new keys and values beyond VMEM (which every tile
+    reads) send a span to the XLA path."""
     from specjax.kernels.tree_attention import tpu_unsupported_reason
-    assert "VMEM" in tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=512)
-    assert tpu_unsupported_reason(8, 2, 128, 16, "bfloat16", tree_tokens=256) is None
-    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=256) is None  # SmolLM2, fp32
-    assert tpu_unsupported_reason(9, 3, 64, 16, "float32", tree_tokens=8) is None
-    # SmolLM2 in bf16: a 512-token query block is only 576 KiB, but its 9 heads' [512, 512] fp32 scores (9 MiB) are
-    # not (slow test below)
-    assert "VMEM" in tpu_unsupported_reason(9, 3, 64, 32, "bfloat16", tree_tokens=512)
-    assert tpu_unsupported_reason(9, 3, 64, 32, "bfloat16", tree_tokens=256) is None
+    from specjax.kernels.tree_attention.kernel import query_tile
+    for heads, kv_heads, head_dim, z, dtype in [(8, 2, 128, 16, "bfloat16"), (9, 3, 64, 16, "float32"),
+                                                (9, 3, 64, 32, "bfloat16")]:
+        for t in (8, 256, 512):
+            assert tpu_unsupported_reason(heads, kv_heads, head_dim, z, dtype, tree_tokens=t) is None
+        assert query_tile(heads, head_dim, dtype, 512) == 256
+    assert "new keys and values" in tpu_unsupported_reason(40, 10, 128, 16, "float32", tree_tokens=512)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("heads, kv_heads, head_dim, t, compiles", [
-    (8, 2, 128, 256, True), (8, 2, 128, 512, False), (9, 3, 64, 384, True), (9, 3, 64, 512, False)],
-    ids=["llama-8b-tp4-256", "llama-8b-tp4-512", "smollm2-384", "smollm2-512"])
-def test_kernel_query_block_limit_is_mosaics(v5e, heads, kv_heads, head_dim, t, compiles):
-    """The limits are measured: at Llama-8B's per-chip heads the kernel compiles at T=256 and exceeds the scoped VMEM
-    at T=512; SmolLM2's heads in bf16 (lane-packed 32-slot pages) compile at T=384, not at T=512 (about 5-15 s of
-    CPU each). ``tpu_unsupported_reason`` agrees on each."""
+@pytest.mark.parametrize("heads, kv_heads, head_dim, t, dtype, tile, compiles", [
+    (8, 2, 128, 512, "bfloat16", 512, False), (8, 2, 128, 512, "bfloat16", None, True),
+    (9, 3, 64, 512, "bfloat16", 512, False), (9, 3, 64, 384, "bfloat16", 384, True),
+    (9, 3, 64, 512, "bfloat16", None, True), (36, 9, 128, 512, "float32", None, True),
+    (40, 10, 128, 512, "float32", None, False)],
+    ids=["llama-8b-tp4-512-one-tile", "llama-8b-tp4-512", "smollm2-512-one-tile", "smollm2-384-one-tile",
+         "smollm2-512", "9-kv-heads-fp32-512", "10-kv-heads-fp32-512"])
+def test_kernel_vmem_limits_are_mosaics(heads, kv_heads, head_dim, t, dtype, tile, compiles):
+    """The limits are measured on v4 (16 MiB of VMEM, the least): in one query tile, Llama-8B's per-chip heads and
+    SmolLM2's in bf16 (lane-packed 32-slot pages) exceed the scoped VMEM at T=512 (SmolLM2's compile at T=384); in the
+    default tiles they compile; the new keys and values of 9 fp32 kv heads x 128 at T=512 (9 MiB counted) compile,
+    of 10 do not. ``tpu_unsupported_reason`` agrees on the default tiling (about 1-5 s of CPU each)."""
     import functools
 
     import jax.numpy as jnp
@@ -172,14 +177,17 @@ def test_kernel_query_block_limit_is_mosaics(v5e, heads, kv_heads, head_dim, t, 
     from specjax import kv_cache
     from specjax.kernels.tree_attention import tpu_unsupported_reason, tree_attention
     from specjax.platforms import lowering_for
-    z = kv_cache.default_page_size(head_dim, jnp.bfloat16, "tpu")
-    assert (tpu_unsupported_reason(heads, kv_heads, head_dim, z, "bfloat16", tree_tokens=t) is None) == compiles
-    sh = NamedSharding(Mesh([v5e.devices[0]], ("x",)), P())
-    s = lambda shape, dt=jnp.bfloat16: jax.ShapeDtypeStruct(shape, dt, sharding=sh)
-    pages = (1000, *kv_cache.pool_shape(1, 1, kv_heads, z, head_dim, jnp.bfloat16)[2:])  # [P, K, Z / f, f * H]
+    from preflight_helpers import topology
+    dt = jnp.dtype(dtype)
+    z = kv_cache.default_page_size(head_dim, dt, "tpu")
+    if tile is None:
+        assert (tpu_unsupported_reason(heads, kv_heads, head_dim, z, dt, tree_tokens=t) is None) == compiles
+    sh = NamedSharding(Mesh([topology("v4-2").devices[0]], ("x",)), P())
+    s = lambda shape, d=dt: jax.ShapeDtypeStruct(shape, d, sharding=sh)
+    pages = (1000, *kv_cache.pool_shape(1, 1, kv_heads, z, head_dim, dt)[2:])  # [P, K, Z / f, f * H]
     args = (s((1, t, heads, head_dim)), s((1, t, kv_heads, head_dim)), s((1, t, kv_heads, head_dim)),
             s((1, t, t), jnp.bool_), s(pages), s(pages), s((1, 8192), jnp.int32), s((1,), jnp.int32))
-    fn = jax.jit(functools.partial(tree_attention, sm_scale=head_dim ** -0.5))
+    fn = jax.jit(functools.partial(tree_attention, sm_scale=head_dim ** -0.5, query_tile_rows=tile))
     with lowering_for("tpu"):
         if compiles:
             fn.lower(*args).compile()

@@ -204,6 +204,40 @@ def test_long_spans_attended_in_query_chunks_match_the_gathered_reference(causal
         layers.query_chunks(t, t + 1, True)
 
 
+@pytest.mark.parametrize("t, tile, dtype, causal", [(37, 8, jnp.float32, False), (37, 16, jnp.bfloat16, True),
+                                                     (64, 16, jnp.float32, True)])
+def test_query_tiles_give_the_same_attention(t, tile, dtype, causal):
+    """Queries cut into tiles of ``query_tile_rows`` (the grid's second axis; a long prefill chunk on a TPU): each
+    tile sees every new key under its rows of the mask and streams the prefix again; the result is the one-tile
+    kernel's and the reference's, the last tile padded (37 tokens in 5 tiles of 8 or 3 of 16)."""
+    args = make_case(5, t=t, kv_heads=3, groups=2, head_dim=64, page_size=8, pages_per_seq=3, lengths=[19, 0, 24],
+                     dtype=dtype)
+    if causal:  # a prefill chunk: each new token sees the earlier ones
+        args[3] = jnp.broadcast_to(jnp.tril(jnp.ones((t, t), bool)), (3, t, t))
+    run = functools.partial(tree_attention, sm_scale=0.125, interpret=INTERPRET, pages_per_block=2)
+    whole, tiled = run(*args), run(*args, query_tile_rows=tile)
+    tol = 2e-2 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(np.asarray(tiled, np.float32), np.asarray(whole, np.float32), atol=tol, rtol=0)
+    ref = ref_attention(*args, sm_scale=0.125)
+    np.testing.assert_allclose(np.asarray(tiled, np.float32), np.asarray(ref, np.float32), atol=tol, rtol=0)
+    with pytest.raises(ValueError, match="query_tile_rows must be a positive multiple"):
+        run(*args, query_tile_rows=tile + 4)
+
+
+def test_query_tile_choice():
+    """All the queries in one tile when they fit the VMEM bounds; else the fewest even tiles that do: SmolLM2's
+    512-token prefill chunk (9 x 64) in two tiles of 256, Llama-8B's on one chip (32 x 128, bf16) in tiles of 80;
+    a span whose new keys and values alone exceed VMEM is refused with the reason."""
+    from specjax.kernels.tree_attention.kernel import query_tile, tpu_unsupported_reason
+    assert query_tile(9, 64, jnp.float32, 8) == 8 and query_tile(9, 64, jnp.bfloat16, 5) == 16
+    assert query_tile(9, 64, jnp.float32, 256) == 256
+    assert query_tile(9, 64, jnp.float32, 512) == query_tile(9, 64, jnp.bfloat16, 512) == 256
+    assert query_tile(8, 128, jnp.bfloat16, 512) == 256
+    assert query_tile(32, 128, jnp.bfloat16, 256) == 64
+    assert tpu_unsupported_reason(32, 8, 128, 16, jnp.bfloat16, tree_tokens=256) is None
+    assert "new keys and values" in tpu_unsupported_reason(32, 8, 128, 16, jnp.bfloat16, tree_tokens=2048)
+
+
 def _validation_args():
     b, t, n, kh, h, p, z, pps = 2, 3, 4, 2, 64, 6, 4, 2
     f = lambda *s, dtype=jnp.float32: jnp.zeros(s, dtype)

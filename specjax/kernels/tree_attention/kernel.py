@@ -5,8 +5,10 @@ attends to the committed prefix (positions < lengths[b], read page by page from 
 table) and to the tree tokens that ``mask[b, t]`` marks (its ancestors and itself). The semantics are exactly
 ``specjax.layers.attention`` over ``kv_cache.gather_layer``; see docs/06-tree-attention-kernel.md for the design.
 
-Kernel layout, per grid step (one sequence b):
-- queries are regrouped to [K, G*Tp, H] so that the G query heads sharing a kv head form one matmul operand;
+Kernel layout, per grid step (one sequence b and one tile of Tq of its query tokens; one tile unless the queries
+and their scores would not fit the VMEM bounds, as for long prefill chunks):
+- the tile's queries are regrouped to [K, G*Tq, H] so that the G query heads sharing a kv head form one matmul
+  operand; every tile sees all T new keys (its rows of the mask say which) and streams the prefix pages again;
 - the T new keys/values arrive as [K, Tp, H] blocks and the tree mask as bits (i32[Tp, ceil(Tp/32)]);
 - cache pages are DMA'd from HBM ``pages_per_block`` at a time into a double buffer (the next block streams in
   while the current one is used), each page whole ([K, Z, H]: head-major, so each head's rows land contiguous in a
@@ -230,22 +232,22 @@ def _head_scores(q_ref, h, keys, sm_scale: float):  # keys [n, H] -> f32[G*Tp, n
 def _tree_attention_kernel(
         layer_ref,  # i32[1]  the layer of the stacked pools to read (SMEM, scalar prefetch)
         lengths_ref,  # i32[B]  (SMEM, scalar prefetch)
-        q_ref,  # [K, G*Tp, H]  this sequence's queries, grouped by kv head
-        k_new_ref,  # [K, Tp, H]
+        q_ref,  # [K, G*Tq, H]  one tile of this sequence's queries (Tq of its Tp tokens), grouped by kv head
+        k_new_ref,  # [K, Tp, H]  every new token's key: a tile's queries see any of them
         v_new_ref,  # [K, Tp, H]
-        mask_ref,  # i32[Tp, W]  bit-packed tree mask
+        mask_ref,  # i32[Tq, W]  the tile's rows of the bit-packed tree mask
         k_hbm,  # [L, P, K, R, W]  key pool of every layer (HBM, read in place): R = Z / f rows of W = f * H lanes
         v_hbm,  # [L, P, K, R, W]  value pool
         page_table_hbm,  # i32[B, pps]  (HBM: the whole table can exceed SMEM at long contexts)
-        o_ref,  # [K, G*Tp, H]
+        o_ref,  # [K, G*Tq, H]
         k_buf,  # [2, K, pages_per_block * R, W] VMEM double buffer, head-major
         v_buf,
         sems,  # DMA semaphores [2 (k, v), 2 (buffer slot)]
         table_ref,  # i32[pps]  this sequence's row of the page table (SMEM)
         table_sem,  # its DMA semaphore
-        m_ref,  # f32[K, G*Tp, 128]  running max (lane-broadcast)
-        l_ref,  # f32[K, G*Tp, 128]  running sum
-        acc_ref,  # f32[K, G*Tp, H]  running numerator
+        m_ref,  # f32[K, G*Tq, 128]  running max (lane-broadcast)
+        l_ref,  # f32[K, G*Tq, 128]  running sum
+        acc_ref,  # f32[K, G*Tq, H]  running numerator
         *, sm_scale: float, pages_per_block: int, pages_per_seq: int):
     b = pl.program_id(0)
     num_kv, page_rows, lanes = k_hbm.shape[2:]
@@ -255,7 +257,7 @@ def _tree_attention_kernel(
     block_rows = pages_per_block * page_rows
     block_tokens = pages_per_block * page_size
     padded_t = k_new_ref.shape[1]
-    groups = q_ref.shape[1] // padded_t
+    groups = q_ref.shape[1] // mask_ref.shape[0]
     # Clamp what the tables say so that a bad entry can never move a DMA out of the pool.
     length = jnp.clip(lengths_ref[b], 0, pages_per_seq * page_size)
     table_copy = pltpu.make_async_copy(page_table_hbm.at[b], table_ref, table_sem)
@@ -271,7 +273,7 @@ def _tree_attention_kernel(
         stream.start(0, 0)
 
     # The tree block first (it initialises the state) while the first page block streams in.
-    words = mask_ref[...]  # i32[Tp, W]; query row g*Tp + t of a head group uses tree row t
+    words = mask_ref[...]  # i32[Tq, W]; query row g*Tq + t of a head group uses the tile's tree row t
     tree_visible = _unpack_tree_mask(jnp.concatenate([words] * groups, axis=0) if groups > 1 else words, padded_t)
     for h in range(num_kv):
         s = jnp.where(tree_visible, _head_scores(q_ref, h, k_new_ref[h], sm_scale), MASK_VALUE)
@@ -302,38 +304,64 @@ def _tree_attention_kernel(
     state.write(o_ref)
 
 
-# A sequence's queries [N, T, H] sit in VMEM whole, with the scores and accumulators they need: measured with
-# `python -m specjax.preflight` on v5e and v4 (2026-11-23), blocks of 512 KiB (Llama-8B heads per chip at T=256) and
-# 576 KiB (SmolLM2, fp32, T=256) compile, blocks of 1 MiB and more (the same at T=512) exceed the scoped VMEM.
+# A grid step keeps one tile of a sequence's queries ([N, Tq, H]) in VMEM, with the scores and accumulators they
+# need: measured with `python -m specjax.preflight` on v5e and v4 (2026-11-23), blocks of 512 KiB (Llama-8B heads per
+# chip at T=256) and 576 KiB (SmolLM2, fp32, T=256) compile, blocks of 1 MiB and more (the same at T=512) exceed the
+# scoped VMEM. Longer spans (prefill chunks) are cut into tiles of at most this many bytes of queries.
 MAX_QUERY_BLOCK_BYTES = 640 * 1024
-# The new tokens' fp32 scores against each other, [T, T] per query head, also bound it, whatever the dtype: measured
-# with tests/test_preflight_serve.py's shapes (2026-12-02), SmolLM2's heads in bf16 (9 x 64, a 288 KiB query block
-# at T=256) compile at T=384 (5.1 MiB of such scores) and exceed the scoped VMEM at T=448 on v4 (6.9 MiB) and at
-# T=512 on v5e (9 MiB); 4 heads at T=512 (4 MiB) compile on both.
+# The tile's fp32 scores against the new tokens, [Tq, Tp] per query head, also bound it, whatever the dtype:
+# measured with tests/test_preflight_serve.py's shapes (2026-12-02), SmolLM2's heads in bf16 (9 x 64) compile at
+# T=384 untiled (5.1 MiB of such scores) and exceed the scoped VMEM at T=448 on v4 (6.9 MiB) and at T=512 on v5e
+# (9 MiB); 4 heads at T=512 (4 MiB) compile on both.
 MAX_TREE_SCORE_BYTES = 6 * 2**20
+# Every tile of a sequence sees all its new tokens' keys and values, [K, Tp, H] each, double-buffered: counted so
+# (4 blocks), 9 MiB of them compile on v4 (16 MiB of VMEM, the least of the generations; 512 fp32 tokens of 9 kv
+# heads x 128 beside 16-page blocks) and 10 MiB do not (2026-12-05, tests/test_preflight_serve.py).
+MAX_NEW_KV_BYTES = 9 * 2**20
+
+
+def query_tile(num_heads: int, head_dim: int, dtype, tree_tokens: int) -> int | None:
+    """Query rows per grid step for ``tree_tokens`` query tokens of ``num_heads`` heads: all of them (rounded up to
+    the dtype's sublane tile) when their queries and scores fit the VMEM bounds above, else an even split into the
+    fewest tiles that fit (each a multiple of the sublane tile; the queries are padded to whole tiles); None if not
+    even one sublane tile of queries fits."""
+    dt = jnp.dtype(dtype)
+    sub = sublane_rows(dt)
+    fits = lambda tile: (num_heads * tile * head_dim * dt.itemsize <= MAX_QUERY_BLOCK_BYTES
+                         and num_heads * tile * _round_up(tree_tokens, tile) * 4 <= MAX_TREE_SCORE_BYTES)
+    tiles = 1
+    while True:
+        tile = _round_up(_cdiv(tree_tokens, tiles), sub)
+        if fits(tile):
+            return tile
+        if tile == sub:
+            return None
+        tiles += 1
 
 
 def tpu_unsupported_reason(num_heads: int, num_kv_heads: int, head_dim: int, page_size: int, dtype,
                            tree_tokens: int = 1) -> str | None:
     """Why the kernel cannot be compiled for a TPU at these shapes (Mosaic's tiling rules, scoped VMEM), or None if
-    it can. ``tree_tokens``: the query tokens per sequence (a tree, or a prefill chunk).
+    it can. ``tree_tokens``: the query tokens per sequence (a tree, or a prefill chunk), cut into query tiles that
+    fit the VMEM bounds (``query_tile``).
     The matrix of tests/test_preflight.py compiles every supported kind of shape for v4, v5e, v5p and v6e."""
     dt = jnp.dtype(dtype)
     if dt not in _DTYPES:
         return f"dtype {dt.name} (the kernel takes float32 or bfloat16)"
-    block = num_heads * tree_tokens * head_dim * dt.itemsize
-    if block > MAX_QUERY_BLOCK_BYTES:
-        return (f"{tree_tokens} query tokens x {num_heads} heads x {head_dim} ({block >> 10} KiB per sequence; the "
-                f"kernel keeps a sequence's queries in VMEM, at most {MAX_QUERY_BLOCK_BYTES >> 10} KiB)")
-    scores = num_heads * tree_tokens * tree_tokens * 4
-    if scores > MAX_TREE_SCORE_BYTES:
-        return (f"{tree_tokens} query tokens x {num_heads} heads ({scores / 2**20:.1f} MiB of fp32 scores of the new "
-                f"tokens against each other in VMEM, at most {MAX_TREE_SCORE_BYTES >> 20} MiB)")
     if head_dim % 64:
         return f"head_dim {head_dim} (the kernel needs a multiple of 64 lanes)"
     sublanes = sublane_rows(dt)
     if page_size % sublanes:
         return f"page size {page_size} with {dt.name} pages (needs a multiple of {sublanes})"
+    tile = query_tile(num_heads, head_dim, dt, tree_tokens)
+    if tile is None:
+        return (f"{tree_tokens} query tokens x {num_heads} heads x {head_dim}: not even {sublanes} query rows fit "
+                f"the VMEM bounds ({MAX_QUERY_BLOCK_BYTES >> 10} KiB of queries, {MAX_TREE_SCORE_BYTES >> 20} MiB "
+                f"of fp32 scores against the new tokens)")
+    new_kv = 4 * num_kv_heads * _round_up(tree_tokens, tile) * head_dim * dt.itemsize
+    if new_kv > MAX_NEW_KV_BYTES:
+        return (f"{tree_tokens} new tokens x {num_kv_heads} kv heads x {head_dim} ({new_kv >> 10} KiB of new keys "
+                f"and values per sequence in VMEM, double-buffered; at most {MAX_NEW_KV_BYTES >> 10} KiB)")
     return None
 
 
@@ -341,7 +369,7 @@ def _pages_per_block(requested: int | None, page_size: int, pages_per_seq: int) 
     return min(requested or max(1, _TARGET_BLOCK_TOKENS // page_size), pages_per_seq)
 
 
-@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "pages_per_block"))
+@functools.partial(jax.jit, static_argnames=("sm_scale", "interpret", "pages_per_block", "query_tile_rows"))
 def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
                    k,  # [B, T, K, H]  keys of the tree tokens
                    v,  # [B, T, K, H]  values of the tree tokens
@@ -350,7 +378,8 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
                    v_pages,  # the value pool, shaped as k_pages
                    page_table,  # i32[B, pps]  pool page of each logical page
                    lengths,  # i32[B]  committed prefix length: positions < lengths[b] are visible
-                   *, sm_scale: float, interpret: bool = False, pages_per_block: int | None = None, layer=None):
+                   *, sm_scale: float, interpret: bool = False, pages_per_block: int | None = None, layer=None,
+                   query_tile_rows: int | None = None):
     """Attention of the T tree tokens over (paged committed prefix) + (tree tokens under mask). Returns [B, T, N, H].
 
     ``layer`` (an int or a traced i32 scalar) with stacked pools: the kernel reads that layer's pages straight from
@@ -359,8 +388,10 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
 
     Same math as ``ref_tree_attention`` (and ``layers.attention`` over ``gather_layer``). ``interpret=True`` runs the
     kernel in Pallas' interpreter (any backend; the CPU tests). ``pages_per_block`` pages are fetched per DMA block
-    (default: about 256 tokens). Entries of ``lengths`` are clamped to the table's capacity and page indices to the
-    pool, so a bad table gives wrong numbers, never an out-of-bounds DMA.
+    (default: about 256 tokens). ``query_tile_rows``: query tokens per grid step, a multiple of the dtype's sublane
+    tile (default: ``query_tile``, all of them when they fit the VMEM bounds); each tile streams the prefix pages
+    again. Entries of ``lengths`` are clamped to the table's capacity and page indices to the pool, so a bad table
+    gives wrong numbers, never an out-of-bounds DMA.
     """
     validate_inputs(q, k, v, mask, k_pages, v_pages, page_table, lengths, sm_scale=sm_scale,
                     pages_per_block=pages_per_block, layer=layer)
@@ -373,48 +404,64 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     page_rows, lanes = k_pages.shape[3:]
     pps = page_table.shape[1]
     pb = _pages_per_block(pages_per_block, z, pps)
-    # Pad T to the sublane tiling of q's dtype (8 rows for 32-bit, 16 for 16-bit) so every block is tile aligned.
-    tp = _round_up(t, sublane_rows(q.dtype))
+    tq = _tile_rows(query_tile_rows, n, h, q.dtype, t)
+    # Pad T to whole query tiles (each a multiple of the sublane tiling of q's dtype: 8 rows for 32-bit, 16 for 16-bit)
+    # so every block is tile aligned; the queries of tile j are [K, G*Tq, H] (row g*Tq + t: head g of the group).
+    tp = _round_up(t, tq)
+    nt = tp // tq
     pad = ((0, 0), (0, tp - t), (0, 0), (0, 0))
-    qg = jnp.pad(q, pad).reshape(b, tp, kh, g, h).transpose(0, 2, 3, 1, 4).reshape(b, kh, g * tp, h)
+    qg = jnp.pad(q, pad).reshape(b, nt, tq, kh, g, h).transpose(0, 1, 3, 4, 2, 5).reshape(b, nt, kh, g * tq, h)
     k_new = jnp.pad(k, pad).transpose(0, 2, 1, 3)  # [B, K, Tp, H]
     v_new = jnp.pad(v, pad).transpose(0, 2, 1, 3)
     mask_bits = pack_tree_mask(mask, tp)  # i32[B, Tp, W]
     words = mask_bits.shape[2]
 
-    # VMEM: page double buffers, the pipelined q/out and new k/v blocks (2 buffers each), and the fp32 state.
+    # VMEM: page double buffers, the pipelined q/out tiles and new k/v blocks (2 buffers each), and the fp32 state.
     vmem = (4 * pb * z * kh * h * jnp.dtype(k_pages.dtype).itemsize
-            + 4 * kh * (g + 1) * tp * h * jnp.dtype(q.dtype).itemsize + kh * g * tp * (2 * _LANES + h) * 4)
+            + 4 * kh * (g * tq + tp) * h * jnp.dtype(q.dtype).itemsize + kh * g * tq * (2 * _LANES + h) * 4)
     vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
 
     buf_shape = (2, kh, pb * page_rows, lanes)
     kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
                                pages_per_seq=pps)
-    per_seq = lambda *shape: pl.BlockSpec((None, *shape), lambda i, *_: (i,) + (0,) * len(shape))
+    tile_spec = pl.BlockSpec((None, None, kh, g * tq, h), lambda i, j, *_: (i, j, 0, 0, 0))
+    seq_spec = pl.BlockSpec((None, kh, tp, h), lambda i, j, *_: (i, 0, 0, 0))  # the same block for every tile
     out = pl.pallas_call(
         kernel,
         grid_spec=pltpu.PrefetchScalarGridSpec(
             num_scalar_prefetch=2,
-            grid=(b,),
-            in_specs=[per_seq(kh, g * tp, h), per_seq(kh, tp, h), per_seq(kh, tp, h), per_seq(tp, words),
+            grid=(b, nt),
+            in_specs=[tile_spec, seq_spec, seq_spec, pl.BlockSpec((None, tq, words), lambda i, j, *_: (i, j, 0)),
                       pl.BlockSpec(memory_space=pl.ANY), pl.BlockSpec(memory_space=pl.ANY),
                       pl.BlockSpec(memory_space=pl.ANY)],
-            out_specs=per_seq(kh, g * tp, h),
+            out_specs=tile_spec,
             scratch_shapes=[
                 pltpu.VMEM(buf_shape, k_pages.dtype),
                 pltpu.VMEM(buf_shape, v_pages.dtype),
                 pltpu.SemaphoreType.DMA((2, 2)),
                 pltpu.SMEM((pps,), jnp.int32),
                 pltpu.SemaphoreType.DMA(()),
-                pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
-                pltpu.VMEM((kh, g * tp, _LANES), jnp.float32),
-                pltpu.VMEM((kh, g * tp, h), jnp.float32),
+                pltpu.VMEM((kh, g * tq, _LANES), jnp.float32),
+                pltpu.VMEM((kh, g * tq, _LANES), jnp.float32),
+                pltpu.VMEM((kh, g * tq, h), jnp.float32),
             ]),
-        out_shape=jax.ShapeDtypeStruct((b, kh, g * tp, h), q.dtype),
-        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel",), vmem_limit_bytes=vmem_limit),
+        out_shape=jax.ShapeDtypeStruct((b, nt, kh, g * tq, h), q.dtype),
+        compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel"),
+                                             vmem_limit_bytes=vmem_limit),
         interpret=interpret,
         name="tree_attention",
     )(jnp.reshape(layer, (1,)).astype(jnp.int32), lengths, qg, k_new, v_new, mask_bits, k_pages, v_pages,
       page_table)
-    out = out.reshape(b, kh, g, tp, h).transpose(0, 3, 1, 2, 4)  # [B, Tp, K, G, H]
-    return out[:, :t].reshape(b, t, n, h)
+    out = out.reshape(b, nt, kh, g, tq, h).transpose(0, 1, 4, 2, 3, 5)  # [B, nT, Tq, K, G, H]
+    return out.reshape(b, tp, n, h)[:, :t]
+
+
+def _tile_rows(requested: int | None, num_heads: int, head_dim: int, dtype, t: int) -> int:
+    sub = sublane_rows(dtype)
+    if requested is not None:
+        if not isinstance(requested, int) or requested < 1 or requested % sub:
+            raise ValueError(f"query_tile_rows must be a positive multiple of {sub} for {jnp.dtype(dtype).name} "
+                             f"queries, got {requested!r}")
+        return requested
+    # Shapes no tile fits (tpu_unsupported_reason) take the XLA path on a TPU; interpreted, one tile serves.
+    return query_tile(num_heads, head_dim, dtype, t) or _round_up(t, sub)
