@@ -416,11 +416,7 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
     mask_bits = pack_tree_mask(mask, tp)  # i32[B, Tp, W]
     words = mask_bits.shape[2]
 
-    # VMEM: page double buffers, the pipelined q/out tiles and new k/v blocks (2 buffers each), and the fp32 state.
-    vmem = (4 * pb * z * kh * h * jnp.dtype(k_pages.dtype).itemsize
-            + 4 * kh * (g * tq + tp) * h * jnp.dtype(q.dtype).itemsize + kh * g * tq * (2 * _LANES + h) * 4)
-    vmem_limit = int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
-
+    vmem_limit = _vmem_limit(pb * z, kh, g, tq, tp, h, k_pages.dtype, q.dtype)
     buf_shape = (2, kh, pb * page_rows, lanes)
     kernel = functools.partial(_tree_attention_kernel, sm_scale=float(sm_scale), pages_per_block=pb,
                                pages_per_seq=pps)
@@ -454,6 +450,14 @@ def tree_attention(q,  # [B, T, N, H]  queries of the tree tokens (RoPE applied)
       page_table)
     out = out.reshape(b, nt, kh, g, tq, h).transpose(0, 1, 4, 2, 3, 5)  # [B, nT, Tq, K, G, H]
     return out.reshape(b, tp, n, h)[:, :t]
+
+
+def _vmem_limit(block_tokens: int, kh: int, g: int, tq: int, tp: int, h: int, page_dtype, q_dtype) -> int | None:
+    """The scoped VMEM to ask for (None: the default) for the page double buffers, the pipelined q/out tiles and new
+    k/v blocks (2 buffers each), and the fp32 state."""
+    vmem = (4 * block_tokens * kh * h * jnp.dtype(page_dtype).itemsize
+            + 4 * kh * (g * tq + tp) * h * jnp.dtype(q_dtype).itemsize + kh * g * tq * (2 * _LANES + h) * 4)
+    return int(vmem * 1.25) + 2**20 if vmem > 12 * 2**20 else None  # above the smallest default scoped limit
 
 
 def _tile_rows(requested: int | None, num_heads: int, head_dim: int, dtype, t: int) -> int:
