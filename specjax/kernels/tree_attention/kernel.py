@@ -9,7 +9,8 @@ Kernel layout, per grid step (one sequence b and one tile of Tq of its query tok
 and their scores would not fit the VMEM bounds, as for long prefill chunks):
 - the tile's queries are regrouped to [K, G*Tq, H] so that the G query heads sharing a kv head form one matmul
   operand; every tile sees all T new keys (its rows of the mask say which) and streams the prefix pages again;
-- the T new keys/values arrive as [K, Tp, H] blocks and the tree mask as bits (i32[Tp, ceil(Tp/32)]);
+- the T new keys/values arrive as [K, Tp, H] blocks and the tile's rows of the tree mask as bits
+  (i32[Tq, ceil(Tp/32)]);
 - cache pages are DMA'd from HBM ``pages_per_block`` at a time into a double buffer (the next block streams in
   while the current one is used), each page whole ([K, Z, H]: head-major, so each head's rows land contiguous in a
   [K, block, H] buffer) and only if it holds committed tokens; lane-packed pools ([K, Z/f, f*H], f slots per
@@ -222,7 +223,7 @@ class _OnlineSoftmax:
             o_ref[h] = (self.acc_ref[h] / self.l_ref[h][:, :1]).astype(o_ref.dtype)
 
 
-def _head_scores(q_ref, h, keys, sm_scale: float):  # keys [n, H] -> f32[G*Tp, n]
+def _head_scores(q_ref, h, keys, sm_scale: float):  # keys [n, H] -> f32[G*Tq, n]
     qh = q_ref[h]
     s = lax.dot_general(qh, keys.astype(qh.dtype), (((1,), (1,)), ((), ())), preferred_element_type=jnp.float32,
                         precision=_precision(qh.dtype))
