@@ -3,6 +3,7 @@
 import json
 import os
 
+import jax
 import pytest
 import torch
 
@@ -134,7 +135,8 @@ def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys)
     folder = _tiny_llama_folder(tmp_path / "m")
     out = tmp_path / "gemm.json"
     assert gemm.main(["--model", folder, "--rows", "1", "3", "--repeats", "1", "--json", str(out)]) == 0
-    assert "| rows M | in_out ms" in capsys.readouterr().out
+    printed = capsys.readouterr().out
+    assert "| rows M | in_out ms" in printed and "no 'packed' columns" in printed  # kv width 16: not whole panels
     res = json.loads(out.read_text())
     assert [r["rows"] for r in res["results"]] == [1, 3]
     assert all(r["in_out_s"] > 0 and r["out_in_s"] > 0 for r in res["results"])
@@ -142,6 +144,25 @@ def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys)
     assert res["weight_bytes"] == 4 * 2 * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * v * d
     with pytest.raises(SystemExit, match="--rows must be positive"):
         gemm.main(["--rows", "0"])
+
+
+def test_gemm_bench_times_the_cpu_kernels_packed_layout(tmp_path, capsys):
+    """Shapes of whole 32-column panels: ``bench gemm`` also chains specjax's CPU kernels over packed panels (the
+    layout a CPU decode step reads), checked against XLA's products, one more group of columns."""
+    from specjax.bench import gemm
+    from specjax.kernels import cpu_dense
+    if jax.default_backend() != "cpu" or not cpu_dense.available():
+        pytest.skip("specjax's CPU kernels are not built here (no C++ compiler, or not a CPU)")
+    cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
+               intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
+               max_position_embeddings=128, rms_norm_eps=1e-5, torch_dtype="float32")
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    out = tmp_path / "gemm.json"
+    assert gemm.main(["--model", str(tmp_path), "--rows", "1", "4", "--repeats", "1", "--json", str(out)]) == 0
+    assert "packed ms" in capsys.readouterr().out
+    res = json.loads(out.read_text())
+    assert res["layouts"] == ["in_out", "out_in", "packed"]
+    assert all(r["packed_s"] > 0 for r in res["results"])
 
 
 @pytest.mark.parametrize("kind", ["decode", "gemm"])

@@ -3,9 +3,11 @@
 A forward over M new tokens multiplies M rows by every weight matrix of every layer: M = 1 in a batch-1 decode step,
 M = the tree's tokens in a verify step, M = the batch in a batched decode step. This bench chains exactly those
 products (q, k, v, o, gate, up, down per layer, then the tied lm_head) over a model's shapes, without attention, and
-times the chain for each M in two weight layouts: [in, out] (specjax's, ``x @ W``) and [out, in] (PyTorch's and
-GGUF's, ``x @ W.T``). It prints ms per chain, the weight bytes read per second, and each M's cost against M = 1: what
-a k-token verify costs over a decode step before any tree work, and whether the other layout reads weights faster.
+times the chain for each M in two weight layouts of XLA's own dots: [in, out] (``x @ W``) and [out, in] (PyTorch's
+and GGUF's, ``x @ W.T``), and, where specjax's CPU kernels are built, in the layout a CPU decode step reads: the
+kernels' products over packed panels (``packed``: ``cpu_dense.dense_packed``, the tied lm_head through
+``cpu_dense.pack_table``). It prints ms per chain, the weight bytes read per second, and each M's cost against M = 1:
+what a k-token verify costs over a decode step before any tree work, and which layout reads weights fastest.
 """
 
 from __future__ import annotations
@@ -41,11 +43,16 @@ def _shapes(args) -> tuple[int, list[tuple[int, int]], int, int]:
 
 def _chain(layout: str):
     """A jitted forward-shaped chain of products over per-layer weights in ``layout`` (rms-normed between layers,
-    so the values stay finite); the lm_head is [vocab, hidden] in both, as a tied embedding is stored."""
+    so the values stay finite); the lm_head is [vocab, hidden] in the XLA layouts, as a tied embedding is stored,
+    and packed as the decode layout packs a tied table in ``packed``."""
     import jax
     import jax.numpy as jnp
 
+    from specjax.kernels import cpu_dense
+
     def mm(x, w):
+        if layout == "packed":
+            return cpu_dense.dense_packed(x, w)
         if layout == "in_out":
             return x @ w
         return jax.lax.dot_general(x, w, (((1,), (1,)), ((), ())))
@@ -56,8 +63,17 @@ def _chain(layout: str):
             x = x + mm(a, wo)
             x = x + mm(jax.nn.silu(mm(x, wg)) * mm(x, wu), wd)
             x = x * jax.lax.rsqrt(jnp.mean(x * x, -1, keepdims=True) + 1e-6)
-        return jax.lax.dot_general(x, lm_head, (((1,), (1,)), ((), ())))
+        return mm(x, lm_head) if layout == "packed" else jax.lax.dot_general(x, lm_head, (((1,), (1,)), ((), ())))
     return jax.jit(chain)
+
+
+def _packed_weights(weights, lm_head):
+    """The in_out weights and the lm_head as the kernels' panels, or None where the kernels cannot take them (not
+    built, disabled, or a width that is not a multiple of their panel)."""
+    from specjax.kernels import cpu_dense
+    if not all(cpu_dense.packable(w) for ws in weights for w in ws) or cpu_dense.pack_table(lm_head) is None:
+        return None
+    return [[cpu_dense.pack(w).panels for w in ws] for ws in weights], cpu_dense.pack_table(lm_head).panels
 
 
 def bench_gemm(args) -> dict:
@@ -70,42 +86,51 @@ def bench_gemm(args) -> dict:
     weights = {"in_out": [[jnp.asarray(w) for w in ws] for ws in host],
                "out_in": [[jnp.asarray(np.ascontiguousarray(w.T)) for w in ws] for ws in host]}
     lm_head = jnp.asarray(rng.standard_normal((vocab, d), np.float32) * 0.02)
+    heads = dict.fromkeys(LAYOUTS, lm_head)
+    packed = _packed_weights(weights["in_out"], lm_head) if jax.default_backend() == "cpu" else None
+    if packed is not None:
+        weights["packed"], heads["packed"] = packed
+    layouts = tuple(weights)
     nbytes = sum(w.nbytes for ws in host for w in ws) + lm_head.nbytes
-    fns = {k: _chain(k) for k in LAYOUTS}
+    fns = {k: _chain(k) for k in layouts}
     rows = []
     for m in args.rows:
         x = jnp.asarray(rng.standard_normal((m, d), np.float32))
-        outs = {k: fns[k](x, weights[k], lm_head).block_until_ready() for k in LAYOUTS}  # compile, and check
-        if not np.allclose(outs["in_out"], outs["out_in"], atol=1e-3):
-            raise SystemExit("error: the two layouts disagree (a bug in this bench)")
-        best = dict.fromkeys(LAYOUTS, float("inf"))
+        outs = {k: fns[k](x, weights[k], heads[k]).block_until_ready() for k in layouts}  # compile, and check
+        if not all(np.allclose(outs["in_out"], outs[k], atol=1e-3) for k in layouts):
+            raise SystemExit("error: the layouts disagree (a bug in this bench)")
+        best = dict.fromkeys(layouts, float("inf"))
         for _ in range(args.repeats):  # interleaved, fastest of the repeats
-            for k in LAYOUTS:
+            for k in layouts:
                 t0 = time.perf_counter()
-                fns[k](x, weights[k], lm_head).block_until_ready()
+                fns[k](x, weights[k], heads[k]).block_until_ready()
                 best[k] = min(best[k], time.perf_counter() - t0)
-        rows.append({"rows": m, **{f"{k}_s": best[k] for k in LAYOUTS}})
+        rows.append({"rows": m, **{f"{k}_s": best[k] for k in layouts}})
     return {"machine": machine_description(), "device": str(jax.devices()[0]), "threads": args.threads,
             "load_average": os.getloadavg()[0], "layers": layers, "weight_bytes": nbytes, "repeats": args.repeats,
-            "results": rows}
+            "layouts": list(layouts), "results": rows}
 
 
 def print_gemm(res: dict) -> None:
     print(f"{res['layers']} layers, {res['weight_bytes'] / 1e6:.0f} MB of weights; {res['device']}, "
           f"{res['machine']}, threads {res['threads'] or 'default'}, load {res['load_average']:.1f}; fastest of "
           f"{res['repeats']}\n")
-    base = {k: res["results"][0][f"{k}_s"] for k in LAYOUTS}
+    layouts = res["layouts"]
+    base = {k: res["results"][0][f"{k}_s"] for k in layouts}
     table = []
     for r in res["results"]:
         cells = [str(r["rows"])]
-        for k in LAYOUTS:
+        for k in layouts:
             s = r[f"{k}_s"]
             cells += [f"{s * 1e3:.2f}", f"{res['weight_bytes'] / s / 1e9:.1f}", f"{s / base[k]:.2f}x"]
         cells.append(f"{r['out_in_s'] / r['in_out_s']:.2f}")
         table.append(cells)
     first = res["results"][0]["rows"]
-    print_table(["rows M"] + [f"{k} {c}" for k in LAYOUTS for c in ("ms", "GB/s", f"vs M={first}")]
+    print_table(["rows M"] + [f"{k} {c}" for k in layouts for c in ("ms", "GB/s", f"vs M={first}")]
                 + ["out_in / in_out"], table, align="---:")
+    if "packed" not in layouts:
+        print("\n(no 'packed' columns: specjax's CPU kernels are not built or not on, or the shapes do not fit their "
+              "panels)")
 
 
 @dataclasses.dataclass
