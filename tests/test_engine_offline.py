@@ -71,7 +71,7 @@ def test_stopping_a_stream_early_frees_the_request(engine):
     next(it)
     it.close()
     import time
-    deadline = time.time() + 10
+    deadline = time.time() + 60  # the abort lands at the scheduler's next step: seconds on a loaded CI host
     while engine.get_server_info()["internal_states"][0]["num_running_reqs"] and time.time() < deadline:
         time.sleep(0.05)
     state = engine.get_server_info()["internal_states"][0]
