@@ -3,7 +3,6 @@
 import json
 import os
 
-import jax
 import pytest
 import torch
 
@@ -146,13 +145,10 @@ def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys)
         gemm.main(["--rows", "0"])
 
 
-def test_gemm_bench_times_the_cpu_kernels_packed_layout(tmp_path, capsys):
+def test_gemm_bench_times_the_cpu_kernels_packed_layout(tmp_path, capsys, cpu_kernels):
     """Shapes of whole 32-column panels: ``bench gemm`` also chains specjax's CPU kernels over packed panels (the
     layout a CPU decode step reads), checked against XLA's products, one more group of columns."""
     from specjax.bench import gemm
-    from specjax.kernels import cpu_dense
-    if jax.default_backend() != "cpu" or not cpu_dense.available():
-        pytest.skip("specjax's CPU kernels are not built here (no C++ compiler, or not a CPU)")
     cfg = dict(architectures=["LlamaForCausalLM"], model_type="llama", vocab_size=320, hidden_size=64,
                intermediate_size=128, num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
                max_position_embeddings=128, rms_norm_eps=1e-5, torch_dtype="float32")

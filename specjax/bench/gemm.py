@@ -71,9 +71,10 @@ def _packed_weights(weights, lm_head):
     """The in_out weights and the lm_head as the kernels' panels, or None where the kernels cannot take them (not
     built, disabled, or a width that is not a multiple of their panel)."""
     from specjax.kernels import cpu_dense
-    if not all(cpu_dense.packable(w) for ws in weights for w in ws) or cpu_dense.pack_table(lm_head) is None:
+    table = cpu_dense.pack_table(lm_head)
+    if table is None or not all(cpu_dense.packable(w) for ws in weights for w in ws):
         return None
-    return [[cpu_dense.pack(w).panels for w in ws] for ws in weights], cpu_dense.pack_table(lm_head).panels
+    return [[cpu_dense.pack(w).panels for w in ws] for ws in weights], table.panels
 
 
 def bench_gemm(args) -> dict:
