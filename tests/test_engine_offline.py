@@ -75,7 +75,22 @@ def test_stopping_a_stream_early_frees_the_request(engine):
     while engine.get_server_info()["internal_states"][0]["num_running_reqs"] and time.time() < deadline:
         time.sleep(0.05)
     state = engine.get_server_info()["internal_states"][0]
-    assert state["num_running_reqs"] == 0 and state["kv_pages_used"] == 0
+    assert state["num_running_reqs"] == 0 and state["kv_pages_used"] == 0, _scheduler_report(engine, state)
+
+
+def _scheduler_report(engine, state: dict) -> str:
+    """What the scheduler holds and where its thread is: a failure above says why the request was not freed."""
+    import sys
+    import traceback
+    sch = engine.backend.scheduler
+    thread = sch._thread
+    frame = sys._current_frames().get(thread.ident) if thread is not None else None
+    slots = [dict(rid=r.rid[:8], finish_reason=r.finish_reason, prefilled=r.prefilled, prompt=len(r.prompt_ids),
+                  output=len(r.output_ids), slot=r.slot) for r in sch.slots if r is not None]
+    where = "".join(traceback.format_stack(frame)) if frame is not None else "no scheduler thread"
+    return (f"thread alive: {thread is not None and thread.is_alive()}; inbox: {sch._inbox.qsize()}; waiting: "
+            f"{len(sch.waiting)}; step in flight: {sch._pending is not None}; slots: {slots}; state: {state}\n"
+            f"scheduler thread at:\n{where}")
 
 
 def test_refusals(engine):
