@@ -347,10 +347,13 @@ inline void PanelOut(float* out, const __m512 (&s)[kPanelV], bool add) {
 #endif
 
 // Few-row groups of bf16 panels prefetch each line they read this many bytes ahead into L1: a C++ chain of
-// SmolLM2's 150 bf16 products on one core read 21.6 GB/s without, 25 with (fp32 panels: as fast without; forty-fourth
-// session).
-template <typename T>
-constexpr int64_t kGroupAhead = std::is_same_v<T, float> ? 0 : 1024;
+// SmolLM2's 150 bf16 products on one core read 21.6 GB/s without, 25 with (fp32 panels on Zen: as fast without;
+// forty-fourth session). fp32 groups of 2+ rows on Intel cores prefetch 2 KiB ahead: their hardware prefetchers left
+// 4 rows x 2 panels at 11.0 GB/s on one core where one row x 4 panels streams 15.3; with the prefetches 13.7 (3 rows
+// 11.5 -> 14.3, 2 rows x 4 panels 13.9 -> 15.1, one row no faster; the lm_head's panels, a C++ loop on the
+// fifty-first session's Xeon).
+template <typename T, int RT>
+constexpr int64_t kGroupAhead = std::is_same_v<T, float> ? (!kZen && RT >= 2 ? 2048 : 0) : 1024;
 
 // What a tile does with its sums s over rows c0..c1 of w: acc = s (the first block), or acc = acc + s (a block's sums
 // added to the blocks' before it).
@@ -499,7 +502,10 @@ inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict
     for (int g = 0; g < G; ++g) {
       const T* q = base + (g * C + c) * kPanel;
       PanelRowOf(q, a[g]);
-      if constexpr (kGroupAhead<T> > 0) PrefetchAhead<3>(q, kGroupAhead<T>);
+      if constexpr (kGroupAhead<T, RT> > 0) {
+        PrefetchAhead<3>(q, kGroupAhead<T, RT>);  // a bf16 panel row is one line, an fp32 row two
+        if constexpr (std::is_same_v<T, float>) PrefetchAhead<3>(q, kGroupAhead<T, RT> + 64);
+      }
     }
     for (int r = 0; r < RT; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * C + c]);
@@ -535,8 +541,16 @@ void PanelGroups(const float* x, int64_t C, const T* w, float* y, int64_t O, int
 
 // Up to this many rows of x, a product's panels are cut into one run per thread (a single stretch of w each; more
 // rows: about four runs per thread, ``MakeSplit``). One to two rows take groups of four panels, three or four rows
-// groups of two, more rows one panel at a time with up to kPanelTileR rows of x per tile (``PanelRows``).
+// groups of two (fp32 on Intel cores: up to eight rows, ``kWideGroups``), more rows one panel at a time with up to
+// kPanelTileR rows of x per tile (``PanelRows``).
 constexpr int64_t kRunPerThreadRows = 8;
+
+// fp32 products of 5-8 rows on Intel cores also take groups of two panels (prefetched, ``kGroupAhead``) rather than
+// one panel at a time: one stream per panel left a 6-8-row product at 10 GB/s on one core of the fifty-first
+// session's Xeon where two streams read 13.3-14.1 (a C++ loop over the lm_head's panels), and SmolLM2's chained
+// products at 6 and 8 rows at 1.3-1.5x one row's time. The same fma sequence per output, so the same bits.
+template <typename T>
+constexpr bool kWideGroups = std::is_same_v<T, float> && !kZen;
 
 // One row of x (a batch-1 decode step, a draft step) instead takes chunks of one group of panels, which the threads
 // take in turn as they come free: SmolLM2's bf16 step on two threads 1.12x faster (fp32 1.01x), where one run per
@@ -555,6 +569,15 @@ void PackedChunk(const void* ctx, int i) {
     case 2: PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
     case 3: PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
     case 4: PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 5: case 6: case 7: case 8:
+      if constexpr (kWideGroups<T>) {
+        WithTileRows(j.rows, [&](auto rt) {
+          if constexpr (decltype(rt)::value <= 8)
+            PanelGroups<T, decltype(rt)::value, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+        });
+        break;
+      }
+      [[fallthrough]];
     default:
       for (int64_t r0 = 0; r0 < j.rows; r0 += step) {
         const int64_t rows = std::min(step, j.rows - r0);
