@@ -153,6 +153,10 @@ class Scheduler:
         return self.call(do)
 
     def stats(self) -> dict[str, Any]:
+        """The state at the end of the loop's last iteration (read without waiting for the loop): a request's
+        first tokens can reach its client before the iteration that admitted it ends, and a finished request's
+        last event before the state shows it gone. Each state is whole: a request counted ``finished`` is out of
+        ``num_running_reqs`` and its pages are free or cached."""
         return dict(self._snapshot)
 
     # ---- the loop ------------------------------------------------------------------------------------------------

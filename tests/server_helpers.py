@@ -166,6 +166,17 @@ def sse_events(lines) -> list:
     return out
 
 
+def idle_state(url: str, timeout: float = 20.0, **headers) -> dict:
+    """The server's scheduler state once no request runs or waits. /get_server_info is the state at the end of the
+    scheduler's last iteration, so right after a stream's last event it can still show the request running."""
+    deadline = time.time() + timeout
+    while True:
+        state = httpx.get(url + "/get_server_info", headers=headers).json()["internal_states"][0]
+        if (state["num_running_reqs"] == 0 and state["num_waiting_reqs"] == 0) or time.time() > deadline:
+            return state
+        time.sleep(0.05)
+
+
 # Fixtures of the modules that talk to the shared server (test_server_native.py, test_server_openai.py): one startup.
 @pytest.fixture(scope="module")
 def model_dir():

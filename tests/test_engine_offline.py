@@ -67,14 +67,19 @@ def test_text_api_stream_and_n(engine):
 
 
 def test_stopping_a_stream_early_frees_the_request(engine):
+    import time
+    info = lambda: engine.get_server_info()["internal_states"][0]  # noqa: E731
+    aborted = info()["aborted"]
     it = engine.generate("Hello", {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}, stream=True)
     next(it)
     it.close()
-    import time
-    deadline = time.time() + 60  # the abort lands at the scheduler's next step: seconds on a loaded CI host
-    while engine.get_server_info()["internal_states"][0]["num_running_reqs"] and time.time() < deadline:
+    # The state is the scheduler's at the end of its last iteration: the request's first token reaches us before
+    # the iteration that admitted it ends, so "no request running" alone can be the state from before it arrived.
+    # Wait for its abort to be counted (each state counts a finished request with its slot and pages already freed).
+    deadline = time.time() + 60  # the abort lands at the scheduler's next iteration: seconds on a loaded CI host
+    while (state := info())["aborted"] == aborted and time.time() < deadline:
         time.sleep(0.05)
-    state = engine.get_server_info()["internal_states"][0]
+    assert state["aborted"] == aborted + 1, _scheduler_report(engine, state)
     assert state["num_running_reqs"] == 0 and state["kv_pages_used"] == 0, _scheduler_report(engine, state)
 
 

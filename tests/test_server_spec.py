@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from spec_models import bigram_models, tiny_config
-from server_helpers import ENGINE_KW, free_port, tiny_model_dir
+from server_helpers import ENGINE_KW, free_port, idle_state, tiny_model_dir
 
 GREEDY = {"temperature": 0.0, "ignore_eos": True}
 SPEC = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
@@ -157,7 +157,7 @@ def test_eagle3_prefix_reuse_concurrency_and_stops(plain, eagle3_server, models)
     for prev, ev in zip(events, events[1:]):  # cumulative: each event extends the last by new tokens, none repeated
         assert len(ev["output_ids"]) > len(prev["output_ids"]) and ev["output_ids"][:len(prev["output_ids"])] == \
             prev["output_ids"]
-    idle = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
+    idle = idle_state(eagle3_server.url)
     assert idle["kv_pages_used"] == 0 and idle["num_running_reqs"] == 0
 
 
