@@ -166,7 +166,7 @@ def sse_events(lines) -> list:
     return out
 
 
-def idle_state(url: str, timeout: float = 20.0, **headers) -> dict:
+def idle_state(url: str, timeout: float = 20.0, headers: dict | None = None) -> dict:
     """The server's scheduler state once no request runs or waits. /get_server_info is the state at the end of the
     scheduler's last iteration, so right after a stream's last event it can still show the request running."""
     deadline = time.time() + timeout

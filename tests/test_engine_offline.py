@@ -4,6 +4,10 @@ requests that cannot fit are refused clearly."""
 
 from __future__ import annotations
 
+import sys
+import time
+import traceback
+
 import numpy as np
 import pytest
 
@@ -67,7 +71,6 @@ def test_text_api_stream_and_n(engine):
 
 
 def test_stopping_a_stream_early_frees_the_request(engine):
-    import time
     info = lambda: engine.get_server_info()["internal_states"][0]  # noqa: E731
     aborted = info()["aborted"]
     it = engine.generate("Hello", {"max_new_tokens": 200, "temperature": 0, "ignore_eos": True}, stream=True)
@@ -85,8 +88,6 @@ def test_stopping_a_stream_early_frees_the_request(engine):
 
 def _scheduler_report(engine, state: dict) -> str:
     """What the scheduler holds and where its thread is: a failure above says why the request was not freed."""
-    import sys
-    import traceback
     sch = engine.backend.scheduler
     thread = sch._thread
     frame = sys._current_frames().get(thread.ident) if thread is not None else None

@@ -14,7 +14,7 @@ import httpx
 import pytest
 import uvicorn
 
-from server_helpers import Server, free_port, sse_events, tiny_model_dir
+from server_helpers import Server, free_port, idle_state, sse_events, tiny_model_dir
 from specjax.serve.api import create_app, http_protocol
 
 KEY = "sk-test-key"
@@ -448,8 +448,9 @@ def kv_state(server):
 
 
 def test_disconnect_mid_stream_frees_pages(server):
-    aborted = httpx.get(server.url + "/get_server_info", headers=AUTH).json()["internal_states"][0]["aborted"]
-    idle = kv_state(server)
+    start = idle_state(server.url, headers=AUTH)  # the earlier tests' requests out of the state
+    aborted = start["aborted"]
+    idle = start["kv_pages_used"], start["num_running_reqs"]
     assert idle == (0, 0)
     for path, body in [("/generate", {"text": "Hello", "stream": True,
                                       "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}}),
