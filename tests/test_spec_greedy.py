@@ -115,6 +115,8 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
     prompts = models["prompts"]
     state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
     state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
+    refresh = jax.jit(spec_step.refresh_root, static_argnums=(2,))
+    state = refresh(tp, d, scfg, state)  # a prefill leaves every root stale
     active = jnp.array([True, True, False, True])
 
     def full_commit(state):
@@ -125,7 +127,6 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
         return spec_step.commit_phase(tp, d, scfg, state, acc, out, active, sb), acc.tokens
 
     lean, full = jax.jit(spec_step.target_step, static_argnums=(1, 3)), jax.jit(full_commit)
-    refresh = jax.jit(spec_step.refresh_root, static_argnums=(2,))
     a, b = state, jax.tree.map(jnp.copy, state)
     for _ in range(3):
         a, ta, _ = lean(tp, cfg, d, scfg, a, active)
@@ -137,6 +138,36 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
     for x, y in [(a.draft_k, b.draft_k), (a.draft_v, b.draft_v), (a.root_h, b.root_h)]:
         np.testing.assert_allclose(np.asarray(x), np.asarray(y), rtol=1e-5, atol=1e-5)
     np.testing.assert_array_equal(np.asarray(a.cache.lengths), np.asarray(b.cache.lengths))
+
+
+@pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
+def test_a_prefill_leaves_the_root_that_the_head_over_the_whole_prompt_gives(models, alg):
+    """``prefill`` only writes the head's K/V over the prompt and leaves the root stale; refreshed, the root is the
+    head's output at the last position of an uncached causal forward over the prompt (features at each position,
+    the next token's embedding, the first generated token after the last)."""
+    import jax.numpy as jnp
+    from specjax import layers
+    from specjax.models import target
+    from specjax.speculative import draft as draft_lib, spec_step
+    from specjax.speculative.spec_generate import _prefill_prompts
+    cfg = models["cfg"]
+    tp, heads = models["bigram"]
+    d = draft_lib.as_draft(heads[alg], alg, tp)
+    scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
+    prompts = models["prompts"]
+    state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
+    state, first = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
+    assert np.asarray(state.root_stale).all()
+    state = jax.jit(spec_step.refresh_root, static_argnums=(2,))(tp, d, scfg, state)
+    for row, p in enumerate(prompts):
+        toks = jnp.asarray([p], jnp.int32)
+        pos = jnp.arange(len(p), dtype=jnp.int32)[None]
+        out = target.forward(tp, cfg, toks, pos, **draft_lib.target_kwargs(d))
+        nxt = jnp.asarray([p[1:] + [int(first[row])]], jnp.int32)
+        attend = layers.CacheAttend(layers.causal_mask(jnp.ones((1, len(p)), bool)))
+        h, _, _ = draft_lib.forward(d, target.embed_tokens(tp, nxt), draft_lib.target_features(d, out), pos, attend)
+        np.testing.assert_allclose(np.asarray(state.root_h[row]), np.asarray(h[0, -1]), rtol=1e-5, atol=1e-5)
+    assert np.asarray(state.last_token).tolist() == np.asarray(first).tolist()
 
 
 @pytest.mark.parametrize("tree", [(3, 1, 4), None], ids=["spec_step", "target_step"])

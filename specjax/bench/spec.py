@@ -185,6 +185,7 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     state, _ = jax.jit(step_lib.prefill, static_argnames=("tcfg", "scfg"))(
         tparams, tcfg, draft, scfg.for_prefill(), state, jnp.asarray(toks), jnp.asarray(nxt), jnp.asarray(valid),
         jnp.ones((1,), bool))
+    state = jax.jit(step_lib.refresh_root, static_argnames=("scfg",))(tparams, draft, scfg, state)
     active = jnp.ones((1,), bool)
     st = dict(static_argnames=("tcfg", "scfg"))
     # Params travel as arguments (not closed over) so that XLA does not constant-fold the weights.

@@ -189,13 +189,13 @@ def layer_input(lp: HeadLayerParams, cfg: Eagle3Config, emb, hidden):
     return layers.rms_norm(hidden, lp.input_norm, cfg.rms_norm_eps)
 
 
-def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions):
-    """Rotated q [B, T, N, Hd], k [B, T, K, Hd] and v of a layer input x [B, T, Din]."""
+def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions, *, with_q: bool = True):
+    """Rotated q [B, T, N, Hd] (None without ``with_q``), k [B, T, K, Hd] and v of a layer input x [B, T, Din]."""
     inv_freq = layers.rope_inv_freq(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling_dict)
-    q = layers.dense(x, lp.wq)
+    q = layers.apply_rope(layers.dense(x, lp.wq), positions, inv_freq) if with_q else None
     k = layers.dense(x, lp.wk)
     v = layers.dense(x, lp.wv)
-    return layers.apply_rope(q, positions, inv_freq), layers.apply_rope(k, positions, inv_freq), v
+    return q, layers.apply_rope(k, positions, inv_freq), v
 
 
 def finish_layer(lp: HeadLayerParams, cfg: Eagle3Config, hidden, attn_out):
@@ -226,14 +226,15 @@ def forward(params: Eagle3Params, cfg: Eagle3Config, emb, hidden, positions, att
 
 def run_layers(layer_params, cfg, h, attn_input, positions, attend: layers.AttendFn, kv_only: bool = False):
     """The decoder-layer loop of both draft heads: layer i attends from ``attn_input(lp, h)``, then o_proj and MLP.
-    ``kv_only``: the last layer only stores its K/V (``attend.store``) and h is None.
+    ``kv_only``: the last layer only stores its K/V (``attend.store``; its q is not computed) and h is None.
     Returns (h [B, T, H] or None, k_new [nl, B, T, K, Hd], v_new)."""
     ks, vs = [], []
     for i, lp in enumerate(layer_params):
-        q, k, v = qkv(lp, cfg, attn_input(lp, h), positions)
+        store_only = kv_only and i == len(layer_params) - 1
+        q, k, v = qkv(lp, cfg, attn_input(lp, h), positions, with_q=not store_only)
         ks.append(k)
         vs.append(v)
-        if kv_only and i == len(layer_params) - 1:
+        if store_only:
             attend.store(i, k, v)
             h = None
         else:

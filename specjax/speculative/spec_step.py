@@ -90,7 +90,7 @@ class SpecState:
     root_h: jax.Array  # [B, H] draft output at position lengths-1 (the next tree's depth-1 distribution)
     sampling: sampling_lib.SamplingBatch
     root_feat: jax.Array  # [B, H] the draft's incoming feature at position lengths-1 (to recompute a stale root_h)
-    root_stale: jax.Array  # bool[B] a target-only step committed the row's last pair without computing root_h
+    root_stale: jax.Array  # bool[B] a prefill or target-only step committed the row's last pair without root_h
 
 
 def draft_cache(state: SpecState) -> KVCache:
@@ -136,6 +136,9 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     each one (tokens shifted left; its entry at a row's last valid index is replaced by the sampled first token when
     ``last[b]``). write_from: i32[B] positions below it are already in the target cache (prefix reuse) and are only
     recomputed for their features, not rewritten. Rows with no valid token are untouched.
+    The head only writes its K/V over the chunk (no attention or MLP in its last layer): a finished row's root is
+    left stale, as after a target-only step, for the first ``spec_step`` to compute from its last pair (one token),
+    and a row that a server runs target-only never computes it.
     Returns (state, first token i32[B] — meaningful where ``last``).
     """
     b, t = tokens.shape
@@ -157,15 +160,16 @@ def prefill(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scfg:
     feat = draft_lib.target_features(draft, out)
     dcache = draft_cache(state)
     attend = layers.CacheAttend(mask, dcache, scfg.cache_attention, write=(positions, valid), causal=True)
-    h, _, _ = draft_lib.forward(draft, emb, feat, positions, attend)
+    draft_lib.forward(draft, emb, feat, positions, attend, kv_only=True)
     dcache = attend.cache
     new_cache = dataclasses.replace(new_cache, lengths=cache.lengths + n)
-    h_last = jnp.take_along_axis(h, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
+    feat_last = jnp.take_along_axis(feat, lastidx[:, None, None], axis=1)[:, 0]  # [B, H]
     done = last & (n > 0)
-    last_token, root_h = _where_rows(done, (first, h_last.astype(state.root_h.dtype)),
-                                     (state.last_token, state.root_h))
-    state = SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token, root_h=root_h,
-                      sampling=sb, root_feat=state.root_feat, root_stale=state.root_stale & ~done)
+    last_token, root_feat, root_stale = _where_rows(
+        done, (first, feat_last.astype(state.root_feat.dtype), jnp.ones_like(state.root_stale)),
+        (state.last_token, state.root_feat, state.root_stale))
+    state = SpecState(cache=new_cache, draft_k=dcache.k, draft_v=dcache.v, last_token=last_token,
+                      root_h=state.root_h, sampling=sb, root_feat=root_feat, root_stale=root_stale)
     return state, first
 
 
