@@ -1,10 +1,14 @@
 """Request checks and shape buckets (specjax.batching), against the doubling loops the runners used to write out."""
 
+import itertools
+
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
 from specjax import kv_cache
-from specjax.batching import pick, pow2_bucket, pow2_buckets, serving_prefill_buckets, validate_requests
+from specjax.batching import (pick, pow2_bucket, pow2_buckets, serving_prefill_buckets, serving_prefill_chunks,
+                              validate_requests)
 from specjax.kernels import cpu_dense
 
 
@@ -39,6 +43,39 @@ def test_serving_prefill_buckets():
     assert serving_prefill_buckets(10, few_rows=True) == [8, 10]
     assert serving_prefill_buckets(10, few_rows=False) == [10]
     assert serving_prefill_buckets(3, few_rows=True) == [3]
+
+
+@pytest.mark.parametrize("few_rows,call", [(True, 20), (False, 256), (True, 8)])
+def test_serving_prefill_chunks_are_the_cheapest_set_of_calls(few_rows, call):
+    """Against every multiset of chunks (up to 3 of each narrower bucket, enough: two calls of one bucket cost more
+    than one of the next for a call worth 8+ tokens): the plan covers n, only its last chunk is partial, and it
+    costs the least padded tokens + ``call`` per call."""
+    buckets = serving_prefill_buckets(256, few_rows)
+    widest = buckets[-1]
+    counts = np.array(list(itertools.product(range(4), repeat=len(buckets) - 1)))  # [S, nb - 1]
+    for n in range(1, 2 * widest + 40):
+        plan = serving_prefill_chunks(n, buckets, call)
+        assert sum(m for m, _ in plan) == n
+        assert all(m == b for m, b in plan[:-1]) and 1 <= plan[-1][0] <= plan[-1][1]
+        assert all(b in buckets for _, b in plan)
+        w = -(-max(n - 3 * sum(buckets[:-1]), 0) // widest)  # the fewest widest chunks any candidate needs
+        best = None
+        for k in range(w, w + 3):
+            cap = counts @ np.array(buckets[:-1]) + k * widest
+            cost = (counts @ (np.array(buckets[:-1]) + call) + k * (widest + call))[cap >= n]
+            if len(cost):
+                best = min(best if best is not None else cost.min(), cost.min())
+        assert sum(b + call for _, b in plan) == best, (n, plan, best)
+
+
+def test_serving_prefill_chunks_examples():
+    """On a CPU a short tail gets its own narrow call; an accelerator pads a prompt up to the widest chunk."""
+    cpu, acc = serving_prefill_buckets(512, True), serving_prefill_buckets(512, False)
+    assert serving_prefill_chunks(70, cpu, 20) == [(64, 64), (6, 8)]
+    assert serving_prefill_chunks(120, cpu, 20) == [(120, 128)]
+    assert serving_prefill_chunks(1100, cpu, 20)[:2] == [(512, 512), (512, 512)]
+    assert serving_prefill_chunks(70, acc, 256) == [(70, 128)]
+    assert all(len(serving_prefill_chunks(n, acc, 256)) == 1 for n in range(1, 513))
 
 
 def test_validate_requests():

@@ -22,7 +22,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import prompt_logprobs as prompt_logprobs_lib, sampling
-from specjax.batching import serving_prefill_buckets
+from specjax.batching import (PREFILL_CALL_TOKENS, PREFILL_CALL_TOKENS_ACCELERATOR, serving_prefill_buckets,
+                              serving_prefill_chunks)
 from specjax.kernels import cpu_dense
 from specjax.sampling import SamplingRow
 
@@ -88,11 +89,14 @@ class Launched:
         return tokens, counts
 
 
+def _platform(mesh) -> str:
+    return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
+
+
 def prefill_buckets(limit: int, mesh=None) -> list[int]:
     """``batching.serving_prefill_buckets`` for a runner on ``mesh`` (None: the default backend): the few-row buckets
     where its products take the CPU kernels (a CPU, the kernels built)."""
-    platform = mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
-    return serving_prefill_buckets(limit, few_rows=platform == "cpu" and cpu_dense.available())
+    return serving_prefill_buckets(limit, few_rows=_platform(mesh) == "cpu" and cpu_dense.available())
 
 
 class RunnerCommon:
@@ -113,6 +117,11 @@ class RunnerCommon:
         self._lengths[active] = 0
         lengths = jnp.where(jax.device_put(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
+
+    def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
+        """``batching.serving_prefill_chunks`` of an n-token prefill on this runner's platform and buckets."""
+        call = PREFILL_CALL_TOKENS.get(_platform(self.mesh), PREFILL_CALL_TOKENS_ACCELERATOR)
+        return serving_prefill_chunks(n, self.prefill_buckets, call)
 
     def warm_prefills(self, state):
         """Compile every prefill bucket (slot 0 over the scratch page 0, released after); returns the state."""

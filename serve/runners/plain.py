@@ -132,9 +132,7 @@ class PlainRunner(RunnerCommon):
         pos, total, tok = int(cached), len(tokens), None
         if total <= pos:
             raise ValueError(f"prefill needs at least one uncached token (cached={pos}, tokens={total})")
-        while pos < total:  # a prompt longer than the largest bucket runs as several chunks
-            n = min(total - pos, self.prefill_buckets[-1])
-            t = pick(self.prefill_buckets, n)
+        for n, t in self.prefill_chunks(total - pos):
             npages = pick(self.page_buckets, -(-(pos + n) // self.page_size))
             chunk = np.zeros((t,), np.int32)
             chunk[:n] = tokens[pos:pos + n]

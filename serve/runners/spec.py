@@ -197,10 +197,8 @@ class SpecRunner(RunnerCommon):
         nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
         first = 0
         pos = 0
-        while pos < len(rest):
-            t = pick(self.prefill_buckets, min(len(rest) - pos, self.prefill_chunk))
-            seg = rest[pos:pos + t]
-            m = len(seg)
+        for m, t in self.prefill_chunks(len(rest)):
+            seg = rest[pos:pos + m]
             toks = np.zeros((1, t), np.int32)
             nxt = np.zeros((1, t), np.int32)
             toks[0, :m] = seg
