@@ -108,7 +108,8 @@ def prefill_chunks(longest: int) -> tuple[int, int]:
     power-of-two chunk (>= MIN_PREFILL_BUCKET) up to PREFILL_CHUNK tokens, else chunks of PREFILL_CHUNK. Plain and
     speculative generation both prefill this way: a prompt prefilled in other chunks gets other rounding in its K/V
     (in bf16 enough to change the first token of some prompts over 512 tokens), and speculative greedy must give
-    plain greedy's tokens."""
+    plain greedy's tokens. One width per call: an offline call compiles its chunk widths as it meets them, so it
+    pads rather than split; a server, whose buckets are all compiled at warmup, splits (``serving_prefill_chunks``)."""
     chunk = pow2_bucket(longest, MIN_PREFILL_BUCKET, PREFILL_CHUNK)
     return chunk, -(-longest // chunk)
 
