@@ -3,6 +3,7 @@ compiled programs serve every prompt length, batch size and context length."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Sequence
 
@@ -19,13 +20,23 @@ MIN_PREFILL_BUCKET = KERNEL_MAX_TOKENS + 1
 MIN_FEW_ROW_PREFILL = 8  # the shortest prefill chunk of a server whose products take the CPU kernels
 MIN_PAGE_BUCKET_TOKENS = 256  # the shortest page-table view a decode step compiles for
 PREFILL_CHUNK = 512  # the widest prefill call: a longer prompt runs as several chunks
-# What one more prefill call costs, in padded prompt tokens (``serving_prefill_chunks``): a call reads every weight
-# once whatever its width. On a CPU measured (SmolLM2-135M fp32, 2-core Xeon): a chunk of t tokens took about
-# 29 ms + 1.43 ms x t from 32 to 256 tokens, so a call is worth ~20 tokens. An accelerator's is its machine balance
-# (peak FLOP/s per byte/s of HBM x bytes per weight / 2: ~230 on a TPU v4, ~300 on an H100 in bf16), so a prompt
-# up to the widest chunk keeps one padded call there.
-PREFILL_CALL_TOKENS = {"cpu": 20}
-PREFILL_CALL_TOKENS_ACCELERATOR = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillPrice:
+    """What splitting a prefill costs, in padded prompt tokens (``serving_prefill_chunks``)."""
+    call: int  # one more call (each reads every weight once, whatever its width)
+    over_cache: int  # more for a chunk past the few-row kernels' width that attends to a prompt's cached part
+
+
+# Measured on a CPU (SmolLM2-135M fp32, 2-core Xeon, one call of t tokens at the runner: 8 / 15 / 16 / 32 / 64 / 128
+# / 256 tokens took 25 / 35 / 39 / 59 / 93 / 160 / 320 ms, ~1.25 ms a token at 128-256): a call is worth ~14 tokens,
+# and a 32- or 64-token chunk after a cached part cost 17-29 ms more than alone (XLA's attention over the cache; an
+# 8-token chunk, in the kernels, cost the same). An accelerator's call price is its machine balance (peak FLOP/s
+# per byte/s of HBM x bytes per weight / 2: ~230 on a TPU v4, ~300 on an H100 in bf16), so there a prompt up to the
+# widest chunk keeps one padded call.
+PREFILL_PRICE = {"cpu": PrefillPrice(call=14, over_cache=18)}
+PREFILL_PRICE_ACCELERATOR = PrefillPrice(call=256, over_cache=0)
 
 
 def pow2_buckets(lo: int, hi: int) -> list[int]:
@@ -76,31 +87,37 @@ def serving_prefill_buckets(limit: int, few_rows: bool) -> list[int]:
     return sorted(out)
 
 
-def serving_prefill_chunks(n: int, buckets: Sequence[int], call_tokens: int) -> list[tuple[int, int]]:
-    """How a server prefills an n-token prompt (its uncached part): chunks [(tokens, bucket width)], full ones first,
-    each padded to its bucket, chosen to minimise the padded tokens plus ``call_tokens`` per call
-    (``PREFILL_CALL_TOKENS``). On a CPU a 70-token prompt runs as 64 + 6 (in the 8-token bucket) instead of one
-    128-token call. Deterministic in (n, buckets, call_tokens): both runners take it, so a prompt gets the same
-    chunks (and K/V bits) in either."""
-    widest, first = buckets[-1], _first_chunks(tuple(buckets), int(call_tokens))
-    out = []
+def serving_prefill_chunks(n: int, buckets: Sequence[int], price: PrefillPrice,
+                           cached: bool = False) -> list[tuple[int, int]]:
+    """How a server prefills the n uncached tokens of a prompt (``cached``: some before them are in the cache):
+    chunks [(tokens, bucket width)], full ones first, each padded to its bucket, chosen to minimise the padded tokens
+    plus ``price`` (``PREFILL_PRICE``). On a CPU a 70-token prompt runs as 64 + 6 (in the 8-token bucket) and a
+    129-token one as 128 + 1, instead of one 128- / 256-token call; an 85-token one stays one 128-token call.
+    Deterministic in its arguments: both runners take it, so a prompt gets the same chunks (and K/V bits) in
+    either."""
+    first, later = _first_chunks(tuple(buckets), price)
+    table, out = later if cached else first, []
     while n > 0:
-        b = widest if n >= len(first) else first[n]
+        b = buckets[-1] if n >= len(table) else table[n]
         out.append((min(b, n), b))
         n -= min(b, n)
+        table = later
     return out
 
 
 @functools.lru_cache(maxsize=16)
-def _first_chunks(buckets: tuple[int, ...], call_tokens: int) -> list[int]:
-    """first[m]: the bucket of the first chunk of the cheapest plan for m tokens, m < 2 x the widest bucket
-    (past that, widest chunks first). Ties go to the wider bucket (fewer calls)."""
+def _first_chunks(buckets: tuple[int, ...], price: PrefillPrice) -> tuple[list[int], list[int]]:
+    """(first, later): the bucket of the first chunk of the cheapest plan for m tokens (m < 2 x the widest bucket;
+    past that, widest chunks first), for a prompt with nothing cached and for one whose chunks all come after a
+    cached part. Ties go to the wider bucket (fewer calls)."""
     top = 2 * buckets[-1]
-    cost, first = [0] * top, [0] * top
-    for m in range(1, top):
-        cost[m], first[m] = min((b + call_tokens + cost[max(m - b, 0)], -b) for b in buckets)
-        first[m] = -first[m]
-    return first
+    over = [price.over_cache if b > KERNEL_MAX_TOKENS else 0 for b in buckets]
+    later_cost, later = [0] * top, [0] * top
+    for m in range(1, top):  # after a cached part: every chunk pays ``over_cache``, the rest is again "later"
+        c, b = min((b + price.call + o + later_cost[max(m - b, 0)], -b) for b, o in zip(buckets, over))
+        later_cost[m], later[m] = c, -b
+    first = [0] + [-min((b + price.call + later_cost[max(m - b, 0)], -b) for b in buckets)[1] for m in range(1, top)]
+    return first, later
 
 
 def prefill_chunks(longest: int) -> tuple[int, int]:

@@ -7,8 +7,8 @@ import numpy as np
 import pytest
 
 from specjax import kv_cache
-from specjax.batching import (pick, pow2_bucket, pow2_buckets, serving_prefill_buckets, serving_prefill_chunks,
-                              validate_requests)
+from specjax.batching import (PREFILL_PRICE, PREFILL_PRICE_ACCELERATOR, PrefillPrice, pick, pow2_bucket, pow2_buckets,
+                              serving_prefill_buckets, serving_prefill_chunks, validate_requests)
 from specjax.kernels import cpu_dense
 
 
@@ -45,37 +45,52 @@ def test_serving_prefill_buckets():
     assert serving_prefill_buckets(3, few_rows=True) == [3]
 
 
-@pytest.mark.parametrize("few_rows,call", [(True, 20), (False, 256), (True, 8)])
-def test_serving_prefill_chunks_are_the_cheapest_set_of_calls(few_rows, call):
-    """Against every multiset of chunks (up to 3 of each narrower bucket, enough: two calls of one bucket cost more
-    than one of the next for a call worth 8+ tokens): the plan covers n, only its last chunk is partial, and it
-    costs the least padded tokens + ``call`` per call."""
+@pytest.mark.parametrize("few_rows,call,over", [(True, 14, 18), (False, 256, 0), (True, 8, 12), (True, 20, 0)])
+@pytest.mark.parametrize("cached", [False, True])
+def test_serving_prefill_chunks_are_the_cheapest_set_of_calls(few_rows, call, over, cached):
+    """Against every multiset of chunks (up to 5 of each few-row bucket and 3 of each other narrower one, enough at
+    these prices: more cost more than one wider call): the plan covers n, only its last chunk is partial, and it
+    costs the least padded tokens + ``call`` per call + ``over`` per XLA-width chunk after a cached part (the
+    first chunk, the widest, is the one that has none before it when nothing is cached)."""
     buckets = serving_prefill_buckets(256, few_rows)
-    widest = buckets[-1]
-    counts = np.array(list(itertools.product(range(4), repeat=len(buckets) - 1)))  # [S, nb - 1]
+    price = PrefillPrice(call=call, over_cache=over)
+    widest, narrow = buckets[-1], np.array(buckets[:-1])
+    xla = narrow > cpu_dense.MAX_TOKENS
+    counts = np.array(list(itertools.product(*[range(4 if x else 6) for x in xla])))  # [S, len(narrow)]
+
+    def plan_cost(plan):
+        wide = sum(b > cpu_dense.MAX_TOKENS for _, b in plan)
+        first_free = not cached and plan[0][1] > cpu_dense.MAX_TOKENS
+        return sum(b + call for _, b in plan) + over * (wide - first_free)
+
     for n in range(1, 2 * widest + 40):
-        plan = serving_prefill_chunks(n, buckets, call)
+        plan = serving_prefill_chunks(n, buckets, price, cached)
         assert sum(m for m, _ in plan) == n
         assert all(m == b for m, b in plan[:-1]) and 1 <= plan[-1][0] <= plan[-1][1]
-        assert all(b in buckets for _, b in plan)
-        w = -(-max(n - 3 * sum(buckets[:-1]), 0) // widest)  # the fewest widest chunks any candidate needs
+        assert all(b in buckets for _, b in plan) and plan[0][1] == max(b for _, b in plan)
+        w = -(-max(n - int(counts.max(0) @ narrow), 0) // widest)  # the fewest widest chunks any candidate needs
         best = None
         for k in range(w, w + 3):
-            cap = counts @ np.array(buckets[:-1]) + k * widest
-            cost = (counts @ (np.array(buckets[:-1]) + call) + k * (widest + call))[cap >= n]
-            if len(cost):
-                best = min(best if best is not None else cost.min(), cost.min())
-        assert sum(b + call for _, b in plan) == best, (n, plan, best)
+            cap = counts @ narrow + k * widest
+            wide = counts @ xla + k
+            cost = counts @ (narrow + call) + k * (widest + call) + over * (wide - ((wide > 0) & (not cached)))
+            if (cap >= n).any():
+                best = min(best if best is not None else cost[cap >= n].min(), cost[cap >= n].min())
+        assert plan_cost(plan) == best, (n, plan, best)
 
 
 def test_serving_prefill_chunks_examples():
     """On a CPU a short tail gets its own narrow call; an accelerator pads a prompt up to the widest chunk."""
     cpu, acc = serving_prefill_buckets(512, True), serving_prefill_buckets(512, False)
-    assert serving_prefill_chunks(70, cpu, 20) == [(64, 64), (6, 8)]
-    assert serving_prefill_chunks(120, cpu, 20) == [(120, 128)]
-    assert serving_prefill_chunks(1100, cpu, 20)[:2] == [(512, 512), (512, 512)]
-    assert serving_prefill_chunks(70, acc, 256) == [(70, 128)]
-    assert all(len(serving_prefill_chunks(n, acc, 256)) == 1 for n in range(1, 513))
+    price = PREFILL_PRICE["cpu"]
+    assert serving_prefill_chunks(70, cpu, price) == [(64, 64), (6, 8)]
+    assert serving_prefill_chunks(129, cpu, price) == [(128, 128), (1, 8)]
+    assert serving_prefill_chunks(120, cpu, price) == [(120, 128)]
+    assert serving_prefill_chunks(16, cpu, price) == [(16, 16)]
+    assert serving_prefill_chunks(16, cpu, price, cached=True) == [(8, 8), (8, 8)]  # no XLA attention over a cache
+    assert serving_prefill_chunks(1100, cpu, price)[:2] == [(512, 512), (512, 512)]
+    assert serving_prefill_chunks(70, acc, PREFILL_PRICE_ACCELERATOR) == [(70, 128)]
+    assert all(len(serving_prefill_chunks(n, acc, PREFILL_PRICE_ACCELERATOR)) == 1 for n in range(1, 513))
 
 
 def test_validate_requests():

@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import prompt_logprobs as prompt_logprobs_lib, sampling
-from specjax.batching import (PREFILL_CALL_TOKENS, PREFILL_CALL_TOKENS_ACCELERATOR, serving_prefill_buckets,
+from specjax.batching import (PREFILL_PRICE, PREFILL_PRICE_ACCELERATOR, serving_prefill_buckets,
                               serving_prefill_chunks)
 from specjax.kernels import cpu_dense
 from specjax.sampling import SamplingRow
@@ -118,10 +118,11 @@ class RunnerCommon:
         lengths = jnp.where(jax.device_put(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
 
-    def prefill_chunks(self, n: int) -> list[tuple[int, int]]:
-        """``batching.serving_prefill_chunks`` of an n-token prefill on this runner's platform and buckets."""
-        call = PREFILL_CALL_TOKENS.get(_platform(self.mesh), PREFILL_CALL_TOKENS_ACCELERATOR)
-        return serving_prefill_chunks(n, self.prefill_buckets, call)
+    def prefill_chunks(self, n: int, cached: bool = False) -> list[tuple[int, int]]:
+        """``batching.serving_prefill_chunks`` of an n-token prefill (after a cached part: ``cached``) on this
+        runner's platform and buckets."""
+        price = PREFILL_PRICE.get(_platform(self.mesh), PREFILL_PRICE_ACCELERATOR)
+        return serving_prefill_chunks(n, self.prefill_buckets, price, cached)
 
     def warm_prefills(self, state):
         """Compile every prefill bucket (slot 0 over the scratch page 0, released after); returns the state."""

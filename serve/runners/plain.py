@@ -132,7 +132,7 @@ class PlainRunner(RunnerCommon):
         pos, total, tok = int(cached), len(tokens), None
         if total <= pos:
             raise ValueError(f"prefill needs at least one uncached token (cached={pos}, tokens={total})")
-        for n, t in self.prefill_chunks(total - pos):
+        for n, t in self.prefill_chunks(total - pos, cached=pos > 0):
             npages = pick(self.page_buckets, -(-(pos + n) // self.page_size))
             chunk = np.zeros((t,), np.int32)
             chunk[:n] = tokens[pos:pos + n]

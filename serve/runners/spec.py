@@ -197,7 +197,7 @@ class SpecRunner(RunnerCommon):
         nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
         first = 0
         pos = 0
-        for m, t in self.prefill_chunks(len(rest)):
+        for m, t in self.prefill_chunks(len(rest), cached=start > 0):
             seg = rest[pos:pos + m]
             toks = np.zeros((1, t), np.int32)
             nxt = np.zeros((1, t), np.int32)
