@@ -291,8 +291,9 @@ def test_bf16_matrix_head_prefills_widened_and_decodes_plain_greedy(setup):
     narrow = jax.tree.map(lambda a: a.astype(jnp.bfloat16) if a.ndim >= 2 else a, dparams)
     runner = SpecRunner(cfg, tp, "EAGLE3", dcfg, narrow, vmap, num_steps=3, topk=2, num_draft_tokens=5, max_batch=2,
                         pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16)
-    assert runner.draft.params.layers[0].w_up.dtype == jnp.bfloat16
-    assert runner.prefill_draft.params.layers[0].w_up.dtype == jnp.float32
+    assert runner.draft.params.layers[0].wk.dtype == jnp.bfloat16
+    assert runner.prefill_draft.params.layers[0].wk.dtype == jnp.float32
+    assert runner.prefill_draft.params.layers[0].w_up is runner.draft.params.layers[0].w_up  # a prefill reads K/V only
     assert runner.prefill_draft.params.lm_head is runner.draft.params.lm_head
     rng = np.random.default_rng(5)
     prompts = [rng.integers(0, 64, n).tolist() for n in (21, 7)]  # 21 tokens: two prefill chunks of at most 16

@@ -131,14 +131,19 @@ def for_prefill(draft: Draft) -> Draft:
     (``head_weights.stored_matrix_dtype``: bf16 under an fp32 head) widened once, here. A prefill's many-row products
     go to XLA's dot, which widened each of them on every call (5M elements for the SmolLM2 head, ~5% of a 128-token
     prefill); decode-sized products read the narrow copies in place (``layers.dense``), so the steps keep them. The
-    same values (widening bf16 to fp32 is exact). The draft vocab head, which a prefill does not use, is left as it
-    is. Returns ``draft`` itself when no matrix is narrower."""
+    same values (widening bf16 to fp32 is exact). What a prefill does not read is left as it is: the draft vocab
+    head, and the last layer's q, o and MLP matrices (a prefill only writes that layer's K/V, ``spec_step.prefill``).
+    Returns ``draft`` itself when no matrix is narrower."""
     act = jnp.dtype(draft.cfg.dtype)
     widen = lambda a: a.astype(act) if a.ndim >= 2 and a.dtype != act and jnp.issubdtype(a.dtype, jnp.floating) \
         else a
     params = jax.tree.map(widen, draft.params)
     if getattr(draft.params, "lm_head", None) is not None:
         params = dataclasses.replace(params, lm_head=draft.params.lm_head)
+    old = draft.params.layers[-1]
+    last = dataclasses.replace(params.layers[-1], wq=old.wq, wo=old.wo, w_gate=old.w_gate, w_up=old.w_up,
+                               w_down=old.w_down)
+    params = dataclasses.replace(params, layers=type(params.layers)([*params.layers[:-1], last]))
     if all(x is y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(draft.params))):
         return draft
     return dataclasses.replace(draft, params=params)
