@@ -93,8 +93,8 @@ def serving_prefill_chunks(n: int, buckets: Sequence[int], price: PrefillPrice,
     chunks [(tokens, bucket width)], full ones first, each padded to its bucket, chosen to minimise the padded tokens
     plus ``price`` (``PREFILL_PRICE``). On a CPU a 70-token prompt runs as 64 + 6 (in the 8-token bucket) and a
     129-token one as 128 + 1, instead of one 128- / 256-token call (an 85-token one as 64 + 15 + 6, level with one
-    128-token call in the measurements). Deterministic in its arguments: both runners take it, so a prompt gets the same chunks (and K/V bits) in
-    either."""
+    128-token call in the measurements). Deterministic in its arguments: both runners take it, so a prompt gets the
+    same chunks (and K/V bits) in either."""
     first, later = _first_chunks(tuple(buckets), price)
     table, out = later if cached else first, []
     while n > 0:
