@@ -99,6 +99,20 @@ def test_rows_stop_on_their_own_stop_token_and_budget(models):
     check_stats(out, stats, (5, 8, 32))
 
 
+def prefilled_bigram(models, alg):
+    """The bigram target and ``alg`` head with the four prompts prefilled at (3, 1, 4), greedy:
+    (cfg, target params, Draft, SpecConfig, state, first token per row)."""
+    from specjax.speculative import draft as draft_lib, spec_step
+    from specjax.speculative.spec_generate import _prefill_prompts
+    cfg = models["cfg"]
+    tp, heads = models["bigram"]
+    d = draft_lib.as_draft(heads[alg], alg, tp)
+    scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
+    state = spec_step.init_state(cfg, d, scfg, len(models["prompts"]), 64, page_size=16)
+    state, first = _prefill_prompts(tp, cfg, d, scfg, state, models["prompts"], ())
+    return cfg, tp, d, scfg, state, first
+
+
 @pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
 def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg):
     """``target_step`` writes only each new pair's draft K/V (no attention or MLP in the head's last layer) and leaves
@@ -106,15 +120,8 @@ def test_target_only_steps_extend_the_draft_cache_as_full_commits_do(models, alg
     import dataclasses
     import jax
     import jax.numpy as jnp
-    from specjax.speculative import draft as draft_lib, spec_step, verify
-    from specjax.speculative.spec_generate import _prefill_prompts
-    cfg = models["cfg"]
-    tp, heads = models["bigram"]
-    d = draft_lib.as_draft(heads[alg], alg, tp)
-    scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
-    prompts = models["prompts"]
-    state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
-    state, _ = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
+    from specjax.speculative import spec_step, verify
+    cfg, tp, d, scfg, state, _ = prefilled_bigram(models, alg)
     refresh = jax.jit(spec_step.refresh_root, static_argnums=(2,))
     state = refresh(tp, d, scfg, state)  # a prefill leaves every root stale
     active = jnp.array([True, True, False, True])
@@ -149,14 +156,8 @@ def test_a_prefill_leaves_the_root_that_the_head_over_the_whole_prompt_gives(mod
     from specjax import layers
     from specjax.models import target
     from specjax.speculative import draft as draft_lib, spec_step
-    from specjax.speculative.spec_generate import _prefill_prompts
-    cfg = models["cfg"]
-    tp, heads = models["bigram"]
-    d = draft_lib.as_draft(heads[alg], alg, tp)
-    scfg = spec_step.SpecConfig(3, 1, 4, sampling=False)
+    cfg, tp, d, scfg, state, first = prefilled_bigram(models, alg)
     prompts = models["prompts"]
-    state = spec_step.init_state(cfg, d, scfg, len(prompts), 64, page_size=16)
-    state, first = _prefill_prompts(tp, cfg, d, scfg, state, prompts, ())
     assert np.asarray(state.root_stale).all()
     state = jax.jit(spec_step.refresh_root, static_argnums=(2,))(tp, d, scfg, state)
     for row, p in enumerate(prompts):
