@@ -247,3 +247,24 @@ def test_bench_tune_refuses_too_few_prompts_up_front(capsys):
     with pytest.raises(SystemExit):
         bench_tune.main(["--draft", "no-such-head", "--num-prompts", "8", "--batch-sizes", "1", "16"])
     assert "--num-prompts 8 is smaller than batch size 16" in capsys.readouterr().err
+
+
+def test_bench_tune_without_shapes_measures_the_backends_candidates(tiny_pair, monkeypatch):
+    from specjax.bench import tune as bench_tune
+    model, head = tiny_pair
+    seen = {}
+
+    def fake_tune(args):
+        seen["shapes"], seen["max_new_tokens"] = args.shapes, args.max_new_tokens
+        raise SystemExit(0)
+    monkeypatch.setattr(bench_tune, "tune", fake_tune)
+    with pytest.raises(SystemExit):
+        bench_tune.main(["--model", model, "--draft", head, "--no-write"])
+    # on a CPU: small trees, branching at 2 (a CPU verifies a few tokens for about one step, 32 for several)
+    assert seen["shapes"] == bench_tune.default_shapes("cpu") and max(s[2] for s in seen["shapes"]) <= 8
+    assert (3, 2, 5) in seen["shapes"] and seen["max_new_tokens"] == 256
+    assert (6, 10, 60) in bench_tune.default_shapes("tpu") and bench_tune.default_shapes("gpu") == \
+        bench_tune.default_shapes("tpu")
+    with pytest.raises(SystemExit):  # given shapes are measured as given
+        bench_tune.main(["--model", model, "--draft", head, "--no-write", "--shapes", "2,1,3"])
+    assert seen["shapes"] == ((2, 1, 3),)

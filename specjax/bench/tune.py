@@ -1,16 +1,17 @@
 """Search the speculative tree shape per batch size on a prompt set; write the table next to the head.
 
     python -m specjax.bench tune --draft HEAD_DIR [--model PATH] [--batch-sizes 1 4 16]
-        [--shapes 3,1,4 5,1,6 7,1,8 5,4,8 5,8,32 6,10,60] [--prompts mtbench] [--num-prompts 16]
-        [--max-new-tokens 128] [--temperature 0] [--out HEAD_DIR/speculative_tune.json] [--no-write]
+        [--shapes 1,2,3 3,2,5 5,4,8 ...] [--prompts mtbench] [--num-prompts 16]
+        [--max-new-tokens 256] [--temperature 0] [--out HEAD_DIR/speculative_tune.json] [--no-write]
     python -m specjax.bench tune --draft HEAD_DIR --batch-sizes 1 --shapes 1,2,3 --num-prompts 80 \
         --max-new-tokens 256 --outputs-only     # speculative greedy == plain greedy on all of MT-bench, and tau
 
 For every batch size B, the prompts are decoded in groups of B rows, once by plain decoding (``specjax.generate``)
 and once per shape (num_steps, eagle_topk, num_draft_tokens) by ``speculative_generate``; each configuration runs
-every group once untimed (compiles every shape) then once timed. The fastest configuration per B wins; plain
-wins where no shape beats it (the server then starts that batch size with target-only steps, and the rows' costs
-let it turn the tree on where live traffic pays for it). Printed per row: tokens/s, speedup over plain, tau
+every group once untimed (compiles every shape) then once timed. Without ``--shapes`` the candidates depend on the
+backend (``DEFAULT_SHAPES``: small trees on a CPU, up to 60 tokens on an accelerator). The fastest configuration
+per B wins; plain wins where no shape beats it (the server then starts that batch size with target-only steps, and
+the rows' costs let it turn the tree on where live traffic pays for it). Printed per row: tokens/s, speedup over plain, tau
 (completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for token.
 ``--outputs-only`` runs every group once, untimed and uncompiled beforehand, for the outputs and tau alone (half
 the time; its tokens/s include compiles and are not written).
@@ -38,7 +39,18 @@ from specjax.bench.spec import load_prompts, load_target, prompt_texts
 from specjax.cli import check_output_file, option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
 
-DEFAULT_SHAPES = ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")
+# The candidate shapes when --shapes is not given, by backend. A CPU verifies a few tree tokens for little more than
+# one decode step and a 32- or 60-token tree for 2-4 steps, so its candidates are small trees, branching at 2 where a
+# chain's next token is uncertain (on two cores at batch 1 over 256-token MT-bench answers, fifty-fourth session:
+# (3,2,5) tau 2.01 at 1.65x plain, (1,2,3) 1.60 at 1.48x, (6,4,10) 2.31 at 1.22x). An accelerator verifies tens of
+# tokens for about one step: the issue table's six, SGLang's range.
+DEFAULT_SHAPES = {"cpu": ("1,2,3", "2,2,4", "3,1,4", "3,2,5", "4,2,6", "5,2,6", "5,4,8", "7,1,8"),
+                  "accelerator": ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")}
+
+
+def default_shapes(backend: str) -> tuple[tuple[int, int, int], ...]:
+    """The candidate tree shapes ``bench tune`` measures on ``backend`` when none are given."""
+    return tuple(_parse_shape(s) for s in DEFAULT_SHAPES["cpu" if backend == "cpu" else "accelerator"])
 
 
 def _parse_shape(text: str) -> tuple[int, int, int]:
@@ -150,13 +162,14 @@ class TuneOptions(TargetRunOptions):
     algorithm: str = option("EAGLE3", type=str.upper, choices=["EAGLE3", "EAGLE"], help="draft head kind")
     speculative_token_map: str | None = option(None, help="FR-Spec hot-token list for EAGLE heads")
     batch_sizes: tuple[int, ...] = option((1, 4, 16), help="batch sizes to tune, one table each")
-    shapes: tuple[tuple[int, int, int], ...] = option(tuple(_parse_shape(s) for s in DEFAULT_SHAPES),
-                                                      type=_parse_shape, metavar="STEPS,TOPK,DRAFT",
-                                                      help="tree shapes to measure (num_steps,eagle_topk,"
-                                                           "num_draft_tokens; default: the six of the issue table)")
+    shapes: tuple[tuple[int, int, int], ...] = option(
+        (), type=_parse_shape, metavar="STEPS,TOPK,DRAFT",
+        help="tree shapes to measure (num_steps,eagle_topk,num_draft_tokens); default on a CPU: "
+             + " ".join(DEFAULT_SHAPES["cpu"]) + "; on an accelerator: " + " ".join(DEFAULT_SHAPES["accelerator"]))
     prompts: str = option("mtbench", help="mtbench (default), random, or a .jsonl/.txt file")
     num_prompts: int = option(16, help="prompts per measurement")
-    max_new_tokens: int = option(128, help="tokens generated per prompt")
+    max_new_tokens: int = option(256, help="tokens generated per prompt (a head is accepted for more tokens further "
+                                           "into an answer, deep trees most: tune at the lengths served)")
     temperature: float = option(0.0, help="0 = greedy (default)")
     seed: int = option(0, help="sampling seed")
     out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json, or "
@@ -181,6 +194,7 @@ def main(argv=None) -> int:
         args.out or os.path.join(args.draft, tune_lib.filename(args.dtype))
     check_output_file(out, "--out")  # now, not after an hour of measurements
     check_output_file(args.json, "--json")
+    args.shapes = args.shapes or default_shapes(jax.default_backend())
     r = tune(args)
     print_table(r)
     if out:
