@@ -6,6 +6,7 @@ EAGLE3 head, compiles its own).
 """
 
 import json
+import os
 import re
 
 import jax
@@ -19,6 +20,7 @@ from specjax.head_weights import params_to_hf as head_to_hf
 from specjax.heads import DEFAULT_HEAD
 from specjax.models import eagle, target
 from specjax.safetensors_io import save_file
+from specjax.speculative import tune as tune_lib
 from specjax.weights import params_to_hf
 
 VOCAB = 128
@@ -253,12 +255,19 @@ def test_cli_errors(tmp_path, capsys, monkeypatch):
 
 
 def test_tree_flags_fill_from_the_tuned_shape(tmp_path):
-    """One tree flag: the others from the head's tuned shape (the shipped head's at batch 1 is (1, 2, 3)), a chain's
+    """One tree flag: the others from the head's tuned shape (here a table tuned to (1, 2, 3) at batch 1), a chain's
     num_draft_tokens = num_steps + 1 (was (5, 1, 6)'s values, then an error naming num_draft_tokens=6, never set)."""
-    def shape(head=DEFAULT_HEAD, **flags):
+    tuned = tmp_path / "tuned"
+    tuned.mkdir()
+    table = json.loads(open(os.path.join(DEFAULT_HEAD, tune_lib.FILENAME)).read())
+    table["batch_sizes"]["1"] = dict(zip(tune_lib.SHAPE_KEYS, (1, 2, 3)))
+    tune_lib.save_tune(str(tuned / tune_lib.FILENAME), table)
+
+    def shape(head=str(tuned), **flags):
         opts = GenerateOptions(model=str(tmp_path), speculative_algorithm="EAGLE3",
                                speculative_draft_model_path=head, **flags)
         return _resolve_pair(opts)[3]
+    assert shape(DEFAULT_HEAD) == tune_lib.shape_for(tune_lib.load_tune(DEFAULT_HEAD), 1)  # the shipped table's
     assert shape() == (1, 2, 3)
     assert shape(speculative_num_steps=3) == (3, 2, 3)
     assert shape(speculative_eagle_topk=1) == (1, 1, 2)
