@@ -41,10 +41,10 @@ from specjax.cli import check_output_file, option, options_parser, parse_into
 from specjax.speculative import tune as tune_lib
 
 # The candidate shapes when --shapes is not given, by backend. A CPU verifies a few tree tokens for little more than
-# one decode step and a 32- or 60-token tree for 2-4 steps, so its candidates are small trees, branching at 2 where a
-# chain's next token is uncertain (on two cores at batch 1 over 256-token MT-bench answers, fifty-fourth session:
-# (3,2,5) tau 2.01 at 1.65x plain, (5,4,8) 2.26 at 1.57x, (1,2,3) 1.60 at 1.48x, (6,4,10) 2.31 at 1.22x). An accelerator verifies tens of
-# tokens for about one step: the issue table's six, SGLang's range.
+# one decode step and a 32- or 60-token tree for 2-4 steps, so its candidates are small trees, branching at 2 or 4
+# where a chain's next token is uncertain (on two cores at batch 1 over 256-token MT-bench answers, fifty-fourth
+# session: (3,2,5) tau 2.01 at 1.65x plain, (5,4,8) 2.26 at 1.57x, (1,2,3) 1.60 at 1.48x, (6,4,10) 2.31 at 1.22x).
+# An accelerator verifies tens of tokens for about one step: the issue table's six, SGLang's range.
 DEFAULT_SHAPES = {"cpu": ("1,2,3", "2,2,4", "3,1,4", "3,2,5", "4,2,6", "5,2,6", "5,4,8", "7,1,8"),
                   "accelerator": ("3,1,4", "5,1,6", "7,1,8", "5,4,8", "5,8,32", "6,10,60")}
 
