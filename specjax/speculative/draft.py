@@ -137,13 +137,11 @@ def for_prefill(draft: Draft) -> Draft:
     act = jnp.dtype(draft.cfg.dtype)
     widen = lambda a: a.astype(act) if a.ndim >= 2 and a.dtype != act and jnp.issubdtype(a.dtype, jnp.floating) \
         else a
-    params = jax.tree.map(widen, draft.params)
-    if getattr(draft.params, "lm_head", None) is not None:
-        params = dataclasses.replace(params, lm_head=draft.params.lm_head)
-    old = draft.params.layers[-1]
-    last = dataclasses.replace(params.layers[-1], wq=old.wq, wo=old.wo, w_gate=old.w_gate, w_up=old.w_up,
-                               w_down=old.w_down)
-    params = dataclasses.replace(params, layers=type(params.layers)([*params.layers[:-1], last]))
+    last = draft.params.layers[-1]
+    unread = {id(m) for m in (getattr(draft.params, "lm_head", None), last.wq, last.wo, last.w_gate, last.w_up,
+                              last.w_down) if m is not None}  # kept as they are, not widened and put back
+    params = jax.tree.map(lambda a: a if id(a) in unread else widen(a), draft.params,
+                          is_leaf=lambda a: id(a) in unread)
     if all(x is y for x, y in zip(jax.tree.leaves(params), jax.tree.leaves(draft.params))):
         return draft
     return dataclasses.replace(draft, params=params)
