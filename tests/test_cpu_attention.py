@@ -87,9 +87,12 @@ def test_a_query_that_sees_nothing_gives_zero():
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_chain_rows_are_the_decode_steps_bits(dtype):
-    """Row t of a causal chain over keys in the pool == a one-token step at lengths + t, bit for bit, 1 or 2 threads."""
-    q, k, v, _, kp, vp, table, lengths = _case(t=5, tk=5, dtype=dtype)
+@pytest.mark.parametrize("lengths", [(37, 0, 90), (44, 12, 94)])
+def test_chain_rows_are_the_decode_steps_bits(dtype, lengths):
+    """Row t of a causal chain over keys in the pool == a one-token step at lengths + t, bit for bit, 1 or 2 threads.
+    The second lengths cross a multiple of 16 within the chain: a key that the chain scores alone (a new key) the
+    later one-token steps score in a block of sixteen prefix keys (``Dot16``), which must give ``Dot``'s bits."""
+    q, k, v, _, kp, vp, table, lengths = _case(t=5, tk=5, dtype=dtype, lengths=lengths)
     causal = jnp.broadcast_to(jnp.tril(jnp.ones((5, 5), bool)), (3, 5, 5))
     for threads in (1, 2):
         cpu_dense.set_threads(threads)

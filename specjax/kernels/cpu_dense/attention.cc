@@ -14,7 +14,10 @@
 // about a third of a SmolLM2 decode step. Here each (row, kv head) is one chunk for the thread pool; it reads each
 // key and value once for all of its queries (the heads sharing the kv head, the new tokens). Every query is one
 // fixed sequence of operations over its keys in position order, so with ``keys_in_pool`` a verified chain row is
-// bitwise the decode step at its position, whatever the rows, tokens or threads beside it (tests/test_cpu_dense.py).
+// bitwise the decode step at its position, whatever the rows, tokens or threads beside it (tests/test_cpu_attention.py).
+// The prefix's scores are taken sixteen keys at a time (``Dot16``: their lane sums reduced together, 3 operations a
+// score where one reduction took about 8 in a long chain) with each key's bits as alone (``Dot``): 8 new tokens'
+// attention over SmolLM2's 30 layers at a 1000-token context, one thread, 16.4 -> 13.3 ms (fifty-fifth session).
 #include <cmath>
 #include <limits>
 
@@ -45,6 +48,38 @@ struct AttnJob {
   int64_t parts;  // chunks per (row, kv head), each a run of its queries
 };
 
+#if defined(__AVX512F__)
+// The sum of a vector's sixteen lanes in one fixed tree (GCC's ``_mm512_reduce_add_ps``, written out so that a
+// compiler's own choice cannot change it): t_i = a_i + a_{i+8}, u_i = t_i + t_{i+4}, (u_0 + u_2) + (u_1 + u_3).
+inline float ReduceAdd16(__m512 a) {
+  const __m256 t = _mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a));
+  const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
+  const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
+  return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+
+// ReduceAdd16 of sixteen vectors at once: lane j of the result is ReduceAdd16(a[j]), the same additions (pairs of
+// vectors merged per level of the tree, 45 shuffles and adds for 16 sums where one ReduceAdd16 takes about 8 with a
+// long dependency chain).
+inline __m512 ReduceAdd16x16(const __m512 (&a)[kLanes]) {
+  __m512 b[8], c[4], d[2];
+  for (int m = 0; m < 8; ++m)  // lanes 0-7: t of a[2m], 8-15: t of a[2m + 1]
+    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  for (int m = 0; m < 4; ++m)  // 128-bit lane k: u of a[4m + k]
+    c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                         _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+  for (int m = 0; m < 2; ++m)  // 128-bit lane k: (u_0 + u_2, u_1 + u_3) of a[8m + k], then of a[8m + k + 4]
+    d[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4k + m: the sum of a[k + 4m]; back to lane j: the sum of a[j]
+  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+  return _mm512_permutexvar_ps(order, r);
+}
+#endif
+
 // sum_h a[h] * b[h]: sixteen lane sums over the whole vectors, reduced in one fixed order, then the tail.
 template <typename P>
 inline float Dot(const float* a, const P* b, int64_t h) {
@@ -53,11 +88,30 @@ inline float Dot(const float* a, const P* b, int64_t h) {
 #if defined(__AVX512F__)
   __m512 acc = _mm512_setzero_ps();
   for (; i + kLanes <= h; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), Load16(b + i), acc);
-  s = _mm512_reduce_add_ps(acc);
+  s = ReduceAdd16(acc);
 #endif
   for (; i < h; ++i) s = __builtin_fmaf(a[i], load(b, i), s);
   return s;
 }
+
+#if defined(__AVX512F__)
+// Dot(a, row j, h) for sixteen key rows at once into out[0..16], each the same fmas, tree and tail as Dot: row j at
+// rows[j], or (``rows`` null) at first + j * h (a page's consecutive positions: one base register for all loads).
+template <typename P>
+inline void Dot16(const float* a, const P* const* rows, const P* first, int64_t h, float* out) {
+  auto row = [&](int j) { return rows ? rows[j] : first + j * h; };
+  __m512 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+  int64_t i = 0;
+  for (; i + kLanes <= h; i += kLanes) {
+    const __m512 av = _mm512_loadu_ps(a + i);
+    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_fmadd_ps(av, Load16(row(j) + i), acc[j]);
+  }
+  _mm512_storeu_ps(out, ReduceAdd16x16(acc));
+  for (; i < h; ++i)
+    for (int j = 0; j < kLanes; ++j) out[j] = __builtin_fmaf(a[i], load(row(j), i), out[j]);
+}
+#endif
 
 // acc[h] += w * v[h]
 template <typename P>
@@ -113,44 +167,86 @@ inline void PrefetchRow(const void* const* rows, int64_t s, int64_t keys, int64_
 // a pool row; a zero weight skipped), for the nq queries: each query the same fma sequence as Axpy over its keys.
 // With AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows.
 #if defined(__AVX512F__)
+// Whether none of the n weights of any of the q rows of w (row stride ``stride``) is zero.
+inline bool NoZeroWeights(const float* w, int64_t stride, int q, int64_t n) {
+  const __m512 zero = _mm512_setzero_ps();
+  for (int r = 0; r < q; ++r) {
+    const float* row = w + r * stride;
+    int64_t s = 0;
+    for (; s + kLanes <= n; s += kLanes)
+      if (_mm512_cmp_ps_mask(_mm512_loadu_ps(row + s), zero, _CMP_EQ_OQ)) return false;
+    for (; s < n; ++s)
+      if (row[s] == 0.f) return false;
+  }
+  return true;
+}
+
+// The keys before ``seen_by_all`` are pool rows that every query sees (the prefix); where none of a pass's queries
+// weighs one of them zero, they take a loop without the null rows' and zero weights' tests (the same fmas). The keys
+// are taken kWeighBlock at a time (their rows stay in L1) by every pass of QG queries, each pass's sums reloaded
+// from acc per block, where a pass over all the keys per QG queries read 8 tokens' 24 queries' values six times
+// from L2 (SmolLM2's 30 layers at 8 tokens and a 1000-token context, one thread: 13.3 against 13.8 ms).
+constexpr int64_t kWeighBlock = 64;
 template <typename P, int HV>
 void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
-                            int64_t keys, float* acc) {
+                            int64_t keys, int64_t seen_by_all, float* acc) {
   constexpr int QG = 16 / HV;  // queries per pass: QG x HV sums in registers
   constexpr int64_t H = HV * kLanes;
-  for (int64_t i = 0; i < nq; i += QG) {
-    const int64_t qn = std::min<int64_t>(QG, nq - i);
-    __m512 a[QG][HV];
-    for (int q = 0; q < QG; ++q)
-      for (int h = 0; h < HV; ++h) a[q][h] = _mm512_setzero_ps();
-    for (int64_t s = 0; s < keys; ++s) {
-      if (!rows[s]) continue;
-      if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
-      __m512 v[HV];
-      for (int h = 0; h < HV; ++h)
-        v[h] = s >= fresh_from ? _mm512_loadu_ps(static_cast<const float*>(rows[s]) + h * kLanes)
-                        : Load16(static_cast<const P*>(rows[s]) + h * kLanes);
-      for (int q = 0; q < QG; ++q) {
-        if (q >= qn) break;
-        const float ws = w[(i + q) * stride + s];
-        if (ws == 0.f) continue;
-        const __m512 wv = _mm512_set1_ps(ws);
-        for (int h = 0; h < HV; ++h) a[q][h] = _mm512_fmadd_ps(wv, v[h], a[q][h]);
+  thread_local std::vector<char> dense;  // per pass: whether the prefix takes the loop without tests
+  dense.assign((nq + QG - 1) / QG, 0);
+  for (int64_t i = 0; i < nq; i += QG)
+    dense[i / QG] = nq - i >= QG && NoZeroWeights(w + i * stride, stride, QG, seen_by_all);
+  for (int64_t b0 = 0; b0 < keys; b0 += kWeighBlock) {
+    const int64_t b1 = std::min(keys, b0 + kWeighBlock);
+    for (int64_t i = 0; i < nq; i += QG) {
+      const int64_t qn = std::min<int64_t>(QG, nq - i);
+      const float* wq = w + i * stride;
+      __m512 a[QG][HV];
+      for (int q = 0; q < QG; ++q)
+        for (int h = 0; h < HV; ++h)
+          a[q][h] = q < qn && b0 > 0 ? _mm512_loadu_ps(acc + (i + q) * H + h * kLanes) : _mm512_setzero_ps();
+      int64_t s = b0;
+      if (dense[i / QG]) {
+        for (; s < std::min(b1, seen_by_all); ++s) {
+          if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
+          const P* row = static_cast<const P*>(rows[s]);
+          __m512 v[HV];
+          for (int h = 0; h < HV; ++h) v[h] = Load16(row + h * kLanes);
+          for (int q = 0; q < QG; ++q) {
+            const __m512 wv = _mm512_set1_ps(wq[q * stride + s]);
+            for (int h = 0; h < HV; ++h) a[q][h] = _mm512_fmadd_ps(wv, v[h], a[q][h]);
+          }
+        }
       }
+      for (; s < b1; ++s) {
+        if (!rows[s]) continue;
+        if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
+        __m512 v[HV];
+        for (int h = 0; h < HV; ++h)
+          v[h] = s >= fresh_from ? _mm512_loadu_ps(static_cast<const float*>(rows[s]) + h * kLanes)
+                          : Load16(static_cast<const P*>(rows[s]) + h * kLanes);
+        for (int q = 0; q < QG; ++q) {
+          if (q >= qn) break;
+          const float ws = wq[q * stride + s];
+          if (ws == 0.f) continue;
+          const __m512 wv = _mm512_set1_ps(ws);
+          for (int h = 0; h < HV; ++h) a[q][h] = _mm512_fmadd_ps(wv, v[h], a[q][h]);
+        }
+      }
+      for (int q = 0; q < qn; ++q)
+        for (int h = 0; h < HV; ++h) _mm512_storeu_ps(acc + (i + q) * H + h * kLanes, a[q][h]);
     }
-    for (int q = 0; q < qn; ++q)
-      for (int h = 0; h < HV; ++h) _mm512_storeu_ps(acc + (i + q) * H + h * kLanes, a[q][h]);
   }
 }
 #endif
 
 template <typename P>
 void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
-                 int64_t keys, int64_t H, float* acc) {
+                 int64_t keys, int64_t seen_by_all, int64_t H, float* acc) {
   for (int64_t s = 0; s < kAhead; ++s) PrefetchRow<P>(rows, s, keys, fresh_from, H);
 #if defined(__AVX512F__)
-  if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh_from, keys, acc);
-  if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh_from, keys, acc);
+  if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
+  if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
 #endif
   for (int64_t s = 0; s < keys; ++s) {
     PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
@@ -237,7 +333,23 @@ void AttnChunk(const void* ctx, int chunk) {
     krows[s] = key_of(j.k_pool, j.k_new, s);
     vrows[s] = key_of(j.v_pool, j.v_new, s);
   }
-  for (int64_t s = 0; s < keys; ++s) {  // scores, one key at a time for all queries
+  int64_t s0 = 0;
+#if defined(__AVX512F__)
+  for (; s0 + kLanes <= prefix; s0 += kLanes) {  // the prefix's keys (seen by every query) sixteen at a time
+    for (int64_t s = s0 + kLanes; s < s0 + 2 * kLanes; ++s) PrefetchRow<P>(krows.data(), s, keys, fresh_from, H);
+    const P* const* rows = reinterpret_cast<const P* const*>(krows.data() + s0);
+    const P* first = rows[0];
+    bool consecutive = true;
+    for (int r = 1; r < kLanes; ++r) consecutive = consecutive && rows[r] == first + r * H;
+    for (int64_t i = 0; i < nq; ++i) {
+      float* row = &scores[i * stride + s0];
+      if (consecutive) Dot16<P>(&qbuf[i * H], nullptr, first, H, row);
+      else Dot16<P>(&qbuf[i * H], rows, nullptr, H, row);
+      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(j.scale)));
+    }
+  }
+#endif
+  for (int64_t s = s0; s < keys; ++s) {  // the other scores, one key at a time for all queries
     PrefetchRow<P>(krows.data(), s + kAhead, keys, fresh_from, H);
     if (!krows[s]) continue;
     for (int64_t i = 0; i < nq; ++i) {
@@ -251,7 +363,7 @@ void AttnChunk(const void* ctx, int chunk) {
   thread_local std::vector<float> total;
   total.resize(nq);
   for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride);
-  WeighValues<P>(scores.data(), stride, nq, vrows.data(), fresh_from, keys, H, acc.data());
+  WeighValues<P>(scores.data(), stride, nq, vrows.data(), fresh_from, keys, prefix, H, acc.data());
   for (int64_t i = 0; i < nq; ++i) {
     float* o = j.out + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H;
     for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
@@ -289,9 +401,13 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer 
   // A (row, kv head)'s queries are cut into runs only when there are fewer such pairs than threads (one kv head at
   // batch 1), since every run reads all of the pair's keys and values. SmolLM2 at batch 1 (three kv heads, two
   // threads), a bf16 step's attention at a 1024-token context: 5.1 ms with three runs per pair (the old rule: about
-  // four chunks per thread), 3.9 with two, 3.3 with one (fp32 5.6 against 4.2; twenty-fifth session). A query's
-  // arithmetic does not depend on its run.
-  const int64_t parts = std::clamp<int64_t>((PoolThreads() + B * K - 1) / (B * K), 1, T * (N / K));
+  // four chunks per thread), 3.9 with two, 3.3 with one (fp32 5.6 against 4.2; twenty-fifth session). Several new
+  // tokens (a tree, a chain, a draft step) make a pair's work arithmetic rather than reads: there the runs aim at two
+  // chunks per thread, which evens out three pairs on two threads (SmolLM2's 30 layers at 8 tokens, two threads:
+  // 2.05-2.26 against 2.51-2.84 ms at a 300-token context, bf16 7.1-7.6 against 8.7-8.9 at 1000; fifty-fifth
+  // session). A query's arithmetic does not depend on its run.
+  const int64_t per_thread = T > 1 ? 2 : 1;
+  const int64_t parts = std::clamp<int64_t>((per_thread * PoolThreads() + B * K - 1) / (B * K), 1, T * (N / K));
   auto run = [&](auto tag) {
     using P = decltype(tag);
     AttnJob<P> job{qf, kf, vf, m, static_cast<const P*>(k_pool.untyped_data()),
