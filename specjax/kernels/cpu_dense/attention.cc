@@ -328,7 +328,15 @@ void AttnChunk(const void* ctx, int chunk) {
   thread_local std::vector<const void*> krows, vrows;
   krows.assign(keys, nullptr);
   vrows.assign(keys, nullptr);
-  for (int64_t s = 0; s < keys; ++s) {
+  for (int64_t s = 0; s < prefix;) {  // the prefix page by page (``key_of``'s rows, one table lookup a page)
+    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + s / Z], 0, j.pages - 1);
+    const int64_t first = ((j.layer * j.pages + page) * K + kh) * Z * H, end = std::min(prefix, (s / Z + 1) * Z);
+    for (; s < end; ++s) {
+      krows[s] = j.k_pool + first + (s % Z) * H;
+      vrows[s] = j.v_pool + first + (s % Z) * H;
+    }
+  }
+  for (int64_t s = prefix; s < keys; ++s) {
     if (!visible_to_any(s)) continue;
     krows[s] = key_of(j.k_pool, j.k_new, s);
     vrows[s] = key_of(j.v_pool, j.v_new, s);
