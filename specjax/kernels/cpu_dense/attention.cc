@@ -284,6 +284,46 @@ inline float SoftmaxWeights(float* row, int64_t stride) {
   return lanes[0];
 }
 
+// The K and V rows of the prefix's positions of row b, kv head kh (``AttnChunk``'s ``key_of`` for s < prefix), found
+// page by page: one page-table lookup a page.
+template <typename P>
+void PrefixRows(const AttnJob<P>& j, int64_t b, int64_t kh, int64_t prefix, const void** krows, const void** vrows) {
+  const int64_t Z = j.page_size, H = j.head_dim, K = j.kv_heads;
+  for (int64_t s = 0; s < prefix;) {
+    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + s / Z], 0, j.pages - 1);
+    const int64_t first = ((j.layer * j.pages + page) * K + kh) * Z * H, end = std::min(prefix, (s / Z + 1) * Z);
+    for (; s < end; ++s) {
+      krows[s] = j.k_pool + first + (s % Z) * H;
+      vrows[s] = j.v_pool + first + (s % Z) * H;
+    }
+  }
+}
+
+// scores[i, s] = Dot(q_i, k_s) * scale for the nq queries (q [nq, H]) and the prefix's keys (pool rows krows[s], seen
+// by every query) sixteen at a time (``Dot16``, one base pointer where the sixteen rows are a page's consecutive
+// ones); returns the first key left to score one at a time (all of them without AVX-512).
+template <typename P>
+int64_t ScorePrefix(const float* q, int64_t nq, int64_t H, const void* const* krows, int64_t prefix, int64_t keys,
+                    float scale, float* scores, int64_t stride) {
+  int64_t s0 = 0;
+#if defined(__AVX512F__)
+  for (; s0 + kLanes <= prefix; s0 += kLanes) {
+    for (int64_t s = s0 + kLanes; s < s0 + 2 * kLanes; ++s) PrefetchRow<P>(krows, s, keys, prefix, H);
+    const P* const* rows = reinterpret_cast<const P* const*>(krows + s0);
+    const P* first = rows[0];
+    bool consecutive = true;
+    for (int r = 1; r < kLanes; ++r) consecutive = consecutive && rows[r] == first + r * H;
+    for (int64_t i = 0; i < nq; ++i) {
+      float* row = scores + i * stride + s0;
+      if (consecutive) Dot16<P>(q + i * H, nullptr, first, H, row);
+      else Dot16<P>(q + i * H, rows, nullptr, H, row);
+      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(scale)));
+    }
+  }
+#endif
+  return s0;
+}
+
 // One run of the queries of a (row, kv head): its tokens x the query heads sharing the kv head, [t, g] in order.
 template <typename P>
 void AttnChunk(const void* ctx, int chunk) {
@@ -328,35 +368,13 @@ void AttnChunk(const void* ctx, int chunk) {
   thread_local std::vector<const void*> krows, vrows;
   krows.assign(keys, nullptr);
   vrows.assign(keys, nullptr);
-  for (int64_t s = 0; s < prefix;) {  // the prefix page by page (``key_of``'s rows, one table lookup a page)
-    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + s / Z], 0, j.pages - 1);
-    const int64_t first = ((j.layer * j.pages + page) * K + kh) * Z * H, end = std::min(prefix, (s / Z + 1) * Z);
-    for (; s < end; ++s) {
-      krows[s] = j.k_pool + first + (s % Z) * H;
-      vrows[s] = j.v_pool + first + (s % Z) * H;
-    }
-  }
+  PrefixRows(j, b, kh, prefix, krows.data(), vrows.data());
   for (int64_t s = prefix; s < keys; ++s) {
     if (!visible_to_any(s)) continue;
     krows[s] = key_of(j.k_pool, j.k_new, s);
     vrows[s] = key_of(j.v_pool, j.v_new, s);
   }
-  int64_t s0 = 0;
-#if defined(__AVX512F__)
-  for (; s0 + kLanes <= prefix; s0 += kLanes) {  // the prefix's keys (seen by every query) sixteen at a time
-    for (int64_t s = s0 + kLanes; s < s0 + 2 * kLanes; ++s) PrefetchRow<P>(krows.data(), s, keys, fresh_from, H);
-    const P* const* rows = reinterpret_cast<const P* const*>(krows.data() + s0);
-    const P* first = rows[0];
-    bool consecutive = true;
-    for (int r = 1; r < kLanes; ++r) consecutive = consecutive && rows[r] == first + r * H;
-    for (int64_t i = 0; i < nq; ++i) {
-      float* row = &scores[i * stride + s0];
-      if (consecutive) Dot16<P>(&qbuf[i * H], nullptr, first, H, row);
-      else Dot16<P>(&qbuf[i * H], rows, nullptr, H, row);
-      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(j.scale)));
-    }
-  }
-#endif
+  const int64_t s0 = ScorePrefix<P>(qbuf.data(), nq, H, krows.data(), prefix, keys, j.scale, scores.data(), stride);
   for (int64_t s = s0; s < keys; ++s) {  // the other scores, one key at a time for all queries
     PrefetchRow<P>(krows.data(), s + kAhead, keys, fresh_from, H);
     if (!krows[s]) continue;
