@@ -284,17 +284,25 @@ inline float SoftmaxWeights(float* row, int64_t stride) {
   return lanes[0];
 }
 
-// The K and V rows of the prefix's positions of row b, kv head kh (``AttnChunk``'s ``key_of`` for s < prefix), found
-// page by page: one page-table lookup a page.
+// The row of position p of row b, kv head kh in a pool (its page from the page table, clamped to the pool).
+template <typename P>
+inline const P* PoolRow(const AttnJob<P>& j, const P* pool, int64_t b, int64_t kh, int64_t p) {
+  const int64_t Z = j.page_size;
+  const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + p / Z], 0, j.pages - 1);
+  return pool + (((j.layer * j.pages + page) * j.kv_heads + kh) * Z + p % Z) * j.head_dim;
+}
+
+// The K and V rows of the prefix's positions of row b, kv head kh (``PoolRow``), found page by page: one page-table
+// lookup a page, the page's next positions its next rows.
 template <typename P>
 void PrefixRows(const AttnJob<P>& j, int64_t b, int64_t kh, int64_t prefix, const void** krows, const void** vrows) {
-  const int64_t Z = j.page_size, H = j.head_dim, K = j.kv_heads;
+  const int64_t Z = j.page_size, H = j.head_dim;
   for (int64_t s = 0; s < prefix;) {
-    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + s / Z], 0, j.pages - 1);
-    const int64_t first = ((j.layer * j.pages + page) * K + kh) * Z * H, end = std::min(prefix, (s / Z + 1) * Z);
-    for (; s < end; ++s) {
-      krows[s] = j.k_pool + first + (s % Z) * H;
-      vrows[s] = j.v_pool + first + (s % Z) * H;
+    const P* k = PoolRow(j, j.k_pool, b, kh, s);
+    const P* v = PoolRow(j, j.v_pool, b, kh, s);
+    for (const int64_t end = std::min(prefix, (s / Z + 1) * Z); s < end; ++s, k += H, v += H) {
+      krows[s] = k;
+      vrows[s] = v;
     }
   }
 }
@@ -349,11 +357,9 @@ void AttnChunk(const void* ctx, int chunk) {
     return !j.keys_in_pool || (p >= 0 && p < cap);
   };
   auto sees = [&](int64_t t, int64_t s) { return s < prefix || (mask[t * Tk + (s - prefix)] && in_table(s)); };
-  auto key_of = [&](const P* pool, const float* fresh, int64_t s) -> const void* {
-    if (s >= prefix && !j.keys_in_pool) return fresh + ((b * Tk + (s - prefix)) * K + kh) * H;
-    const int64_t p = s < prefix ? s : len + (s - prefix);
-    const int64_t page = std::clamp<int64_t>(j.page_table[b * j.pps + p / Z], 0, j.pages - 1);
-    return pool + (((j.layer * j.pages + page) * K + kh) * Z + p % Z) * H;
+  auto key_of = [&](const P* pool, const float* fresh, int64_t s) -> const void* {  // a new key's row
+    if (!j.keys_in_pool) return fresh + ((b * Tk + (s - prefix)) * K + kh) * H;
+    return PoolRow(j, pool, b, kh, len + (s - prefix));
   };
   auto visible_to_any = [&](int64_t s) {
     if (s < prefix) return true;
