@@ -1,7 +1,7 @@
 """specjax's CPU paged-attention kernel (``kernels.cpu_dense.paged_attention``): agreement with the XLA
 ``layers.paged_attention`` (new keys from the pool or from k, v; fewer or more new keys than queries; packed pools;
-bf16), bits of a chain row equal to the decode step at its position whatever the tokens or threads, and that
-``layers.attend`` routes cache attention to it on a CPU."""
+bf16), bits of a chain row and of a tree node equal to the decode step at its position whatever the tokens or
+threads, and that ``layers.attend`` routes cache attention to it on a CPU."""
 
 import shutil
 
@@ -101,6 +101,42 @@ def test_chain_rows_are_the_decode_steps_bits(dtype, lengths):
             one = cpu_dense.paged_attention(q[:, t:t + 1], k[:, t:t + 1], v[:, t:t + 1], jnp.ones((3, 1, 1), bool),
                                             kp, vp, table, lengths + t, 1, H ** -0.5, True)
             np.testing.assert_array_equal(np.asarray(one)[:, 0], chain[:, t])
+
+
+def _write_pool(pool, table, lengths_at, row_vectors, layer):
+    """pool with row_vectors[b] ([H] for each kv head: [K, H]) written at position lengths_at[b] of row b."""
+    pool = np.array(pool)
+    for b, p in enumerate(lengths_at):
+        pool[layer, table[b, p // Z], :, p % Z] = row_vectors[b]
+    return jnp.asarray(pool)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_tree_nodes_are_the_decode_steps_bits(dtype):
+    """A tree node reading its ancestors from k, v under the ancestor mask (not in the pool) == the one-token decode
+    step at its depth once its path is in the pool, bit for bit, 1 or 2 threads: its ancestors are summed where the
+    decode step finds them (right after the prefix), not at their indices in the tree."""
+    parent = [-1, 0, 0, 1, 2, 2, 3, 5, 4]
+    m = len(parent)
+    q, k, v, _, kp, vp, table, lengths = _case(t=m, tk=m, dtype=dtype, lengths=(44, 12, 94))
+    anc = np.eye(m, dtype=bool)
+    for i in range(1, m):
+        anc[i] |= anc[parent[i]]
+    mask = jnp.broadcast_to(jnp.asarray(anc), (3, m, m))
+    table_np, lens = np.asarray(table), np.asarray(lengths)
+    for threads in (1, 2):
+        cpu_dense.set_threads(threads)
+        tree = np.asarray(cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, lengths, 1, H ** -0.5, False))
+        for node in range(m):
+            path = [j for j in range(m) if anc[node, j]]  # root first: a parent has a smaller index
+            kw, vw = kp, vp
+            for d, j in enumerate(path):
+                kw = _write_pool(kw, table_np, lens + d, np.asarray(k[:, j]), 1)
+                vw = _write_pool(vw, table_np, lens + d, np.asarray(v[:, j]), 1)
+            one = cpu_dense.paged_attention(q[:, node:node + 1], k[:, node:node + 1], v[:, node:node + 1],
+                                            jnp.ones((3, 1, 1), bool), kw, vw, table, lengths + len(path) - 1, 1,
+                                            H ** -0.5, True)
+            np.testing.assert_array_equal(np.asarray(one)[:, 0], tree[:, node], err_msg=f"node {node}")
 
 
 def test_positions_past_the_page_table_are_not_seen():

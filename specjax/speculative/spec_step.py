@@ -226,7 +226,9 @@ def verify_phase(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, 
     written by ``commit_phase``. A chain (``SpecConfig.chain``, and a root-only tree) writes every node at its own
     position and attention reads them back from the pool (``target.forward(keys_in_pool=True)``), so each node's
     logits are the bits a plain decode step would compute there: speculative greedy output is plain greedy output
-    bit for bit, bf16 included; a wider tree's nodes share positions and take the ancestor-mask path."""
+    bit for bit, bf16 included. A wider tree's nodes share positions and read their ancestors from the new keys
+    under the ancestor mask; the CPU attention kernel sums them where a decode step finds them once accepted, so
+    with specjax's CPU kernels (up to ``cpu_dense.MAX_TOKENS`` nodes) a tree node's bits are the decode step's too."""
     m = tree.tokens.shape[1]
     chain = scfg.nodes_in_pool(m)
     write = active[:, None] & ((jnp.arange(m)[None, :] == 0) | chain)  # bool[B, M]

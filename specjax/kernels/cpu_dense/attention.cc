@@ -13,8 +13,10 @@
 // Why: XLA:CPU ran the block loop of ``layers.paged_attention`` (page gathers, masks, small einsums, copies) at
 // about a third of a SmolLM2 decode step. Here each (row, kv head) is one chunk for the thread pool; it reads each
 // key and value once for all of its queries (the heads sharing the kv head, the new tokens). Every query is one
-// fixed sequence of operations over its keys in position order, so with ``keys_in_pool`` a verified chain row is
-// bitwise the decode step at its position, whatever the rows, tokens or threads beside it (tests/test_cpu_attention.py).
+// fixed sequence of operations over the keys it sees, in the order of their positions once accepted (the prefix, then
+// the new keys it sees: a chain row's earlier tokens, a tree node's ancestors), so a verified chain row or tree node
+// is bitwise the decode step at its position, whatever the rows, tokens or threads beside it
+// (tests/test_cpu_attention.py).
 // The prefix's scores are taken sixteen keys at a time (``Dot16``: their lane sums reduced together, 3 operations a
 // score where one reduction took about 8 in a long chain) with each key's bits as alone (``Dot``): 8 new tokens'
 // attention over SmolLM2's 30 layers at a 1000-token context, one thread, 16.4 -> 13.3 ms (fifty-fifth session).
@@ -261,10 +263,12 @@ void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* 
 }
 
 // One query's scores (-inf where unseen, the row padded with -inf to ``stride``, whole vectors) -> exp(score - max)
-// in place; returns their sum (0, and all weights 0, when the query sees nothing). The sum is sixteen lane sums (key
-// s in lane s % 16, in position order) added in one fixed tree, so a weight of 0 (a key the query does not see)
-// leaves it unchanged: a chain row's sum is the decode step's.
-inline float SoftmaxWeights(float* row, int64_t stride) {
+// in place; returns their sum (0, and all weights 0, when the query sees nothing). The sum is sixteen lane sums
+// added in one fixed tree, each key in the lane of its position among the keys the query sees: the prefix's keys
+// (every one seen, s < prefix) in lane s % 16, then the new keys it sees in order, where a decode step finds them
+// once they are accepted (a tree node's ancestors, whatever their indices in the tree, right after the prefix). So
+// a verified chain row's and a tree node's sums are the decode step's at their positions.
+inline float SoftmaxWeights(float* row, int64_t stride, int64_t prefix) {
   float lanes[kLanes];
   std::fill(lanes, lanes + kLanes, kNegInf);
   for (int64_t s = 0; s < stride; s += kLanes)  // the maximum (exact in any order)
@@ -274,11 +278,17 @@ inline float SoftmaxWeights(float* row, int64_t stride) {
     std::fill(row, row + stride, 0.f);
     return 0.f;
   }
+  const int64_t whole = prefix / kLanes * kLanes;  // the prefix's whole vectors: every key there is seen
+  thread_local std::vector<char> seen;
+  seen.resize(stride - whole);
+  for (int64_t s = whole; s < stride; ++s) seen[s - whole] = row[s] != kNegInf;
   for (int64_t s = 0; s < stride; ++s) row[s] -= m;
   ExpInPlace(row, stride);
   std::fill(lanes, lanes + kLanes, 0.f);
-  for (int64_t s = 0; s < stride; s += kLanes)
+  for (int64_t s = 0; s < whole; s += kLanes)
     for (int l = 0; l < kLanes; ++l) lanes[l] += row[s + l];
+  for (int64_t s = whole, pos = whole; s < stride; ++s)
+    if (seen[s - whole]) lanes[pos++ % kLanes] += row[s];
   for (int w = kLanes / 2; w >= 1; w /= 2)
     for (int l = 0; l < w; ++l) lanes[l] += lanes[l + w];
   return lanes[0];
@@ -394,7 +404,7 @@ void AttnChunk(const void* ctx, int chunk) {
   }
   thread_local std::vector<float> total;
   total.resize(nq);
-  for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride);
+  for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride, prefix);
   WeighValues<P>(scores.data(), stride, nq, vrows.data(), fresh_from, keys, prefix, H, acc.data());
   for (int64_t i = 0; i < nq; ++i) {
     float* o = j.out + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H;
