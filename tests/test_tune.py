@@ -233,6 +233,32 @@ def test_bench_tune_writes_a_table_the_server_reads(tiny_pair, capsys):
     assert a.speculative_tree_costs == costs
 
 
+def test_bench_tune_never_chooses_a_shape_whose_greedy_outputs_differ(tiny_pair, monkeypatch, capsys):
+    """Greedy speculative output is plain greedy output by construction; a shape that answered otherwise (a numerical
+    bug) is reported and never chosen, however fast it ran."""
+    from specjax.bench import tune as bench_tune
+    from specjax.speculative import spec_generate
+    model, head = tiny_pair
+    real = spec_generate.speculative_generate
+
+    def fast_but_wrong(*args, **kw):
+        out, info = real(*args, **kw)
+        if kw["topk"] == 2:  # the tree shape answers with more tokens than plain, in no more time
+            out = [o + [1, 2, 3] for o in out]
+        return out, info
+    real_time = bench_tune._time_groups
+    monkeypatch.setattr(spec_generate, "speculative_generate", fast_but_wrong)
+    monkeypatch.setattr(bench_tune, "_time_groups", lambda *a, **k: (1.0,) + real_time(*a, **k)[1:])  # all 1 s
+    assert bench_tune.main(["--model", model, "--draft", head, "--prompts", "random", "--num-prompts", "2",
+                            "--batch-sizes", "1", "--shapes", "2,2,4", "2,1,3", "--max-new-tokens", "6",
+                            "--no-write", "--json", str(os.path.join(head, "full.json"))]) == 0
+    err = capsys.readouterr().err
+    assert "(2, 2, 4)" in err and "NOT CHOSEN: 2/2 outputs differ from plain greedy" in err
+    raw = json.loads(open(os.path.join(head, "full.json")).read())
+    assert raw["best_speculative"]["1"] == dict(zip(tune_lib.SHAPE_KEYS, (2, 1, 3)))
+    assert raw["batch_sizes"]["1"] in (None, dict(zip(tune_lib.SHAPE_KEYS, (2, 1, 3))))
+
+
 def test_bench_tune_rejects_a_bad_shape(tiny_pair, capsys):
     from specjax.bench import tune as bench_tune
     model, head = tiny_pair

@@ -13,7 +13,8 @@ backend (``DEFAULT_SHAPES``: small trees on a CPU, up to 60 tokens on an acceler
 per B wins; plain wins where no shape beats it (the server then starts that batch size with target-only steps, and
 the rows' costs let it turn the tree on where live traffic pays for it). Printed per row: tokens/s, speedup over
 plain, tau (completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for
-token.
+token; a shape with any other output (a numerical bug: greedy speculation is lossless by construction) is flagged
+and never chosen.
 ``--outputs-only`` runs every group once, untimed and uncompiled beforehand, for the outputs and tau alone (half
 the time; its tokens/s include compiles and are not written).
 
@@ -123,8 +124,14 @@ def tune(args) -> dict:
             row = dict(batch_size=b, shape=list(shape), tok_s=n / t, speedup=(n / t) / plain["tok_s"],
                        tau=n / max(steps, 1), identical=same)
             rows.append(row)
-            print(f"  B={b:<3d} {shape!s:10s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  tau {row['tau']:.2f}",
+            # Greedy speculative output is plain greedy output by construction: a shape that gave another answer
+            # shows a numerical bug and is never chosen (it is reported).
+            lossy = same is not None and same < len(outs)
+            print(f"  B={b:<3d} {shape!s:10s} {row['tok_s']:8.1f} tok/s  x{row['speedup']:.2f}  tau {row['tau']:.2f}"
+                  + (f"  NOT CHOSEN: {len(outs) - same}/{len(outs)} outputs differ from plain greedy" if lossy else ""),
                   file=sys.stderr, flush=True)
+            if lossy:
+                continue
             if row["tok_s"] > best[b]["tok_s"]:
                 best[b] = row
             if b not in best_spec or row["tok_s"] > best_spec[b]["tok_s"]:
