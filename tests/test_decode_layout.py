@@ -14,6 +14,7 @@ from specjax import generate as gen, kv_cache, layers, plain_step as decode, sam
 from specjax.kernels import cpu_dense
 from specjax.config import ModelConfig
 from specjax.models import target
+from specjax.speculative import tree as tree_lib
 from specjax.serve.runners import spec as spec_runner
 from specjax.serve.runners.plain import PlainRunner
 
@@ -470,6 +471,22 @@ def test_row_sum_of_a_row_does_not_depend_on_the_rows_beside_it():
                 np.testing.assert_array_equal(f(x[:, :, :, i:rows])[..., 0], full[..., i])
 
 
+def _smol_prefilled(dtype: str, seed: int):
+    """SmolLM2's layer shapes (XLA:CPU's reductions differ by row count at these sizes; with the kernels, the tied
+    logits over panels, ``target.pack_logits``) with random weights, two rows prefilled to 13 and 30 tokens:
+    (cfg, params, cache, rng)."""
+    smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
+                head_dim=64, vocab_size=320)
+    cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
+    params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
+    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))
+    rng = np.random.default_rng(seed)
+    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 30)), jnp.int32)
+    valid = jnp.arange(30)[None, :] < jnp.asarray([[13], [30]])
+    cache, _ = decode.prefill(params, cfg, cache, prompt, valid)
+    return cfg, params, cache, rng
+
+
 @xla_defaults
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_verified_chain_rows_are_decode_step_bits(dtype):
@@ -479,16 +496,7 @@ def test_verified_chain_rows_are_decode_step_bits(dtype):
     row-count independent), for rows of different lengths in one batch. fp32 agrees to rounding: above
     ``layers.ROWWISE_MAX_ROWS`` rows its products are one dot, and its few-row tied logits another pass. With
     specjax's CPU kernels (every product of up to ``cpu_dense.MAX_TOKENS`` rows per sequence) fp32 is exact too."""
-    smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                head_dim=64, vocab_size=320)  # SmolLM2's layer shapes: XLA:CPU's reductions differ by row count at
-    # these sizes; with the kernels, the tied logits over panels (``target.pack_logits``)
-    cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
-    params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
-    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))
-    rng = np.random.default_rng(4)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 30)), jnp.int32)
-    valid = jnp.arange(30)[None, :] < jnp.asarray([[13], [30]])
-    cache, _ = decode.prefill(params, cfg, cache, prompt, valid)
+    cfg, params, cache, rng = _smol_prefilled(dtype, 4)
     chain = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 5)), jnp.int32)
     step = jax.jit(lambda c, t: decode.prefill(params, cfg, c, t[:, None], jnp.ones((2, 1), bool),
                                                keys_in_pool=True, return_hidden=True))
@@ -521,16 +529,7 @@ def test_verified_tree_rows_are_decode_step_bits(dtype):
     plain bf16 decoding (4-7 of 16 MT-bench answers, fifty-fifth session) while chains gave the same."""
     if not cpu_dense.available():
         pytest.skip("the bitwise promise is the CPU kernels'")
-    from specjax.speculative import tree as tree_lib
-    smol = dict(HF, hidden_size=576, intermediate_size=1536, num_attention_heads=9, num_key_value_heads=3,
-                head_dim=64, vocab_size=320)
-    cfg = ModelConfig.from_hf_dict(smol, dtype=dtype)
-    params = target.unstack_layers(target.init_params(cfg, jax.random.PRNGKey(1), scale=0.1))
-    cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 2, 256, dtype=jnp.dtype(dtype))
-    rng = np.random.default_rng(5)
-    prompt = jnp.asarray(rng.integers(0, cfg.vocab_size, (2, 30)), jnp.int32)
-    valid = jnp.arange(30)[None, :] < jnp.asarray([[13], [30]])
-    cache, _ = decode.prefill(params, cfg, cache, prompt, valid)
+    cfg, params, cache, rng = _smol_prefilled(dtype, 5)
     parent = np.array([-1, 0, 0, 1, 1, 2, 3, 5, 4, 6, 2, 9, 11, 12, 13])  # depths 0-8; cpu_dense.MAX_TOKENS nodes
     depth = np.zeros(len(parent), np.int32)
     for i in range(1, len(parent)):
