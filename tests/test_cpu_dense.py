@@ -34,6 +34,26 @@ def _reference(x, w):
     return np.asarray(x, np.float64) @ np.asarray(w, np.float64)
 
 
+def _tmul_reference(x, w):
+    """The bits of bf16 x against bf16 panels on AMX tiles (``amx.h``), emulated: per block of the contraction axis
+    (``dense.cc``'s DenseBlocks), 16-row groups from the block's start, each group's products summed from 0 in
+    float32 in order and the group sums added in float32; the block sums added in block order."""
+    x, w = np.asarray(x, np.float32), np.asarray(w, np.float32)
+    c_dim = x.shape[1]
+    blocks = min(max(c_dim // 128, 1), 4)
+    y = None
+    for k in range(blocks):
+        c0, c1 = c_dim * k // blocks, c_dim * (k + 1) // blocks
+        acc = np.zeros((x.shape[0], w.shape[1]), np.float32)
+        for g in range(c0, c1, 16):
+            group = np.zeros_like(acc)
+            for c in range(g, min(g + 16, c1)):
+                group += np.outer(x[:, c], w[c])  # a bf16 x bf16 product is exact in float32
+            acc += group
+        y = acc if y is None else y + acc
+    return y
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 @pytest.mark.parametrize("c,o", SHAPES)
 @pytest.mark.parametrize("rows", [8, 23])  # fp32: passes over y up to 16 rows, register tiles from 17
@@ -81,7 +101,9 @@ def test_packed_weights_give_the_bits_of_c_o(dtype):
     row count (groups of four panels for 1-2 rows, of two for 3-4 (fp32 on Intel cores: 3-8), one panel with a
     register tile from 5 (there: 9); the products of more than 32 rows on XLA's thread pool) and thread count; 7
     panels leave a group's tail on one and on two threads. bf16 panels are read a line per row, even and odd columns
-    widened apart, and put back in order."""
+    widened apart, and put back in order. Where the CPU has AMX (``cpu_dense.amx``), bf16 x against bf16 panels runs
+    on its tiles instead, with the TMUL's bits (``_tmul_reference``), as many rows as there are, short last groups
+    of 16 rows of w included (C = 1000: blocks of 250)."""
     packed = jax.jit(cpu_dense.dense_packed)
     dense = jax.jit(cpu_dense.dense)
     for c, o in ((1000, 224), (200, 32)):
@@ -93,7 +115,9 @@ def test_packed_weights_give_the_bits_of_c_o(dtype):
             cpu_dense.set_threads(n)
             for rows in (1, 2, 3, 4, 5, 6, 7, 8, 9, 13, 17, 33, 40):
                 got = np.asarray(packed(x[:rows], pw.panels))
-                if rows <= cpu_dense.MAX_TOKENS or dtype == jnp.float32:
+                if dtype == jnp.bfloat16 and cpu_dense.amx():
+                    want = _tmul_reference(x[:rows], w)
+                elif rows <= cpu_dense.MAX_TOKENS or dtype == jnp.float32:
                     want = np.asarray(dense(x[:rows], w))
                 else:  # [C, O] bf16 is not run past MAX_TOKENS rows: the one-row products, row by row
                     want = np.concatenate([np.asarray(dense(x[r:r + 1], w)) for r in range(rows)])
@@ -124,9 +148,10 @@ def test_packed_products_round_and_add_a_residual_as_xla(dtype):
 
 
 def test_bf16_prompt_products_on_panels():
-    """``dense_prompt`` (a bf16 prompt chunk against bf16 panels: AVX512-BF16's dot products where the CPU has them,
-    else the widening kernel) gives the product within fp32 rounding, for an odd C too (its last row of w paired with
-    zeros), and each output the same bits whatever the rows beside it or the thread count."""
+    """``dense_prompt`` (a bf16 prompt chunk against bf16 panels: AMX tiles where the CPU has them, else AVX512-BF16's
+    dot products, else the widening kernel) gives the product within fp32 rounding, for an odd C too (its last row
+    of w paired with zeros), and each output the same bits whatever the rows beside it or the thread count; on AMX
+    the bits of ``dense_packed``, a decode step's products."""
     prompt = jax.jit(cpu_dense.dense_prompt)
     for c, o in ((576, 96), (201, 64)):
         x, w = _operands(300, c, o, jnp.bfloat16, seed=5)
@@ -141,6 +166,8 @@ def test_bf16_prompt_products_on_panels():
                 np.testing.assert_array_equal(np.asarray(prompt(x[7:7 + rows], panels)), full[7:7 + rows],
                                               err_msg=f"{rows} rows, {n} threads")
             results.append(full)
+            if cpu_dense.amx():
+                np.testing.assert_array_equal(full, np.asarray(jax.jit(cpu_dense.dense_packed)(x, panels)))
         np.testing.assert_array_equal(*results)
 
 

@@ -124,7 +124,8 @@ def test_unrolled_equals_scanned(model):
 def test_decode_layout_packs_matrices_on_cpu(dtype):
     """On a CPU with the kernels, the decode layout holds each fp32 or bf16 matrix whose output columns fill
     32-column panels as a ``PackedWeight`` (the others as they are); the stacked layout comes back exactly. Greedy
-    output is that of [C, O] (fp32: XLA's dots; bf16: the kernel over [C, O], the same bits), and a bf16 prompt
+    output is that of [C, O] (fp32: XLA's dots; bf16: the kernel over [C, O], the same bits, or on a CPU with AMX
+    the tiles' sums, ``cpu_dense.amx``: other bits, the same tokens), and a bf16 prompt
     longer than the kernels' rows (``cpu_dense.dense_prompt``) gives the logits of YNNPACK's products over [C, O]."""
     if not cpu_dense.available() or (dtype == "bfloat16" and not _cpu_has("avx512_bf16")):
         pytest.skip("the CPU kernels are not built here, or (bf16) this CPU has no AVX512-BF16")

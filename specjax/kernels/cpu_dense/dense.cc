@@ -14,9 +14,12 @@
 // blocks per thread; bf16 w is read 32 columns per load, the even and the odd ones widened apart), ``unembed`` into
 // runs of table rows. Each block of w (run of table rows) serves eight rows of x at a time while it is in cache.
 // Every output element is one fixed sequence of operations, so its bits do not depend on the number of rows, the
-// number of threads, or which thread computed it (tests/test_cpu_dense.py).
+// number of threads, or which thread computed it (tests/test_cpu_dense.py). Where the CPU has AMX (``amx.h``), bf16 x
+// against bf16 panels runs on its tiles from two rows on, and one row on the vector units in the tiles' order
+// (``kGroupSums``): other bits than the fma chain's, the same for every row count.
 #include <type_traits>
 
+#include "amx.h"
 #include "common.h"
 #include "xla/ffi/api/ffi.h"
 
@@ -475,6 +478,7 @@ struct PackedJob {
   int blocks;
   Split split;  // of the panels
   Finish finish;
+  bool group_sums = false;  // one row of bf16 x with the TMUL's bits (``PanelGroup``'s kGroupSums)
 };
 
 // Rows of x per pass over a run of panels: about kRowBlockBytes of x, so that a pass's rows of x stay in L2 while
@@ -488,16 +492,22 @@ inline int64_t RowBlock(int64_t C, int64_t value_bytes = sizeof(float)) {
 
 // Rows c0..c1 of G consecutive panels (from panel p) against RT rows of x: G streams at once, the sums of RT x G x 2
 // vectors in registers (one panel's stream alone left this core's reads short of its memory rate at one row).
-template <typename T, int RT, int G>
+// ``kGroupSums``: the TMUL's bits instead of one fma chain (``amx.h``): the products of each 16 rows of w from the
+// block's start summed from 0 apart, each such sum added to the block's sums.
+template <typename T, int RT, int G, bool kGroupSums = false>
 inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict w, float* __restrict y, int64_t O,
                        int64_t p, int64_t c0, int64_t c1, Sums mode) {
 #if defined(__AVX512F__)
-  __m512 s[RT][G][kPanelV];
-  for (int r = 0; r < RT; ++r)
-    for (int g = 0; g < G; ++g)
-      for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_setzero_ps();
+  using Acc = __m512[RT][G][kPanelV];
+  Acc s;
+  const auto zero = [](Acc& a) {
+    for (int r = 0; r < RT; ++r)
+      for (int g = 0; g < G; ++g)
+        for (int v = 0; v < kPanelV; ++v) a[r][g][v] = _mm512_setzero_ps();
+  };
+  zero(s);
   const T* __restrict base = w + p * C * kPanel;
-  for (int64_t c = c0; c < c1; ++c) {
+  const auto row = [&](int64_t c, Acc& acc) __attribute__((always_inline)) {
     __m512 a[G][kPanelV];
     for (int g = 0; g < G; ++g) {
       const T* q = base + (g * C + c) * kPanel;
@@ -510,19 +520,32 @@ inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict
     for (int r = 0; r < RT; ++r) {
       const __m512 xb = _mm512_set1_ps(x[r * C + c]);
       for (int g = 0; g < G; ++g)
-        for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_fmadd_ps(xb, a[g][v], s[r][g][v]);
+        for (int v = 0; v < kPanelV; ++v) acc[r][g][v] = _mm512_fmadd_ps(xb, a[g][v], acc[r][g][v]);
     }
+  };
+  if constexpr (kGroupSums) {
+    for (int64_t c = c0; c < c1;) {
+      Acc t;
+      zero(t);
+      for (const int64_t end = std::min<int64_t>(c + kAmxGroup, c1); c < end; ++c) row(c, t);
+      for (int r = 0; r < RT; ++r)
+        for (int g = 0; g < G; ++g)
+          for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_add_ps(s[r][g][v], t[r][g][v]);
+    }
+  } else {
+    for (int64_t c = c0; c < c1; ++c) row(c, s);
   }
   for (int r = 0; r < RT; ++r)
     for (int g = 0; g < G; ++g) PanelOut<T>(y + r * O + (p + g) * kPanel, s[r][g], mode == Sums::kAdd);
 #else
+  static_assert(!kGroupSums, "the TMUL's bits on the vector units need AVX-512");
   for (int g = 0; g < G; ++g)
     PanelTile<T, RT>(x, C, w + (p + g) * C * kPanel, y + (p + g) * kPanel, O, c0, c1, 0, mode);
 #endif
 }
 
 // Panels p0..p1 against RT rows of x, G panels at a time, each group's blocks in order.
-template <typename T, int RT, int G>
+template <typename T, int RT, int G, bool kGroupSums = false>
 void PanelGroups(const float* x, int64_t C, const T* w, float* y, int64_t O, int blocks, int64_t p0, int64_t p1) {
   for (int64_t p = p0; p < p1; p += G) {
     const int64_t n = std::min<int64_t>(G, p1 - p);
@@ -530,10 +553,10 @@ void PanelGroups(const float* x, int64_t C, const T* w, float* y, int64_t O, int
       const int64_t c0 = BlockStart(C, blocks, k), c1 = BlockStart(C, blocks, k + 1);
       const Sums mode = k == 0 ? Sums::kSet : Sums::kAdd;
       switch (n) {
-        case 1: PanelGroup<T, RT, 1>(x, C, w, y, O, p, c0, c1, mode); break;
-        case 2: PanelGroup<T, RT, std::min(G, 2)>(x, C, w, y, O, p, c0, c1, mode); break;
-        case 3: PanelGroup<T, RT, std::min(G, 3)>(x, C, w, y, O, p, c0, c1, mode); break;
-        default: PanelGroup<T, RT, G>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 1: PanelGroup<T, RT, 1, kGroupSums>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 2: PanelGroup<T, RT, std::min(G, 2), kGroupSums>(x, C, w, y, O, p, c0, c1, mode); break;
+        case 3: PanelGroup<T, RT, std::min(G, 3), kGroupSums>(x, C, w, y, O, p, c0, c1, mode); break;
+        default: PanelGroup<T, RT, G, kGroupSums>(x, C, w, y, O, p, c0, c1, mode); break;
       }
     }
   }
@@ -565,7 +588,21 @@ void PackedChunk(const void* ctx, int i) {
   const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
   const int64_t C = j.c_dim, O = j.o_dim, step = RowBlock(C);
   switch (j.rows) {
-    case 1: PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 1:
+#if defined(SPECJAX_AMX)
+      if constexpr (std::is_same_v<T, uint16_t>) {
+        if (j.group_sums) {
+          // AMX flushes inputs and results below float32's normal range to zero: so do these fmas.
+          const unsigned csr = _mm_getcsr();
+          _mm_setcsr(csr | 0x8040);  // FTZ | DAZ
+          PanelGroups<T, 1, 4, true>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+          _mm_setcsr(csr);
+          break;
+        }
+      }
+#endif
+      PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+      break;
     case 2: PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
     case 3: PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
     case 4: PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
@@ -590,20 +627,82 @@ void PackedChunk(const void* ctx, int i) {
   j.finish.Columns(j.y, j.rows, O, p0 * kPanel, p1 * kPanel);
 }
 
+// The runs of panels of a packed product of R rows: chunks of kOneRowPanels for one row, one run per thread up to
+// kRunPerThreadRows rows, else about four per thread.
+inline Split PackedSplit(int64_t R, int64_t panels) {
+  if (R == 1) return {kOneRowPanels, static_cast<int>((panels + kOneRowPanels - 1) / kOneRowPanels)};
+  if (R > kRunPerThreadRows) return MakeSplit(panels, 1, 1);
+  const int64_t width = (panels + PoolThreads() - 1) / PoolThreads();
+  return {width, static_cast<int>((panels + width - 1) / width)};
+}
+
 // y: the float32 sums (the output itself where ``finish`` has none).
 template <typename T>
-void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O, Finish finish = {}) {
-  const int64_t panels = O / kPanel;
-  Split split = MakeSplit(panels, 1, 1);
-  if (R == 1) {
-    split = {kOneRowPanels, static_cast<int>((panels + kOneRowPanels - 1) / kOneRowPanels)};
-  } else if (R <= kRunPerThreadRows) {
-    const int64_t width = (panels + PoolThreads() - 1) / PoolThreads();
-    split = {width, static_cast<int>((panels + width - 1) / width)};
-  }
-  PackedJob<T> job{x, w, y, R, C, O, DenseBlocks(C), split, finish};
+void RunPacked(const float* x, const T* w, float* y, int64_t R, int64_t C, int64_t O, Finish finish = {},
+               bool group_sums = false) {
+  PackedJob<T> job{x, w, y, R, C, O, DenseBlocks(C), PackedSplit(R, O / kPanel), finish, group_sums};
   Parallel(PackedChunk<T>, &job, job.split.n);
 }
+
+#if defined(SPECJAX_AMX)
+// ``specjax_dense`` of bf16 x against bf16 panels on the TMUL (``amx.h``; where ``AmxReady``, every such product,
+// whatever its rows, so that a tree row keeps the decode step's bits): the runs of panels of ``PackedSplit``,
+// kAmxPanels panels at a time, each block of the contraction axis for every tile of rows of x, its sums added to the blocks'
+// before it as ``PanelOut`` adds them.
+struct AmxJob {
+  const AmxRowsOfX* xs;
+  const uint16_t* w;  // [O / kPanel, C, kPanel]
+  float* y;           // [R, O]
+  int64_t rows, tile_rows, c_dim, o_dim;
+  int blocks;
+  Split split;
+  Finish finish;
+};
+
+template <int G>
+void AmxPanels(const AmxJob& j, int64_t p) {
+  const int64_t C = j.c_dim, O = j.o_dim, xs_bytes = j.xs->stride * static_cast<int64_t>(sizeof(uint16_t));
+  alignas(64) float sums[G][2 * kAmxRows][16];
+  for (int k = 0; k < j.blocks; ++k) {
+    const int64_t c0 = BlockStart(C, j.blocks, k), c1 = BlockStart(C, j.blocks, k + 1);
+    for (int64_t r0 = 0; r0 < j.rows; r0 += j.tile_rows) {
+      const uint16_t* xs = j.xs->data.data() + 2 * r0 * j.xs->stride + j.xs->offset[k];
+      AmxBlock<G>(xs, xs_bytes, j.w + p * C * kPanel, C, c0, c1, sums);
+      for (int64_t r = 0; r < std::min(j.tile_rows, j.rows - r0); ++r)
+        for (int g = 0; g < G; ++g) {
+          const __m512 s[kPanelV] = {_mm512_load_ps(sums[g][2 * r]), _mm512_load_ps(sums[g][2 * r + 1])};
+          PanelOut<uint16_t>(j.y + (r0 + r) * O + (p + g) * kPanel, s, k > 0);
+        }
+    }
+  }
+}
+
+void AmxChunk(const void* ctx, int i) {
+  const auto& j = *static_cast<const AmxJob*>(ctx);
+  const int64_t p0 = i * j.split.width, p1 = std::min(j.o_dim / kPanel, p0 + j.split.width);
+  {
+    const AmxScope tiles(AmxConfig(static_cast<int>(j.tile_rows)));
+    for (int64_t p = p0; p < p1; p += kAmxPanels) {
+      switch (std::min<int64_t>(kAmxPanels, p1 - p)) {
+        case 1: AmxPanels<1>(j, p); break;
+        case 2: AmxPanels<2>(j, p); break;
+        case 3: AmxPanels<3>(j, p); break;
+        default: AmxPanels<kAmxPanels>(j, p); break;
+      }
+    }
+  }
+  j.finish.Columns(j.y, j.rows, j.o_dim, p0 * kPanel, p1 * kPanel);
+}
+
+void RunPackedAmx(const uint16_t* x, const uint16_t* w, float* y, int64_t R, int64_t C, int64_t O, Finish finish) {
+  const int64_t tile_rows = std::min<int64_t>(R, kAmxRows);
+  const int blocks = DenseBlocks(C);
+  thread_local AmxRowsOfX xs;
+  xs.Build(x, R, (R + tile_rows - 1) / tile_rows * tile_rows, C, blocks, BlockStart);
+  AmxJob job{&xs, w, y, R, tile_rows, C, O, blocks, PackedSplit(R, O / kPanel), finish};
+  Parallel(AmxChunk, &job, job.split.n);
+}
+#endif
 
 #if defined(__AVX512BF16__)
 // Many bf16 rows of x against bf16 panels: a bf16 prompt chunk (``cpu_dense.dense_prompt``), where the products are
@@ -894,6 +993,13 @@ ffi::Error Product(bool table, ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuf
     if (half || res != nullptr) finish = {y.untyped_data(), res ? res->untyped_data() : nullptr, half};
     if (half) ybuf.resize(R * O), out = ybuf.data();
     if (f32) RunPacked(xf, static_cast<const float*>(wp), out, R, C, O, finish);
+#if defined(SPECJAX_AMX)
+    else if (xt == ffi::DataType::BF16 && AmxReady() && R == 1)  // the tiles' bits, streamed as fast as before
+      RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O, finish, /*group_sums=*/true);
+    else if (xt == ffi::DataType::BF16 && AmxReady())
+      RunPackedAmx(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(wp), out, R, C, O,
+                   finish);
+#endif
     else RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O, finish);
   } else {
     if (f32) RunDense(xf, static_cast<const float*>(wp), out, R, C, O);
@@ -913,8 +1019,8 @@ ffi::Error ProductAddImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w
 }
 
 // ``specjax_dense_prompt``: bf16 x [R, C] against bf16 panels [O / 32, C, 32] -> y [R, O] float32 (a bf16 prompt
-// chunk against the decode layout): ``RunPanelDots`` where the CPU has AVX512-BF16 (``specjax_cpu_bf16_dots``),
-// else the widening ``RunPacked``.
+// chunk against the decode layout): ``RunPackedAmx`` where the CPU has AMX (``AmxReady``), else ``RunPanelDots``
+// where it has AVX512-BF16 (``specjax_cpu_bf16_dots``), else the widening ``RunPacked``.
 ffi::Error PromptImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ffi::Result<ffi::Buffer<ffi::F32>> y) {
   auto xd = x.dimensions(), wd = w.dimensions(), yd = y->dimensions();
   const XlaPoolScope scope(xd.size() == 2 && xd[0] > kOwnPoolRows ? &tp : nullptr);
@@ -926,6 +1032,12 @@ ffi::Error PromptImpl(ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuffer w, ff
   if (wd[1] != C || yd[0] != R || yd[1] != O)
     return ffi::Error::InvalidArgument("specjax cpu dense prompt: shapes do not match");
   const auto* wp = static_cast<const uint16_t*>(w.untyped_data());
+#if defined(SPECJAX_AMX)
+  if (AmxReady()) {  // the tiles, as a decode step's products on this CPU
+    RunPackedAmx(static_cast<const uint16_t*>(x.untyped_data()), wp, y->typed_data(), R, C, O, Finish{});
+    return ffi::Error::Success();
+  }
+#endif
 #if defined(__AVX512BF16__)
   RunPanelDots(static_cast<const uint16_t*>(x.untyped_data()), wp, y->typed_data(), R, C, O);
 #else
@@ -954,6 +1066,10 @@ extern "C" void specjax_cpu_set_threads(int n) {
 }
 
 extern "C" int specjax_cpu_threads() { return PoolThreads(); }
+
+// Whether ``specjax_dense`` runs bf16 x against bf16 panels on AMX tiles (``amx.h``: this build's CPU has them and
+// the OS lends them).
+extern "C" int specjax_cpu_amx() { return AmxReady() ? 1 : 0; }
 
 // Whether ``specjax_dense_prompt`` runs on AVX512-BF16's dot products (this build's CPU has them).
 extern "C" int specjax_cpu_bf16_dots() {
