@@ -11,6 +11,8 @@ import os
 import random
 import sys
 
+from specjax.hub import default_cache_dir
+
 CHATML = (
     "{% for message in messages %}"
     "{% if loop.first and message['role'] != 'system' %}<|im_start|>system\nYou are a tiny test model.<|im_end|>\n"
@@ -133,11 +135,27 @@ def write_jsonl(path: str, records) -> str:
 def subprocess_env(devices: int, **extra: str) -> dict:
     """The environment of a CLI run in a child process on ``devices`` fake CPU devices: this process's XLA flags (with
     the suite's fast-compile flags, tests/conftest.py, unless the suite runs with XLA's defaults) at that device
-    count, JAX on the CPU, the tokenizers single-threaded, and ``extra``."""
+    count, JAX on the CPU, the tokenizers single-threaded, and ``extra``. A ``SPECJAX_CACHE`` of the child's own
+    shares this process's compiled CPU kernels (``share_kernels``)."""
+    if extra.get("SPECJAX_CACHE"):
+        share_kernels(extra["SPECJAX_CACHE"])
     flags = [f for f in os.environ.get("XLA_FLAGS", "").split()
              if not f.startswith("--xla_force_host_platform_device_count")]
     return dict(os.environ, XLA_FLAGS=" ".join([f"--xla_force_host_platform_device_count={devices}", *flags]),
                 JAX_PLATFORMS="cpu", TOKENIZERS_PARALLELISM="false", **extra)
+
+
+def share_kernels(cache: str) -> None:
+    """Point ``cache``/kernels at this process's folder of compiled CPU kernels (``kernels.cpu_dense``: one file per
+    source, jaxlib and CPU, written under a temporary name and renamed), so that a child run with a cache of its own
+    loads them instead of compiling them again (about 30 s of a 2-core machine per child)."""
+    shared = os.path.join(default_cache_dir(), "kernels")
+    link = os.path.join(cache, "kernels")
+    if os.path.lexists(link) or os.path.abspath(link) == os.path.abspath(shared):
+        return
+    os.makedirs(shared, exist_ok=True)
+    os.makedirs(cache, exist_ok=True)
+    os.symlink(shared, link, target_is_directory=True)
 
 
 def train_command(model: str, data: str, ckpt_dir: str, steps: int, *extra: str) -> list[str]:
