@@ -980,7 +980,9 @@ ffi::Error Product(bool table, ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuf
   if (res != nullptr && (res->element_type() != yt || res->element_count() != y.element_count()))
     return ffi::Error::InvalidArgument("specjax cpu dense: the residual must have y's type and shape");
   thread_local std::vector<float> xbuf, ybuf;
-  const float* xf = AsF32(x, xbuf);
+  // bf16 x on the tiles (2+ rows) is read as bf16: no float32 copy of it.
+  const bool tiles = packed && xt == ffi::DataType::BF16 && wt == ffi::DataType::BF16 && R > 1 && AmxReady();
+  const float* xf = tiles ? nullptr : AsF32(x, xbuf);
   const bool f32 = w.element_type() == ffi::DataType::F32;
   const void* wp = w.untyped_data();
   float* out = static_cast<float*>(y.untyped_data());
@@ -996,7 +998,7 @@ ffi::Error Product(bool table, ffi::ThreadPool tp, ffi::AnyBuffer x, ffi::AnyBuf
 #if defined(SPECJAX_AMX)
     else if (xt == ffi::DataType::BF16 && AmxReady() && R == 1)  // the tiles' bits, streamed as fast as before
       RunPacked(xf, static_cast<const uint16_t*>(wp), out, R, C, O, finish, /*group_sums=*/true);
-    else if (xt == ffi::DataType::BF16 && AmxReady())
+    else if (tiles)
       RunPackedAmx(static_cast<const uint16_t*>(x.untyped_data()), static_cast<const uint16_t*>(wp), out, R, C, O,
                    finish);
 #endif
