@@ -97,6 +97,13 @@ class Scheduler:
         """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
         names a request still in flight. ``group``: the client's rid of a request submitted under an expanded rid
         (a batch or n copies), which an abort names as well."""
+        # The length first: a prompt of millions of ids is refused at once, not after Python passes over each id on
+        # the caller's thread (the server's event loop, which /health shares).
+        n = len(prompt_ids) if isinstance(prompt_ids, (list, tuple, np.ndarray)) else 0
+        if n >= self.context_length:
+            raise RequestError(f"the prompt has {n} tokens but the context length is {self.context_length} "
+                               f"(prompt + output must fit); shorten the prompt", param="prompt",
+                               code="context_length_exceeded")
         ids = token_ids(prompt_ids)  # integers only: a float or a string id is refused, never truncated
         if not ids:
             raise RequestError("the prompt is empty", param="prompt")
@@ -104,10 +111,6 @@ class Scheduler:
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary [0, {self.vocab_size})",
                                param="input_ids")
-        if len(ids) >= self.context_length:
-            raise RequestError(f"the prompt has {len(ids)} tokens but the context length is {self.context_length} "
-                               f"(prompt + output must fit); shorten the prompt", param="prompt",
-                               code="context_length_exceeded")
         try:
             params.runner_row(0, self.eos_ids).validate(self.vocab_size)
         except ValueError as e:
