@@ -161,6 +161,11 @@ def test_refusal_and_clamping():
         sched.submit(list(range(28)), SamplingParams(), print)
     with pytest.raises(RequestError, match="outside the vocabulary"):
         sched.submit([1, V], SamplingParams(), print)
+    # A prompt past the context is refused on its length before any id is looked at (the server calls submit on its
+    # event loop: Python passes over a million ids held /health for a second), whatever its ids are.
+    with pytest.raises(RequestError, match="has 1000000 tokens") as e:
+        sched.submit([V + 1] * 1_000_000, SamplingParams(), print)
+    assert (e.value.param, e.value.code) == ("prompt", "context_length_exceeded")
     ids, meta = run(sched, [1, 2, 3], 100, ignore_eos=True)  # clamped to the 28-token context
     assert len(ids) == 25 and meta["finish_reason"]["type"] == "length"
     sched.shutdown()
