@@ -2,12 +2,13 @@
 
 import gzip
 import json
+import os
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax.bench.profile import _union_us, summarize, trace_call
+from specjax.bench.profile import _union_us, hlo_op_kinds, summarize, summarize_ops, summarize_program, trace_call
 
 
 def _write(tmp_path, events):
@@ -74,3 +75,56 @@ def test_cpu_trace_has_no_device(tmp_path):
         summarize(path, units=1)
     with pytest.raises(ValueError, match="units"):
         summarize(path, units=0)
+
+
+def test_cpu_operations_are_grouped_by_what_they_are(tmp_path):
+    """On a CPU the trace's host events named as the program's instructions are its operations: grouped by custom-call
+    target (or opcode) and result shape, a while loop's own event left out (its body's operations count)."""
+    hlo = "\n".join([
+        'ENTRY %main {',
+        '  %ffi_call.1 = f32[8,3072]{1,0} custom-call(f32[8,576]{1,0} %x), custom_call_target="specjax_dense"',
+        '  %ffi_call.2 = f32[8,3072]{1,0} custom-call(f32[8,576]{1,0} %x), custom_call_target="specjax_dense"',
+        '  %ffi_call.3 = (f32[8,9,64]{2,1,0}, f32[8,3,64]{2,1,0}) custom-call(%q), custom_call_target="specjax_rope"',
+        '  %while.4 = (s32[], f32[4]{0}) while(%t), condition=%c, body=%b',
+        '  ROOT %fusion.5 = f32[8,1536]{1,0} fusion(%a, %b), kind=kLoop, calls=%f',
+        '}'])
+    kinds = hlo_op_kinds(hlo)
+    assert kinds["ffi_call.1"] == kinds["ffi_call.2"] == "specjax_dense f32[8,3072]"
+    assert kinds["ffi_call.3"] == "specjax_rope (f32[8,9,64], f32[8,3,64])"
+    assert kinds["fusion.5"] == "fusion f32[8,1536]" and kinds["while.4"].startswith("while ")
+    events = [_meta(1, "/host:CPU")]
+    for step in range(2):  # per step: the two products (30 + 10 us), the rope (5), the fusion (5), in a while (100)
+        t = step * 200.0
+        events.append({"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": 100.0, "name": "while.4"})
+        for name, dur in (("ffi_call.1", 30.0), ("ffi_call.2", 10.0), ("ffi_call.3", 5.0), ("fusion.5", 5.0)):
+            events.append({"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": dur, "name": name})
+            t += dur + 2.0
+        events.append({"ph": "X", "pid": 1, "tid": 7, "ts": t, "dur": 99.0, "name": "ThunkExecutor::Execute"})
+    path = _write(tmp_path, events)
+    s = summarize_ops(path, 2, kinds)
+    assert s["events_per_unit"] == 4 and s["busy_ms_per_unit"] == pytest.approx(0.050)
+    assert [(k["name"], k["calls_per_unit"]) for k in s["top"]] == [
+        ("specjax_dense f32[8,3072]", 2), ("specjax_rope (f32[8,9,64], f32[8,3,64])", 1), ("fusion f32[8,1536]", 1)]
+    assert s["top"][0]["ms_per_unit"] == pytest.approx(0.040)
+    assert summarize_program(path, 2, hlo)["top"] == s["top"]  # no device events: the operations
+    with pytest.raises(ValueError, match="no device.*enable_cpu_op_events"):
+        summarize_program(path, 2, "")
+
+
+def test_bench_spec_prints_where_a_step_goes(tmp_path, capsys, monkeypatch):
+    """``bench spec --profile-dir``: the phase table, then the fused and the plain step's traces, each summarised per
+    XLA:CPU operation (the flag set by the bench before its programs compile; restored for the other tests)."""
+    from specjax.bench.__main__ import main as bench_main
+    from train_fixtures import make_tiny_model
+    monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
+    model = make_tiny_model(str(tmp_path / "model"))
+    argv = ["spec", "--model", model, "--random-draft", "--prompts", "random", "--num-prompts", "1",
+            "--max-new-tokens", "4", "--phase-repeats", "2", "--profile-dir", str(tmp_path / "prof")]
+    assert bench_main(argv) == 0
+    out = capsys.readouterr().out
+    assert "| fused_step |" in out and "| plain_decode_step |" in out
+    lines = out.splitlines()
+    for name in ("fused step", "plain decode step"):
+        i = next(i for i, x in enumerate(lines) if x.startswith(name + " ("))
+        assert str(tmp_path / "prof") in lines[i] and "XLA:CPU operations on host threads: per step" in lines[i]
+        assert lines[i + 2].startswith("| kernel | calls / step |") and lines[i + 4].startswith("| "), lines[i:i + 5]

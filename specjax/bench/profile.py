@@ -6,7 +6,10 @@ and returns the trace file; ``summarize(path, units)`` reads the events a device
 token, a step), the device's busy time (the union of its events), the span from its first event to its last end,
 and the kernels that took the most time. ``busy / span`` below 1 is time the device sat idle between kernels
 (launches, host syncs, a ``while_loop``'s condition read back), the rest is the kernels' own time. A CPU has no
-device events (XLA:CPU's work runs on host threads), so there ``summarize`` raises ``ValueError``.
+device events (XLA:CPU's work runs on host threads), so there ``summarize`` raises ``ValueError``; instead, for the
+programs compiled after ``enable_cpu_op_events()``, XLA:CPU records one host event per operation it runs, and
+``summarize_ops`` groups them by what each operation is (``hlo_op_kinds`` of the program's optimized HLO:
+``specjax_dense f32[8,3072]``, ``fusion f32[8,1536]``). ``summarize_program`` takes whichever the trace holds.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import glob
 import gzip
 import json
 import os
+import re
 
 from specjax.bench.common import print_table
 
@@ -30,6 +34,34 @@ def trace_call(fn, log_dir: str) -> str:
     if not new:
         raise RuntimeError(f"jax.profiler wrote no perfetto trace under {log_dir}")
     return max(new, key=os.path.getmtime)
+
+
+# XLA's flag for an event per operation of a CPU program (its thunks), read from XLA_FLAGS as each program compiles.
+CPU_OP_EVENTS_FLAG = "--xla_cpu_enable_xprof_traceme=true"
+_HLO_INSTR = re.compile(r"^\s*(?:ROOT )?%?([\w.\-]+) = (\([^=]*?\)|\S+) ([\w\-]+)\(")
+_CONTROL_FLOW = {"while", "conditional", "call"}  # their events span their bodies' operations, counted themselves
+
+
+def enable_cpu_op_events() -> None:
+    """Have XLA:CPU record an event per operation in ``jax.profiler`` traces (``CPU_OP_EVENTS_FLAG``) for the programs
+    compiled from now on (in XLA_FLAGS, which each compile reads); no effect on other devices."""
+    flags = os.environ.get("XLA_FLAGS", "")
+    if CPU_OP_EVENTS_FLAG.split("=")[0] not in flags:
+        os.environ["XLA_FLAGS"] = f"{flags} {CPU_OP_EVENTS_FLAG}".strip()
+
+
+def hlo_op_kinds(hlo_text: str) -> dict[str, str]:
+    """Instruction name -> what it is, for every instruction of an optimized HLO module's text: a custom call as its
+    target and result shape (``specjax_dense f32[8,3072]``), any other operation as its opcode and result shape."""
+    kinds = {}
+    for line in hlo_text.splitlines():
+        m = _HLO_INSTR.match(line)
+        if not m:
+            continue
+        name, shape, op = m.groups()
+        target = re.search(r'custom_call_target="([^"]+)"', line) if op == "custom-call" else None
+        kinds[name] = f"{target.group(1) if target else op} {re.sub(r'{[^}]*}', '', shape)}"
+    return kinds
 
 
 def _union_us(intervals: list[tuple[float, float]]) -> float:
@@ -79,12 +111,17 @@ def summarize(path: str, units: int, top: int = 15) -> dict:
     if not xs:
         raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on host "
                          f"threads")
+    return _per_unit(device, xs, units, top, lambda e: str(e.get("name", "?")))
+
+
+def _per_unit(device: str, xs: list[dict], units: int, top: int, key) -> dict:
+    """The summary of ``summarize`` over events ``xs``, grouped by ``key(event)``."""
     spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs]
     busy = _union_us(spans)
     span = max(e for _, e in spans) - min(s for s, _ in spans)
     by_name: dict[str, list[float]] = {}
     for e in xs:
-        by_name.setdefault(str(e.get("name", "?")), []).append(float(e["dur"]))
+        by_name.setdefault(key(e), []).append(float(e["dur"]))
     total = sum(sum(d) for d in by_name.values())
     kernels = sorted(((name, len(d), sum(d)) for name, d in by_name.items()), key=lambda r: -r[2])
     return {"device": device, "units": units, "events": len(xs), "events_per_unit": len(xs) / units,
@@ -94,8 +131,36 @@ def summarize(path: str, units: int, top: int = 15) -> dict:
                      "share": t / total if total > 0 else 0.0} for name, n, t in kernels[:top]]}
 
 
-def print_summary(s: dict, unit: str = "token") -> None:
-    print(f"\ndevice trace ({s['device']}): per {unit}, {s['events_per_unit']:.0f} device events, busy "
+def summarize_ops(path: str, units: int, kinds: dict[str, str], top: int = 15) -> dict:
+    """Per-``unit`` time of the XLA:CPU operations in the trace at ``path``, grouped by ``kinds`` (``hlo_op_kinds``
+    of the traced program): the host events named as its instructions (``enable_cpu_op_events``), control flow
+    (while, conditional, call) left out, as its bodies' operations count themselves."""
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    with gzip.open(path, "rt") as f:
+        trace = json.load(f)
+    events = trace["traceEvents"] if isinstance(trace, dict) else trace
+    xs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("name") in kinds
+          and kinds[e["name"]].split(" ")[0] not in _CONTROL_FLOW]
+    if not xs:
+        raise ValueError(f"no XLA:CPU operation events in the trace at {path}: compile the program after "
+                         f"enable_cpu_op_events() (XLA_FLAGS {CPU_OP_EVENTS_FLAG})")
+    return _per_unit("XLA:CPU operations on host threads", xs, units, top, lambda e: kinds[e["name"]])
+
+
+def summarize_program(path: str, units: int, hlo_text: str, top: int = 15) -> dict:
+    """``summarize`` where the trace holds device events, else ``summarize_ops`` over the program ``hlo_text``."""
+    try:
+        return summarize(path, units, top)
+    except ValueError as device_error:
+        try:
+            return summarize_ops(path, units, hlo_op_kinds(hlo_text), top)
+        except ValueError as ops_error:
+            raise ValueError(f"{device_error}; {ops_error}") from None
+
+
+def print_summary(s: dict, unit: str = "token", title: str = "device trace") -> None:
+    print(f"\n{title}, {s['device']}: per {unit}, {s['events_per_unit']:.0f} device events, busy "
           f"{s['busy_ms_per_unit']:.3f} ms of a {s['span_ms_per_unit']:.3f} ms span ({100 * s['busy_fraction']:.1f}% "
           f"busy; the rest is the device idle between kernels), {s['distinct_kernels']} distinct kernels; the top "
           f"{len(s['top'])}:\n")

@@ -3,6 +3,7 @@
     python -m specjax.bench spec --model PATH (--draft PATH | --random-draft) [--algorithm EAGLE3|EAGLE]
         [--num-steps 3 --topk 1 --num-draft-tokens 4] [--prompts mtbench|FILE] [--num-prompts 8]
         [--max-new-tokens 64] [--speculative-token-map FILE] [--attention-impl auto|xla|pallas] [--json OUT]
+        [--profile-dir DIR]
         [--vs-llama-server BIN --draft-gguf HEAD.gguf [--gguf TARGET.gguf] [--llama-draft-n-max 3 5 7]]
     python -m specjax.bench spec --verify-sweep 1,8,16,32,64 [--model PATH | --random-llama-8b [--layers N]]
         [--context 512] [--batch 1]
@@ -16,6 +17,8 @@ generated tokens / wall time incl. prefill), the speedup, tau (= completion toke
 spec_accept_length) and per-phase step times: draft (tree growth + selection), verify (one target forward over the
 M tree tokens), accept, commit (KV write + draft extend), each jitted separately and timed on the same state, next to
 the fused step and a plain decode step. Prompts: MT-bench first turns, rendered with the chat template.
+``--profile-dir DIR`` also traces fused and plain steps with the JAX profiler and prints where each one's time goes:
+per kernel on a GPU or TPU, per XLA operation (custom-call target or opcode, and result shape) on a CPU.
 
 ``--vs-llama-server`` adds llama.cpp on the same prompts and weights: its ``llama-server`` plain, and with the same
 head converted to GGUF as an EAGLE3 draft (``--spec-type draft-eagle3``, a chain of up to ``n_max`` tokens, one
@@ -41,6 +44,7 @@ import time
 
 from specjax.bench.common import TargetRunOptions, print_table, read_prompt_file, report
 from specjax.bench.llamacpp import LlamaServer
+from specjax.bench.profile import enable_cpu_op_events, print_summary, summarize_program, trace_call
 from specjax.cli import option, parse_options
 from specjax.speculative.tree import validate as validate_tree
 
@@ -157,9 +161,34 @@ def load_head(args, tcfg):
             f"{args.draft} ({alg})")
 
 
-def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
+def _whole_steps(tparams, tcfg, draft, scfg, state, active) -> dict:
+    """The three whole steps as the server and the generate loops run them (each donates its state, so its K/V writes
+    land in place): name -> (``step(s) -> s``, the state it starts from, ``lower()``: its lowered program)."""
+    import jax
+
+    from specjax import plain_step as decode
+    from specjax.speculative import spec_step as step_lib
+
+    # Params travel as arguments (not closed over) so that XLA does not constant-fold the weights.
+    donated = dict(static_argnames=("tcfg", "scfg"), donate_argnames=("state",))
+    f_step = jax.jit(step_lib.spec_step, **donated)
+    f_target = jax.jit(step_lib.target_step, **donated)
+    f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"), donate_argnames=("cache",))
+    spec_args = lambda s: (tparams, tcfg, draft, scfg, s, active)
+    plain_args = lambda c: (tparams, tcfg, c, state.last_token, active)
+    plain_kw = dict(cache_attention=scfg.cache_attention)
+    return {"fused_step": (lambda s: f_step(*spec_args(s))[0], state, lambda: f_step.lower(*spec_args(state))),
+            "target_only_step": (lambda s: f_target(*spec_args(s))[0], state,
+                                 lambda: f_target.lower(*spec_args(state))),
+            "plain_decode_step": (lambda c: f_plain(*plain_args(c), **plain_kw)[0], state.cache,
+                                  lambda: f_plain.lower(*plain_args(state.cache), **plain_kw))}
+
+
+def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int, profile_dir: str | None = None
+                ) -> tuple[dict, dict]:
     """Per-phase times (seconds) of one speculative step on the state after ``prompt``'s prefill, of a target-only
-    step (what the server runs where the tree does not pay) and of a plain decode step.
+    step (what the server runs where the tree does not pay) and of a plain decode step; with ``profile_dir``, also
+    where the time of a fused and of a plain step goes (``profile_steps``), else ``{}``.
 
     The phases are timed on the same state, undonated (each call writes a fresh copy of its outputs). The three
     whole steps run as the server and the generate loops run them: each on its own copy of the state, donated and
@@ -169,7 +198,6 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
     import jax.numpy as jnp
     import numpy as np
 
-    from specjax import plain_step as decode
     from specjax.speculative import spec_step as step_lib, verify as verify_lib
 
     n = len(prompt)
@@ -187,30 +215,45 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int) -> dict:
         jnp.ones((1,), bool))
     state = jax.jit(step_lib.refresh_root, static_argnames=("scfg",))(tparams, draft, scfg, state)
     active = jnp.ones((1,), bool)
-    st = dict(static_argnames=("tcfg", "scfg"))
-    # Params travel as arguments (not closed over) so that XLA does not constant-fold the weights.
     f_draft = jax.jit(step_lib.draft_phase, static_argnames=("scfg",))
-    f_verify = jax.jit(step_lib.verify_phase, **st)
+    f_verify = jax.jit(step_lib.verify_phase, static_argnames=("tcfg", "scfg"))
     f_accept = jax.jit(verify_lib.accept, static_argnames=("num_steps", "may_sample"))
     f_commit = jax.jit(step_lib.commit_phase, static_argnames=("scfg",))
-    donated = dict(st, donate_argnames=("state",))
-    f_step = jax.jit(step_lib.spec_step, **donated)
-    f_target = jax.jit(step_lib.target_step, **donated)
-    f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"), donate_argnames=("cache",))
     tree = f_draft(tparams, draft, scfg, state)
     out = f_verify(tparams, tcfg, draft, scfg, state, tree, active)
     acc, sb = f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps, may_sample=False)
-    return dict(draft=_median(lambda: f_draft(tparams, draft, scfg, state), repeats),
-                verify=_median(lambda: f_verify(tparams, tcfg, draft, scfg, state, tree, active), repeats),
-                accept=_median(lambda: f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps,
-                                                may_sample=False), repeats),
-                commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
-                fused_step=_median_steps(lambda s: f_step(tparams, tcfg, draft, scfg, s, active)[0], state, repeats),
-                target_only_step=_median_steps(lambda s: f_target(tparams, tcfg, draft, scfg, s, active)[0], state,
-                                               repeats),
-                plain_decode_step=_median_steps(
-                    lambda c: f_plain(tparams, tcfg, c, state.last_token, active,
-                                      cache_attention=scfg.cache_attention)[0], state.cache, repeats))
+    whole = _whole_steps(tparams, tcfg, draft, scfg, state, active)
+    times = dict(draft=_median(lambda: f_draft(tparams, draft, scfg, state), repeats),
+                 verify=_median(lambda: f_verify(tparams, tcfg, draft, scfg, state, tree, active), repeats),
+                 accept=_median(lambda: f_accept(tree, out.logits, state.sampling, num_steps=scfg.num_steps,
+                                                 may_sample=False), repeats),
+                 commit=_median(lambda: f_commit(tparams, draft, scfg, state, acc, out, active, sb), repeats),
+                 **{name: _median_steps(step, s0, repeats) for name, (step, s0, _) in whole.items()})
+    return times, (profile_steps(whole, repeats, profile_dir) if profile_dir else {})
+
+
+def profile_steps(whole: dict, repeats: int, log_dir: str) -> dict:
+    """Where the time of ``repeats`` fused steps and of as many plain decode steps goes (``_whole_steps``; each run
+    from its own copy of the state under ``jax.profiler``): ``bench.profile.summarize_program`` per step, by kernel
+    on a GPU or TPU, by XLA:CPU operation on a CPU (``enable_cpu_op_events``)."""
+    import jax
+    import jax.numpy as jnp
+    out = {}
+    for name in ("fused_step", "plain_decode_step"):
+        step, s0, lower = whole[name]
+        box = [jax.block_until_ready(step(jax.tree.map(jnp.copy, s0)))]  # compiled, warm, and done before the trace
+
+        def run(step=step, box=box):
+            for _ in range(repeats):
+                box[0] = step(box[0])
+            return box[0]
+
+        path = trace_call(run, os.path.join(log_dir, name))
+        try:
+            out[name] = summarize_program(path, repeats, lower().compile().as_text()) | {"path": path}
+        except ValueError as e:  # a CPU program compiled without ``enable_cpu_op_events``: no operation events
+            out[name] = {"path": path, "error": str(e)}
+    return out
 
 
 def bench_spec(args) -> dict:
@@ -254,13 +297,14 @@ def bench_spec(args) -> dict:
     same = sum(a == b for a, b in zip(plain_out, spec_out))
     scfg = step_lib.SpecConfig(args.num_steps, args.topk, args.num_draft_tokens,
                                make_cache_attention(args.attention_impl), sampling=False)
-    phases = phase_times(tparams, tcfg, draft, scfg, prompts[0], args.phase_repeats)
+    phases, profiles = phase_times(tparams, tcfg, draft, scfg, prompts[0], args.phase_repeats, args.profile_dir)
     llama = llama_server_rows(args, prompts, plain_out, stop) if args.vs_llama_server else []
     return dict(llama_server=llama, model=model_note, draft=draft_note, prompts=prompt_note, algorithm=alg, **conf,
                 max_new_tokens=args.max_new_tokens, plain_tokens=n_plain, spec_tokens=n_spec,
                 plain_tok_s=n_plain / t_plain, spec_tok_s=n_spec / t_spec,
                 speedup=(n_spec / t_spec) / (n_plain / t_plain), tau=n_spec / max(steps, 1), verify_steps=steps,
-                identical_outputs=f"{same}/{len(prompts)}", phases_ms={k: v * 1e3 for k, v in phases.items()})
+                identical_outputs=f"{same}/{len(prompts)}", phases_ms={k: v * 1e3 for k, v in phases.items()},
+                profiles=profiles)
 
 
 def _trim(tokens: list[int], stop: tuple[int, ...]) -> list[int]:
@@ -326,6 +370,12 @@ def print_spec_table(r: dict) -> None:
                       x["same_as_specjax_plain"]] for x in r["llama_server"]])
         print()
     print_table(["phase (one step, batch 1)", "ms"], [[k, f"{v:.2f}"] for k, v in r["phases_ms"].items()])
+    for name, summary in r.get("profiles", {}).items():
+        title = f"{name.replace('_', ' ')} ({summary['path']})"
+        if "error" in summary:
+            print(f"\n{title}: {summary['error']}")
+        else:
+            print_summary(summary, unit="step", title=title)
 
 
 def bench_verify_sweep(args) -> dict:
@@ -454,6 +504,9 @@ class SpecOptions(TargetRunOptions):
     num_prompts: int = option(8, help="prompts decoded, one at a time")
     max_new_tokens: int = option(64, help="tokens generated per prompt")
     phase_repeats: int = option(5, help="repeats of each timed phase (median reported)")
+    profile_dir: str | None = option(None, metavar="DIR", help="also trace --phase-repeats fused steps and as many "
+                                     "plain decode steps with the JAX profiler into DIR and print where each step's "
+                                     "time goes: per kernel on a GPU or TPU, per XLA operation on a CPU")
     verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
                                                  "step")
     runner_steps: str | None = option(None, help="comma-separated batch sizes: time the server's plain, target-only "
@@ -499,6 +552,8 @@ def check_options(args: SpecOptions) -> None:
 def main(argv=None) -> int:
     args = parse_options(SpecOptions, argv, "python -m specjax.bench spec", __doc__)
     check_options(args)
+    if args.profile_dir:
+        enable_cpu_op_events()  # before the programs compile
     if args.verify_sweep:
         return report(args, bench_verify_sweep, print_sweep_table)
     if args.runner_steps:
