@@ -8,7 +8,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax.bench.profile import _union_us, hlo_op_kinds, summarize, summarize_ops, summarize_program, trace_call
+from specjax.bench.profile import _union_us, enable_cpu_op_events, hlo_op_kinds, summarize, summarize_ops, summarize_program, trace_call
 
 
 def _write(tmp_path, events):
@@ -111,20 +111,32 @@ def test_cpu_operations_are_grouped_by_what_they_are(tmp_path):
         summarize_program(path, 2, "")
 
 
-def test_bench_spec_prints_where_a_step_goes(tmp_path, capsys, monkeypatch):
-    """``bench spec --profile-dir``: the phase table, then the fused and the plain step's traces, each summarised per
-    XLA:CPU operation (the flag set by the bench before its programs compile; restored for the other tests)."""
-    from specjax.bench.__main__ import main as bench_main
-    from train_fixtures import make_tiny_model
+def test_spec_phase_times_profile_where_a_step_goes(tmp_path, capsys, monkeypatch):
+    """``bench spec --profile-dir`` (``phase_times(..., profile_dir)``): the fused and the plain step traced and
+    summarised per XLA:CPU operation (XLA's flag set as the bench sets it, before the programs compile; restored for
+    the other tests), and printed after the phase table."""
+    from spec_models import random_models, tiny_config
+
+    from specjax.bench.spec import phase_times, print_spec_table
+    from specjax.kernels.tree_attention import make_cache_attention
+    from specjax.speculative import draft as draft_lib, spec_step as step_lib
     monkeypatch.setenv("XLA_FLAGS", os.environ.get("XLA_FLAGS", ""))
-    model = make_tiny_model(str(tmp_path / "model"))
-    argv = ["spec", "--model", model, "--random-draft", "--prompts", "random", "--num-prompts", "1",
-            "--max-new-tokens", "4", "--phase-repeats", "2", "--profile-dir", str(tmp_path / "prof")]
-    assert bench_main(argv) == 0
-    out = capsys.readouterr().out
-    assert "| fused_step |" in out and "| plain_decode_step |" in out
-    lines = out.splitlines()
+    enable_cpu_op_events()
+    cfg = tiny_config()
+    tp, (e3cfg, e3, d2t) = random_models(cfg)[:2]
+    draft = draft_lib.make_draft("EAGLE3", e3cfg, e3, tp, d2t)
+    scfg = step_lib.SpecConfig(2, 1, 3, make_cache_attention("auto"), sampling=False)
+    times, profiles = phase_times(tp, cfg, draft, scfg, [1, 5, 9, 4, 7], 2, str(tmp_path / "prof"))
+    assert set(profiles) == {"fused_step", "plain_decode_step"} and times["fused_step"] > 0
+    for name, s in profiles.items():
+        assert s["device"] == "XLA:CPU operations on host threads" and s["path"].startswith(str(tmp_path / "prof"))
+        assert s["top"] and s["busy_ms_per_unit"] <= s["span_ms_per_unit"], s
+    print_spec_table(dict(model="m", draft="d", prompts="p", max_new_tokens=1, num_steps=2, topk=1, num_draft_tokens=3,
+                          plain_tokens=1, plain_tok_s=1.0, algorithm="EAGLE3", spec_tokens=1, spec_tok_s=1.0,
+                          speedup=1.0, tau=1.0, identical_outputs="1/1",
+                          phases_ms={k: v * 1e3 for k, v in times.items()}, profiles=profiles))
+    lines = capsys.readouterr().out.splitlines()
     for name in ("fused step", "plain decode step"):
         i = next(i for i, x in enumerate(lines) if x.startswith(name + " ("))
-        assert str(tmp_path / "prof") in lines[i] and "XLA:CPU operations on host threads: per step" in lines[i]
+        assert "XLA:CPU operations on host threads: per step" in lines[i]
         assert lines[i + 2].startswith("| kernel | calls / step |") and lines[i + 4].startswith("| "), lines[i:i + 5]
