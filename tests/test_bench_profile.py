@@ -12,6 +12,7 @@ from specjax.bench.profile import _union_us, enable_cpu_op_events, hlo_op_kinds,
 
 
 def _write(tmp_path, events):
+    tmp_path.mkdir(parents=True, exist_ok=True)
     path = tmp_path / "perfetto_trace.json.gz"
     with gzip.open(path, "wt") as f:
         json.dump({"traceEvents": events}, f)
@@ -107,6 +108,11 @@ def test_cpu_operations_are_grouped_by_what_they_are(tmp_path):
         ("specjax_dense f32[8,3072]", 2), ("specjax_rope (f32[8,9,64], f32[8,3,64])", 1), ("fusion f32[8,1536]", 1)]
     assert s["top"][0]["ms_per_unit"] == pytest.approx(0.040)
     assert summarize_program(path, 2, hlo)["top"] == s["top"]  # no device events: the operations
+    # two traces of the program (rounds in turns with another): their times and calls add, each its own span
+    later = [dict(e, ts=e["ts"] + 1e6) if e.get("ph") == "X" else e for e in events]
+    both = summarize_ops([path, _write(tmp_path / "b", later)], 4, kinds)
+    assert both["top"] == s["top"] and both["busy_ms_per_unit"] == pytest.approx(0.050)
+    assert both["span_ms_per_unit"] == pytest.approx(s["span_ms_per_unit"])  # not the 1 s between the traces
     with pytest.raises(ValueError, match="no device.*enable_cpu_op_events"):
         summarize_program(path, 2, "")
 

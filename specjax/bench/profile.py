@@ -102,59 +102,78 @@ def device_events(trace: dict) -> tuple[str, list[dict]]:
     return ", ".join(sorted(procs[p] for p in device_pids)), xs
 
 
-def summarize(path: str, units: int, top: int = 15) -> dict:
-    """Per-``unit`` device time of the perfetto trace at ``path`` (see the module doc)."""
+def _read(path: str) -> dict:
+    with gzip.open(path, "rt") as f:
+        return json.load(f)
+
+
+def _as_list(paths: str | list[str]) -> list[str]:
+    return [paths] if isinstance(paths, str) else list(paths)
+
+
+def summarize(paths: str | list[str], units: int, top: int = 15) -> dict:
+    """Per-``unit`` device time of the perfetto trace at ``paths`` (see the module doc); of several traces of the
+    same program (``units`` in all), their times added (each trace's busy time and span its own)."""
     if units < 1:
         raise ValueError(f"units must be >= 1, got {units}")
-    with gzip.open(path, "rt") as f:
-        device, xs = device_events(json.load(f))
-    if not xs:
-        raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on host "
-                         f"threads")
-    return _per_unit(device, xs, units, top, lambda e: str(e.get("name", "?")))
+    traces = []
+    for path in _as_list(paths):
+        device, xs = device_events(_read(path))
+        if not xs:
+            raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on "
+                             f"host threads")
+        traces.append(xs)
+    return _per_unit(device, traces, units, top, lambda e: str(e.get("name", "?")))
 
 
-def _per_unit(device: str, xs: list[dict], units: int, top: int, key) -> dict:
-    """The summary of ``summarize`` over events ``xs``, grouped by ``key(event)``."""
-    spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs]
-    busy = _union_us(spans)
-    span = max(e for _, e in spans) - min(s for s, _ in spans)
+def _per_unit(device: str, traces: list[list[dict]], units: int, top: int, key) -> dict:
+    """The summary of ``summarize`` over the events of each trace, grouped by ``key(event)``: busy time (the union of
+    a trace's events) and span (its first start to its last end) added over the traces."""
+    busy = span = 0.0
     by_name: dict[str, list[float]] = {}
-    for e in xs:
-        by_name.setdefault(key(e), []).append(float(e["dur"]))
+    for xs in traces:
+        spans = [(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in xs]
+        busy += _union_us(spans)
+        span += max(e for _, e in spans) - min(s for s, _ in spans)
+        for e in xs:
+            by_name.setdefault(key(e), []).append(float(e["dur"]))
     total = sum(sum(d) for d in by_name.values())
     kernels = sorted(((name, len(d), sum(d)) for name, d in by_name.items()), key=lambda r: -r[2])
-    return {"device": device, "units": units, "events": len(xs), "events_per_unit": len(xs) / units,
+    events = sum(len(xs) for xs in traces)
+    return {"device": device, "units": units, "events": events, "events_per_unit": events / units,
             "busy_ms_per_unit": busy / units / 1e3, "span_ms_per_unit": span / units / 1e3,
             "busy_fraction": busy / span if span > 0 else 1.0, "distinct_kernels": len(kernels),
             "top": [{"name": name, "calls_per_unit": n / units, "ms_per_unit": t / units / 1e3,
                      "share": t / total if total > 0 else 0.0} for name, n, t in kernels[:top]]}
 
 
-def summarize_ops(path: str, units: int, kinds: dict[str, str], top: int = 15) -> dict:
-    """Per-``unit`` time of the XLA:CPU operations in the trace at ``path``, grouped by ``kinds`` (``hlo_op_kinds``
-    of the traced program): the host events named as its instructions (``enable_cpu_op_events``), control flow
-    (while, conditional, call) left out, as its bodies' operations count themselves."""
+def summarize_ops(paths: str | list[str], units: int, kinds: dict[str, str], top: int = 15) -> dict:
+    """Per-``unit`` time of the XLA:CPU operations in the traces at ``paths`` (of one program, ``units`` in all),
+    grouped by ``kinds`` (``hlo_op_kinds`` of the program): the host events named as its instructions
+    (``enable_cpu_op_events``), control flow (while, conditional, call) left out, as its bodies' operations count
+    themselves."""
     if units < 1:
         raise ValueError(f"units must be >= 1, got {units}")
-    with gzip.open(path, "rt") as f:
-        trace = json.load(f)
-    events = trace["traceEvents"] if isinstance(trace, dict) else trace
-    xs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("name") in kinds
-          and kinds[e["name"]].split(" ")[0] not in _CONTROL_FLOW]
-    if not xs:
-        raise ValueError(f"no XLA:CPU operation events in the trace at {path}: compile the program after "
-                         f"enable_cpu_op_events() (XLA_FLAGS {CPU_OP_EVENTS_FLAG})")
-    return _per_unit("XLA:CPU operations on host threads", xs, units, top, lambda e: kinds[e["name"]])
+    traces = []
+    for path in _as_list(paths):
+        trace = _read(path)
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        xs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("name") in kinds
+              and kinds[e["name"]].split(" ")[0] not in _CONTROL_FLOW]
+        if not xs:
+            raise ValueError(f"no XLA:CPU operation events in the trace at {path}: compile the program after "
+                             f"enable_cpu_op_events() (XLA_FLAGS {CPU_OP_EVENTS_FLAG})")
+        traces.append(xs)
+    return _per_unit("XLA:CPU operations on host threads", traces, units, top, lambda e: kinds[e["name"]])
 
 
-def summarize_program(path: str, units: int, hlo_text: str, top: int = 15) -> dict:
-    """``summarize`` where the trace holds device events, else ``summarize_ops`` over the program ``hlo_text``."""
+def summarize_program(paths: str | list[str], units: int, hlo_text: str, top: int = 15) -> dict:
+    """``summarize`` where the traces hold device events, else ``summarize_ops`` over the program ``hlo_text``."""
     try:
-        return summarize(path, units, top)
+        return summarize(paths, units, top)
     except ValueError as device_error:
         try:
-            return summarize_ops(path, units, hlo_op_kinds(hlo_text), top)
+            return summarize_ops(paths, units, hlo_op_kinds(hlo_text), top)
         except ValueError as ops_error:
             raise ValueError(f"{device_error}; {ops_error}") from None
 

@@ -232,27 +232,34 @@ def phase_times(tparams, tcfg, draft, scfg, prompt, repeats: int, profile_dir: s
     return times, (profile_steps(whole, repeats, profile_dir) if profile_dir else {})
 
 
-def profile_steps(whole: dict, repeats: int, log_dir: str) -> dict:
-    """Where the time of ``repeats`` fused steps and of as many plain decode steps goes (``_whole_steps``; each run
-    from its own copy of the state under ``jax.profiler``): ``bench.profile.summarize_program`` per step, by kernel
-    on a GPU or TPU, by XLA:CPU operation on a CPU (``enable_cpu_op_events``)."""
+def profile_steps(whole: dict, repeats: int, log_dir: str, rounds: int = 2) -> dict:
+    """Where the time of a fused step and of a plain decode step goes (``_whole_steps``): ``rounds`` rounds, each
+    tracing ``repeats`` steps of one and then of the other under ``jax.profiler`` (each from its own copy of the
+    state), so that a shared host's drift falls on both alike; ``bench.profile.summarize_program`` over each one's
+    traces: by kernel on a GPU or TPU, by XLA:CPU operation on a CPU (``enable_cpu_op_events``)."""
     import jax
     import jax.numpy as jnp
+    names = ("fused_step", "plain_decode_step")
+    paths: dict[str, list[str]] = {name: [] for name in names}
+    for r in range(rounds):
+        for name in names:
+            step, s0, _ = whole[name]
+            box = [jax.block_until_ready(step(jax.tree.map(jnp.copy, s0)))]  # compiled, warm, done before the trace
+
+            def run(step=step, box=box):
+                for _ in range(repeats):
+                    box[0] = step(box[0])
+                return box[0]
+
+            paths[name].append(trace_call(run, os.path.join(log_dir, name)))
     out = {}
-    for name in ("fused_step", "plain_decode_step"):
-        step, s0, lower = whole[name]
-        box = [jax.block_until_ready(step(jax.tree.map(jnp.copy, s0)))]  # compiled, warm, and done before the trace
-
-        def run(step=step, box=box):
-            for _ in range(repeats):
-                box[0] = step(box[0])
-            return box[0]
-
-        path = trace_call(run, os.path.join(log_dir, name))
+    for name in names:
+        summary = {"path": os.path.join(log_dir, name), "rounds": rounds}
         try:
-            out[name] = summarize_program(path, repeats, lower().compile().as_text()) | {"path": path}
+            out[name] = summarize_program(paths[name], rounds * repeats, whole[name][2]().compile().as_text()) \
+                | summary
         except ValueError as e:  # a CPU program compiled without ``enable_cpu_op_events``: no operation events
-            out[name] = {"path": path, "error": str(e)}
+            out[name] = summary | {"error": str(e)}
     return out
 
 
@@ -371,7 +378,7 @@ def print_spec_table(r: dict) -> None:
         print()
     print_table(["phase (one step, batch 1)", "ms"], [[k, f"{v:.2f}"] for k, v in r["phases_ms"].items()])
     for name, summary in r.get("profiles", {}).items():
-        title = f"{name.replace('_', ' ')} ({summary['path']})"
+        title = f"{name.replace('_', ' ')} ({summary['path']}, {summary['rounds']} traces in turns with the other step)"
         if "error" in summary:
             print(f"\n{title}: {summary['error']}")
         else:
@@ -505,8 +512,9 @@ class SpecOptions(TargetRunOptions):
     max_new_tokens: int = option(64, help="tokens generated per prompt")
     phase_repeats: int = option(5, help="repeats of each timed phase (median reported)")
     profile_dir: str | None = option(None, metavar="DIR", help="also trace --phase-repeats fused steps and as many "
-                                     "plain decode steps with the JAX profiler into DIR and print where each step's "
-                                     "time goes: per kernel on a GPU or TPU, per XLA operation on a CPU")
+                                     "plain decode steps, twice in turns, with the JAX profiler into DIR and print "
+                                     "where each step's time goes: per kernel on a GPU or TPU, per XLA operation on "
+                                     "a CPU")
     verify_sweep: str | None = option(None, help="comma-separated tree sizes M: time the verify forward vs a decode "
                                                  "step")
     runner_steps: str | None = option(None, help="comma-separated batch sizes: time the server's plain, target-only "
