@@ -8,7 +8,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from specjax.bench.profile import _union_us, enable_cpu_op_events, hlo_op_kinds, summarize, summarize_ops, summarize_program, trace_call
+from specjax.bench.profile import (_union_us, enable_cpu_op_events, hlo_op_kinds, summarize, summarize_ops,
+                                   summarize_program, trace_call)
 
 
 def _write(tmp_path, events):
