@@ -251,7 +251,7 @@ def profile_steps(whole: dict, repeats: int, log_dir: str, rounds: int = 2) -> d
                     box[0] = step(box[0])
                 return box[0]
 
-            paths[name].append(trace_call(run, os.path.join(log_dir, name)))
+            paths[name].append(trace_call(run, os.path.join(log_dir, name, f"trace{r + 1}")))  # a folder each
     out = {}
     for name in names:
         summary = {"path": os.path.join(log_dir, name), "rounds": rounds}
