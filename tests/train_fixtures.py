@@ -11,7 +11,7 @@ import os
 import random
 import sys
 
-from specjax.hub import default_cache_dir
+from specjax.kernels import cpu_dense
 
 CHATML = (
     "{% for message in messages %}"
@@ -149,8 +149,8 @@ def share_kernels(cache: str) -> None:
     """Point ``cache``/kernels at this process's folder of compiled CPU kernels (``kernels.cpu_dense``: one file per
     source, jaxlib and CPU, written under a temporary name and renamed), so that a child run with a cache of its own
     loads them instead of compiling them again (about 30 s of a 2-core machine per child)."""
-    shared = os.path.join(default_cache_dir(), "kernels")
-    link = os.path.join(cache, "kernels")
+    shared = cpu_dense.library_path().parent
+    link = os.path.join(cache, shared.name)
     if os.path.lexists(link) or os.path.abspath(link) == os.path.abspath(shared):
         return
     os.makedirs(shared, exist_ok=True)
