@@ -102,28 +102,45 @@ def device_events(trace: dict) -> tuple[str, list[dict]]:
     return ", ".join(sorted(procs[p] for p in device_pids)), xs
 
 
-def _read(path: str) -> dict:
-    with gzip.open(path, "rt") as f:
-        return json.load(f)
+def _load(paths: str | list[str], units: int) -> list[tuple[str, dict]]:
+    """(path, parsed trace) of each of ``paths``, read once."""
+    if units < 1:
+        raise ValueError(f"units must be >= 1, got {units}")
+    out = []
+    for path in [paths] if isinstance(paths, str) else paths:
+        with gzip.open(path, "rt") as f:
+            out.append((path, json.load(f)))
+    return out
 
 
-def _as_list(paths: str | list[str]) -> list[str]:
-    return [paths] if isinstance(paths, str) else list(paths)
+def _device_summary(traces: list[tuple[str, dict]], units: int, top: int) -> dict:
+    per_trace = []
+    for path, trace in traces:
+        device, xs = device_events(trace)
+        if not xs:
+            raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on "
+                             f"host threads")
+        per_trace.append(xs)
+    return _per_unit(device, per_trace, units, top, lambda e: str(e.get("name", "?")))
+
+
+def _ops_summary(traces: list[tuple[str, dict]], units: int, kinds: dict[str, str], top: int) -> dict:
+    per_trace = []
+    for path, trace in traces:
+        events = trace["traceEvents"] if isinstance(trace, dict) else trace
+        xs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("name") in kinds
+              and kinds[e["name"]].split(" ")[0] not in _CONTROL_FLOW]
+        if not xs:
+            raise ValueError(f"no XLA:CPU operation events in the trace at {path}: compile the program after "
+                             f"enable_cpu_op_events() (XLA_FLAGS {CPU_OP_EVENTS_FLAG})")
+        per_trace.append(xs)
+    return _per_unit("XLA:CPU operations on host threads", per_trace, units, top, lambda e: kinds[e["name"]])
 
 
 def summarize(paths: str | list[str], units: int, top: int = 15) -> dict:
     """Per-``unit`` device time of the perfetto trace at ``paths`` (see the module doc); of several traces of the
     same program (``units`` in all), their times added (each trace's busy time and span its own)."""
-    if units < 1:
-        raise ValueError(f"units must be >= 1, got {units}")
-    traces = []
-    for path in _as_list(paths):
-        device, xs = device_events(_read(path))
-        if not xs:
-            raise ValueError(f"no device events in the trace at {path} ({device}); on a CPU, XLA's work runs on "
-                             f"host threads")
-        traces.append(xs)
-    return _per_unit(device, traces, units, top, lambda e: str(e.get("name", "?")))
+    return _device_summary(_load(paths, units), units, top)
 
 
 def _per_unit(device: str, traces: list[list[dict]], units: int, top: int, key) -> dict:
@@ -152,28 +169,18 @@ def summarize_ops(paths: str | list[str], units: int, kinds: dict[str, str], top
     grouped by ``kinds`` (``hlo_op_kinds`` of the program): the host events named as its instructions
     (``enable_cpu_op_events``), control flow (while, conditional, call) left out, as its bodies' operations count
     themselves."""
-    if units < 1:
-        raise ValueError(f"units must be >= 1, got {units}")
-    traces = []
-    for path in _as_list(paths):
-        trace = _read(path)
-        events = trace["traceEvents"] if isinstance(trace, dict) else trace
-        xs = [e for e in events if e.get("ph") == "X" and "dur" in e and e.get("name") in kinds
-              and kinds[e["name"]].split(" ")[0] not in _CONTROL_FLOW]
-        if not xs:
-            raise ValueError(f"no XLA:CPU operation events in the trace at {path}: compile the program after "
-                             f"enable_cpu_op_events() (XLA_FLAGS {CPU_OP_EVENTS_FLAG})")
-        traces.append(xs)
-    return _per_unit("XLA:CPU operations on host threads", traces, units, top, lambda e: kinds[e["name"]])
+    return _ops_summary(_load(paths, units), units, kinds, top)
 
 
 def summarize_program(paths: str | list[str], units: int, hlo_text: str, top: int = 15) -> dict:
-    """``summarize`` where the traces hold device events, else ``summarize_ops`` over the program ``hlo_text``."""
+    """``summarize`` where the traces hold device events, else ``summarize_ops`` over the program ``hlo_text`` (the
+    traces read once)."""
+    traces = _load(paths, units)
     try:
-        return summarize(paths, units, top)
+        return _device_summary(traces, units, top)
     except ValueError as device_error:
         try:
-            return summarize_ops(paths, units, hlo_op_kinds(hlo_text), top)
+            return _ops_summary(traces, units, hlo_op_kinds(hlo_text), top)
         except ValueError as ops_error:
             raise ValueError(f"{device_error}; {ops_error}") from None
 
