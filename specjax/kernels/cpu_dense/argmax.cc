@@ -29,17 +29,17 @@ int32_t RowArgmax(const float* p, int64_t n) {
   float m = -std::numeric_limits<float>::infinity();
   bool nan = false;
   int64_t i = 0;
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   const int64_t n_vec = n / kLanes * kLanes;
-  __m512 mv = _mm512_set1_ps(m);
-  __mmask16 unordered = 0;
+  F16 mv = VSet1(m);
+  unsigned unordered = 0;
   for (; i < n_vec; i += kLanes) {
-    const __m512 v = _mm512_loadu_ps(p + i);
-    unordered |= _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q);
-    mv = _mm512_max_ps(mv, v);
+    const F16 v = VLoad(p + i);
+    unordered |= VNanMask(v);
+    mv = VMax(mv, v);
   }
   nan = unordered != 0;
-  m = _mm512_reduce_max_ps(mv);
+  m = VMaxLanes(mv);
 #endif
   for (; i < n; ++i) {
     nan |= std::isnan(p[i]);
@@ -47,10 +47,10 @@ int32_t RowArgmax(const float* p, int64_t n) {
   }
   if (nan) return FirstNan(p, n);
   i = 0;
-#if defined(__AVX512F__)
-  const __m512 target = _mm512_set1_ps(m);
+#if defined(SPECJAX_VEC)
+  const F16 target = VSet1(m);
   for (; i < n_vec; i += kLanes) {
-    const __mmask16 hit = _mm512_cmp_ps_mask(_mm512_loadu_ps(p + i), target, _CMP_EQ_OQ);
+    const unsigned hit = VEqMask(VLoad(p + i), target);
     if (hit) return static_cast<int32_t>(i + __builtin_ctz(hit));
   }
 #endif

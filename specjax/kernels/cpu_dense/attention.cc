@@ -50,35 +50,66 @@ struct AttnJob {
   int64_t parts;  // chunks per (row, kv head), each a run of its queries
 };
 
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // The sum of a vector's sixteen lanes in one fixed tree (GCC's ``_mm512_reduce_add_ps``, written out so that a
 // compiler's own choice cannot change it): t_i = a_i + a_{i+8}, u_i = t_i + t_{i+4}, (u_0 + u_2) + (u_1 + u_3).
-inline float ReduceAdd16(__m512 a) {
-  const __m256 t = _mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a));
+inline float ReduceT8(__m256 t) {  // the tree from t
   const __m128 u = _mm_add_ps(_mm256_extractf128_ps(t, 1), _mm256_castps256_ps128(t));
   const __m128 v = _mm_add_ps(u, _mm_shuffle_ps(u, u, _MM_SHUFFLE(1, 0, 3, 2)));
   return _mm_cvtss_f32(v) + _mm_cvtss_f32(_mm_shuffle_ps(v, v, _MM_SHUFFLE(1, 1, 1, 1)));
+}
+#endif
+
+#if defined(__AVX512F__)
+inline float ReduceAdd16(F16 a) {
+  return ReduceT8(_mm256_add_ps(_mm512_extractf32x8_ps(a, 1), _mm512_castps512_ps256(a)));
 }
 
 // ReduceAdd16 of sixteen vectors at once: lane j of the result is ReduceAdd16(a[j]), the same additions (pairs of
 // vectors merged per level of the tree, 45 shuffles and adds for 16 sums where one ReduceAdd16 takes about 8 with a
 // long dependency chain).
-inline __m512 ReduceAdd16x16(const __m512 (&a)[kLanes]) {
-  __m512 b[8], c[4], d[2];
+inline F16 ReduceAdd16x16(const F16 (&a)[kLanes]) {
+  F16 b[8], c[4], d[2];
   for (int m = 0; m < 8; ++m)  // lanes 0-7: t of a[2m], 8-15: t of a[2m + 1]
-    b[m] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    b[m] = VAdd(_mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_f32x4(a[2 * m], a[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   for (int m = 0; m < 4; ++m)  // 128-bit lane k: u of a[4m + k]
-    c[m] = _mm512_add_ps(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
-                         _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
+    c[m] = VAdd(_mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(2, 0, 2, 0)),
+                _mm512_shuffle_f32x4(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 1, 3, 1)));
   for (int m = 0; m < 2; ++m)  // 128-bit lane k: (u_0 + u_2, u_1 + u_3) of a[8m + k], then of a[8m + k + 4]
-    d[m] = _mm512_add_ps(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
-                         _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+    d[m] = VAdd(_mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                _mm512_shuffle_ps(c[2 * m], c[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
   // lane 4k + m: the sum of a[k + 4m]; back to lane j: the sum of a[j]
-  const __m512 r = _mm512_add_ps(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
-                                 _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  const F16 r = VAdd(_mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                     _mm512_shuffle_ps(d[0], d[1], _MM_SHUFFLE(3, 1, 3, 1)));
   const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
   return _mm512_permutexvar_ps(order, r);
+}
+#elif defined(SPECJAX_VEC)
+inline float ReduceAdd16(F16 a) { return ReduceT8(_mm256_add_ps(a.lo, a.hi)); }
+
+// Lane j: ReduceT8(t[j]) for eight vectors t, the same additions merged as the AVX-512 ReduceAdd16x16 merges them.
+inline __m256 ReduceT8x8(const __m256 (&t)[8]) {
+  __m256 b[4], c[2];
+  for (int m = 0; m < 4; ++m)  // 128-bit lane 0: u of t[2m], lane 1: u of t[2m + 1]
+    b[m] = _mm256_add_ps(_mm256_permute2f128_ps(t[2 * m], t[2 * m + 1], 0x20),
+                         _mm256_permute2f128_ps(t[2 * m], t[2 * m + 1], 0x31));
+  for (int m = 0; m < 2; ++m)  // 128-bit lane k: (u_0 + u_2, u_1 + u_3) of t[4m + k], then of t[4m + k + 2]
+    c[m] = _mm256_add_ps(_mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm256_shuffle_ps(b[2 * m], b[2 * m + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  // lane 4k + m: the sum of t[k + 2m]; back to lane j: the sum of t[j]
+  const __m256 r = _mm256_add_ps(_mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(2, 0, 2, 0)),
+                                 _mm256_shuffle_ps(c[0], c[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm256_permutevar8x32_ps(r, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+}
+
+inline F16 ReduceAdd16x16(const F16 (&a)[kLanes]) {
+  __m256 lo[8], hi[8];
+  for (int j = 0; j < 8; ++j) {
+    lo[j] = _mm256_add_ps(a[j].lo, a[j].hi);
+    hi[j] = _mm256_add_ps(a[j + 8].lo, a[j + 8].hi);
+  }
+  return {ReduceT8x8(lo), ReduceT8x8(hi)};
 }
 #endif
 
@@ -87,29 +118,29 @@ template <typename P>
 inline float Dot(const float* a, const P* b, int64_t h) {
   int64_t i = 0;
   float s = 0.f;
-#if defined(__AVX512F__)
-  __m512 acc = _mm512_setzero_ps();
-  for (; i + kLanes <= h; i += kLanes) acc = _mm512_fmadd_ps(_mm512_loadu_ps(a + i), Load16(b + i), acc);
+#if defined(SPECJAX_VEC)
+  F16 acc = VZero();
+  for (; i + kLanes <= h; i += kLanes) acc = VFma(VLoad(a + i), VLoad(b + i), acc);
   s = ReduceAdd16(acc);
 #endif
   for (; i < h; ++i) s = __builtin_fmaf(a[i], load(b, i), s);
   return s;
 }
 
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // Dot(a, row j, h) for sixteen key rows at once into out[0..16], each the same fmas, tree and tail as Dot: row j at
 // rows[j], or (``rows`` null) at first + j * h (a page's consecutive positions: one base register for all loads).
 template <typename P>
 inline void Dot16(const float* a, const P* const* rows, const P* first, int64_t h, float* out) {
   auto row = [&](int j) { return rows ? rows[j] : first + j * h; };
-  __m512 acc[kLanes];
-  for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_setzero_ps();
+  F16 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = VZero();
   int64_t i = 0;
   for (; i + kLanes <= h; i += kLanes) {
-    const __m512 av = _mm512_loadu_ps(a + i);
-    for (int j = 0; j < kLanes; ++j) acc[j] = _mm512_fmadd_ps(av, Load16(row(j) + i), acc[j]);
+    const F16 av = VLoad(a + i);
+    for (int j = 0; j < kLanes; ++j) acc[j] = VFma(av, VLoad(row(j) + i), acc[j]);
   }
-  _mm512_storeu_ps(out, ReduceAdd16x16(acc));
+  VStore(out, ReduceAdd16x16(acc));
   for (; i < h; ++i)
     for (int j = 0; j < kLanes; ++j) out[j] = __builtin_fmaf(a[i], load(row(j), i), out[j]);
 }
@@ -119,10 +150,10 @@ inline void Dot16(const float* a, const P* const* rows, const P* first, int64_t 
 template <typename P>
 inline void Axpy(float* __restrict acc, float w, const P* v, int64_t h) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 wv = _mm512_set1_ps(w);
+#if defined(SPECJAX_VEC)
+  const F16 wv = VSet1(w);
   for (; i + kLanes <= h; i += kLanes)
-    _mm512_storeu_ps(acc + i, _mm512_fmadd_ps(wv, Load16(v + i), _mm512_loadu_ps(acc + i)));
+    VStore(acc + i, VFma(wv, VLoad(v + i), VLoad(acc + i)));
 #endif
   for (; i < h; ++i) acc[i] = __builtin_fmaf(w, load(v, i), acc[i]);
 }
@@ -131,25 +162,25 @@ inline void Axpy(float* __restrict acc, float w, const P* v, int64_t h) {
 // x = k ln2 + r, the same bits for a value whatever its neighbours.
 inline void ExpInPlace(float* x, int64_t n) {
   int64_t i = 0;
-#if defined(__AVX512F__)
-  const __m512 lo = _mm512_set1_ps(-87.3f), log2e = _mm512_set1_ps(1.44269504088896341f);
-  const __m512 ln2_hi = _mm512_set1_ps(0.693359375f), ln2_lo = _mm512_set1_ps(-2.12194440e-4f);
+#if defined(SPECJAX_VEC)
+  const F16 lo = VSet1(-87.3f), log2e = VSet1(1.44269504088896341f);
+  const F16 ln2_hi = VSet1(0.693359375f), ln2_lo = VSet1(-2.12194440e-4f);
   for (; i + kLanes <= n; i += kLanes) {
-    __m512 v = _mm512_loadu_ps(x + i);
-    const __mmask16 gone = _mm512_cmp_ps_mask(v, lo, _CMP_LT_OQ);
-    v = _mm512_max_ps(v, lo);
-    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(v, log2e), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(k, ln2_hi, v);
-    r = _mm512_fnmadd_ps(k, ln2_lo, r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.f)));
-    p = _mm512_scalef_ps(p, k);
-    _mm512_storeu_ps(x + i, _mm512_maskz_mov_ps(static_cast<__mmask16>(~gone), p));
+    F16 v = VLoad(x + i);
+    const unsigned gone = VLtMask(v, lo);
+    v = VMax(v, lo);
+    const F16 k = VRoundNearest(VMul(v, log2e));
+    F16 r = VFnma(k, ln2_hi, v);
+    r = VFnma(k, ln2_lo, r);
+    F16 p = VSet1(1.9875691500e-4f);
+    p = VFma(p, r, VSet1(1.3981999507e-3f));
+    p = VFma(p, r, VSet1(8.3334519073e-3f));
+    p = VFma(p, r, VSet1(4.1665795894e-2f));
+    p = VFma(p, r, VSet1(1.6666665459e-1f));
+    p = VFma(p, r, VSet1(5.0000001201e-1f));
+    p = VFma(VMul(p, r), r, VAdd(r, VSet1(1.f)));
+    p = VScale2(p, k);
+    VStore(x + i, VZeroWhere(p, gone));
   }
 #endif
   for (; i < n; ++i) x[i] = x[i] < -87.3f ? 0.f : std::exp(x[i]);
@@ -168,15 +199,15 @@ inline void PrefetchRow(const void* const* rows, int64_t s, int64_t keys, int64_
 // acc[i, :] += w[i, s] * v_s for every key s in order (rows[s] null: skipped; s >= fresh_from: a float32 row, else
 // a pool row; a zero weight skipped), for the nq queries: each query the same fma sequence as Axpy over its keys.
 // With AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows.
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // Whether none of the n weights of any of the q rows of w (row stride ``stride``) is zero.
 inline bool NoZeroWeights(const float* w, int64_t stride, int q, int64_t n) {
-  const __m512 zero = _mm512_setzero_ps();
+  const F16 zero = VZero();
   for (int r = 0; r < q; ++r) {
     const float* row = w + r * stride;
     int64_t s = 0;
     for (; s + kLanes <= n; s += kLanes)
-      if (_mm512_cmp_ps_mask(_mm512_loadu_ps(row + s), zero, _CMP_EQ_OQ)) return false;
+      if (VEqMask(VLoad(row + s), zero)) return false;
     for (; s < n; ++s)
       if (row[s] == 0.f) return false;
   }
@@ -203,40 +234,40 @@ void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const vo
     for (int64_t i = 0; i < nq; i += QG) {
       const int64_t qn = std::min<int64_t>(QG, nq - i);
       const float* wq = w + i * stride;
-      __m512 a[QG][HV];
+      F16 a[QG][HV];
       for (int q = 0; q < QG; ++q)
         for (int h = 0; h < HV; ++h)
-          a[q][h] = q < qn && b0 > 0 ? _mm512_loadu_ps(acc + (i + q) * H + h * kLanes) : _mm512_setzero_ps();
+          a[q][h] = q < qn && b0 > 0 ? VLoad(acc + (i + q) * H + h * kLanes) : VZero();
       int64_t s = b0;
       if (dense[i / QG]) {
         for (; s < std::min(b1, seen_by_all); ++s) {
           if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
           const P* row = static_cast<const P*>(rows[s]);
-          __m512 v[HV];
-          for (int h = 0; h < HV; ++h) v[h] = Load16(row + h * kLanes);
+          F16 v[HV];
+          for (int h = 0; h < HV; ++h) v[h] = VLoad(row + h * kLanes);
           for (int q = 0; q < QG; ++q) {
-            const __m512 wv = _mm512_set1_ps(wq[q * stride + s]);
-            for (int h = 0; h < HV; ++h) a[q][h] = _mm512_fmadd_ps(wv, v[h], a[q][h]);
+            const F16 wv = VSet1(wq[q * stride + s]);
+            for (int h = 0; h < HV; ++h) a[q][h] = VFma(wv, v[h], a[q][h]);
           }
         }
       }
       for (; s < b1; ++s) {
         if (!rows[s]) continue;
         if (i == 0) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
-        __m512 v[HV];
+        F16 v[HV];
         for (int h = 0; h < HV; ++h)
-          v[h] = s >= fresh_from ? _mm512_loadu_ps(static_cast<const float*>(rows[s]) + h * kLanes)
-                          : Load16(static_cast<const P*>(rows[s]) + h * kLanes);
+          v[h] = s >= fresh_from ? VLoad(static_cast<const float*>(rows[s]) + h * kLanes)
+                          : VLoad(static_cast<const P*>(rows[s]) + h * kLanes);
         for (int q = 0; q < QG; ++q) {
           if (q >= qn) break;
           const float ws = wq[q * stride + s];
           if (ws == 0.f) continue;
-          const __m512 wv = _mm512_set1_ps(ws);
-          for (int h = 0; h < HV; ++h) a[q][h] = _mm512_fmadd_ps(wv, v[h], a[q][h]);
+          const F16 wv = VSet1(ws);
+          for (int h = 0; h < HV; ++h) a[q][h] = VFma(wv, v[h], a[q][h]);
         }
       }
       for (int q = 0; q < qn; ++q)
-        for (int h = 0; h < HV; ++h) _mm512_storeu_ps(acc + (i + q) * H + h * kLanes, a[q][h]);
+        for (int h = 0; h < HV; ++h) VStore(acc + (i + q) * H + h * kLanes, a[q][h]);
     }
   }
 }
@@ -246,7 +277,7 @@ template <typename P>
 void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                  int64_t keys, int64_t seen_by_all, int64_t H, float* acc) {
   for (int64_t s = 0; s < kAhead; ++s) PrefetchRow<P>(rows, s, keys, fresh_from, H);
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
   if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
 #endif
@@ -324,7 +355,7 @@ template <typename P>
 int64_t ScorePrefix(const float* q, int64_t nq, int64_t H, const void* const* krows, int64_t prefix, int64_t keys,
                     float scale, float* scores, int64_t stride) {
   int64_t s0 = 0;
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   for (; s0 + kLanes <= prefix; s0 += kLanes) {
     for (int64_t s = s0 + kLanes; s < s0 + 2 * kLanes; ++s) PrefetchRow<P>(krows, s, keys, prefix, H);
     const P* const* rows = reinterpret_cast<const P* const*>(krows + s0);
@@ -335,7 +366,7 @@ int64_t ScorePrefix(const float* q, int64_t nq, int64_t H, const void* const* kr
       float* row = scores + i * stride + s0;
       if (consecutive) Dot16<P>(q + i * H, nullptr, first, H, row);
       else Dot16<P>(q + i * H, rows, nullptr, H, row);
-      _mm512_storeu_ps(row, _mm512_mul_ps(_mm512_loadu_ps(row), _mm512_set1_ps(scale)));
+      VStore(row, VMul(VLoad(row), VSet1(scale)));
     }
   }
 #endif

@@ -13,7 +13,9 @@
 #include <thread>
 #include <vector>
 
-#if defined(__AVX512F__)
+// The kernels' vector code runs on AVX-512 or on AVX2 with FMA (``F16``, below); other CPUs take the scalar loops.
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+#define SPECJAX_VEC 1
 #include <immintrin.h>
 #endif
 
@@ -49,11 +51,120 @@ inline void Store(uint16_t* out, float v) { *out = F32ToBf16(v); }
 inline float load(const float* p, int64_t i) { return p[i]; }
 inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 
+// ---------------------------------------------------------------------------------------------------------------
+// F16: sixteen float32 lanes, one 512-bit vector with AVX-512, a pair of 256-bit ones (lanes 0-7, 8-15) with AVX2.
+// Every operation is lane by lane (a fused multiply-add rounds once either way) and the reductions below add the
+// lanes in one fixed tree, so each output of a kernel is the same sequence of operations, with the same bits, on
+// both (tests/test_cpu_dense.py pins the kernels against XLA's products on whichever this CPU has). Without them an
+// AVX2 CPU ran the kernels' scalar loops: SmolLM2's fp32 decode step at 16% of the weight-read limit on a 2-core Zen
+// 1 EPYC, 0.2x XLA's own dots (docs/benchmarks.md, fifty-ninth session).
 #if defined(__AVX512F__)
-inline __m512 Load16(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 Load16(const uint16_t* p) {
+using F16 = __m512;
+inline F16 VZero() { return _mm512_setzero_ps(); }
+inline F16 VSet1(float v) { return _mm512_set1_ps(v); }
+inline F16 VLoad(const float* p) { return _mm512_loadu_ps(p); }
+// sixteen bf16 values widened
+inline F16 VLoad(const uint16_t* p) {
   __m256i h = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
   return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+inline void VStore(float* p, F16 v) { _mm512_storeu_ps(p, v); }
+inline F16 VFma(F16 a, F16 b, F16 c) { return _mm512_fmadd_ps(a, b, c); }     // a * b + c
+inline F16 VFnma(F16 a, F16 b, F16 c) { return _mm512_fnmadd_ps(a, b, c); }   // c - a * b
+inline F16 VAdd(F16 a, F16 b) { return _mm512_add_ps(a, b); }
+inline F16 VMul(F16 a, F16 b) { return _mm512_mul_ps(a, b); }
+inline F16 VMax(F16 a, F16 b) { return _mm512_max_ps(a, b); }  // b where either is NaN
+inline F16 VRoundNearest(F16 a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+// a * 2^k for integral k in [-126, 127]
+inline F16 VScale2(F16 a, F16 k) { return _mm512_scalef_ps(a, k); }
+// lane masks (bit l: lane l)
+inline unsigned VEqMask(F16 a, F16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_OQ); }
+inline unsigned VLtMask(F16 a, F16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
+inline unsigned VNanMask(F16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
+inline F16 VZeroWhere(F16 a, unsigned mask) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(~mask), a); }
+inline float VMaxLanes(F16 a) { return _mm512_reduce_max_ps(a); }  // exact in any order
+// The 32 bf16 values of the 64-byte line at p widened: the even ones into a[0], the odd ones into a[1].
+inline void VPairedLine(const uint16_t* p, F16 (&a)[2]) {
+  const __m512i raw = _mm512_loadu_si512(p);
+  a[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
+  a[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
+}
+// 32 sums kept as [16 even columns, 16 odd ones] back in column order: columns 0-15 into in[0], 16-31 into in[1].
+inline void VInColumnOrder(F16 (&in)[2]) {
+  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
+  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
+  const F16 even = in[0], odd = in[1];
+  in[0] = _mm512_permutex2var_ps(even, first, odd);
+  in[1] = _mm512_permutex2var_ps(even, second, odd);
+}
+#elif defined(SPECJAX_VEC)
+struct F16 {
+  __m256 lo, hi;  // lanes 0-7, 8-15
+};
+inline F16 VZero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
+inline F16 VSet1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
+inline F16 VLoad(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
+inline __m256 Widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
+inline F16 VLoad(const uint16_t* p) {
+  return {Widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
+          Widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
+}
+inline void VStore(float* p, F16 v) {
+  _mm256_storeu_ps(p, v.lo);
+  _mm256_storeu_ps(p + 8, v.hi);
+}
+inline F16 VFma(F16 a, F16 b, F16 c) { return {_mm256_fmadd_ps(a.lo, b.lo, c.lo), _mm256_fmadd_ps(a.hi, b.hi, c.hi)}; }
+inline F16 VFnma(F16 a, F16 b, F16 c) {
+  return {_mm256_fnmadd_ps(a.lo, b.lo, c.lo), _mm256_fnmadd_ps(a.hi, b.hi, c.hi)};
+}
+inline F16 VAdd(F16 a, F16 b) { return {_mm256_add_ps(a.lo, b.lo), _mm256_add_ps(a.hi, b.hi)}; }
+inline F16 VMul(F16 a, F16 b) { return {_mm256_mul_ps(a.lo, b.lo), _mm256_mul_ps(a.hi, b.hi)}; }
+inline F16 VMax(F16 a, F16 b) { return {_mm256_max_ps(a.lo, b.lo), _mm256_max_ps(a.hi, b.hi)}; }
+inline F16 VRoundNearest(F16 a) {
+  constexpr int kMode = _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC;
+  return {_mm256_round_ps(a.lo, kMode), _mm256_round_ps(a.hi, kMode)};
+}
+// 2^k built in the exponent field (a normal float for k in [-126, 127]): a * 2^k rounds once, as scalef does.
+inline __m256 Pow2(__m256 k) {
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23));
+}
+inline F16 VScale2(F16 a, F16 k) { return {_mm256_mul_ps(a.lo, Pow2(k.lo)), _mm256_mul_ps(a.hi, Pow2(k.hi))}; }
+template <int kCmp>
+inline unsigned CmpMask(F16 a, F16 b) {
+  return static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a.lo, b.lo, kCmp))) |
+         static_cast<unsigned>(_mm256_movemask_ps(_mm256_cmp_ps(a.hi, b.hi, kCmp))) << 8;
+}
+inline unsigned VEqMask(F16 a, F16 b) { return CmpMask<_CMP_EQ_OQ>(a, b); }
+inline unsigned VLtMask(F16 a, F16 b) { return CmpMask<_CMP_LT_OQ>(a, b); }
+inline unsigned VNanMask(F16 a) { return CmpMask<_CMP_UNORD_Q>(a, a); }
+inline __m256 KeepMask8(unsigned mask) {  // all ones in lane l where bit l of mask is clear
+  const __m256i bits = _mm256_setr_epi32(1, 2, 4, 8, 16, 32, 64, 128);
+  const __m256i m = _mm256_and_si256(_mm256_set1_epi32(static_cast<int>(mask & 0xffu)), bits);
+  return _mm256_castsi256_ps(_mm256_cmpeq_epi32(m, _mm256_setzero_si256()));
+}
+inline F16 VZeroWhere(F16 a, unsigned mask) {
+  return {_mm256_and_ps(a.lo, KeepMask8(mask)), _mm256_and_ps(a.hi, KeepMask8(mask >> 8))};
+}
+inline float VMaxLanes(F16 a) {
+  alignas(32) float l[8];
+  _mm256_store_ps(l, _mm256_max_ps(a.lo, a.hi));
+  return *std::max_element(l, l + 8);
+}
+// As the AVX-512 one: even columns (of the whole line) into a[0], odd into a[1].
+inline void VPairedLine(const uint16_t* p, F16 (&a)[2]) {
+  const __m256i mask = _mm256_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const __m256i lo = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  const __m256i hi = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p + 16));
+  a[0] = {_mm256_castsi256_ps(_mm256_slli_epi32(lo, 16)), _mm256_castsi256_ps(_mm256_slli_epi32(hi, 16))};
+  a[1] = {_mm256_castsi256_ps(_mm256_and_si256(lo, mask)), _mm256_castsi256_ps(_mm256_and_si256(hi, mask))};
+}
+inline void VInColumnOrder(F16 (&in)[2]) {
+  const F16 even = in[0], odd = in[1];
+  // columns 0-3 | 8-11 and 4-7 | 12-15 of the first 16; the same for the second 16
+  const __m256 a = _mm256_unpacklo_ps(even.lo, odd.lo), b = _mm256_unpackhi_ps(even.lo, odd.lo);
+  const __m256 c = _mm256_unpacklo_ps(even.hi, odd.hi), d = _mm256_unpackhi_ps(even.hi, odd.hi);
+  in[0] = {_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)};
+  in[1] = {_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31)};
 }
 #endif
 

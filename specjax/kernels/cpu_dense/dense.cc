@@ -85,37 +85,37 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
   acc += r0 * O;
   float xs[R][B];
   BlockOfX<T, R, B>(j, r0, c, xs);
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   // With one row of x (two bf16 rows), V vectors of columns at a time: V x R independent chains of fmas (one chain
   // of B fmas alone is latency-bound), each column's sequence unchanged. Two fp32 rows ran 4% faster with V = 1 than
   // with 2 (bf16 ones 4% slower), four rows 15% slower with V = 4 than with 1 (kernel alone, twenty-second session).
   constexpr int V = R == 1 ? 4 : R == 2 && Pf::kBf16 ? 2 : 1;
   int64_t o = o_from;
   for (; V > 1 && o + V * kLanes <= o_vec; o += V * kLanes) {
-    __m512 s[R][V];
+    F16 s[R][V];
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) s[r][v] = _mm512_loadu_ps(acc + r * O + o + v * kLanes);
+      for (int v = 0; v < V; ++v) s[r][v] = VLoad(acc + r * O + o + v * kLanes);
     for (int b = 0; b < B; ++b) {
-      __m512 a[V];
-      for (int v = 0; v < V; ++v) a[v] = Load16(w + b * O + o + v * kLanes);
+      F16 a[V];
+      for (int v = 0; v < V; ++v) a[v] = VLoad(w + b * O + o + v * kLanes);
       for (int v = 0; v < V; ++v) Pf::Line(w, b * O + o + v * kLanes, ahead);
       for (int r = 0; r < R; ++r) {
-        const __m512 xb = _mm512_set1_ps(xs[r][b]);
-        for (int v = 0; v < V; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
+        const F16 xb = VSet1(xs[r][b]);
+        for (int v = 0; v < V; ++v) s[r][v] = VFma(xb, a[v], s[r][v]);
       }
     }
     for (int r = 0; r < R; ++r)
-      for (int v = 0; v < V; ++v) _mm512_storeu_ps(acc + r * O + o + v * kLanes, s[r][v]);
+      for (int v = 0; v < V; ++v) VStore(acc + r * O + o + v * kLanes, s[r][v]);
   }
   for (; o < o_vec; o += kLanes) {
-    __m512 a[B];
-    for (int b = 0; b < B; ++b) a[b] = Load16(w + b * O + o);
+    F16 a[B];
+    for (int b = 0; b < B; ++b) a[b] = VLoad(w + b * O + o);
     for (int b = 0; b < B; ++b) Pf::Line(w, b * O + o, ahead);
     for (int r = 0; r < R; ++r) {
       float* yr = acc + r * O + o;
-      __m512 s = _mm512_loadu_ps(yr);
-      for (int b = 0; b < B; ++b) s = _mm512_fmadd_ps(_mm512_set1_ps(xs[r][b]), a[b], s);
-      _mm512_storeu_ps(yr, s);
+      F16 s = VLoad(yr);
+      for (int b = 0; b < B; ++b) s = VFma(VSet1(xs[r][b]), a[b], s);
+      VStore(yr, s);
     }
   }
 #else
@@ -131,40 +131,33 @@ void DenseRows(const DenseJob<T>& j, float* __restrict acc, int64_t r0, int64_t 
   }
 }
 
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // bf16 w, 32 columns per 64-byte load: the low half of each 32-bit lane is an even column and the high half the odd
 // one after it, each widened by one instruction (a shift, a mask) where Load16 spends two per 16 columns: half the
 // loads and widenings per byte of w, so more of its lines are in flight (the bf16 products streamed about 20%
 // slower per byte than fp32's in a decode step; docs/benchmarks.md, twenty-third session). The sums of columns
 // o..o+31 are kept in acc as [16 even columns, 16 odd ones] (``UnpairColumns`` restores the order at the end of a
 // chunk); each column's fmas are the same sequence as in DenseRows, so the bits are DenseRows' bits.
-// The 32 bf16 values of the line at p widened: the even ones into a[0], the odd ones into a[1].
-inline void PairedLine(const uint16_t* p, __m512 (&a)[2]) {
-  const __m512i raw = _mm512_loadu_si512(p);
-  a[0] = _mm512_castsi512_ps(_mm512_slli_epi32(raw, 16));
-  a[1] = _mm512_castsi512_ps(_mm512_and_si512(raw, _mm512_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
 template <int R, int B>
 inline void PairedGroup(const uint16_t* __restrict w, float* __restrict acc, const float (&xs)[R][B], int64_t O,
                         int64_t o, int64_t ahead) {
   using Pf = DensePrefetch<uint16_t, R>;
-  __m512 s[R][2];
+  F16 s[R][2];
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) s[r][h] = _mm512_loadu_ps(acc + r * O + o + h * kLanes);
+    for (int h = 0; h < 2; ++h) s[r][h] = VLoad(acc + r * O + o + h * kLanes);
   for (int b = 0; b < B; ++b) {
     const uint16_t* p = w + b * O + o;
-    __m512 a[2];
-    PairedLine(p, a);
+    F16 a[2];
+    VPairedLine(p, a);
     PrefetchAhead<Pf::kLocality>(p, ahead);
     for (int r = 0; r < R; ++r) {
-      const __m512 xb = _mm512_set1_ps(xs[r][b]);
-      s[r][0] = _mm512_fmadd_ps(xb, a[0], s[r][0]);
-      s[r][1] = _mm512_fmadd_ps(xb, a[1], s[r][1]);
+      const F16 xb = VSet1(xs[r][b]);
+      s[r][0] = VFma(xb, a[0], s[r][0]);
+      s[r][1] = VFma(xb, a[1], s[r][1]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int h = 0; h < 2; ++h) _mm512_storeu_ps(acc + r * O + o + h * kLanes, s[r][h]);
+    for (int h = 0; h < 2; ++h) VStore(acc + r * O + o + h * kLanes, s[r][h]);
 }
 
 // One group of 32 columns at a time, for any rows of x: one row of x took two groups (64 columns, two lines of a
@@ -181,25 +174,15 @@ void DenseRowsPaired(const DenseJob<uint16_t>& j, float* __restrict acc, int64_t
   for (int64_t o = 0; o < o_pair; o += 32) PairedGroup<R, B>(w, acc, xs, O, o, ahead);
 }
 
-// The sums of 32 columns kept as [16 even columns, 16 odd ones] in column order: columns 0-15 into in[0], 16-31
-// into in[1].
-inline void InColumnOrder(__m512 (&in)[2]) {
-  const __m512i first = _mm512_setr_epi32(0, 16, 1, 17, 2, 18, 3, 19, 4, 20, 5, 21, 6, 22, 7, 23);
-  const __m512i second = _mm512_setr_epi32(8, 24, 9, 25, 10, 26, 11, 27, 12, 28, 13, 29, 14, 30, 15, 31);
-  const __m512 even = in[0], odd = in[1];
-  in[0] = _mm512_permutex2var_ps(even, first, odd);
-  in[1] = _mm512_permutex2var_ps(even, second, odd);
-}
-
 // Columns 0..o_pair of each of ``rows`` rows of acc from [evens, odds] per 32 back to their order.
 inline void UnpairColumns(float* acc, int64_t rows, int64_t o_dim, int64_t o_pair) {
   for (int64_t r = 0; r < rows; ++r)
     for (int64_t o = 0; o < o_pair; o += 32) {
       float* p = acc + r * o_dim + o;
-      __m512 v[2] = {_mm512_loadu_ps(p), _mm512_loadu_ps(p + kLanes)};
-      InColumnOrder(v);
-      _mm512_storeu_ps(p, v[0]);
-      _mm512_storeu_ps(p + kLanes, v[1]);
+      F16 v[2] = {VLoad(p), VLoad(p + kLanes)};
+      VInColumnOrder(v);
+      VStore(p, v[0]);
+      VStore(p + kLanes, v[1]);
     }
 }
 #endif
@@ -207,7 +190,7 @@ inline void UnpairColumns(float* acc, int64_t rows, int64_t o_dim, int64_t o_pai
 // Columns of w handled in pairs (bf16 with AVX-512: the whole 32-column groups), the rest by DenseRows.
 template <typename T>
 inline int64_t PairedColumns(int64_t o_dim) {
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   if constexpr (std::is_same_v<T, uint16_t>) return o_dim / 32 * 32;
 #endif
   return 0;
@@ -215,7 +198,7 @@ inline int64_t PairedColumns(int64_t o_dim) {
 
 template <typename T, int R, int B>
 inline void DenseRowsAny(const DenseJob<T>& j, float* acc, int64_t r0, int64_t c, int64_t o_pair, int64_t o_vec) {
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   if constexpr (std::is_same_v<T, uint16_t>) DenseRowsPaired<R, B>(j, acc, r0, c, o_pair);
 #endif
   if (o_pair < j.o_dim) DenseRows<T, R, B>(j, acc, r0, c, o_pair, o_vec);
@@ -247,7 +230,7 @@ void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64
   for (; c < c1; ++c) DenseRowsAll<T, 1>(j, acc, c, o_pair, o_vec);
 }
 
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // Many rows of x against fp32 w (a batch of 17 or more decode rows, verified trees or draft rows): tiles of kTileR
 // rows of x by kTileV vectors of columns whose sums stay in registers over the whole block of the contraction axis,
 // where the passes above load and store each row's sums once per few rows of w. The first tile of rows reads its
@@ -264,22 +247,22 @@ inline void DenseTile(const DenseJob<float>& j, float* acc, int64_t r0, int64_t 
   const int64_t O = j.o_dim, C = j.c_dim;
   const float* __restrict x = j.x + r0 * C;
   const float* __restrict w = j.w + o;
-  __m512 s[RT][VT];
+  F16 s[RT][VT];
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) s[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < VT; ++v) s[r][v] = VZero();
   for (int64_t c = c0; c < c1; ++c) {
-    __m512 a[VT];
-    for (int v = 0; v < VT; ++v) a[v] = _mm512_loadu_ps(w + c * O + v * kLanes);
+    F16 a[VT];
+    for (int v = 0; v < VT; ++v) a[v] = VLoad(w + c * O + v * kLanes);
     if (prefetch)
       for (int v = 0; v < VT; ++v)
         PrefetchAhead<kStreamLocality>(w + c * O + v * kLanes, VT * kLanes * sizeof(float));
     for (int r = 0; r < RT; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
-      for (int v = 0; v < VT; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
+      const F16 xb = VSet1(x[r * C + c]);
+      for (int v = 0; v < VT; ++v) s[r][v] = VFma(xb, a[v], s[r][v]);
     }
   }
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < VT; ++v) _mm512_storeu_ps(acc + (r0 + r) * O + o + v * kLanes, s[r][v]);
+    for (int v = 0; v < VT; ++v) VStore(acc + (r0 + r) * O + o + v * kLanes, s[r][v]);
 }
 
 // Columns o..o+VT*16 of rows c0..c1 of w against every row of x, kTileR rows at a time.
@@ -326,26 +309,26 @@ constexpr int kPanelV = kPanel / kLanes;
 constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w, one of x
 constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
 
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
 // One row of a panel as kPanelV vectors of float32: fp32 as two loads; bf16 as one 64-byte line widened into its
 // even and its odd columns (``PairedLine``, as ``PairedGroup`` reads [C, O]). ``PanelOut`` puts such [even, odd]
 // sums back in column order.
 template <typename T>
-inline void PanelRowOf(const T* __restrict q, __m512 (&a)[kPanelV]) {
+inline void PanelRowOf(const T* __restrict q, F16 (&a)[kPanelV]) {
   if constexpr (std::is_same_v<T, float>) {
-    for (int v = 0; v < kPanelV; ++v) a[v] = _mm512_loadu_ps(q + v * kLanes);
+    for (int v = 0; v < kPanelV; ++v) a[v] = VLoad(q + v * kLanes);
   } else {
-    PairedLine(q, a);
+    VPairedLine(q, a);
   }
 }
 
 // The kPanel sums s of a row of x (as ``PanelRowOf`` gave them) into out, in column order.
 template <typename T>
-inline void PanelOut(float* out, const __m512 (&s)[kPanelV], bool add) {
-  __m512 o[kPanelV] = {s[0], s[1]};
-  if constexpr (!std::is_same_v<T, float>) InColumnOrder(o);
+inline void PanelOut(float* out, const F16 (&s)[kPanelV], bool add) {
+  F16 o[kPanelV] = {s[0], s[1]};
+  if constexpr (!std::is_same_v<T, float>) VInColumnOrder(o);
   for (int v = 0; v < kPanelV; ++v)
-    _mm512_storeu_ps(out + v * kLanes, add ? _mm512_add_ps(_mm512_loadu_ps(out + v * kLanes), o[v]) : o[v]);
+    VStore(out + v * kLanes, add ? VAdd(VLoad(out + v * kLanes), o[v]) : o[v]);
 }
 #endif
 
@@ -368,19 +351,19 @@ template <typename T, int RT>
 inline void PanelTile(const float* __restrict x, int64_t C, const T* __restrict panel, float* __restrict acc,
                       int64_t O, int64_t c0, int64_t c1, int64_t prefetch, Sums mode) {
   const T* __restrict w = panel + c0 * kPanel;
-#if defined(__AVX512F__)
-  __m512 s[RT][kPanelV];
+#if defined(SPECJAX_VEC)
+  F16 s[RT][kPanelV];
   for (int r = 0; r < RT; ++r)
-    for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_setzero_ps();
+    for (int v = 0; v < kPanelV; ++v) s[r][v] = VZero();
   for (int64_t c = c0; c < c1; ++c, w += kPanel) {
-    __m512 a[kPanelV];
+    F16 a[kPanelV];
     PanelRowOf(w, a);
     if (prefetch)
       for (int64_t line = 0; line < kPanel * static_cast<int64_t>(sizeof(T)); line += 64)
         PrefetchAhead<kStreamLocality>(reinterpret_cast<const char*>(w) + line, prefetch);
     for (int r = 0; r < RT; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
-      for (int v = 0; v < kPanelV; ++v) s[r][v] = _mm512_fmadd_ps(xb, a[v], s[r][v]);
+      const F16 xb = VSet1(x[r * C + c]);
+      for (int v = 0; v < kPanelV; ++v) s[r][v] = VFma(xb, a[v], s[r][v]);
     }
   }
   for (int r = 0; r < RT; ++r) PanelOut<T>(acc + r * O, s[r], mode == Sums::kAdd);
@@ -497,18 +480,18 @@ inline int64_t RowBlock(int64_t C, int64_t value_bytes = sizeof(float)) {
 template <typename T, int RT, int G, bool kGroupSums = false>
 inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict w, float* __restrict y, int64_t O,
                        int64_t p, int64_t c0, int64_t c1, Sums mode) {
-#if defined(__AVX512F__)
-  using Acc = __m512[RT][G][kPanelV];
+#if defined(SPECJAX_VEC)
+  using Acc = F16[RT][G][kPanelV];
   Acc s;
   const auto zero = [](Acc& a) {
     for (int r = 0; r < RT; ++r)
       for (int g = 0; g < G; ++g)
-        for (int v = 0; v < kPanelV; ++v) a[r][g][v] = _mm512_setzero_ps();
+        for (int v = 0; v < kPanelV; ++v) a[r][g][v] = VZero();
   };
   zero(s);
   const T* __restrict base = w + p * C * kPanel;
   const auto row = [&](int64_t c, Acc& acc) __attribute__((always_inline)) {
-    __m512 a[G][kPanelV];
+    F16 a[G][kPanelV];
     for (int g = 0; g < G; ++g) {
       const T* q = base + (g * C + c) * kPanel;
       PanelRowOf(q, a[g]);
@@ -518,9 +501,9 @@ inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict
       }
     }
     for (int r = 0; r < RT; ++r) {
-      const __m512 xb = _mm512_set1_ps(x[r * C + c]);
+      const F16 xb = VSet1(x[r * C + c]);
       for (int g = 0; g < G; ++g)
-        for (int v = 0; v < kPanelV; ++v) acc[r][g][v] = _mm512_fmadd_ps(xb, a[g][v], acc[r][g][v]);
+        for (int v = 0; v < kPanelV; ++v) acc[r][g][v] = VFma(xb, a[g][v], acc[r][g][v]);
     }
   };
   if constexpr (kGroupSums) {
@@ -530,7 +513,7 @@ inline void PanelGroup(const float* __restrict x, int64_t C, const T* __restrict
       for (const int64_t end = std::min<int64_t>(c + kAmxGroup, c1); c < end; ++c) row(c, t);
       for (int r = 0; r < RT; ++r)
         for (int g = 0; g < G; ++g)
-          for (int v = 0; v < kPanelV; ++v) s[r][g][v] = _mm512_add_ps(s[r][g][v], t[r][g][v]);
+          for (int v = 0; v < kPanelV; ++v) s[r][g][v] = VAdd(s[r][g][v], t[r][g][v]);
     }
   } else {
     for (int64_t c = c0; c < c1; ++c) row(c, s);
@@ -670,7 +653,7 @@ void AmxPanels(const AmxJob& j, int64_t p) {
       AmxBlock<G>(xs, xs_bytes, j.w + p * C * kPanel, C, c0, c1, sums);
       for (int64_t r = 0; r < std::min(j.tile_rows, j.rows - r0); ++r)
         for (int g = 0; g < G; ++g) {
-          const __m512 s[kPanelV] = {_mm512_load_ps(sums[g][2 * r]), _mm512_load_ps(sums[g][2 * r + 1])};
+          const F16 s[kPanelV] = {VLoad(sums[g][2 * r]), VLoad(sums[g][2 * r + 1])};
           PanelOut<uint16_t>(j.y + (r0 + r) * O + (p + g) * kPanel, s, k > 0);
         }
     }
@@ -714,8 +697,8 @@ void RunPackedAmx(const uint16_t* x, const uint16_t* w, float* y, int64_t R, int
 template <int RT>
 inline void PanelDotTile(const uint16_t* __restrict x, int64_t C, const uint16_t* __restrict panel,
                          float* __restrict acc, int64_t O, int64_t prefetch) {
-  __m512 s[RT][2];
-  for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = _mm512_setzero_ps();
+  F16 s[RT][2];
+  for (int r = 0; r < RT; ++r) s[r][0] = s[r][1] = VZero();
   const uint16_t* __restrict w = panel;
   int64_t c = 0;
   // lo: columns 8k..8k+3 of each 128-bit lane k, hi: 8k+4..8k+7, each 32-bit lane the pair (w[c], w[c + 1]).
@@ -743,8 +726,8 @@ inline void PanelDotTile(const uint16_t* __restrict x, int64_t C, const uint16_t
   const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
   const __m512i second = _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
   for (int r = 0; r < RT; ++r) {
-    _mm512_storeu_ps(acc + r * O, _mm512_permutex2var_ps(s[r][0], first, s[r][1]));
-    _mm512_storeu_ps(acc + r * O + kLanes, _mm512_permutex2var_ps(s[r][0], second, s[r][1]));
+    VStore(acc + r * O, _mm512_permutex2var_ps(s[r][0], first, s[r][1]));
+    VStore(acc + r * O + kLanes, _mm512_permutex2var_ps(s[r][0], second, s[r][1]));
   }
 }
 
@@ -789,7 +772,7 @@ void DenseChunk(const void* ctx, int k) {
   float* acc = k == 0 ? j.y : j.part + (k - 1) * j.rows * j.o_dim;
   const int64_t c0 = BlockStart(j.c_dim, j.blocks, k), c1 = BlockStart(j.c_dim, j.blocks, k + 1);
   const int64_t o_vec = j.o_dim / kLanes * kLanes, o_pair = PairedColumns<T>(j.o_dim);
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
   if constexpr (std::is_same_v<T, float>) {
     if (j.rows >= kTileRows) return DenseTiles(j, acc, c0, c1);
   }
@@ -804,7 +787,7 @@ void DenseChunk(const void* ctx, int k) {
   if constexpr (std::is_same_v<T, uint16_t>) {
     if (j.rows >= 4) DenseStream<T, 4>(j, acc, c0, c1, o_pair, o_vec);
     else DenseStream<T, 8>(j, acc, c0, c1, o_pair, o_vec);
-#if defined(__AVX512F__)
+#if defined(SPECJAX_VEC)
     UnpairColumns(acc, j.rows, j.o_dim, o_pair);
 #endif
   } else {
@@ -874,24 +857,24 @@ void UnembedTile(const UnembedJob<T>& j, int64_t r0, int64_t v) {
   const int64_t D = j.d_dim, V = j.v_dim, d_vec = D / kLanes * kLanes;
   const float* __restrict x = j.x + r0 * D;
   float lanes[R][VT][kLanes];
-#if defined(__AVX512F__)
-  __m512 acc[R][VT];
+#if defined(SPECJAX_VEC)
+  F16 acc[R][VT];
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < VT; ++u) acc[r][u] = _mm512_setzero_ps();
+    for (int u = 0; u < VT; ++u) acc[r][u] = VZero();
   for (int64_t d = 0; d < d_vec; d += kLanes) {
-    __m512 tl[VT];
-    for (int u = 0; u < VT; ++u) tl[u] = Load16(j.t + (v + u) * D + d);
+    F16 tl[VT];
+    for (int u = 0; u < VT; ++u) tl[u] = VLoad(j.t + (v + u) * D + d);
     // the next tile's rows (past the table's end at its last tile: harmless). Without it R rows of x took ~R/2
     // times one row's time: too few table loads in flight among the R x VT fmas per step.
     for (int u = 0; u < VT; ++u)
       PrefetchAhead<kUnembedLocality<T, R, VT>>(j.t + (v + u) * D + d, VT * D * static_cast<int64_t>(sizeof(T)));
     for (int r = 0; r < R; ++r) {
-      const __m512 xr = _mm512_loadu_ps(x + r * D + d);
-      for (int u = 0; u < VT; ++u) acc[r][u] = _mm512_fmadd_ps(xr, tl[u], acc[r][u]);
+      const F16 xr = VLoad(x + r * D + d);
+      for (int u = 0; u < VT; ++u) acc[r][u] = VFma(xr, tl[u], acc[r][u]);
     }
   }
   for (int r = 0; r < R; ++r)
-    for (int u = 0; u < VT; ++u) _mm512_storeu_ps(lanes[r][u], acc[r][u]);
+    for (int u = 0; u < VT; ++u) VStore(lanes[r][u], acc[r][u]);
 #else
   for (int r = 0; r < R; ++r)
     for (int u = 0; u < VT; ++u)
