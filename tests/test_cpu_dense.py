@@ -5,7 +5,11 @@ write against XLA's scatter."""
 
 import concurrent.futures
 import dataclasses
+import os
+import platform
 import shutil
+import subprocess
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -93,6 +97,42 @@ def test_bits_do_not_depend_on_rows_or_threads(dtype):
         results.append(full)
     for a, b in zip(*results):
         np.testing.assert_array_equal(a, b)
+
+
+def _isa_products(path) -> None:
+    """Products of every kernel path (one row, groups, tiles, more rows than the kernels' pool takes) saved to path:
+    run by this process's build and, in a child, by the scalar loops' build."""
+    assert cpu_dense.available()  # built and registered
+    out = {}
+    for name, dt in (("f32", jnp.float32), ("bf16", jnp.bfloat16)):
+        for rows in (1, 2, 5, 8, 15, 24, 40):
+            kx, kw, kt = jax.random.split(jax.random.key(rows), 3)
+            x = jax.random.normal(kx, (rows, 576), jnp.float32)
+            w = (jax.random.normal(kw, (576, 200), jnp.float32) / 24).astype(dt)
+            t = jax.random.normal(kt, (300, 576), jnp.float32).astype(dt)
+            if rows <= cpu_dense.MAX_TOKENS or dt == jnp.float32:
+                out[f"dense_{name}_{rows}"] = np.asarray(cpu_dense.dense(x, w))
+            out[f"packed_{name}_{rows}"] = np.asarray(cpu_dense.dense_packed(x, cpu_dense.pack(w[:, :192]).panels))
+            out[f"unembed_{name}_{rows}"] = logits = np.asarray(cpu_dense.unembed(x, t))
+            out[f"argmax_{name}_{rows}"] = np.asarray(cpu_dense.argmax(jnp.asarray(logits)))
+    np.savez(path, **out)
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="the scalar build is named for x86-64")
+def test_vector_code_has_the_scalar_loops_bits(tmp_path):
+    """This CPU's vector code (``common.h``'s F16: AVX-512, or AVX2 + FMA as two 256-bit halves) gives the products'
+    bits of the scalar loops (a build for plain x86-64 in a child process, ``SPECJAX_CPU_MARCH``): each output the
+    same fma chain over [C, O], panels and table rows, whichever vector width, so an AVX2 CPU serves the tokens an
+    AVX-512 one does. (bf16 x, which AMX tiles would take, is not used here.)"""
+    env = dict(os.environ, SPECJAX_CPU_MARCH="x86-64", SPECJAX_CPU_KERNELS="1", SPECJAX_CACHE=str(tmp_path))
+    child = (f"import sys; sys.path.insert(0, {os.path.dirname(__file__)!r}); "
+             f"from test_cpu_dense import _isa_products; _isa_products({str(tmp_path / 'scalar.npz')!r})")
+    subprocess.run([sys.executable, "-c", child], env=env, check=True, timeout=600)
+    _isa_products(tmp_path / "vector.npz")
+    scalar, vector = np.load(tmp_path / "scalar.npz"), np.load(tmp_path / "vector.npz")
+    assert sorted(scalar.files) == sorted(vector.files) and len(scalar.files) == 54
+    for key in scalar.files:
+        np.testing.assert_array_equal(vector[key], scalar[key], err_msg=key)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])

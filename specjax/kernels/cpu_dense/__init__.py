@@ -22,12 +22,15 @@ fused q/k/v projection with the rotary embedding of q and k (``rope_qkv``, ``lay
 The library is compiled from the sources (and ``common.h``) with the system C++ compiler on first use (a few
 seconds; ``-march=native``) into ``$SPECJAX_CACHE/kernels/`` (one file per source, jaxlib version and CPU), and
 registered with XLA. Without a compiler, or with ``SPECJAX_CPU_KERNELS=0``, ``available()`` is False and ``layers``
-keeps XLA's own dots and attention.
+keeps XLA's own dots and attention; so it is on a CPU with neither AVX-512 nor AVX2 + FMA (the kernels' vector code,
+``common.h``'s ``F16``), where their scalar loops are slower than XLA's, unless ``SPECJAX_CPU_KERNELS=1``.
+``SPECJAX_CPU_MARCH`` replaces ``-march=native``.
 ``SPECJAX_CPU_THREADS`` (default: the CPUs this process may run on) or ``set_threads`` sets the pool size.
 """
 
 from __future__ import annotations
 
+import concurrent.futures
 import ctypes
 import dataclasses
 import functools
@@ -77,6 +80,13 @@ DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16))
 FLAGS = ("-O3", "-march=native", "-std=c++17", "-shared", "-fPIC", "-pthread")
 
 
+def _flags() -> tuple[str, ...]:
+    """FLAGS, with ``-march=$SPECJAX_CPU_MARCH`` where that is set (``x86-64``: the scalar loops, as on a CPU with
+    neither AVX-512 nor AVX2 + FMA; tests/test_cpu_dense.py compares their bits with this CPU's vector code)."""
+    march = os.environ.get("SPECJAX_CPU_MARCH", "")
+    return tuple(f"-march={march}" if march and f.startswith("-march=") else f for f in FLAGS)
+
+
 def _cpu_signature() -> str:
     """What ``-march=native`` depends on: the CPU model and its flags."""
     try:
@@ -90,25 +100,39 @@ def _cpu_signature() -> str:
 def library_path() -> Path:
     """Where the compiled library for this source, jaxlib and CPU lives."""
     texts = [p.read_text() for p in SOURCES + HEADERS]
-    key = hashlib.sha256("\0".join([*texts, jaxlib.__version__, " ".join(FLAGS), _cpu_signature()])
+    key = hashlib.sha256("\0".join([*texts, jaxlib.__version__, " ".join(_flags()), _cpu_signature()])
                          .encode()).hexdigest()[:16]
     return Path(default_cache_dir()) / "kernels" / f"specjax_cpu_dense_{key}.so"
 
 
 def _compile(out: Path) -> None:
     """Compile the kernels' sources into ``out`` (written under a temporary name and renamed: concurrent builds are
-    safe)."""
+    safe): each source into an object file, as many at once as this process may use CPUs (dense.cc, the largest, took
+    about half of a 2-core machine's 40-80 s build), then linked."""
     out.parent.mkdir(parents=True, exist_ok=True)
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
-    try:
-        cmd = [cxx, *FLAGS, "-I", jax.ffi.include_dir(), "-I", str(HERE), *map(str, SOURCES), "-o", tmp]
-        subprocess.run(cmd, check=True, capture_output=True, text=True, timeout=300)
-        os.replace(tmp, out)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    flags = [*_flags(), "-I", jax.ffi.include_dir(), "-I", str(HERE)]
+    with tempfile.TemporaryDirectory(dir=out.parent) as objects:
+        try:
+            objs = [os.path.join(objects, f"{src.stem}.o") for src in SOURCES]
+            jobs = [[cxx, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
+            workers = max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                                 else os.cpu_count() or 1))
+            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
+                # largest first, so that the long one does not start last
+                for done in pool.map(_run_compiler, sorted(jobs, key=lambda j: -Path(j[-3]).stat().st_size)):
+                    done.check_returncode()
+            _run_compiler([cxx, *_flags(), *objs, "-o", tmp]).check_returncode()
+            os.replace(tmp, out)
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+
+
+def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
 
 @functools.cache
@@ -125,6 +149,13 @@ def _library() -> ctypes.CDLL | None:
         detail = getattr(e, "stderr", "") or ""
         log.warning("specjax's CPU kernels are not available (%s%s); products use XLA's dots",
                     e, f": {detail.strip()[-500:]}" if detail else "")
+        return None
+    lib.specjax_cpu_vector.restype = ctypes.c_int
+    if not lib.specjax_cpu_vector() and os.environ.get("SPECJAX_CPU_KERNELS") != "1":
+        # the scalar loops ran SmolLM2's decode step at a fifth of XLA's dots' speed (an AVX2 CPU before its vector
+        # code; docs/benchmarks.md, fifty-ninth session)
+        log.warning("specjax's CPU kernels have no vector code for this CPU (neither AVX-512 nor AVX2 + FMA); "
+                    "products use XLA's dots (SPECJAX_CPU_KERNELS=1 runs the kernels' scalar loops anyway)")
         return None
     lib.specjax_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.specjax_cpu_threads.restype = ctypes.c_int

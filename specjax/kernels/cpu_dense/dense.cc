@@ -1056,6 +1056,18 @@ extern "C" int specjax_cpu_threads() { return PoolThreads(); }
 // the OS lends them).
 extern "C" int specjax_cpu_amx() { return AmxReady() ? 1 : 0; }
 
+// The float32 lanes of this build's vector code (``common.h``'s F16): 16 with AVX-512, 8 with AVX2 + FMA, 0 (the scalar
+// loops) without either.
+extern "C" int specjax_cpu_vector() {
+#if defined(__AVX512F__)
+  return 16;
+#elif defined(SPECJAX_VEC)
+  return 8;
+#else
+  return 0;
+#endif
+}
+
 // Whether ``specjax_dense_prompt`` runs on AVX512-BF16's dot products (this build's CPU has them).
 extern "C" int specjax_cpu_bf16_dots() {
 #if defined(__AVX512BF16__)
