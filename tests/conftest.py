@@ -21,6 +21,9 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # specjax's CPU kernels on the calling thread only: two pytest workers share this machine's cores, and a pool thread
 # spinning for work would take a core from the other worker. tests/test_cpu_dense.py runs the pool itself.
 os.environ.setdefault("SPECJAX_CPU_THREADS", "1")
+# The kernels run wherever they build: a CPU without their vector code (neither AVX-512 nor AVX2 + FMA) would
+# otherwise leave them off (``cpu_dense._library``), and the suite pins their results everywhere.
+os.environ.setdefault("SPECJAX_CPU_KERNELS", "1")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 # The CLIs keep compiled programs across runs (``hub.enable_compilation_cache``); tests (and the CLIs they start in
 # child processes) compile afresh unless they name a JAX_COMPILATION_CACHE_DIR themselves, so that what a test counts
