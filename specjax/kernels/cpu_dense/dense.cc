@@ -306,7 +306,22 @@ void DenseTiles(const DenseJob<float>& j, float* acc, int64_t c0, int64_t c1) {
 // in order and the block sums are added in block order, as over [C, O], whichever thread computes it.
 constexpr int kPanel = 32;
 constexpr int kPanelV = kPanel / kLanes;
+// Register tiles (the sums that stay in registers over a block of the contraction axis) and groups of panels (a few
+// rows of x against several panels' streams at once) for the 32 vector registers of AVX-512, and for AVX2's 16 of
+// half the width (an F16 takes two). On AVX2, three or four rows of x take one tile, more rows tiles of three: one
+// jitted program of SmolLM2's 121 fp32 panel products per step, two threads of the 2-core Zen 1 VM, took at 1 / 3 /
+// 4 / 8 / 12 / 16 rows 23-24 / 32-33 / 39-41 / 52 / 87-97 / 102-104 ms with AVX-512's shapes, 24 / 26-28 / 29-31 /
+// 45-46 / 57-60 / 77-80 with these (fifty-ninth session). Each output is the same fma sequence whatever the tile or
+// group, so the same bits.
+#if defined(__AVX512F__) || !defined(SPECJAX_VEC)
 constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w, one of x
+constexpr int kTileSplitR = kPanelTileR;  // rows per tile where a product has more rows than one tile takes
+constexpr int kGroup1 = 4, kGroup2 = 4, kGroup34 = 2;  // panels per group for 1, 2, and 3-4 rows of x
+#else
+constexpr int kPanelTileR = 4;
+constexpr int kTileSplitR = 3;
+constexpr int kGroup1 = 4, kGroup2 = 2, kGroup34 = 0;  // 0: three or four rows take a tile
+#endif
 constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
 
 #if defined(SPECJAX_VEC)
@@ -397,13 +412,14 @@ inline void WithTileRows(int64_t n, F&& tile) {
   }
 }
 
-// R rows of x against one panel in tiles of about equal size (up to kPanelTileR rows): tile(r0, rows, prefetch). The
+// R rows of x against one panel in tiles of about equal size (one tile up to kPanelTileR rows, else tiles of about
+// kTileSplitR): tile(r0, rows, prefetch). The
 // first tile reads the rows of the panel from memory, prefetching kPanelAhead bytes ahead of itself; the last (if
 // another) reads them from cache and prefetches the ``stretch`` bytes of w that follow (the next block or panel) as
 // it goes, so that memory streams while it computes; the others prefetch nothing.
 template <typename F>
 inline void PanelTiles(int64_t R, int64_t stretch, F&& tile) {
-  const int64_t tiles = (R + kPanelTileR - 1) / kPanelTileR;
+  const int64_t tiles = R <= kPanelTileR ? 1 : (R + kTileSplitR - 1) / kTileSplitR;
   for (int64_t t = 0, r0 = 0; t < tiles; ++t) {
     const int64_t r1 = R * (t + 1) / tiles;
     tile(r0, r1 - r0, t == 0 ? kPanelAhead : t == tiles - 1 ? stretch : 0);
@@ -470,7 +486,7 @@ struct PackedJob {
 constexpr int64_t kRowBlockBytes = 256 * 1024;
 inline int64_t RowBlock(int64_t C, int64_t value_bytes = sizeof(float)) {
   const int64_t rows = kRowBlockBytes / (C * value_bytes);
-  return std::max<int64_t>(kPanelTileR, rows / kPanelTileR * kPanelTileR);
+  return std::max<int64_t>(kTileSplitR, rows / kTileSplitR * kTileSplitR);
 }
 
 // Rows c0..c1 of G consecutive panels (from panel p) against RT rows of x: G streams at once, the sums of RT x G x 2
@@ -584,11 +600,16 @@ void PackedChunk(const void* ctx, int i) {
         }
       }
 #endif
-      PanelGroups<T, 1, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+      PanelGroups<T, 1, kGroup1>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
       break;
-    case 2: PanelGroups<T, 2, 4>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
-    case 3: PanelGroups<T, 3, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
-    case 4: PanelGroups<T, 4, 2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 2: PanelGroups<T, 2, kGroup2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 3: case 4:
+      if constexpr (kGroup34 > 0) {
+        if (j.rows == 3) PanelGroups<T, 3, kGroup34>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+        else PanelGroups<T, 4, kGroup34>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
+        break;
+      }
+      [[fallthrough]];
     case 5: case 6: case 7: case 8:
       if constexpr (kWideGroups<T>) {
         WithTileRows(j.rows, [&](auto rt) {
