@@ -239,7 +239,12 @@ void DenseStream(const DenseJob<T>& j, float* acc, int64_t c0, int64_t c1, int64
 // The 30-layer SmolLM2 chain on two threads (docs/benchmarks.md, thirtieth session):
 // 24 / 32 / 48 rows 36 / 46 / 59 ms against 43 / 55 / 81 with passes, 16 rows the same (31 ms), 8 rows slower
 // (29.6 against 24.9 ms: one tile's column walk streams w worse than passes along its rows), hence kTileRows.
-constexpr int kTileRows = 17, kTileR = 6, kTileV = 4;
+constexpr int kTileRows = 17;
+#if defined(__AVX512F__)
+constexpr int kTileR = 6, kTileV = 4;
+#else
+constexpr int kTileR = 3, kTileV = 2;  // AVX2: 12 of its 16 registers for the sums (``kPanelTileR``)
+#endif
 
 template <int RT, int VT>
 inline void DenseTile(const DenseJob<float>& j, float* acc, int64_t r0, int64_t c0, int64_t c1, int64_t o,
