@@ -30,7 +30,7 @@ from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import cpu_model, device_bytes_limit
-from specjax.speculative.tune import TreeChoice, same_machine, tuned_on
+from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 from .args import ServerArgs
@@ -52,17 +52,16 @@ BUILTIN_CHAT_TEMPLATES = {"chatml": CHATML, "qwen": CHATML, "llama-3-instruct": 
 
 
 def warn_if_tuned_elsewhere(head: str, dtype: str | None) -> None:
-    """Say so when the head's tree table was measured on another kind of machine: the tree per batch size it
-    chose follows that machine's step costs (the live accept length re-decides it, the costs stay the table's)."""
-    found = tuned_on(head, dtype)
+    """Say so when the head's tree table was measured on another kind of machine: the trees it chose follow that
+    machine's step costs, so the smallest tree that paid there runs instead (``tune._smallest_paying``; the live
+    accept length re-decides it, the costs stay the table's)."""
+    found = tuned_elsewhere(head, dtype)
     if found is None:
         return
-    dev, cpu = jax.devices()[0], cpu_model()
-    accelerator = None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
-    if not same_machine(found[1], cpu, accelerator):
-        log.warning("the tree table %s was measured on %s, and this is %s: its tree step costs, and so the tree "
-                    "chosen per batch size, may not hold here; `python -m specjax.bench tune --draft %s` measures "
-                    "them on this machine", found[0], found[1], accelerator or f"a CPU ({cpu})", head)
+    cpu, accelerator = this_machine()
+    log.warning("the tree table %s was measured on %s, and this is %s: its step costs may not hold here, so the "
+                "smallest tree that paid there runs per batch size; `python -m specjax.bench tune --draft %s` "
+                "measures this machine's", found[0], found[1], accelerator or f"a CPU ({cpu})", head)
 
 
 def setup_logging(level: str) -> None:

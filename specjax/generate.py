@@ -40,7 +40,7 @@ from specjax.sharding import committed_device, put_kv_pool, use_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
 from specjax.speculative.tree import num_candidates, validate as validate_tree
-from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, shape_for
+from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, shape_for, tuned_elsewhere
 from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
 
@@ -299,6 +299,11 @@ def _tuned_shape(args, head: str, say: bool) -> tuple[int, int, int]:
         return DEFAULT_TREE
     b = len(args.prompt or [1])
     tuned = shape_for(table, b)
+    elsewhere = tuned_elsewhere(head, args.dtype)
+    if say and elsewhere is not None:
+        print(f"note: the head's tree table was measured on {elsewhere[1]}; on this machine the smallest tree that "
+              f"paid there runs (`python -m specjax.bench tune --draft {head}` measures this machine's)",
+              file=sys.stderr)
     if tuned is None:  # plain was measured faster: still show the best speculative shape, and say so
         tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
         if say:

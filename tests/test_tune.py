@@ -83,16 +83,40 @@ def test_a_table_tuned_on_another_machine_is_named(tmp_path, monkeypatch, caplog
     assert not tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", "NVIDIA H200")
     assert tune_lib.same_machine("16-core CPU (AMD EPYC 9654, x86_64), 1 x NVIDIA H200, JAX 0.10.2 GPU", "x",
                                  "NVIDIA H200")
-    assert tune_lib.tuned_on(str(tmp_path)) is None
+    assert tune_lib.tuned_elsewhere(str(tmp_path)) is None
     tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), {"format": 1, "machine": intel, "batch_sizes": {"1": None}})
-    assert tune_lib.tuned_on(str(tmp_path)) == (str(tmp_path / tune_lib.FILENAME), intel)
     with caplog.at_level(logging.WARNING, logger="specjax.serve"):
-        monkeypatch.setattr(launch, "cpu_model", lambda: "Intel(R) Xeon(R) Processor")
+        monkeypatch.setattr(tune_lib, "cpu_model", lambda: "Intel(R) Xeon(R) Processor")
+        assert tune_lib.tuned_elsewhere(str(tmp_path)) is None
         launch.warn_if_tuned_elsewhere(str(tmp_path), None)
         assert not caplog.records
-        monkeypatch.setattr(launch, "cpu_model", lambda: "AMD EPYC")
+        monkeypatch.setattr(tune_lib, "cpu_model", lambda: "AMD EPYC")
+        assert tune_lib.tuned_elsewhere(str(tmp_path)) == (str(tmp_path / tune_lib.FILENAME), intel)
         launch.warn_if_tuned_elsewhere(str(tmp_path), None)
     assert "measured on 2-core CPU (Intel(R) Xeon(R) Processor" in caplog.text and "bench tune --draft" in caplog.text
+
+
+def test_a_table_tuned_elsewhere_runs_its_smallest_paying_tree(tmp_path, monkeypatch):
+    """On another kind of machine than the table's, a batch size where the table chose a tree runs the smallest
+    tree (fewest draft tokens, then steps) that was faster than plain there; where it chose plain, plain; the best
+    speculative shape is the smallest paying one, else the smallest measured. On the table's machine: as written."""
+    intel = "2-core CPU (Intel(R) Xeon(R) Processor, x86_64), no accelerator, JAX 0.10.2 CPU"
+    tree = lambda s: dict(zip(tune_lib.SHAPE_KEYS, s))
+    row = lambda b, s, speedup: {"batch_size": b, "shape": s, "tok_s": 1.0, "speedup": speedup, "tau": 2.0}
+    table = {"format": 1, "machine": intel,
+             "batch_sizes": {"1": tree((5, 4, 8)), "4": None},
+             "best_speculative": {"1": tree((5, 4, 8)), "4": tree((2, 2, 4))},
+             "rows": [row(1, None, 1.0), row(1, [5, 4, 8], 1.8), row(1, [3, 1, 4], 1.6), row(1, [1, 2, 3], 1.5),
+                      row(1, [2, 1, 3], 1.4), row(1, [1, 1, 2], 0.9), row(4, None, 1.0), row(4, [2, 2, 4], 0.95),
+                      row(4, [1, 2, 3], 0.97)]}
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), table)
+    monkeypatch.setattr(tune_lib, "cpu_model", lambda: "Intel(R) Xeon(R) Processor")
+    assert tune_lib.load_tune(str(tmp_path)) == {1: (5, 4, 8), 4: None}
+    assert tune_lib.load_tune(str(tmp_path), "best_speculative") == {1: (5, 4, 8), 4: (2, 2, 4)}
+    monkeypatch.setattr(tune_lib, "cpu_model", lambda: "AMD EPYC")
+    assert tune_lib.load_tune(str(tmp_path)) == {1: (1, 2, 3), 4: None}  # (1,1,2) lost, (2,1,3) has more steps
+    assert tune_lib.load_tune(str(tmp_path), "best_speculative") == {1: (1, 2, 3), 4: (1, 2, 3)}
+    assert tune_lib.load_tune_costs(str(tmp_path))[1] == ((1, 2, 3), 2.0, 1.5)
 
 
 def test_tree_choice_follows_the_live_accept_length():

@@ -24,6 +24,10 @@ import logging
 import math
 import os
 
+import jax
+
+from specjax.host import cpu_model
+
 FORMAT = 1
 FILENAME = "speculative_tune.json"
 SHAPE_KEYS = ("num_steps", "eagle_topk", "num_draft_tokens")
@@ -79,11 +83,55 @@ def _shapes(path: str, raw: dict, which: str) -> dict[int, tuple[int, int, int] 
     try:
         out = {int(b): None if shape is None else tuple(int(shape[k]) for k in SHAPE_KEYS)
                for b, shape in raw[which].items()}
+        if _elsewhere(raw) is not None and isinstance(raw.get("rows"), list):
+            out = _smallest_paying(raw["rows"], out, which)
     except (KeyError, TypeError, ValueError, AttributeError) as e:
         raise _bad(path, e) from None
     if not out:
         raise TuneError(f"{path} lists no batch sizes")
     return out
+
+
+def _smallest_paying(rows: list, table: dict, which: str) -> dict[int, tuple[int, int, int] | None]:
+    """A table measured on another machine: per batch size, the smallest tree (fewest draft tokens, then steps) that
+    was faster than plain decoding there, where the table chose a tree (``which="best_speculative"``: at every batch
+    size, the smallest measured tree where none was faster). Its step cost depends least on the machine's: the
+    shipped SmolLM2 table's (5,4,8), chosen on an AVX-512 Xeon, ran at 0.70x plain on an AVX2 Zen 1 VM, where its
+    smallest paying tree (1,2,3) ran at 1.21x (docs/benchmarks.md, fifty-ninth session)."""
+    out = {}
+    for b, shape in table.items():
+        measured = [r for r in rows if int(r["batch_size"]) == b and r["shape"] is not None]
+        paying = [r for r in measured if float(r["speedup"]) > 1.0]
+        pool = paying or (measured if which == "best_speculative" else [])
+        if shape is None and which == "batch_sizes" or not pool:
+            out[b] = shape
+            continue
+        best = min(pool, key=lambda r: (int(r["shape"][2]), int(r["shape"][0]), -float(r["speedup"])))
+        out[b] = tuple(int(x) for x in best["shape"])
+    return out
+
+
+def this_machine() -> tuple[str, str | None]:
+    """(this CPU's model, the accelerator's device kind or None on a CPU), as ``same_machine`` compares them."""
+    dev = jax.devices()[0]
+    return cpu_model(), None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+
+
+def _elsewhere(raw: dict) -> str | None:
+    """The machine a table names when it is not this kind of machine (``same_machine``), else None."""
+    machine = raw.get("machine")
+    if not isinstance(machine, str) or not machine:
+        return None
+    return None if same_machine(machine, *this_machine()) else machine
+
+
+def tuned_elsewhere(folder_or_file: str | None, dtype: str | None = None) -> tuple[str, str] | None:
+    """(the file, the machine it names) of a head's tree table for ``dtype`` measured on another kind of machine:
+    its trees are then the smallest that paid there (``_smallest_paying``); None without a table or where it was
+    measured on this kind of machine."""
+    path = _tune_path(folder_or_file, dtype)
+    machine = None if path is None else _elsewhere(_read(path))
+    return None if machine is None else (path, machine)
 
 
 def load_tune(folder_or_file: str | None, which: str = "batch_sizes",
@@ -115,16 +163,6 @@ def load_tune_costs(folder_or_file: str | None,
     except (KeyError, TypeError, ValueError, StopIteration) as e:
         raise _bad(path, e) from None
     return out
-
-
-def tuned_on(folder_or_file: str | None, dtype: str | None = None) -> tuple[str, str] | None:
-    """(the file, the machine it was measured on, as ``bench tune`` describes it) of a head's tree table for
-    ``dtype``; None without a table or a machine named in it."""
-    path = _tune_path(folder_or_file, dtype)
-    if path is None:
-        return None
-    machine = _read(path).get("machine")
-    return (path, machine) if isinstance(machine, str) and machine else None
 
 
 def same_machine(tuned: str, cpu_model: str, accelerator: str | None) -> bool:
