@@ -29,7 +29,7 @@ from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
-from specjax.host import cpu_model, device_bytes_limit
+from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 

@@ -13,7 +13,8 @@ every batch size regardless, and ``rows`` every measurement (tokens/s, speedup, 
 whose table says ``null`` everywhere starts with target-only steps and turns a tree on where the traffic pays for
 it; without rows, or with adaptation off, it serves plain decoding). ``python -m specjax.generate`` runs the best
 speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of the largest tuned
-size not above it (the smallest tuned size below the first).
+size not above it (the smallest tuned size below the first). A table measured on another kind of machine
+(``machine``, ``same_machine``) runs the smallest tree that paid there instead (``_smallest_paying``).
 """
 
 from __future__ import annotations
@@ -103,7 +104,7 @@ def _smallest_paying(rows: list, table: dict, which: str) -> dict[int, tuple[int
         measured = [r for r in rows if int(r["batch_size"]) == b and r["shape"] is not None]
         paying = [r for r in measured if float(r["speedup"]) > 1.0]
         pool = paying or (measured if which == "best_speculative" else [])
-        if shape is None and which == "batch_sizes" or not pool:
+        if (shape is None and which == "batch_sizes") or not pool:
             out[b] = shape
             continue
         best = min(pool, key=lambda r: (int(r["shape"][2]), int(r["shape"][0]), -float(r["speedup"])))
