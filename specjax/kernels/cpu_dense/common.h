@@ -59,6 +59,7 @@ inline float load(const uint16_t* p, int64_t i) { return bf16_to_f32(p[i]); }
 // AVX2 CPU ran the kernels' scalar loops: SmolLM2's fp32 decode step at 16% of the weight-read limit on a 2-core Zen
 // 1 EPYC, 0.2x XLA's own dots (docs/benchmarks.md, fifty-ninth session).
 #if defined(__AVX512F__)
+constexpr int kVectorBits = 512;  // of one register
 using F16 = __m512;
 inline F16 VZero() { return _mm512_setzero_ps(); }
 inline F16 VSet1(float v) { return _mm512_set1_ps(v); }
@@ -98,6 +99,7 @@ inline void VInColumnOrder(F16 (&in)[2]) {
   in[1] = _mm512_permutex2var_ps(even, second, odd);
 }
 #elif defined(SPECJAX_VEC)
+constexpr int kVectorBits = 256;
 struct F16 {
   __m256 lo, hi;  // lanes 0-7, 8-15
 };
@@ -166,6 +168,8 @@ inline void VInColumnOrder(F16 (&in)[2]) {
   in[0] = {_mm256_permute2f128_ps(a, b, 0x20), _mm256_permute2f128_ps(a, b, 0x31)};
   in[1] = {_mm256_permute2f128_ps(c, d, 0x20), _mm256_permute2f128_ps(c, d, 0x31)};
 }
+#else
+constexpr int kVectorBits = 0;  // the scalar loops
 #endif
 
 // AMD Zen cores (as GCC's -march=native names them). Their streamed reads of weights prefetched into L1 ran 1.3-2x

@@ -575,9 +575,10 @@ constexpr int64_t kRunPerThreadRows = 8;
 // fp32 products of 5-8 rows on Intel cores also take groups of two panels (prefetched, ``kGroupAhead``) rather than
 // one panel at a time: one stream per panel left a 6-8-row product at 10 GB/s on one core of the fifty-first
 // session's Xeon where two streams read 13.3-14.1 (a C++ loop over the lm_head's panels), and SmolLM2's chained
-// products at 6 and 8 rows at 1.3-1.5x one row's time. The same fma sequence per output, so the same bits.
+// products at 6 and 8 rows at 1.3-1.5x one row's time. The same fma sequence per output, so the same bits. AVX-512
+// only: on AVX2 such a group's 5-8 x 2 x 4 sums would not fit its 16 registers (``kPanelTileR``).
 template <typename T>
-constexpr bool kWideGroups = std::is_same_v<T, float> && !kZen;
+constexpr bool kWideGroups = std::is_same_v<T, float> && !kZen && kLanes * 32 == kVectorBits;
 
 // One row of x (a batch-1 decode step, a draft step) instead takes chunks of one group of panels, which the threads
 // take in turn as they come free: SmolLM2's bf16 step on two threads 1.12x faster (fp32 1.01x), where one run per
