@@ -872,7 +872,8 @@ inline float FinishDot(const float (&lanes)[kLanes], const float* x, const T* t,
 // tiles of 16 rows prefetched into L2 took 5.1 and tiles of 2-8 rows 4.6-6.6 (a C++ loop over the table, forty-third
 // session). Other tiles prefetch into ``kStreamLocality``.
 template <typename T, int R>
-constexpr int kUnembedRows = R == 1 ? (kZen ? (std::is_same_v<T, float> ? 1 : 16) : 8) : R <= 4 ? 4 : 2;
+constexpr int kUnembedRows = kVectorBits == 256 ? (R == 1 ? (kZen && std::is_same_v<T, float> ? 1 : 4) : 2)  // AVX2
+                             : R == 1 ? (kZen ? (std::is_same_v<T, float> ? 1 : 16) : 8) : R <= 4 ? 4 : 2;
 template <typename T, int R, int VT>
 constexpr int kUnembedLocality = kZen && R == 1 && VT == 1 && std::is_same_v<T, float> ? 3 : kStreamLocality;
 
