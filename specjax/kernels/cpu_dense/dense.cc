@@ -567,9 +567,9 @@ void PanelGroups(const float* x, int64_t C, const T* w, float* y, int64_t O, int
 }
 
 // Up to this many rows of x, a product's panels are cut into one run per thread (a single stretch of w each; more
-// rows: about four runs per thread, ``MakeSplit``). One to two rows take groups of four panels, three or four rows
-// groups of two (fp32 on Intel cores: up to eight rows, ``kWideGroups``), more rows one panel at a time with up to
-// kPanelTileR rows of x per tile (``PanelRows``).
+// rows: about four runs per thread, ``MakeSplit``). With AVX-512 one to two rows take groups of four panels, three
+// or four rows groups of two (fp32 on Intel cores: up to eight rows, ``kWideGroups``), more rows one panel at a time
+// with up to kPanelTileR rows of x per tile (``PanelRows``); AVX2's groups and tiles are smaller (``kGroup1``).
 constexpr int64_t kRunPerThreadRows = 8;
 
 // fp32 products of 5-8 rows on Intel cores also take groups of two panels (prefetched, ``kGroupAhead``) rather than
