@@ -116,13 +116,11 @@ def _compile(out: Path) -> None:
     flags = [*_flags(), "-I", jax.ffi.include_dir(), "-I", str(HERE)]
     with tempfile.TemporaryDirectory(dir=out.parent) as objects:
         try:
-            objs = [os.path.join(objects, f"{src.stem}.o") for src in SOURCES]
-            jobs = [[cxx, *flags, "-c", str(src), "-o", obj] for src, obj in zip(SOURCES, objs)]
-            workers = max(1, min(len(jobs), len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
-                                 else os.cpu_count() or 1))
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                # largest first, so that the long one does not start last
-                for done in pool.map(_run_compiler, sorted(jobs, key=lambda j: -Path(j[-3]).stat().st_size)):
+            sources = sorted(SOURCES, key=lambda src: -src.stat().st_size)  # the long one does not start last
+            objs = [os.path.join(objects, f"{src.stem}.o") for src in sources]
+            jobs = [[cxx, *flags, "-c", str(src), "-o", obj] for src, obj in zip(sources, objs)]
+            with concurrent.futures.ThreadPoolExecutor(min(len(jobs), _usable_cpus())) as pool:
+                for done in pool.map(_run_compiler, jobs):
                     done.check_returncode()
             _run_compiler([cxx, *_flags(), *objs, "-o", tmp]).check_returncode()
             os.replace(tmp, out)
@@ -186,6 +184,11 @@ def _env_threads() -> int:
         if n < 1:
             raise ValueError(f"SPECJAX_CPU_THREADS must be a positive integer, got {value!r}")
         return n
+    return _usable_cpus()
+
+
+def _usable_cpus() -> int:
+    """The CPUs this process may run on."""
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
