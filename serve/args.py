@@ -15,7 +15,7 @@ from specjax.head_weights import check_token_map_use
 from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_available
 from specjax.hub import default_smollm2_path
 from specjax.speculative.tree import validate as validate_tree
-from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, load_tune_costs, shape_for
+from specjax.speculative.tune import TuneError, load_tune, load_tune_costs, shape_for, table_path
 
 log = logging.getLogger("specjax.serve")
 
@@ -163,7 +163,7 @@ class ServerArgs:
         elif shape is None:
             self.speculation_off_reason = (f"`bench tune` measured plain decoding faster than every tree shape at "
                                            f"every batch size for this head on its machine "
-                                           f"({self.speculative_draft_model_path}/{tune_filename(self.dtype)})")
+                                           f"({table_path(self.speculative_draft_model_path, self.dtype)})")
             shape = shape_for(load_tune(self.speculative_draft_model_path, "best_speculative", self.dtype), 1)
         self.speculative_num_steps, self.speculative_eagle_topk, self.speculative_num_draft_tokens = shape
 

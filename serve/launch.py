@@ -58,10 +58,10 @@ def warn_if_tuned_elsewhere(head: str, dtype: str | None) -> None:
     found = tuned_elsewhere(head, dtype)
     if found is None:
         return
-    cpu, accelerator = this_machine()
+    cpu, vector, accelerator = this_machine()
     log.warning("the tree table %s was measured on %s, and this is %s: its step costs may not hold here, so the "
                 "smallest tree that paid there runs per batch size; `python -m specjax.bench tune --draft %s` "
-                "measures this machine's", found[0], found[1], accelerator or f"a CPU ({cpu})", head)
+                "measures this machine's", found[0], found[1], accelerator or f"a CPU ({cpu}, {vector or 'no AVX2'})", head)
 
 
 def setup_logging(level: str) -> None:

@@ -40,7 +40,7 @@ from specjax.sharding import committed_device, put_kv_pool, use_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
 from specjax.speculative.tree import num_candidates, validate as validate_tree
-from specjax.speculative.tune import TuneError, filename as tune_filename, load_tune, shape_for, tuned_elsewhere
+from specjax.speculative.tune import TuneError, load_tune, shape_for, table_path, tuned_elsewhere
 from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
 
 
@@ -308,7 +308,7 @@ def _tuned_shape(args, head: str, say: bool) -> tuple[int, int, int]:
         tuned = shape_for(load_tune(head, "best_speculative", args.dtype), b)
         if say:
             print(f"note: `bench tune` measured plain decoding faster than every tree shape for this head at batch "
-                  f"{b} ({head}/{tune_filename(args.dtype)}); running its fastest shape anyway", file=sys.stderr)
+                  f"{b} ({table_path(head, args.dtype)}); running its fastest shape anyway", file=sys.stderr)
     return tuned
 
 

@@ -71,6 +71,19 @@ def cpu_flags() -> set[str]:
     return set((_cpuinfo("flags") or "").split())
 
 
+VECTOR_EXTENSIONS = ("AVX-512", "AVX2")  # as ``cpu_vector_extension`` names them, widest first
+
+
+def cpu_vector_extension() -> str | None:
+    """The widest vector extension specjax's CPU kernels have code for on this CPU: "AVX-512", "AVX2" (with FMA),
+    or None. CPUs of one model name differ in it (an "AMD EPYC" is a Zen 1 with AVX2 or a Zen 4 with AVX-512), and
+    with it in the step costs of a tree table (docs/benchmarks.md, fifty-ninth and sixtieth sessions)."""
+    flags = cpu_flags()
+    if "avx512f" in flags:
+        return VECTOR_EXTENSIONS[0]
+    return VECTOR_EXTENSIONS[1] if {"avx2", "fma"} <= flags else None
+
+
 def reuse_cpu_temps() -> bool:
     """Apply the settings above when this process computes on a CPU under glibc; call it before the first jax
     computation (the dispatch mode is fixed when jax creates its CPU client). ``SPECJAX_CPU_HEAP=0`` turns it off.

@@ -78,11 +78,17 @@ def test_a_table_tuned_on_another_machine_is_named(tmp_path, monkeypatch, caplog
     """The server says when the head's tree table was measured on another kind of machine (its step costs chose
     the tree per batch size), and how to measure this one's; not when it was measured here."""
     intel = "2-core CPU (Intel(R) Xeon(R) Processor, x86_64), no accelerator, JAX 0.10.2 CPU"
-    assert tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", None)
-    assert not tune_lib.same_machine(intel, "AMD EPYC", None)
-    assert not tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", "NVIDIA H200")
-    assert tune_lib.same_machine("16-core CPU (AMD EPYC 9654, x86_64), 1 x NVIDIA H200, JAX 0.10.2 GPU", "x",
+    assert tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", "AVX-512", None)
+    assert not tune_lib.same_machine(intel, "AMD EPYC", "AVX-512", None)
+    assert not tune_lib.same_machine(intel, "Intel(R) Xeon(R) Processor", "AVX-512", "NVIDIA H200")
+    assert tune_lib.same_machine("16-core CPU (AMD EPYC 9654, x86_64), 1 x NVIDIA H200, JAX 0.10.2 GPU", "x", None,
                                  "NVIDIA H200")
+    # one model name, two kinds of CPU (a Zen 1 "AMD EPYC" with AVX2, a Zen 4 one with AVX-512); a description from
+    # before the vector extension was recorded matches on the model alone
+    zen1 = "2-core CPU (AMD EPYC, x86_64, AVX2), no accelerator, JAX 0.10.2 CPU"
+    assert tune_lib.same_machine(zen1, "AMD EPYC", "AVX2", None)
+    assert not tune_lib.same_machine(zen1, "AMD EPYC", "AVX-512", None)
+    assert not tune_lib.same_machine(zen1, "AMD EPYC", None, None)
     assert tune_lib.tuned_elsewhere(str(tmp_path)) is None
     tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), {"format": 1, "machine": intel, "batch_sizes": {"1": None}})
     with caplog.at_level(logging.WARNING, logger="specjax.serve"):
@@ -318,3 +324,37 @@ def test_bench_tune_without_shapes_measures_the_backends_candidates(tiny_pair, m
     with pytest.raises(SystemExit):  # given shapes are measured as given
         bench_tune.main(["--model", model, "--draft", head, "--no-write", "--shapes", "2,1,3"])
     assert seen["shapes"] == ((2, 1, 3),)
+
+
+def test_a_table_per_kind_of_machine(tmp_path, monkeypatch):
+    """A head folder holds the plain table and one per kind of machine beside it (``speculative_tune[.dtype].on-
+    MACHINE.json``): a run reads this machine's where there is one (its own dtype's first), else the plain one;
+    ``bench tune`` keeps a plain table measured on another kind of machine and writes this machine's beside it,
+    and rewrites the plain one where it was measured here (or names no machine)."""
+    intel = "2-core CPU (Intel(R) Xeon(R) Processor, x86_64), no accelerator, JAX 0.10.2 CPU"
+    zen1 = "2-core CPU (AMD EPYC, x86_64, AVX2), no accelerator, JAX 0.10.2 CPU"
+    table = lambda machine, s: {"format": 1, "machine": machine,
+                                "batch_sizes": {"1": dict(zip(tune_lib.SHAPE_KEYS, s))}}
+    monkeypatch.setattr(tune_lib, "this_machine", lambda: ("AMD EPYC", "AVX2", None))
+    assert tune_lib.machine_tag() == "amd-epyc-avx2"
+    assert tune_lib.filename("bfloat16", "amd-epyc-avx2") == "speculative_tune.bfloat16.on-amd-epyc-avx2.json"
+    head = str(tmp_path)
+    assert tune_lib.output_path(head) == str(tmp_path / tune_lib.FILENAME)  # an empty folder: the plain name
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), table(intel, (5, 4, 8)))
+    assert tune_lib.tuned_elsewhere(head) is not None
+    here = str(tmp_path / "speculative_tune.on-amd-epyc-avx2.json")
+    assert tune_lib.output_path(head) == here  # the Xeon's table is kept
+    assert tune_lib.output_path(head, "bfloat16") == str(tmp_path / "speculative_tune.bfloat16.json")
+    tune_lib.save_tune(here, table(zen1, (2, 1, 3)))
+    assert tune_lib.table_path(head) == here and tune_lib.tuned_elsewhere(head) is None
+    assert tune_lib.load_tune(head) == {1: (2, 1, 3)}
+    assert tune_lib.load_tune(head, dtype="bfloat16") == {1: (2, 1, 3)}  # no bf16 table: fp32's, this machine's
+    tune_lib.save_tune(str(tmp_path / "speculative_tune.bfloat16.json"), table(intel, (3, 1, 4)))
+    assert tune_lib.table_path(head, "bfloat16") == str(tmp_path / "speculative_tune.bfloat16.json")
+    assert tune_lib.output_path(head) == here  # this machine's table is rewritten
+    monkeypatch.setattr(tune_lib, "this_machine", lambda: ("Intel(R) Xeon(R) Processor", "AVX-512", None))
+    assert tune_lib.machine_tag() == "intel-xeon-processor-avx-512"
+    assert tune_lib.load_tune(head) == {1: (5, 4, 8)} and tune_lib.tuned_elsewhere(head) is None
+    assert tune_lib.output_path(head) == str(tmp_path / tune_lib.FILENAME)  # measured here: rewritten
+    monkeypatch.setattr(tune_lib, "this_machine", lambda: ("x", None, "NVIDIA H100 80GB HBM3"))
+    assert tune_lib.machine_tag() == "nvidia-h100-80gb-hbm3"

@@ -10,7 +10,7 @@ from typing import Any, Callable
 
 from specjax.cli import check_output_file, option
 from specjax.config import DTYPES
-from specjax.host import available_host_bytes, cpu_model, device_bytes_limit
+from specjax.host import available_host_bytes, cpu_model, cpu_vector_extension, device_bytes_limit
 from specjax.train.data import BadRecord, open_binary, to_messages
 
 PROMPT_FORMATS = ("one prompt per line, or JSON lines with a prompt in turns[0], prompt, text, or the first user turn "
@@ -27,12 +27,14 @@ class TargetRunOptions:
 
 
 def machine_description() -> str:
-    """The machine a figure was measured on: CPU model and cores, accelerator, JAX version and backend."""
+    """The machine a figure was measured on: CPU model, cores and vector extension, accelerator, JAX version and
+    backend ("2-core CPU (AMD EPYC, x86_64, AVX2), no accelerator, JAX 0.10.2 CPU")."""
     import jax  # here, not at the top: the decode bench sets XLA's thread flags before jax is first imported
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
     acc = "no accelerator" if dev.platform == "cpu" else f"{len(jax.devices())} x {kind}"
-    return (f"{os.cpu_count()}-core CPU ({cpu_model()}, {platform.machine()}), {acc}, JAX {jax.__version__} "
+    vector = "".join(f", {v}" for v in [cpu_vector_extension()] if v)
+    return (f"{os.cpu_count()}-core CPU ({cpu_model()}, {platform.machine()}{vector}), {acc}, JAX {jax.__version__} "
             f"{dev.platform.upper()}")
 
 

@@ -22,7 +22,9 @@ The file (``speculative_tune.json``, format 1) holds ``{"format": 1, "algorithm"
 "batch_sizes": {"1": {"num_steps", "eagle_topk", "num_draft_tokens"} | null, ...}, "rows": [...]}`` where null means
 plain decoding is faster at that batch size. ``specjax.serve`` and ``specjax.Engine`` read it from the draft folder
 when the tree flags are not given (``specjax.speculative.tune.load_tune``). With ``--dtype bfloat16`` (or float16)
-the table goes to ``speculative_tune.<dtype>.json``, which servers of that dtype read instead.
+the table goes to ``speculative_tune.<dtype>.json``, which servers of that dtype read instead. Where the head's
+table was measured on another kind of machine (a shipped head's), it is kept and this machine's is written beside it
+(``speculative_tune[.<dtype>].on-<machine>.json``, ``tune.machine_tag``); runs on this kind of machine read it.
 """
 
 from __future__ import annotations
@@ -181,7 +183,10 @@ class TuneOptions(TargetRunOptions):
     temperature: float = option(0.0, help="0 = greedy (default)")
     seed: int = option(0, help="sampling seed")
     out: str | None = option(None, help="where to write the table (default: DRAFT/speculative_tune.json, or "
-                                          "DRAFT/speculative_tune.DTYPE.json with --dtype bfloat16 or float16)")
+                                          "DRAFT/speculative_tune.DTYPE.json with --dtype bfloat16 or float16; "
+                                          "where that table was measured on another kind of machine, it is kept "
+                                          "and this machine's goes beside it as speculative_tune[.DTYPE]."
+                                          "on-MACHINE.json)")
     no_write: bool = option(False, help="print only")
     outputs_only: bool = option(False, help="run each group once without a warm-up pass: outputs (== plain) and "
                                             "tau only, tokens/s include compiles; writes no table")
@@ -199,7 +204,7 @@ def main(argv=None) -> int:
         ap.error(f"--num-prompts {args.num_prompts} is smaller than batch size {max(args.batch_sizes)}: every batch "
                  f"size needs at least one full group of prompts")
     out = None if args.no_write or args.outputs_only else \
-        args.out or os.path.join(args.draft, tune_lib.filename(args.dtype))
+        args.out or tune_lib.output_path(args.draft, args.dtype)
     check_output_file(out, "--out")  # now, not after an hour of measurements
     check_output_file(args.json, "--json")
     args.shapes = args.shapes or default_shapes(jax.default_backend())

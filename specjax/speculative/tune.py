@@ -13,8 +13,13 @@ every batch size regardless, and ``rows`` every measurement (tokens/s, speedup, 
 whose table says ``null`` everywhere starts with target-only steps and turns a tree on where the traffic pays for
 it; without rows, or with adaptation off, it serves plain decoding). ``python -m specjax.generate`` runs the best
 speculative shape and reports the ratio. A batch size between two tuned ones uses the entry of the largest tuned
-size not above it (the smallest tuned size below the first). A table measured on another kind of machine
-(``machine``, ``same_machine``) runs the smallest tree that paid there instead (``_smallest_paying``).
+size not above it (the smallest tuned size below the first).
+
+A tree step's cost in plain steps is the machine's, so a head folder may hold one table per kind of machine beside
+the plain one: ``speculative_tune[.<dtype>].on-<machine>.json`` (``machine_tag``: the accelerator's device kind, or
+the CPU model and its vector extension). A run reads this machine's table where there is one (``table_path``); a
+table measured on another kind of machine (``machine``, ``same_machine``) runs the smallest tree that paid there
+instead (``_smallest_paying``).
 """
 
 from __future__ import annotations
@@ -24,10 +29,11 @@ import json
 import logging
 import math
 import os
+import re
 
 import jax
 
-from specjax.host import cpu_model
+from specjax.host import VECTOR_EXTENSIONS, cpu_model, cpu_vector_extension
 
 FORMAT = 1
 FILENAME = "speculative_tune.json"
@@ -46,21 +52,52 @@ def save_tune(path: str, table: dict) -> None:
     os.replace(tmp, path)
 
 
-def filename(dtype: str | None = None) -> str:
+def filename(dtype: str | None = None, machine: str | None = None) -> str:
     """The table's name in a head folder: ``speculative_tune.json`` (fp32 or the checkpoint's dtype), or
     ``speculative_tune.<dtype>.json`` for a table tuned with bf16/f16 weights, whose tree steps cost far fewer plain
-    steps on a CPU (docs/benchmarks.md, fifteenth session)."""
-    return FILENAME if dtype in (None, "auto", "float32") else f"speculative_tune.{dtype}.json"
+    steps on a CPU (docs/benchmarks.md, fifteenth session); with ``machine`` (a ``machine_tag``), the table of that
+    kind of machine: ``speculative_tune[.<dtype>].on-<machine>.json``."""
+    parts = ["speculative_tune", *([] if dtype in (None, "auto", "float32") else [dtype])]
+    return ".".join(parts + ([f"on-{machine}"] if machine else []) + ["json"])
 
 
-def _tune_path(folder_or_file: str | None, dtype: str | None = None) -> str | None:
-    """A file as given, or in a head folder the table of ``dtype`` (else the generic one); None when absent."""
+def machine_tag() -> str:
+    """This kind of machine as a file name's word: the accelerator's device kind, else the CPU model and its vector
+    extension, lowercase, runs of letters and digits joined by '-' ("amd-epyc-avx2", "nvidia-h100-80gb-hbm3")."""
+    cpu, vector, accelerator = this_machine()
+    text = re.sub(r"\((r|tm)\)", " ", (accelerator or f"{cpu} {vector or ''}").lower())
+    return "-".join(re.findall(r"[a-z0-9]+", text))
+
+
+def table_path(folder_or_file: str | None, dtype: str | None = None) -> str | None:
+    """A file as given, or the table a head folder holds for ``dtype`` (else the generic one), this kind of
+    machine's where the folder has one (``filename``'s ``machine``); None when there is none."""
     if not folder_or_file:
         return None
     if not os.path.isdir(folder_or_file):
         return folder_or_file if os.path.isfile(folder_or_file) else None
-    paths = (os.path.join(folder_or_file, name) for name in dict.fromkeys((filename(dtype), FILENAME)))
+    tagged = any(n.startswith("speculative_tune.") and ".on-" in n for n in os.listdir(folder_or_file))
+    tag = machine_tag() if tagged else None  # (jax's backend is asked only where a folder has tagged tables)
+    names = (filename(dtype, tag), filename(dtype), filename(None, tag), FILENAME)
+    paths = (os.path.join(folder_or_file, name) for name in dict.fromkeys(names))
     return next((p for p in paths if os.path.isfile(p)), None)
+
+
+def output_path(folder: str, dtype: str | None = None) -> str:
+    """Where ``bench tune`` writes a head folder's table for ``dtype``: this kind of machine's table where the folder
+    has one; else the plain name, unless the table there was measured on another kind of machine (a shipped head's):
+    that one is kept and this machine's goes beside it."""
+    here = os.path.join(folder, filename(dtype, machine_tag()))
+    plain = os.path.join(folder, filename(dtype))
+    if os.path.isfile(here):
+        return here
+    if not os.path.isfile(plain):
+        return plain
+    try:
+        elsewhere = _elsewhere(_read(plain))
+    except TuneError:
+        return plain  # a damaged table is replaced
+    return plain if elsewhere is None else here
 
 
 def _bad(path: str, e: Exception) -> TuneError:
@@ -112,10 +149,12 @@ def _smallest_paying(rows: list, table: dict, which: str) -> dict[int, tuple[int
     return out
 
 
-def this_machine() -> tuple[str, str | None]:
-    """(this CPU's model, the accelerator's device kind or None on a CPU), as ``same_machine`` compares them."""
+def this_machine() -> tuple[str, str | None, str | None]:
+    """(this CPU's model, its vector extension, the accelerator's device kind or None on a CPU), as
+    ``same_machine`` compares them."""
     dev = jax.devices()[0]
-    return cpu_model(), None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+    accelerator = None if dev.platform == "cpu" else getattr(dev, "device_kind", dev.platform)
+    return cpu_model(), cpu_vector_extension(), accelerator
 
 
 def _elsewhere(raw: dict) -> str | None:
@@ -130,7 +169,7 @@ def tuned_elsewhere(folder_or_file: str | None, dtype: str | None = None) -> tup
     """(the file, the machine it names) of a head's tree table for ``dtype`` measured on another kind of machine:
     its trees are then the smallest that paid there (``_smallest_paying``); None without a table or where it was
     measured on this kind of machine."""
-    path = _tune_path(folder_or_file, dtype)
+    path = table_path(folder_or_file, dtype)
     machine = None if path is None else _elsewhere(_read(path))
     return None if machine is None else (path, machine)
 
@@ -141,7 +180,7 @@ def load_tune(folder_or_file: str | None, which: str = "batch_sizes",
     None when there is no such file. ``which="best_speculative"``: the fastest tree shape per batch size even where
     plain decoding was faster (what to run when speculation is asked for explicitly). ``dtype``: the served dtype
     (a folder's table for it when there is one, see ``filename``)."""
-    path = _tune_path(folder_or_file, dtype)
+    path = table_path(folder_or_file, dtype)
     return None if path is None else _shapes(path, _read(path), which)
 
 
@@ -150,7 +189,7 @@ def load_tune_costs(folder_or_file: str | None,
     """{batch size: (the fastest tree shape, its measured accept length tau, its measured speedup over plain
     decoding)} from a head folder's tune file for ``dtype`` (the rows ``bench tune`` measured), or None without a
     file."""
-    path = _tune_path(folder_or_file, dtype)
+    path = table_path(folder_or_file, dtype)
     if path is None:
         return None
     raw = _read(path)
@@ -166,14 +205,17 @@ def load_tune_costs(folder_or_file: str | None,
     return out
 
 
-def same_machine(tuned: str, cpu_model: str, accelerator: str | None) -> bool:
-    """Whether a table measured on ``tuned`` (the bench tools' machine description: "N-core CPU (MODEL, arch), no
-    accelerator | K x DEVICE, JAX ...") holds here: on a CPU (``accelerator`` None) the same CPU model and no
+def same_machine(tuned: str, cpu_model: str, vector: str | None, accelerator: str | None) -> bool:
+    """Whether a table measured on ``tuned`` (the bench tools' machine description: "N-core CPU (MODEL, arch[,
+    VECTOR]), no accelerator | K x DEVICE, JAX ...") holds here: on a CPU (``accelerator`` None) the same CPU model
+    and vector extension (a description without one, from before it was recorded: the model alone) and no
     accelerator; else the same device kind. A tree step's cost in plain steps is the machine's: the shipped SmolLM2
     table was tuned on an Intel Xeon, where a 3-4-row verify costs less than on the Zen 5 VM (docs/benchmarks.md,
-    thirty-ninth session)."""
+    thirty-ninth session), and an 8-row step costs 1.1 plain steps there, 2.1 on an AVX2 Zen 1 "AMD EPYC"
+    (fifty-ninth session) where the Zen 5 one has AVX-512."""
     if accelerator is None:
-        return f"({cpu_model}," in tuned and "no accelerator" in tuned
+        named = next((v for v in VECTOR_EXTENSIONS if f", {v})," in tuned), None)
+        return f"({cpu_model}," in tuned and "no accelerator" in tuned and named in (None, vector)
     return f"x {accelerator}," in tuned
 
 
