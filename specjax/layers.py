@@ -196,8 +196,8 @@ def _dense(x, w, preferred_element_type):
 def _packed_dense(x, w, preferred_element_type, residual):
     """``dense`` against a ``cpu_dense.PackedWeight`` (the decode layout's fp32 and bf16 matrices on a CPU): the
     kernel where ``cpu_dense.supports`` it (fp32: any number of rows; bf16: a decode step, tree or draft step; the
-    result in its dtype and a residual added in the same call), a bf16 prompt chunk in ``cpu_dense.dense_prompt``
-    (AVX512-BF16), else ``dense`` of the unpacked w (a transpose of w in every call: XLA's copies of SmolLM2's bf16
+    result in its dtype and a residual added in the same call), a bf16 prompt chunk in ``cpu_dense.dense_prompt``,
+    else ``dense`` of the unpacked w (a transpose of w in every call: XLA's copies of SmolLM2's bf16
     matrices took longer than its 256-token prompt's products)."""
     shape = w.shape
     if shape[0] != w.rows:

@@ -216,7 +216,7 @@ def test_packed_weight_in_layers():
     at prompt lengths past the kernels' row limits too, and XLA's dot of the unpacked w when the kernels are off."""
     w = _operands(1, 8 * 24, 64, jnp.float32, seed=4)[1].reshape(8, 24, 64)
     pw = cpu_dense.pack(w, 2)
-    assert cpu_dense.packable(w, 2)  # bf16 too where the CPU has AVX512-BF16 (tests/test_decode_layout.py)
+    assert cpu_dense.packable(w, 2)  # bf16 too (tests/test_decode_layout.py)
     assert not cpu_dense.packable(w.astype(jnp.float16), 2)
     assert not cpu_dense.packable(jnp.ones((64, 40)))  # O not a multiple of 32
     with pytest.raises(ValueError, match="cannot take the shape"):

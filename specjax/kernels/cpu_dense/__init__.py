@@ -157,7 +157,6 @@ def _library() -> ctypes.CDLL | None:
         return None
     lib.specjax_cpu_set_threads.argtypes = [ctypes.c_int]
     lib.specjax_cpu_threads.restype = ctypes.c_int
-    lib.specjax_cpu_bf16_dots.restype = ctypes.c_int
     lib.specjax_cpu_amx.restype = ctypes.c_int
     jax.ffi.register_ffi_target("specjax_dense", jax.ffi.pycapsule(lib.SpecjaxDense), platform="cpu")
     jax.ffi.register_ffi_target("specjax_dense_add", jax.ffi.pycapsule(lib.SpecjaxDenseAdd), platform="cpu")
@@ -245,10 +244,12 @@ def supports(x, w) -> bool:
 
 def supports_prompt(x, w) -> bool:
     """Whether a bf16 product that ``supports`` refuses (a prompt chunk) runs in ``dense_prompt``: bf16 x against
-    bf16 ``PackedWeight`` panels on a CPU with AVX512-BF16 (``dense.cc``'s ``RunPanelDots``), the kernels built and
-    not ``disabled``. Elsewhere such a product takes ``layers.half_dot`` of the unpacked w."""
+    bf16 ``PackedWeight`` panels (``dense.cc``: AMX tiles, AVX512-BF16's dot products, else fp32 fmas over the
+    widened panels), the kernels built and not ``disabled``. Elsewhere such a product takes ``layers.half_dot`` of
+    the unpacked w. On an AVX2 CPU the widening fmas ran SmolLM2's 30 layers of products for a 64- or 256-token
+    bf16 prompt 1.3-1.4x faster than YNNPACK's bf16 dots over [C, O] (docs/benchmarks.md, sixtieth session)."""
     return (isinstance(w, PackedWeight) and x.dtype == w.dtype == jnp.bfloat16 and x.size > 0
-            and not _disabled.value and _bf16_dots())
+            and not _disabled.value and available())
 
 
 # Columns per panel of a PackedWeight (``dense.cc``'s kPanel).
@@ -308,16 +309,17 @@ class PackedWeight:
 
 def packable(w, c_axes: int = 1) -> bool:
     """Whether ``pack`` takes w: a concrete fp32 or bf16 array of 2+ axes whose axes after the first ``c_axes``
-    (contracted) hold a multiple of PANEL, the kernels built and not ``disabled``; bf16 only where the CPU has
-    AVX512-BF16 (the prompts' products over bf16 panels, ``supports_prompt``; elsewhere they would copy w)."""
+    (contracted) hold a multiple of PANEL, the kernels built and not ``disabled``. bf16 panels were once kept to
+    CPUs with AVX512-BF16 (their prompts' products); on an AVX2 CPU they stream SmolLM2's bf16 decode products
+    1.3x (one row) to 1.5x (eight rows) faster than [C, O] and its prompts' faster than YNNPACK's (sixtieth
+    session)."""
     if not isinstance(w, jax.Array) or isinstance(w, jax.core.Tracer) or w.ndim < 2:
         return False
     return _fits_panels(math.prod(w.shape[:c_axes]), math.prod(w.shape[c_axes:]), w.dtype)
 
 
 def _fits_panels(c: int, o: int, dtype) -> bool:
-    return (dtype in DTYPES and c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
-            and (dtype == jnp.float32 or _bf16_dots()))
+    return dtype in DTYPES and c > 0 and o > 0 and o % PANEL == 0 and not _disabled.value and available()
 
 
 def pack_table(table) -> PackedWeight | None:
@@ -333,11 +335,6 @@ def pack_table(table) -> PackedWeight | None:
 def _table_panels(table):
     v, d = table.shape
     return table.reshape(v // PANEL, PANEL, d).transpose(0, 2, 1)
-
-
-def _bf16_dots() -> bool:
-    lib = _library()
-    return lib is not None and bool(lib.specjax_cpu_bf16_dots())
 
 
 def amx() -> bool:
