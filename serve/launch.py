@@ -59,9 +59,10 @@ def warn_if_tuned_elsewhere(head: str, dtype: str | None) -> None:
     if found is None:
         return
     cpu, vector, accelerator = this_machine()
+    here = accelerator or f"a CPU ({cpu}, {vector or 'neither AVX-512 nor AVX2'})"
     log.warning("the tree table %s was measured on %s, and this is %s: its step costs may not hold here, so the "
                 "smallest tree that paid there runs per batch size; `python -m specjax.bench tune --draft %s` "
-                "measures this machine's", found[0], found[1], accelerator or f"a CPU ({cpu}, {vector or 'no AVX2'})", head)
+                "measures this machine's", found[0], found[1], here, head)
 
 
 def setup_logging(level: str) -> None:

@@ -33,7 +33,8 @@ def machine_description() -> str:
     dev = jax.devices()[0]
     kind = getattr(dev, "device_kind", dev.platform)
     acc = "no accelerator" if dev.platform == "cpu" else f"{len(jax.devices())} x {kind}"
-    vector = "".join(f", {v}" for v in [cpu_vector_extension()] if v)
+    ext = cpu_vector_extension()
+    vector = f", {ext}" if ext else ""
     return (f"{os.cpu_count()}-core CPU ({cpu_model()}, {platform.machine()}{vector}), {acc}, JAX {jax.__version__} "
             f"{dev.platform.upper()}")
 
