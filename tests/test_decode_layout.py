@@ -27,6 +27,7 @@ _VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # no bytes move
 # Claims about the code XLA:CPU emits by default (copies, dots, in-place writes, bits) run in a child process with
 # XLA's default flags (conftest.py); the numeric comparisons with a tolerance run under the suite's fast flags.
 xla_defaults = pytest.mark.xla_defaults
+xla_default_hlo = pytest.mark.xla_default_hlo  # claims about the optimized HLO only: LLVM's optimisations stay off
 
 
 def _weight_shapes(cfg: ModelConfig):
@@ -65,7 +66,7 @@ def _decode_step_hlo(cfg, params):
     return step.lower(params, cache, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool)).compile().as_text()
 
 
-@xla_defaults
+@xla_default_hlo
 def test_batch1_decode_step_reads_weights_in_place(model):
     cfg, params = model
     stacked = weight_copies(_decode_step_hlo(cfg, params), cfg)
@@ -79,7 +80,7 @@ def _loop_state(params, cfg, cache, stop):
     return gen._start(cache, logits, jnp.asarray([8], jnp.int32), sampling.SamplingBatch.make(1), stop, capacity=16)
 
 
-@xla_defaults
+@xla_default_hlo
 def test_generate_loop_reads_weights_in_place(model):
     cfg, params = model
     cache = kv_cache.init_cache(cfg.num_layers, cfg.num_kv_heads, cfg.head_dim, 1, 96, dtype=jnp.float32)
@@ -251,7 +252,7 @@ def _write_after_forward(params, cfg, cache, tokens):
     return kv_cache.write(cache, out.k_new, out.v_new, positions), out.logits
 
 
-@xla_defaults
+@xla_default_hlo
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
 def test_server_steps_write_the_kv_pool_in_place(dtype):
     """The runners' programs update the donated pools in place: no copy of a whole pool per step, in fp32 and bf16
@@ -414,7 +415,7 @@ def _half_precision_products():
                                    rtol=1e-5, atol=1e-5)
 
 
-@xla_defaults
+@xla_default_hlo
 def test_half_precision_decode_reads_table_and_pool_in_place():
     """A bf16 decode step and generation loop on a CPU never copy the embedding table or a K/V pool: XLA:CPU ran a
     half-precision gather or scatter on an f32 copy of the whole operand (the table for one row, each pool for
