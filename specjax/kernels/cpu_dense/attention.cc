@@ -128,19 +128,32 @@ inline float Dot(const float* a, const P* b, int64_t h) {
 }
 
 #if defined(SPECJAX_VEC)
+// Vector registers an F16 takes: one of AVX-512's 32, two of AVX2's 16. Tiles of sums shaped for AVX-512's registers
+// spilled to the stack at every fma on AVX2 (the 2-core Zen 1 VM: 1-token attention over a 1000-token context at
+// 27 ns a score, six tokens at 16; sixty-first session), so on AVX2 the tiles below are cut to fit.
+constexpr int kF16Regs = kLanes * 32 / kVectorBits;
+// Keys whose sums Dot16 keeps in registers at a time: all sixteen on AVX-512, four (8 registers) on AVX2.
+constexpr int kDotKeys = kF16Regs == 1 ? kLanes : 4;
+
 // Dot(a, row j, h) for sixteen key rows at once into out[0..16], each the same fmas, tree and tail as Dot: row j at
 // rows[j], or (``rows`` null) at first + j * h (a page's consecutive positions: one base register for all loads).
+// The keys' sums are taken kDotKeys keys at a time, each key's fmas in the same order, so the same bits.
 template <typename P>
 inline void Dot16(const float* a, const P* const* rows, const P* first, int64_t h, float* out) {
   auto row = [&](int j) { return rows ? rows[j] : first + j * h; };
   F16 acc[kLanes];
-  for (int j = 0; j < kLanes; ++j) acc[j] = VZero();
-  int64_t i = 0;
-  for (; i + kLanes <= h; i += kLanes) {
-    const F16 av = VLoad(a + i);
-    for (int j = 0; j < kLanes; ++j) acc[j] = VFma(av, VLoad(row(j) + i), acc[j]);
+  const int64_t whole = h / kLanes * kLanes;
+  for (int j0 = 0; j0 < kLanes; j0 += kDotKeys) {
+    F16 part[kDotKeys];
+    for (int j = 0; j < kDotKeys; ++j) part[j] = VZero();
+    for (int64_t i = 0; i < whole; i += kLanes) {
+      const F16 av = VLoad(a + i);
+      for (int j = 0; j < kDotKeys; ++j) part[j] = VFma(av, VLoad(row(j0 + j) + i), part[j]);
+    }
+    for (int j = 0; j < kDotKeys; ++j) acc[j0 + j] = part[j];
   }
   VStore(out, ReduceAdd16x16(acc));
+  int64_t i = whole;
   for (; i < h; ++i)
     for (int j = 0; j < kLanes; ++j) out[j] = __builtin_fmaf(a[i], load(row(j), i), out[j]);
 }
@@ -223,7 +236,8 @@ constexpr int64_t kWeighBlock = 64;
 template <typename P, int HV>
 void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                             int64_t keys, int64_t seen_by_all, float* acc) {
-  constexpr int QG = 16 / HV;  // queries per pass: QG x HV sums in registers
+  // queries per pass: QG x HV sums in registers (AVX-512: 16 of its 32; AVX2: one query's, 2 HV of its 16)
+  constexpr int QG = kF16Regs == 1 ? 16 / HV : 1;
   constexpr int64_t H = HV * kLanes;
   thread_local std::vector<char> dense;  // per pass: whether the prefix takes the loop without tests
   dense.assign((nq + QG - 1) / QG, 0);
