@@ -24,8 +24,9 @@ HF = dict(architectures=["LlamaForCausalLM"], vocab_size=300, hidden_size=80, in
           rope_theta=10000.0, tie_word_embeddings=True)
 _INST = re.compile(r"^\s*(?:ROOT )?%\S+ = (\w+)\[([\d,]*)\]\{[\d,]*\} ([\w-]+)\(")
 _VIEWS = {"parameter", "get-tuple-element", "bitcast", "tuple"}  # no bytes moved
-# Claims about the code XLA:CPU emits by default (copies, dots, in-place writes, bits) run in a child process with
-# XLA's default flags (conftest.py); the numeric comparisons with a tolerance run under the suite's fast flags.
+# Claims about the code XLA:CPU emits by default (dots, bits) run in a child process with XLA's default flags, those
+# about its optimized HLO alone (copies, in-place writes) in one with LLVM at -O0 (conftest.py); the numeric
+# comparisons with a tolerance run under the suite's fast flags.
 xla_defaults = pytest.mark.xla_defaults
 xla_default_hlo = pytest.mark.xla_default_hlo  # claims about the optimized HLO only: LLVM's optimisations stay off
 

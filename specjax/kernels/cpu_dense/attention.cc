@@ -129,8 +129,9 @@ inline float Dot(const float* a, const P* b, int64_t h) {
 
 #if defined(SPECJAX_VEC)
 // Vector registers an F16 takes: one of AVX-512's 32, two of AVX2's 16. Tiles of sums shaped for AVX-512's registers
-// spilled to the stack at every fma on AVX2 (the 2-core Zen 1 VM: 1-token attention over a 1000-token context at
-// 27 ns a score, six tokens at 16; sixty-first session), so on AVX2 the tiles below are cut to fit.
+// spilled to the stack at every fma on AVX2, so there the tiles below are cut to fit (the 2-core Zen 1 VM, SmolLM2's
+// 30 layers at a 1000-token context, two threads: one token 26 -> 21 ns a score, six tokens 15 -> 9.5; sixty-first
+// session).
 constexpr int kF16Regs = kLanes * 32 / kVectorBits;
 // Keys whose sums Dot16 keeps in registers at a time: all sixteen on AVX-512, four (8 registers) on AVX2.
 constexpr int kDotKeys = kF16Regs == 1 ? kLanes : 4;
