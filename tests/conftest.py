@@ -16,9 +16,10 @@ if "xla_force_host_platform_device_count" not in os.environ["XLA_FLAGS"]:
 # ran in 50 s instead of 71). SPECJAX_TEST_XLA_DEFAULTS=1 runs the whole suite with XLA's defaults.
 FAST_COMPILE_FLAGS = ("--xla_backend_optimization_level=0", "--xla_cpu_use_fusion_emitters=false")
 DEFAULTS_MODES = {"xla_defaults": ("1", ()), "xla_default_hlo": ("hlo", FAST_COMPILE_FLAGS[:1])}  # marker: env, flags
-XLA_MODE = os.environ.get("SPECJAX_TEST_XLA_DEFAULTS", "")
-FAST_COMPILE = XLA_MODE not in ("1", "hlo")
-for _flag in FAST_COMPILE_FLAGS if FAST_COMPILE else dict(DEFAULTS_MODES.values()).get(XLA_MODE, ()):
+_KEPT_FLAGS = dict(DEFAULTS_MODES.values())  # SPECJAX_TEST_XLA_DEFAULTS: the fast-compile flags that child keeps
+_XLA_MODE = os.environ.get("SPECJAX_TEST_XLA_DEFAULTS", "")
+FAST_COMPILE = _XLA_MODE not in _KEPT_FLAGS
+for _flag in FAST_COMPILE_FLAGS if FAST_COMPILE else _KEPT_FLAGS[_XLA_MODE]:
     if _flag.split("=")[0] not in os.environ["XLA_FLAGS"]:
         os.environ["XLA_FLAGS"] += " " + _flag
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
