@@ -131,8 +131,9 @@ def from_namespace(cls, ns: argparse.Namespace):
 def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[str], Any]) -> argparse.ArgumentParser:
     """``--section.key VALUE`` (also ``--section.key=VALUE`` and ``--section.some-key``) for every key of every
     section of the nested dataclass ``cls``; one argument group per section, titled by its docstring. A bare flag
-    means ``true`` for a bool key (any other key needs its value). Values go through ``value`` (e.g. a YAML scalar parser) and are typed later by the config
-    loader; only the flags given appear in the namespace (read them with :func:`dotted_values`)."""
+    means ``true`` for a bool key (any other key needs its value). Values go through ``value`` (e.g. a YAML scalar
+    parser) and are typed later by the config loader; only the flags given appear in the namespace (read them with
+    :func:`dotted_values`)."""
     if parser.usage is None:  # the usage line names the parser's own options, then the overrides in one
         parser.usage = parser.format_usage().strip().removeprefix("usage: ") + " [--section.key VALUE ...]"
     hints = typing.get_type_hints(cls)

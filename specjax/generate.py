@@ -401,7 +401,8 @@ def speculative_demo(args, prompts: list[str]) -> int:
             "DIFFERS from")
     runs = f" (medians of {args.timing_runs} runs each, taking turns)" if args.timing_runs > 1 else ""
     print(f"\n{algo}: {n} tokens in {t_spec:.2f} s = {n / t_spec:.1f} tok/s, {accept}")
-    print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {(n / t_spec) / (m / t_plain):.2f}x;"
+    speedup = (n / t_spec) / (m / t_plain)
+    print(f"plain: {m} tokens in {t_plain:.2f} s = {m / t_plain:.1f} tok/s; speedup {speedup:.2f}x;"
           f" output {same} plain decoding{runs}")
     return 0
 

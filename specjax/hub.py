@@ -145,7 +145,8 @@ def fetch_smollm2_gguf(dtype: str = "q4_1") -> str:
             os.replace(src, q4)
     if dtype == "q4_1":
         return q4
-    out = os.path.join(default_cache_dir(), f"SmolLM2-135M-Instruct.{ {'float32': 'F32', 'bfloat16': 'BF16'}[dtype]}.gguf")
+    kind = {'float32': 'F32', 'bfloat16': 'BF16'}[dtype]
+    out = os.path.join(default_cache_dir(), f"SmolLM2-135M-Instruct.{kind}.gguf")
     return out if os.path.isfile(out) else write_dequantized(q4, out, dtype, log=_log)
 
 

@@ -9,8 +9,8 @@ page axis minor, which the K/V scatter and the kernel cannot use in place (each 
 pools are lane-packed: ``[L, P, K, Z / f, f * H]`` with ``f = 128 // H`` slots side by side in one 128-lane row
 (``pack_factor``), the same bytes in the same order as ``[L, P, K, Z, H]`` (a row-major reshape), so only the
 readers change. A sequence's logical position p lives at page ``page_table[b, p // Z]``, slot ``p % Z`` (row
-``slot // f``, lanes ``(slot % f) * H`` onward). Entries past ``lengths[b]`` are garbage (rejected tree tokens, padding) and are never read: attention
-masks keys by ``position < lengths[b]``.
+``slot // f``, lanes ``(slot % f) * H`` onward). Entries past ``lengths[b]`` are garbage (rejected tree tokens,
+padding) and are never read: attention masks keys by ``position < lengths[b]``.
 """
 
 from __future__ import annotations

@@ -71,7 +71,8 @@ class SafetensorsFile:
 
 
 class CheckpointIndex:
-    """All tensors of a checkpoint folder: one ``model.safetensors`` or shards listed in ``*.safetensors.index.json``."""
+    """All tensors of a checkpoint folder: one ``model.safetensors`` or shards listed in
+    ``*.safetensors.index.json``."""
 
     def __init__(self, folder: str):
         self.folder = folder

@@ -13,7 +13,8 @@ from specjax.kernels import cpu_dense
 
 
 def doubling(n: int, lo: int, hi: int) -> int:
-    """Power-of-two chunk >= n from lo, bounded by hi (speculative/spec_generate.py's former _bucket / _pow2_at_least)."""
+    """Power-of-two chunk >= n from lo, bounded by hi (speculative/spec_generate.py's former _bucket /
+    _pow2_at_least)."""
     t = lo
     while t < n and t < hi:
         t *= 2

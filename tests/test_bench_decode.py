@@ -81,7 +81,8 @@ def test_random_llama_mode(monkeypatch, tmp_path, capsys):
         bench.main(["--profile-dir", str(tmp_path / "trace"), "--no-hf"])
     # every weight but the embedding table: lm_head + one layer + final norm, bf16
     d, f, v = 64, 128, 512
-    assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d + 3 * d * f + d)
+    assert res["weight_bytes_per_token"] == 2 * (d * v + 2 * d + d * 4 * 16 + 2 * d * 2 * 16 + 4 * 16 * d
+                                                 + 3 * d * f + d)
 
 
 def test_random_llama_refuses_what_cannot_run(monkeypatch):

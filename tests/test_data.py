@@ -67,7 +67,8 @@ def test_thinking_template(think_tok, thinking):
     msgs = D.to_messages({"conversations": CONV[1:5]})
     ids, mask = enc.encode(msgs)
     think = "<think>\n\n</think>\n\n"
-    segs = [("<|im_start|>user\nwhat is the sky<|im_end|>\n<|im_start|>assistant\n", 0), ("blue sky one two<|im_end|>", 1),
+    segs = [("<|im_start|>user\nwhat is the sky<|im_end|>\n<|im_start|>assistant\n", 0),
+            ("blue sky one two<|im_end|>", 1),
             ("\n<|im_start|>user\nand the sea<|im_end|>\n<|im_start|>assistant\n", 0), (think, int(thinking)),
             ("green sea three<|im_end|>", 1), ("\n", 0)]
     want_ids, want_mask = _expected(think_tok, segs)

@@ -350,9 +350,9 @@ def test_small_row_products_run_rowwise_on_cpu(model):
 @xla_defaults
 @cpu_dense.disabled()
 def test_few_row_tied_logits_take_one_pass_over_the_table_on_cpu():
-    """Without specjax's CPU kernels: tied logits over 2..8 rows (a verified tree, a small batch) are one multiply-and-sum pass over the embedding
-    table on a CPU: no few-row GEMM, no [V, rows, D] product in memory, the same argmax and values within fp32
-    rounding of the one dot; one row keeps its one dot."""
+    """Without specjax's CPU kernels: tied logits over 2..8 rows (a verified tree, a small batch) are one
+    multiply-and-sum pass over the embedding table on a CPU: no few-row GEMM, no [V, rows, D] product in memory, the
+    same argmax and values within fp32 rounding of the one dot; one row keeps its one dot."""
     rng = np.random.default_rng(1)
     v, d = 1000, 72
     table = jnp.asarray(rng.standard_normal((v, d)) * 0.1, jnp.float32)

@@ -4,8 +4,8 @@ Tiny closed-form "bigram" models (tests/spec_models.py: the heads usually agree 
 of several tokens are verified) check that speculative greedy output with penalties equals plain greedy output with
 the same penalties, token for token, for EAGLE3 and EAGLE trees (each tree node's penalties count the tokens drafted
 above it), and that the logprobs the runners report under speculation equal the plain runner's (greedy rows) and
-are the target's temperature-adjusted, penalised log_softmax (a sampled row, plain and speculative). A numpy rendering of
-the penalty formulas checks ``sampling.process_logits`` itself.
+are the target's temperature-adjusted, penalised log_softmax (a sampled row, plain and speculative). A numpy
+rendering of the penalty formulas checks ``sampling.process_logits`` itself.
 """
 
 import numpy as np

@@ -130,7 +130,8 @@ def test_engine_kwargs_share_the_cli_names():
 
 
 def test_import_specjax_is_light():
-    code = "import sys, specjax; assert 'jax' not in sys.modules and 'fastapi' not in sys.modules; print(specjax.Engine)"
+    code = ("import sys, specjax; assert 'jax' not in sys.modules and 'fastapi' not in sys.modules; "
+            "print(specjax.Engine)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert "Engine" in out.stdout

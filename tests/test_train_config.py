@@ -116,8 +116,8 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
     y = tmp_path / "c.yaml"
     y.write_text("model: {path: m}\ntraining: {seed: 3}\n")
     args, cfg = config_from_command_line(build_parser(), [
-        "--config", str(y), "--optimizer.lr", "3e-4", "--offline.build", "--offline.dir", "c", "--checkpoint.async-save",
-        "false", "--training.max_steps=7", "--data.buckets", "[64,128]"])
+        "--config", str(y), "--optimizer.lr", "3e-4", "--offline.build", "--offline.dir", "c",
+        "--checkpoint.async-save", "false", "--training.max_steps=7", "--data.buckets", "[64,128]"])
     assert args.config == str(y)
     assert cfg.optimizer.lr == 3e-4 and cfg.offline.build and cfg.checkpoint.async_save is False
     assert cfg.training.max_steps == 7 and cfg.training.seed == 3 and cfg.data.buckets == (64, 128)

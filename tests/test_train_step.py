@@ -1,5 +1,5 @@
-"""The jitted EAGLE3 train step (train/train_step.py) on a tiny random target: it learns, gradient accumulation is exact,
-a 4x4 (dp x tp) mesh of fake CPU devices matches one device, the offline step matches the online one, and a run
+"""The jitted EAGLE3 train step (train/train_step.py) on a tiny random target: it learns, gradient accumulation is
+exact, a 4x4 (dp x tp) mesh of fake CPU devices matches one device, the offline step matches the online one, and a run
 is reproducible from its seed."""
 
 import dataclasses

@@ -139,8 +139,8 @@ def check_processes_agree(cfg: RunConfig) -> None:
 
 def check_same_config(cfg: RunConfig) -> None:
     """With several processes: a :class:`Stop` on every process unless all run the same settings
-    (:func:`run_settings`), naming the keys that differ. Different seeds gave each host another "replicated" head and vocab map in
-    silence; other differences ended minutes later in a collective mismatch or a barrier timeout."""
+    (:func:`run_settings`), naming the keys that differ. Different seeds gave each host another "replicated" head and
+    vocab map in silence; other differences ended minutes later in a collective mismatch or a barrier timeout."""
     if jax.process_count() == 1:
         return
     flat = run_settings(cfg.to_dict())
@@ -700,7 +700,8 @@ def train(run: Run) -> int:
 
 def watch_signals() -> dict:
     """SIGTERM (preemption) and SIGINT set ``stop["signal"]``; the loop saves and exits at the next step. A second
-    signal exits at once (a save that cannot finish, e.g. on a folder other hosts do not share, would hold the first)."""
+    signal exits at once (a save that cannot finish, e.g. on a folder other hosts do not share, would hold the
+    first)."""
     stop = {"signal": None}
 
     def on_signal(signum, _frame):

@@ -168,7 +168,8 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
     elif fmt in ("auto", "messages") and "messages" in record:
         turns, role_key, text_key = record["messages"], "role", "content"
     else:
-        raise BadRecord("bad_format", f"no {'conversations' if fmt == 'sharegpt' else 'messages' if fmt == 'messages' else 'conversations or messages'} field")
+        wanted = {"sharegpt": "conversations", "messages": "messages"}.get(fmt, "conversations or messages")
+        raise BadRecord("bad_format", f"no {wanted} field")
     if not isinstance(turns, list):
         raise BadRecord("bad_format", "turns are not a list")
     msgs = []

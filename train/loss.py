@@ -78,8 +78,8 @@ def serving_rounds(lead, start):
     t + lead[t] + 1; positions where no round may start are stepped over one by one (the prompt, padding).
 
     The walk is a pointer chain, computed by doubling: after j levels ``nxt[t]`` is where 2**j moves from t land and
-    ``cnt``/``tok`` what those moves add up, so T.bit_length() levels of gathers (2**levels > T moves) reach the end from position 0
-    (every move advances at least one position; column T is an absorbing end)."""
+    ``cnt``/``tok`` what those moves add up, so T.bit_length() levels of gathers (2**levels > T moves) reach the end
+    from position 0 (every move advances at least one position; column T is an absorbing end)."""
     b, t = lead.shape
     idx = jnp.arange(t, dtype=jnp.int32)[None]
     jump = jnp.where(start, idx + lead.astype(jnp.int32) + 1, idx + 1)

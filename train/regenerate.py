@@ -172,7 +172,8 @@ class Regenerator:
         texts = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
         out: list[str | None] = [None] * len(prompts)
-        order = [i for i in np.argsort([len(x) for x in ids], kind="stable") if len(ids[i]) <= self.cfg.max_prompt_tokens]
+        order = [i for i in np.argsort([len(x) for x in ids], kind="stable")
+                 if len(ids[i]) <= self.cfg.max_prompt_tokens]
         bs = self.cfg.batch_size
         for start in range(0, len(order), bs):
             rows = order[start:start + bs]

@@ -150,7 +150,8 @@ def _resolve_model(args) -> str:
     from specjax.hub import default_smollm2_path
     path = default_smollm2_path()
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise SystemExit(f"error: no model at {path}; run `python -m specjax.convert fetch-smollm2` or pass --model PATH")
+        raise SystemExit(f"error: no model at {path}; run `python -m specjax.convert fetch-smollm2` "
+                         "or pass --model PATH")
     return path
 
 
@@ -490,7 +491,8 @@ class DecodeOptions:
     copy_mib: int | None = option(None, help="buffer size of the bandwidth measurement (default 1024 on "
                                              "accelerators, 256 on CPU); both modes report the weight-read limit")
     threads: int | None = option(None, help="CPU threads for every engine (torch.set_num_threads, XLA's intra-op "
-                                            "pool, llama.cpp's threads), the process pinned to that many cores (Linux); "
+                                            "pool, llama.cpp's threads), the process pinned to that many cores "
+                                            "(Linux); "
                                             "default: each library's own choice. On a shared, oversubscribed CPU, 1 "
                                             "gives stable numbers")
     json: str | None = option(None, metavar="OUT", help="also write the results as JSON")

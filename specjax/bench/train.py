@@ -11,7 +11,8 @@ tokens with full attention and loss masks.
 
 FLOPs per token come from ``specjax.train.train_step.estimate_flops_per_token`` (frozen target forward + head
 forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
-per device from ``train_step.PEAK_TFLOPS`` by device kind, or ``--peak-tflops``. On a CPU the peak is measured in the same run:
+per device from ``train_step.PEAK_TFLOPS`` by device kind, or ``--peak-tflops``. On a CPU the peak is measured in
+the same run:
 the faster of one large fp32 matmul and one of bf16 operands accumulated in f32 (what the CPU can do at best; on an
 AMX Xeon the bf16 one is 5x the fp32 one). Every run also prints the fraction of each measured peak.
 """
@@ -111,7 +112,8 @@ def _check(a):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("dtype", "head_dtype"):
         if getattr(a, name) is not None and getattr(a, name) not in DTYPES:
-            raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, got {getattr(a, name)!r}")
+            raise ValueError(f"--{name.replace('_', '-')} must be float32, bfloat16 or float16, "
+                             f"got {getattr(a, name)!r}")
     return a
 
 

@@ -158,7 +158,8 @@ def print_table(r: dict) -> None:
     print(f"{'batch':>5s}  {'steps,topk,draft':>16s}  {'tok/s':>8s}  {'speedup':>7s}  {'tau':>5s}  {'== plain':>8s}")
     for row in r["rows"]:
         shape = "plain" if row["shape"] is None else ",".join(map(str, row["shape"]))
-        same = "" if row["identical"] is None else f"{row['identical']}/{r['num_prompts'] // row['batch_size'] * row['batch_size']}"
+        whole = r['num_prompts'] // row['batch_size'] * row['batch_size']  # prompts in whole batches
+        same = "" if row["identical"] is None else f"{row['identical']}/{whole}"
         print(f"{row['batch_size']:5d}  {shape:>16s}  {row['tok_s']:8.1f}  {row['speedup']:7.2f}  {row['tau']:5.2f}  "
               f"{same:>8s}")
     print("chosen: " + ", ".join(f"B={b}: {'plain' if s is None else ','.join(map(str, s.values()))}"

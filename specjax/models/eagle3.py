@@ -63,7 +63,8 @@ class Eagle3Config(HeadShape):
 
     @classmethod
     def from_target(cls, tcfg: ModelConfig, *, draft_vocab_size: int | None = None, num_layers: int = 1,
-                    aux_layer_ids: tuple[int, ...] | None = None, dtype: str | None = None, **overrides) -> "Eagle3Config":
+                    aux_layer_ids: tuple[int, ...] | None = None, dtype: str | None = None,
+                    **overrides) -> "Eagle3Config":
         """A head shaped like one layer of its target (SpecForge's default recipe)."""
         kw = dict(
             HeadShape.of_target(tcfg), draft_vocab_size=min(draft_vocab_size or tcfg.vocab_size, tcfg.vocab_size),
