@@ -317,15 +317,22 @@ constexpr int kPanelV = kPanel / kLanes;
 // jitted program of SmolLM2's 121 fp32 panel products per step, two threads of the 2-core Zen 1 VM, took at 1 / 3 /
 // 4 / 8 / 12 / 16 rows 23-24 / 32-33 / 39-41 / 52 / 87-97 / 102-104 ms with AVX-512's shapes, 24 / 26-28 / 29-31 /
 // 45-46 / 57-60 / 77-80 with these (fifty-ninth session). Each output is the same fma sequence whatever the tile or
-// group, so the same bits.
+// group, so the same bits. Two rows of bf16 x on AVX2 take one panel at a time: a group of two panels' 2 x 2 x 2 sums
+// took all 16 registers, and the widened lines spilled to the stack at every fma; the 121 bf16 products at two rows
+// went 14.1-14.3 -> 11.3-11.9 ms (one row's 10.4-11.1; fp32's two rows 20.7-21.0 with groups of two, 23.7-24.6
+// without: there the second stream pays; sixty-second session).
 #if defined(__AVX512F__) || !defined(SPECJAX_VEC)
 constexpr int kPanelTileR = 12;  // rows of x per register tile: 12 x 2 sums, 2 vectors of w, one of x
 constexpr int kTileSplitR = kPanelTileR;  // rows per tile where a product has more rows than one tile takes
-constexpr int kGroup1 = 4, kGroup2 = 4, kGroup34 = 2;  // panels per group for 1, 2, and 3-4 rows of x
+constexpr int kGroup1 = 4, kGroup34 = 2;  // panels per group for 1 and 3-4 rows of x
+template <typename T>
+constexpr int kGroup2 = 4;  // for 2 rows of x
 #else
 constexpr int kPanelTileR = 4;
 constexpr int kTileSplitR = 3;
-constexpr int kGroup1 = 4, kGroup2 = 2, kGroup34 = 0;  // 0: three or four rows take a tile
+constexpr int kGroup1 = 4, kGroup34 = 0;  // 0: three or four rows take a tile
+template <typename T>
+constexpr int kGroup2 = std::is_same_v<T, float> ? 2 : 1;
 #endif
 constexpr int64_t kPanelAhead = 1024;  // bytes of a panel between the line read and the one prefetched
 
@@ -608,7 +615,7 @@ void PackedChunk(const void* ctx, int i) {
 #endif
       PanelGroups<T, 1, kGroup1>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
       break;
-    case 2: PanelGroups<T, 2, kGroup2>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
+    case 2: PanelGroups<T, 2, kGroup2<T>>(j.x, C, j.w, j.y, O, j.blocks, p0, p1); break;
     case 3: case 4:
       if constexpr (kGroup34 > 0) {
         if (j.rows == 3) PanelGroups<T, 3, kGroup34>(j.x, C, j.w, j.y, O, j.blocks, p0, p1);
