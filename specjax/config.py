@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
@@ -33,6 +34,11 @@ _REFUSED_IF_TRUE = {
     "attention_bias_in_o_proj": "o_proj bias",
     "mlp_bias": "MLP bias",
 }
+
+# Integer fields of a config.json that size the model: required ones, and ones that may be absent or null (derived,
+# or a default). Each must be an int >= 1 (a bool or "64" is not one).
+_REQUIRED_INTS = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
+_OPTIONAL_INTS = ("num_key_value_heads", "head_dim", "max_position_embeddings")
 
 
 class ConfigError(ValueError):
@@ -104,8 +110,12 @@ class ModelConfig:
         return total
 
     @classmethod
-    def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None) -> "ModelConfig":
-        arch = _architecture(hf)
+    def from_hf_dict(cls, hf: dict[str, Any], dtype: str | None = None, source: str = "config.json") -> "ModelConfig":
+        """The config of an HF ``config.json``'s dict; ``source`` names the file in errors (a ``ConfigError`` for a
+        config that is not an object, a field of the wrong type, or one specjax cannot run faithfully)."""
+        if not isinstance(hf, dict):
+            raise ConfigError(f"{source} must be a JSON object")
+        arch = _architecture(hf, source)
         family = SUPPORTED_ARCHITECTURES[arch]
         for field, what in _REFUSED_IF_TRUE.items():
             if hf.get(field):
@@ -117,6 +127,7 @@ class ModelConfig:
                                "num_attention_heads") if k not in hf]
         if missing:
             raise ConfigError(f"{arch}: config.json lacks required fields {missing}")
+        _check_numbers(hf, source)
 
         num_heads = int(hf["num_attention_heads"])
         num_kv = int(hf.get("num_key_value_heads") or num_heads)
@@ -124,7 +135,7 @@ class ModelConfig:
         if num_heads % num_kv:
             raise ConfigError(f"{arch}: num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv}")
 
-        rope_theta, rope_scaling = _rope(hf, arch)
+        rope_theta, rope_scaling = _rope(hf, arch, source)
 
         sliding = None
         if family == "mistral" and hf.get("sliding_window"):
@@ -168,7 +179,17 @@ class ModelConfig:
         cfg_path = path if path.endswith(".json") else os.path.join(path, "config.json")
         if not os.path.exists(cfg_path):
             raise ConfigError(f"no config.json at {cfg_path}")
-        return cls.from_hf_dict(read_json(cfg_path), dtype=dtype)
+        return cls.from_hf_dict(read_json(cfg_path), dtype=dtype, source=cfg_path)
+
+    def check_context(self, prompt_tokens: int, max_new_tokens: int, hint: str) -> None:
+        """A ValueError when a prompt of ``prompt_tokens`` plus ``max_new_tokens`` new tokens runs past the model's
+        context (``max_position_embeddings``), as the server refuses a longer --context-length: positions past it
+        were never trained. ``hint`` says what to change (the flags of the command)."""
+        total = prompt_tokens + max_new_tokens
+        if total > self.max_position_embeddings:
+            raise ValueError(f"{prompt_tokens} prompt tokens + {max_new_tokens} new tokens = {total} is longer than "
+                             f"the model's max_position_embeddings ({self.max_position_embeddings}): positions past "
+                             f"it were never trained and give wrong outputs; {hint}")
 
 
 def read_json(path: str) -> Any:
@@ -180,12 +201,46 @@ def read_json(path: str) -> Any:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
-def _architecture(hf: dict[str, Any]) -> str:
+def _is_int(v: Any) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def _is_number(v: Any) -> bool:
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+
+
+def _check_numbers(hf: dict[str, Any], source: str) -> None:
+    """A ConfigError naming the field and ``source`` for a field that ``from_hf_dict`` reads as a number (or a
+    switch) and that is not one: a size not an int >= 1, a token id not an int, an epsilon not a finite number."""
+    def bad(key: str, what: str) -> ConfigError:
+        return ConfigError(f"{source}: {key} must be {what}, got {hf[key]!r}")
+    for key in _REQUIRED_INTS + _OPTIONAL_INTS:
+        if key in hf and not (_is_int(hf[key]) and hf[key] >= 1) and not (key in _OPTIONAL_INTS and hf[key] is None):
+            raise bad(key, "an integer >= 1")
+    for key in ("sliding_window", "bos_token_id"):
+        if hf.get(key) is not None and not _is_int(hf[key]):
+            raise bad(key, "an integer or null")
+    eos = hf.get("eos_token_id")
+    if eos is not None and not all(_is_int(e) for e in (eos if isinstance(eos, list) else [eos])):
+        raise bad("eos_token_id", "a token id, a list of token ids or null")
+    if hf.get("rms_norm_eps") is not None and not (_is_number(hf["rms_norm_eps"]) and hf["rms_norm_eps"] >= 0):
+        raise bad("rms_norm_eps", "a number >= 0")
+    if hf.get("tie_word_embeddings") is not None and not isinstance(hf["tie_word_embeddings"], bool):
+        raise bad("tie_word_embeddings", "true or false")
+    if hf.get("rope_scaling") is not None and not isinstance(hf["rope_scaling"], dict):
+        raise bad("rope_scaling", "an object or null")
+
+
+def _architecture(hf: dict[str, Any], source: str = "config.json") -> str:
     """The supported architecture a config.json names (``architectures[0]``, else by ``model_type``)."""
     archs = hf.get("architectures") or []
+    if not (isinstance(archs, list) and all(isinstance(a, str) for a in archs)):
+        raise ConfigError(f"{source}: architectures must be a list of names (e.g. [\"LlamaForCausalLM\"]), "
+                          f"got {archs!r}")
     arch = archs[0] if archs else None
     if arch is None:
         mt = hf.get("model_type")
+        mt = mt if isinstance(mt, str) else None
         arch = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                 "qwen3": "Qwen3ForCausalLM"}.get(mt)
     if arch not in SUPPORTED_ARCHITECTURES:
@@ -195,8 +250,8 @@ def _architecture(hf: dict[str, Any]) -> str:
     return arch
 
 
-def _rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None for plain RoPE) of a config.json."""
+def _rope(hf: dict[str, Any], arch: str, source: str = "config.json") -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None for plain RoPE) of a config.json (``source``, named in errors)."""
     rope_scaling = hf.get("rope_scaling")
     rope_theta = hf.get("rope_theta")
     # transformers >= 4.56 may store rope settings under "rope_parameters".
@@ -205,7 +260,10 @@ def _rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
         rope_theta = rope_theta or rp.get("rope_theta")
         if rope_scaling is None and rp.get("rope_type", "default") != "default":
             rope_scaling = {k: v for k, v in rp.items() if k != "rope_theta"}
-    rope_theta = float(rope_theta if rope_theta is not None else 10000.0)
+    rope_theta = rope_theta if rope_theta is not None else 10000.0
+    if not (_is_number(rope_theta) and rope_theta > 0):
+        raise ConfigError(f"{source}: rope_theta must be a number > 0, got {rope_theta!r}")
+    rope_theta = float(rope_theta)
     if rope_scaling is not None:
         rtype = rope_scaling.get("rope_type", rope_scaling.get("type", "default"))
         if rtype not in SUPPORTED_ROPE_TYPES:
@@ -213,6 +271,10 @@ def _rope(hf: dict[str, Any], arch: str) -> tuple[float, dict[str, Any] | None]:
         needed = {"linear": ("factor",), "llama3": ("factor", "original_max_position_embeddings")}.get(rtype, ())
         if missing := [k for k in needed if k not in rope_scaling]:
             raise ConfigError(f"{arch}: rope_scaling of type {rtype!r} lacks {', '.join(missing)}")
+        numbers = [k for k in (*needed, "low_freq_factor", "high_freq_factor") if k in rope_scaling]
+        if wrong := [k for k in numbers if not (_is_number(rope_scaling[k]) and rope_scaling[k] > 0)]:
+            raise ConfigError(f"{source}: rope_scaling.{wrong[0]} must be a number > 0, got "
+                              f"{rope_scaling[wrong[0]]!r}")
         if rtype == "default":
             rope_scaling = None
         else:

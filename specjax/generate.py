@@ -316,6 +316,10 @@ def _tree_shape(args, head: str) -> tuple[int, int, int]:
     """The tree flags given, the others filled from the head's tuned shape so that the tree is one that runs (a
     chain's num_draft_tokens is num_steps + 1): a flag the user never set is never the one blamed."""
     steps, topk, draft = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
+    for flag, value, least in zip(TREE_FLAGS, (steps, topk, draft), (1, 1, 2)):  # before any is derived from it
+        if value is not None and value < least:
+            why = " (the root + at least one draft token)" if least == 2 else ""
+            raise ValueError(f"{flag} must be >= {least}{why}, got {value}")
     if None in (steps, topk, draft):
         base = _tuned_shape(args, head, say=(steps, topk, draft) == (None, None, None))
         topk = base[1] if topk is None else topk
@@ -373,6 +377,7 @@ def speculative_demo(args, prompts: list[str]) -> int:
     cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, layout="decode")
     tok = load_tokenizer(folder)
     ids = encode_prompts(tok, prompts, args.chat)
+    cfg.check_context(max(map(len, ids)), args.max_new_tokens, "shorten the prompt or lower --max-new-tokens")
     kw = dict(temperature=args.temperature, top_k=args.top_k,
               top_p=args.top_p, min_p=args.min_p, seed=args.seed, stop_token_ids=stop_token_ids(folder, cfg, tok))
     if algo is None:

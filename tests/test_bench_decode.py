@@ -172,3 +172,34 @@ def test_threads_below_one_are_refused_up_front(kind, threads, capsys, monkeypat
     assert capsys.readouterr().err.strip() == f"python -m specjax.bench {kind}: error: --threads must be >= 1, got " \
                                               f"{threads}"
     assert "SPECJAX_CPU_THREADS" not in os.environ
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-sizes", "0"], "--batch-sizes must be >= 1, got 0"),
+    (["--batch-sizes", "1", "-1"], "--batch-sizes must be >= 1, got -1"),
+    (["--copy-mib", "0"], "--copy-mib must be >= 1, got 0"),
+    (["--copy-mib", "-5"], "--copy-mib must be >= 1, got -5"),
+    (["--repeats", "0"], "--repeats must be >= 1, got 0"),
+    (["--prompt-len", "0"], "--prompt-len must be >= 1, got 0"),
+    (["--new-tokens", "1"], "--new-tokens must be >= 2 (decode tok/s is measured against a 1-token run), got 1"),
+    (["--random-llama-8b", "--repeats", "0"], "--repeats must be >= 1, got 0"),
+])
+def test_count_flags_are_checked_up_front(flags, message, capsys, monkeypatch):
+    """Bad counts are one line naming the flag, exit 2, before any model is loaded or measured: --batch-sizes 0 was a
+    ZeroDivisionError after the whole run, --repeats 0 an empty min() after it, --copy-mib -5 a JAX traceback and
+    --copy-mib 0 silently 256."""
+    from specjax.bench.__main__ import main as bench_main
+    monkeypatch.setattr(bench, "bench_model", lambda args: pytest.fail("measured despite a bad flag"))
+    monkeypatch.setattr(bench, "bench_random_llama", lambda args: pytest.fail("measured despite a bad flag"))
+    assert bench_main(["decode", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m specjax.bench decode: error: {message}"
+
+
+def test_prompt_past_the_context_is_refused_before_measuring(tmp_path, monkeypatch):
+    """--prompt-len + --new-tokens past max_position_embeddings (128) is refused before the bandwidth probes and the
+    runs (--prompt-len 100000 ground on until killed)."""
+    folder = _tiny_llama_folder(tmp_path / "m")
+    monkeypatch.setattr(bench, "read_bandwidth", lambda *a: pytest.fail("measured despite a prompt too long"))
+    with pytest.raises(ValueError, match=r"^127 prompt tokens \+ 2 new tokens = 129 is longer than the model's "
+                                         r"max_position_embeddings \(128\).*; lower --prompt-len or --new-tokens$"):
+        bench.main(["--model", folder, "--no-hf", "--batch-sizes", "1", "--prompt-len", "127", "--new-tokens", "2"])

@@ -289,3 +289,50 @@ def test_tree_flags_without_a_head_are_refused(tmp_path, capsys):
     assert main(["--model", str(tmp_path), "--speculative-algorithm", "NONE", "--speculative-num-draft-tokens",
                  "4"]) == 2
     assert "error: tree flags (--speculative-num-draft-tokens) need" in capsys.readouterr().err
+
+
+def test_cli_config_json_of_the_wrong_shape(tmp_path, capsys):
+    """A config.json that is JSON but not an object was an AttributeError traceback; a wrong field type was a
+    TypeError, or an error naming neither the field nor the file."""
+    (tmp_path / "config.json").write_text("[1, 2]")
+    assert main(["--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip() == f"error: {tmp_path}/config.json must be a JSON object"
+    (tmp_path / "config.json").write_text(json.dumps(dict(HF_CONFIG, hidden_size="64")))
+    assert main(["--model", str(tmp_path), "--prompt", "hi", "--max-new-tokens", "4"]) == 2
+    assert capsys.readouterr().err.strip() == (f"error: {tmp_path}/config.json: hidden_size must be an integer >= 1, "
+                                               f"got '64'")
+
+
+def test_cli_refuses_to_run_past_the_context(model_dir, capsys):
+    """A prompt + --max-new-tokens past max_position_embeddings (4096, the default: the tiny config names none) is
+    refused before any work, as the server refuses it (was: text from positions never trained, no warning)."""
+    assert main(["--model", model_dir, "--prompt", "w5 w6", "--max-new-tokens", "4095"]) == 2
+    assert capsys.readouterr().err.strip() == (
+        "error: 2 prompt tokens + 4095 new tokens = 4097 is longer than the model's max_position_embeddings (4096): "
+        "positions past it were never trained and give wrong outputs; shorten the prompt or lower --max-new-tokens")
+    assert main(["--model", model_dir, "--prompt", " ".join(["w5"] * 4000), "--max-new-tokens", "100"]) == 2
+    assert "error: 4000 prompt tokens + 100 new tokens = 4100 is longer" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("flags, message", [
+    (dict(speculative_num_draft_tokens=0), "--speculative-num-draft-tokens must be >= 2 (the root + at least one "
+                                           "draft token), got 0"),
+    (dict(speculative_num_draft_tokens=1), "--speculative-num-draft-tokens must be >= 2 (the root + at least one "
+                                           "draft token), got 1"),
+    (dict(speculative_num_steps=0, speculative_num_draft_tokens=4), "--speculative-num-steps must be >= 1, got 0"),
+    (dict(speculative_eagle_topk=-1), "--speculative-eagle-topk must be >= 1, got -1"),
+])
+def test_tree_flags_out_of_range_name_the_flag_given(tmp_path, flags, message):
+    """--speculative-num-draft-tokens 0 blamed num_steps (derived from it: -1), a flag the user never passed."""
+    opts = GenerateOptions(model=str(tmp_path), speculative_algorithm="EAGLE3",
+                           speculative_draft_model_path=str(tmp_path), **flags)
+    with pytest.raises(ValueError) as e:
+        _resolve_pair(opts)
+    assert str(e.value) == message
+
+
+def test_cli_tree_flag_out_of_range(tmp_path, capsys):
+    assert main(["--model", str(tmp_path), "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path",
+                 str(tmp_path), "--prompt", "hi", "--speculative-num-draft-tokens", "0"]) == 2
+    assert capsys.readouterr().err.strip() == ("error: --speculative-num-draft-tokens must be >= 2 (the root + at "
+                                               "least one draft token), got 0")

@@ -121,6 +121,14 @@ def _rates(batch: int, n: int, t_full: float, t_first: float) -> dict:
             "decode_tok_s": decode}
 
 
+def check_at_least(flag: str, value: int | None, least: int, why: str = "") -> None:
+    """A ValueError naming ``flag`` when a count flag is below ``least`` (``python -m specjax.bench`` prints it as
+    one line, exit status 2); None (a flag not given: its default applies) passes. ``why``: a note after the bound.
+    The bench subcommands' check of their count flags, run before any work."""
+    if value is not None and value < least:
+        raise ValueError(f"{flag} must be >= {least}{why}, got {value}")
+
+
 def set_cpu_threads(n: int) -> None:
     """Limit torch, XLA:CPU and specjax's CPU kernels to ``n`` threads, and (Linux) the process to ``n`` cores, so that
     every engine and the bandwidth measurements run on the same cores: XLA:CPU in JAX 0.10 spreads one large
@@ -128,8 +136,7 @@ def set_cpu_threads(n: int) -> None:
     the Intel VM, 16.8 GB/s pinned to one). XLA reads its flags when the backend starts and the pools inherit the
     affinity when they start, so this must run before the first JAX computation (``main`` calls it first). ``n`` < 1
     is a ValueError naming --threads (torch's RuntimeError otherwise, after XLA's flags were set)."""
-    if n < 1:
-        raise ValueError(f"--threads must be >= 1, got {n}")
+    check_at_least("--threads", n, 1)
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else []
     if 0 < n < len(cores):
         os.sched_setaffinity(0, cores[:n])
@@ -178,16 +185,17 @@ def _agreement(ours: list[list[int]], theirs: list[list[int]]) -> dict:
 def bench_model(args) -> dict:
     from specjax.weights import load_model
 
+    if args.also_dtype is not None and args.also_dtype == args.dtype:
+        raise SystemExit(f"error: --also-dtype {args.also_dtype} is --dtype already")
     model_path = _resolve_model(args)
     ggufs = _llamacpp_ggufs(args)
     threads = args.threads or os.cpu_count()
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"loading {model_path} ({args.dtype})", file=sys.stderr)
     cfg, params = load_model(model_path, dtype=args.dtype, layout="decode")  # the weights read in place
+    cfg.check_context(args.prompt_len, args.new_tokens, "lower --prompt-len or --new-tokens")
     other = None
     if args.also_dtype is not None:
-        if args.also_dtype == args.dtype:
-            raise SystemExit(f"error: --also-dtype {args.also_dtype} is --dtype already")
         other_cfg, other = load_model(model_path, dtype=args.also_dtype, layout="decode")
     hf_model = None
     if not args.no_hf:
@@ -195,7 +203,8 @@ def bench_model(args) -> dict:
         from transformers import AutoModelForCausalLM
         hf_model = AutoModelForCausalLM.from_pretrained(model_path, dtype=getattr(torch, args.dtype)).eval()
     pad = cfg.eos_token_ids[0] if cfg.eos_token_ids else 0
-    bw_product, bw_streams = read_bandwidth(args.copy_mib or 256), streaming_bandwidth(args.copy_mib or 256, threads)
+    mib = 256 if args.copy_mib is None else args.copy_mib
+    bw_product, bw_streams = read_bandwidth(mib), streaming_bandwidth(mib, threads)
     bw = max(bw_product, bw_streams)
     weight_bytes = decode_weight_bytes(params)
     print(f"read bandwidth {bw / 1e9:.1f} GB/s; {weight_bytes / 1e6:.0f} MB of weights per decode step",
@@ -226,7 +235,7 @@ def bench_model(args) -> dict:
     return {"mode": "model", "model": model_path, "dtype": args.dtype, "also_dtype": args.also_dtype,
             "prompt_len": args.prompt_len,
             "new_tokens": args.new_tokens, "repeats": args.repeats, "threads": args.threads,
-            "machine": machine_description(), "rows": rows, "read_bandwidth_Bps": bw, "read_mib": args.copy_mib or 256,
+            "machine": machine_description(), "rows": rows, "read_bandwidth_Bps": bw, "read_mib": mib,
             "product_read_Bps": bw_product, "stream_read_Bps": bw_streams, "stream_threads": threads,
             "weight_bytes_per_step": weight_bytes, "llamacpp_threads": threads if ggufs else None}
 
@@ -411,6 +420,7 @@ def bench_random_llama(args) -> dict:
     from specjax.train.train_step import peak_hbm_gbps
 
     cfg = random_llama_config(args.layers)
+    cfg.check_context(args.prompt_len, args.new_tokens, "lower --prompt-len or --new-tokens")
     print(f"machine: {machine_description()}", file=sys.stderr)
     print(f"random Llama-3.1-8B-shaped model: {cfg.num_layers} layers, {cfg.num_params() / 1e9:.2f}B params, bf16",
           file=sys.stderr, flush=True)
@@ -498,12 +508,20 @@ class DecodeOptions:
     json: str | None = option(None, metavar="OUT", help="also write the results as JSON")
 
 
+def _check_counts(args) -> None:
+    """Every count flag of ``bench decode``, before any work: --batch-sizes 0 was a ZeroDivisionError after the whole
+    run, --repeats 0 an empty min() after it, --copy-mib -5 a JAX traceback and --copy-mib 0 silently 256."""
+    for flag, value in (("--batch-sizes", min(args.batch_sizes)), ("--prompt-len", args.prompt_len),
+                        ("--repeats", args.repeats), ("--copy-mib", args.copy_mib), ("--threads", args.threads)):
+        check_at_least(flag, value, 1)
+    check_at_least("--new-tokens", args.new_tokens, 2, " (decode tok/s is measured against a 1-token run)")
+
+
 def main(argv=None) -> int:
     args = parse_options(DecodeOptions, argv, "python -m specjax.bench decode",
                          "Plain greedy decode tokens/s: specjax vs HF transformers.",
                          formatter_class=argparse.HelpFormatter)
-    if args.new_tokens < 2:
-        raise SystemExit("error: --new-tokens must be >= 2 (decode tok/s is measured against a 1-token run)")
+    _check_counts(args)
     if args.threads is not None:
         set_cpu_threads(args.threads)
     if not args.random_llama_8b:
