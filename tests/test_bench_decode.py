@@ -142,7 +142,7 @@ def test_gemm_bench_chains_the_models_matrices_in_both_layouts(tmp_path, capsys)
     assert all(r["in_out_s"] > 0 and r["out_in_s"] > 0 for r in res["results"])
     d, f, kv, v = 32, 64, 2 * 8, 300  # 4 heads of 8, 2 kv heads
     assert res["weight_bytes"] == 4 * 2 * (2 * d * d + 2 * d * kv + 3 * d * f) + 4 * v * d
-    with pytest.raises(SystemExit, match="--rows must be positive"):
+    with pytest.raises(ValueError, match="--rows must be >= 1, got 0"):
         gemm.main(["--rows", "0"])
 
 
@@ -203,3 +203,14 @@ def test_prompt_past_the_context_is_refused_before_measuring(tmp_path, monkeypat
     with pytest.raises(ValueError, match=r"^127 prompt tokens \+ 2 new tokens = 129 is longer than the model's "
                                          r"max_position_embeddings \(128\).*; lower --prompt-len or --new-tokens$"):
         bench.main(["--model", folder, "--no-hf", "--batch-sizes", "1", "--prompt-len", "127", "--new-tokens", "2"])
+
+
+@pytest.mark.parametrize("flags, message", [(["--repeats", "0"], "--repeats must be >= 1, got 0"),
+                                            (["--rows", "1", "0"], "--rows must be >= 1, got 0")])
+def test_gemm_count_flags_are_checked_up_front(flags, message, capsys, monkeypatch):
+    """``bench gemm`` checks its counts with ``bench decode``'s check: one line naming the flag, exit 2."""
+    from specjax.bench import gemm
+    from specjax.bench.__main__ import main as bench_main
+    monkeypatch.setattr(gemm, "bench_gemm", lambda args: pytest.fail("measured despite a bad flag"))
+    assert bench_main(["gemm", *flags]) == 2
+    assert capsys.readouterr().err.strip() == f"python -m specjax.bench gemm: error: {message}"

@@ -19,7 +19,7 @@ import sys
 import time
 
 from specjax.bench.common import machine_description, print_table, report
-from specjax.bench.decode import set_cpu_threads
+from specjax.bench.decode import check_at_least, set_cpu_threads
 from specjax.cli import option, parse_options
 
 LAYOUTS = ("in_out", "out_in")
@@ -150,8 +150,8 @@ def main(argv=None) -> int:
                          "The weight products of a forward over M rows, chained over a model's matrices, in the "
                          "[in, out] and [out, in] layouts: ms, GB/s and the cost against M = 1.",
                          formatter_class=argparse.HelpFormatter)
-    if not args.rows or min(args.rows) < 1 or args.repeats < 1:
-        raise SystemExit("error: --rows must be positive integers and --repeats >= 1")
+    check_at_least("--rows", min(args.rows, default=0), 1)
+    check_at_least("--repeats", args.repeats, 1)
     if args.threads is not None:
         set_cpu_threads(args.threads)
     return report(args, bench_gemm, print_gemm)
