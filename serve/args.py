@@ -20,6 +20,7 @@ from specjax.speculative.tune import TuneError, load_tune, load_tune_costs, shap
 log = logging.getLogger("specjax.serve")
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
+TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_num_draft_tokens")
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
 GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
                   "torch_compile_max_bs", "attention_backend")
@@ -223,6 +224,16 @@ class ServerArgs:
             raise ArgsError(f"--attention-impl must be auto, xla or pallas (got {self.attention_impl!r})")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):
             raise ArgsError(f"--log-level must be debug, info, warning, error or critical (got {self.log_level!r})")
+        self._validate_speculative()
+        return self
+
+    def _validate_speculative(self) -> None:
+        """The speculative flags. Without an algorithm (plain decoding) a head or tree flag would be ignored: refused,
+        as ``python -m specjax.generate`` refuses them; the acceptance thresholds are checked either way."""
+        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
+            v = getattr(self, name)
+            if not 0.0 < v <= 1.0:
+                raise ArgsError(f"--{name.replace('_', '-')} must be in (0, 1] (got {v})")
         algo = self.speculative_algorithm
         try:
             check_token_map_use(algo, self.speculative_token_map)
@@ -232,7 +243,11 @@ class ServerArgs:
             if self.speculative_draft_model_path:
                 raise ArgsError("--speculative-draft-model-path is set but --speculative-algorithm is not; "
                                 "add --speculative-algorithm EAGLE3 (or EAGLE)")
-            return self
+            given = [f"--{name.replace('_', '-')}" for name in TREE_FIELDS if getattr(self, name) is not None]
+            if given:
+                raise ArgsError(f"tree flags ({', '.join(given)}) need --speculative-algorithm and "
+                                f"--speculative-draft-model-path; leave them out for plain decoding")
+            return
         if algo not in SPEC_ALGORITHMS:
             raise ArgsError(f"--speculative-algorithm must be EAGLE or EAGLE3 (got {algo!r}); "
                             "leave it unset for plain decoding")
@@ -244,11 +259,6 @@ class ServerArgs:
         except ValueError as e:
             raise ArgsError(f"--speculative-num-steps / --speculative-eagle-topk / --speculative-num-draft-tokens: "
                             f"{e}") from None
-        for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
-            v = getattr(self, name)
-            if not 0.0 < v <= 1.0:
-                raise ArgsError(f"--{name.replace('_', '-')} must be in (0, 1] (got {v})")
-        return self
 
     @property
     def model_name(self) -> str:

@@ -17,7 +17,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from specjax import sampling
 
-from .request import RequestError, SamplingParams, with_logprob_fields
+from .request import RequestError, SamplingParams, check_min_tokens, with_logprob_fields
+
+NO_LIMIT = 1 << 30  # the max_new_tokens of a request without an output limit (the context's: the scheduler caps it)
 
 
 def _is_neutral(value: Any, neutral: tuple) -> bool:
@@ -128,7 +130,7 @@ class GenerateSamplingParams(_Body):
 
 def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
     seed = p.seed if p.seed is not None else p.sampling_seed
-    sp = SamplingParams(max_new_tokens=p.max_new_tokens if p.max_new_tokens is not None else 1 << 30,
+    sp = SamplingParams(max_new_tokens=p.max_new_tokens if p.max_new_tokens is not None else NO_LIMIT,
                         temperature=p.temperature, top_p=p.top_p, top_k=p.top_k, min_p=p.min_p,
                         stop=[p.stop] if isinstance(p.stop, str) else list(p.stop or []),
                         stop_token_ids=list(p.stop_token_ids or []), ignore_eos=p.ignore_eos,
@@ -206,10 +208,10 @@ class _OpenAISampling(_Body):
         """The SamplingParams of this body with the output limit ``max_tokens`` (given as the field ``param``)."""
         if max_tokens is not None and max_tokens < 1:
             raise RequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
-        if self.min_tokens is not None and self.min_tokens < 0:
-            raise RequestError(f"min_tokens must be >= 0, got {self.min_tokens}", param="min_tokens")
+        if self.min_tokens is not None:  # no max_tokens: no limit but the context (the scheduler's)
+            check_min_tokens(self.min_tokens, max_tokens if max_tokens is not None else NO_LIMIT, "min_tokens", param)
         sp = SamplingParams(
-            max_new_tokens=max_tokens if max_tokens is not None else 1 << 30,
+            max_new_tokens=max_tokens if max_tokens is not None else NO_LIMIT,
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p, top_k=-1 if self.top_k is None else self.top_k,
             min_p=0.0 if self.min_p is None else self.min_p,

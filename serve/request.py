@@ -94,8 +94,7 @@ class SamplingParams:
                                "top_logprobs_num")
         if self.logprob_start_len < -1:
             raise RequestError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
-        if self.min_new_tokens < 0:
-            raise RequestError(f"min_new_tokens must be >= 0, got {self.min_new_tokens}", "min_new_tokens")
+        check_min_tokens(self.min_new_tokens, self.max_new_tokens)
         try:  # temperature, top_k/p, min_p, penalties, logit_bias: the runner row's own ranges
             self.runner_row(0, ()).validate()
         except ValueError as e:
@@ -140,6 +139,15 @@ _FLOATS = ("temperature", "top_p", "min_p", "frequency_penalty", "presence_penal
 _BOOLS = ("ignore_eos", "skip_special_tokens", "no_stop_trim", "return_logprob", "return_text_in_logprobs")
 _F32_MAX = float(np.finfo(np.float32).max)
 _SURROGATE = re.compile("[\ud800-\udfff]")
+
+
+def check_min_tokens(min_new: int, max_new: int, min_name: str = "min_new_tokens",
+                     max_name: str = "max_new_tokens") -> None:
+    """SGLang's rule: the least output length is in [0, the output limit] (the limit in effect: the given one, or
+    the endpoint's default); else a RequestError naming ``min_name`` (the endpoint's own field names)."""
+    if not 0 <= min_new <= max_new:
+        raise RequestError(f"{min_name} must be in [0, {max_name}], got {min_new} ({max_name} is {max_new})",
+                           min_name)
 
 
 def _is_int(v) -> bool:

@@ -17,7 +17,9 @@ import os
 import sys
 import types
 import typing
-from typing import Any, Callable, Sequence
+from typing import Any, Callable, Collection, Sequence
+
+from specjax.config import config_architectures
 
 _ARGPARSE = "argparse"
 
@@ -221,6 +223,39 @@ def check_output_file(path: str | None, flag: str) -> None:
         raise ValueError(f"{flag} {path}: the folder {parent} is not writable")
     _try_writing(path, parent, flag)
 
+
+
+class OutputFolderError(ValueError):
+    """An output folder that a conversion must not write into: its own files would be left beside the new ones."""
+
+
+def check_output_folder(path: str, command: str, replaces: Collection[str] = (), architecture: str = "") -> bool:
+    """The one check of the output folder of ``convert gguf``, ``export-head`` and ``import-head`` (``command`` is
+    the verb the message uses: "convert", "export", "import"). ``path`` must not exist yet, be empty, or hold exactly
+    a complete previous output of the same command: every file ``replaces`` names and nothing else (but their
+    ``.tmp`` of a write cut short), config.json naming ``architecture``; that output is replaced. Anything else (a
+    model folder or part of one, a head folder with a README or a tune table, a training checkpoint) would be left
+    with the new config.json and weights beside its own files, a folder that is neither: an OutputFolderError.
+    Returns whether ``path`` holds a previous output: the caller then removes its config.json before writing
+    (``clear_previous``), so that a run cut short leaves no complete-looking folder of old and new files (and is
+    refused the next time: remove it)."""
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise OutputFolderError(f"{path} is a file: {command} into a new (or empty) folder")
+    names = set(os.listdir(path)) if os.path.isdir(path) else set()
+    if not names:
+        return False
+    if replaces and set(replaces) <= names and all(n.removesuffix(".tmp") in replaces for n in names) \
+            and architecture in config_architectures(path):
+        return True
+    also = f" (one that holds exactly an earlier output of this command, {', '.join(replaces)}, is replaced)" \
+        if replaces else ""
+    raise OutputFolderError(f"{path} is not empty: {command} into a new (or empty) folder{also}")
+
+
+def clear_previous(path: str, log=print) -> None:
+    """Before writing over the previous output that ``check_output_folder`` found: remove its config.json."""
+    log(f"replacing the previous output in {path}")
+    os.remove(os.path.join(path, "config.json"))
 
 def _try_writing(path: str, parent: str, flag: str) -> None:
     """Make ``path``'s missing folders below ``parent`` and open it for appending (its content untouched), then

@@ -201,6 +201,16 @@ def read_json(path: str) -> Any:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
 
 
+def config_architectures(path: str) -> list:
+    """The ``architectures`` of ``path``/config.json ([] when it has none or cannot be read)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            archs = json.load(f).get("architectures") or []
+    except (OSError, ValueError, AttributeError):
+        return []
+    return archs if isinstance(archs, list) else [archs]
+
+
 def _is_int(v: Any) -> bool:
     return isinstance(v, int) and not isinstance(v, bool)
 

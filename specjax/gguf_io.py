@@ -3,7 +3,9 @@
     python -m specjax.convert gguf SRC.gguf OUT_DIR [--dtype float32|bfloat16]
 
 Writes config.json (LlamaForCausalLM), model.safetensors, tokenizer.json, tokenizer_config.json,
-special_tokens_map.json and generation_config.json.
+special_tokens_map.json and generation_config.json into a new or empty folder, or over a previous conversion
+(``cli.check_output_folder``: the one check of the convert commands' output folders, export-head's and
+import-head's too).
 
 Weights: every tensor is dequantised with ``gguf.quants.dequantize`` (F32, F16, BF16, Q8_0, Q4_0/1, K-quants, ...)
 and stored as float32 by default. float32 is the lossless choice: a dequantised Q4_1 value ``d * q + m`` (fp16 d, m;
@@ -31,7 +33,7 @@ import time
 
 import numpy as np
 
-from specjax.cli import option, parse_options
+from specjax.cli import OutputFolderError, check_output_folder, clear_previous, option, parse_options
 from specjax.safetensors_io import save_file
 
 LLAMA3_REGEX = (r"""(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*"""
@@ -60,6 +62,11 @@ TOP_NAMES = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weig
 
 class GGUFConvertError(ValueError):
     """A GGUF file that this converter cannot turn into a faithful HF folder."""
+
+
+# the files ``convert`` writes (config.json last: its presence marks a complete folder)
+HF_MODEL_FILES = ("model.safetensors", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                  "generation_config.json", "config.json")
 
 
 def unpermute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
@@ -299,6 +306,7 @@ def convert(src: str, out_dir: str, dtype: str = "float32", log=print) -> str:
         raise GGUFConvertError(f"dtype must be float32 or bfloat16, not {dtype!r}")
     if not os.path.isfile(src):
         raise GGUFConvertError(f"no GGUF file at {src}")
+    previous = check_output_folder(out_dir, "convert", HF_MODEL_FILES, "LlamaForCausalLM")
     t0 = time.time()
     log(f"reading {src}")
     reader = read_gguf(src)
@@ -315,6 +323,8 @@ def convert(src: str, out_dir: str, dtype: str = "float32", log=print) -> str:
             f"{cfg['vocab_size']}")
 
     os.makedirs(out_dir, exist_ok=True)
+    if previous:
+        clear_previous(out_dir, log)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     gen = {k: cfg[k] for k in ("bos_token_id", "eos_token_id", "pad_token_id") if k in cfg}
@@ -385,7 +395,7 @@ def main(command: str, argv: list[str]) -> int:
                          formatter_class=argparse.HelpFormatter)
     try:
         convert(args.src, args.out_dir, args.dtype)
-    except GGUFConvertError as e:
+    except (GGUFConvertError, OutputFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 1
     return 0

@@ -33,8 +33,10 @@ def small_config(tmp_path, *, heads=4, kv_heads=2, dtype="float32", layers=2, he
 
 
 # The server's flags, small: 4 slots, a 4096-token pool, one prefill bucket (16), a 3-step tree.
-SMALL_FLAGS = ["--max-running-requests", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "16",
-               "--speculative-num-steps", "2", "--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
+PLAIN_SMALL_FLAGS = ["--max-running-requests", "4", "--max-total-tokens", "4096", "--chunked-prefill-size", "16"]
+# with a (2,2,4) tree (the server refuses tree flags without a speculative algorithm: plain programs take the above)
+SMALL_FLAGS = PLAIN_SMALL_FLAGS + ["--speculative-num-steps", "2", "--speculative-eagle-topk", "2",
+                                   "--speculative-num-draft-tokens", "4"]
 
 
 def rows(out: str) -> dict:

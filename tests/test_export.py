@@ -185,6 +185,39 @@ def test_cli_import_then_export(tmp_path, capsys):
     assert main(["export-head", str(tmp_path / "ckpt"), str(tmp_path / "out2")]) == 2
 
 
+def test_cli_refuses_a_folder_with_files_of_its_own(tmp_path, capsys):
+    """export-head and import-head --format hf wrote config.json and model.safetensors into any folder (a model
+    folder kept its tokenizer beside them): refused, the folder untouched; one that holds exactly an earlier export
+    is replaced (a re-export), but not once it holds anything else (a tune table measured for the old head)."""
+    from specjax.convert.__main__ import main
+    tdir = tmp_path / "target"
+    tdir.mkdir()
+    (tdir / "config.json").write_text(json.dumps(_target_hf()))
+    tcfg = ModelConfig.from_pretrained(str(tdir))
+    hcfg, params, vmap = _head(tcfg, seed=6)
+    hf, model, out = str(tmp_path / "hf"), tmp_path / "model", tmp_path / "out"
+    H.export_head(params, hcfg, vmap, hf, tcfg)
+    model.mkdir()
+    (model / "config.json").write_text(json.dumps(_target_hf()))
+    (model / "tokenizer.json").write_text("{}")
+    for argv in (["export-head", hf, str(model)], ["import-head", hf, str(model), "--format", "hf"]):
+        assert main([*argv, "--target", str(tdir)]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"error: {model} is not empty: ") and len(err.splitlines()) == 1, err
+        assert sorted(os.listdir(model)) == ["config.json", "tokenizer.json"]
+        assert json.loads((model / "config.json").read_text()) == _target_hf()
+    with pytest.raises(ValueError, match="is not empty"):  # the library function too
+        H.export_head(params, hcfg, vmap, str(model), tcfg)
+    for dtype in ("bfloat16", "float32"):
+        assert main(["export-head", hf, str(out), "--target", str(tdir), "--dtype", dtype]) == 0
+    assert "replacing the previous output in" in capsys.readouterr().out
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors"]
+    assert json.loads((out / "config.json").read_text())["torch_dtype"] == "float32"
+    (out / "speculative_tune.json").write_text("{}")
+    assert main(["export-head", hf, str(out), "--target", str(tdir)]) == 2
+    assert "is not empty" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("how", ["nan", "inf", "fp16_overflow"])
 def test_refuses_non_finite_weights(tmp_path, how):
     tcfg = _target()

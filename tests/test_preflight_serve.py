@@ -7,7 +7,7 @@ import os
 
 import jax
 import pytest
-from preflight_helpers import GIB, SMALL_FLAGS, preflight, rows, small_config
+from preflight_helpers import GIB, PLAIN_SMALL_FLAGS, SMALL_FLAGS, preflight, rows, small_config
 
 from specjax.models import target
 from specjax.serve.launch import plan_pool
@@ -43,7 +43,7 @@ def test_serve_preflight_reports_the_xla_fallback(v5e, tmp_path, capsys):
     path, and the table says so with the reason."""
     rc = preflight.main(["serve", "--model-path", small_config(tmp_path, heads=6, kv_heads=3, dtype="bfloat16",
                                                                head_dim=32),
-                         "--topology", "v5e-1", "--programs", "plain", *SMALL_FLAGS])
+                         "--topology", "v5e-1", "--programs", "plain", *PLAIN_SMALL_FLAGS])
     out = capsys.readouterr().out
     assert rc == 0, out
     assert out.count("attention: XLA fallback (") == 2 and "head_dim 32" in out

@@ -131,6 +131,9 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "guided_json": {"type": "object"}}, 400,
      "guided_json"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "min_tokens": -5}, 400, "min_tokens"),
+    # a least output length over the limit (was served up to the limit): SGLang's [0, max_new_tokens]
+    ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "min_tokens": 50, "max_tokens": 3}, 400, "min_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "min_tokens": 50}, 400, "min_tokens"),  # max_tokens: 16
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "lora_path": "x"}, 400, "lora_path"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "image_data": "x.png"}, 400, "image_data"),
     ("/v1/chat/completions", {"model": "tiny", "messages": MSG, "logit_bias": {"5": 1000}}, 400, "logit_bias"),
@@ -159,6 +162,7 @@ BAD = [
     ("/generate", {"text": "x", "sampling_params": {"regex": "a+"}}, 400, "regex"),
     ("/generate", {"text": "x", "sampling_params": {"json_schema": "{}"}}, 400, "json_schema"),
     ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": -3}}, 400, "min_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"min_new_tokens": 5, "max_new_tokens": 2}}, 400, "min_new_tokens"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_token": 3}}, 400, "max_new_token"),
     # stream_options without stream: true (OpenAI and vLLM refuse it too)
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stream_options": {"include_usage": True}}, 400,

@@ -72,6 +72,13 @@ def test_cli_every_spec_flag_parses():
     (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-token-map", "m.json"],
      "--speculative-token-map is for EAGLE heads"),  # was a warning, the map ignored
     (["--speculative-token-map", "m.json"], "--speculative-token-map is for EAGLE heads"),  # plain decoding
+    # tree flags and thresholds without an algorithm: plain decoding was served, the values never checked
+    (["--speculative-num-steps", "3"], "tree flags .--speculative-num-steps. need --speculative-algorithm and "
+                                       "--speculative-draft-model-path"),
+    (["--speculative-num-steps", "-5", "--speculative-num-draft-tokens", "2"],
+     "tree flags .--speculative-num-steps, --speculative-num-draft-tokens. need"),
+    (["--speculative-accept-threshold-single", "7"], "--speculative-accept-threshold-single must be in .0, 1. .got 7"),
+    (["--speculative-accept-threshold-acc", "0"], "--speculative-accept-threshold-acc must be in .0, 1. .got 0"),
 ])
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
@@ -253,7 +260,9 @@ def test_skip_special_tokens(tokenizer):
                                  {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1},
                                  {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
                                  {"min_new_tokens": -1}, {"logit_bias": {"a": 1}}, {"logit_bias": {"3": 101}},
-                                 {"top_logprobs_num": 21}, {"logprob_start_len": -2}])
+                                 {"top_logprobs_num": 21}, {"logprob_start_len": -2},
+                                 {"min_new_tokens": 5, "max_new_tokens": 2},  # was served with 2 tokens
+                                 {"min_new_tokens": 200}])  # over max_new_tokens' default, 128 (as SGLang)
 def test_sampling_params_validation(bad):
     with pytest.raises(RequestError) as e:
         SamplingParams.from_dict(bad)
@@ -398,6 +407,8 @@ def _nobody_url() -> str:
     (["--concurrency", "4", "0"], "--concurrency must be at least 1"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),  # was a ZeroDivisionError
     (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--request-timeout", "0"], "--request-timeout must be more than 0 seconds"),  # every request then failed
+    (["--launch-timeout", "-1"], "--launch-timeout must be more than 0 seconds"),
 ])
 def test_bench_serve_refuses_sizes_up_front(argv, said, capsys):
     with pytest.raises(SystemExit) as e:
@@ -419,5 +430,9 @@ def test_bench_serve_says_what_is_wrong_in_one_line(tmp_path, capsys):
     with _keyed_server() as url:
         assert bench_main(["serve", "--url", url, "--prompts", "builtin", "--num-prompts", "2", "--concurrency", "1",
                            "--warmup-requests", "0"]) == 2
-    out, err = capsys.readouterr()
-    assert f"error: all 2 requests to {url} at concurrency 1 failed, e.g. HTTP 401" in err and "nan" not in out
+        out, err = capsys.readouterr()
+        assert f"error: all 2 requests to {url} at concurrency 1 failed, e.g. HTTP 401" in err and "nan" not in out
+        # the warm-up's failures are said as the warm-up's (they named its concurrency, 2, not the user's)
+        assert bench_main(["serve", "--url", url, "--prompts", "builtin", "--num-prompts", "1", "--concurrency", "1",
+                           "--warmup-requests", "2"]) == 2
+        assert f"error: all 1 warm-up requests to {url} failed, e.g. HTTP 401" in capsys.readouterr().err

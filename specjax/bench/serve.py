@@ -94,7 +94,9 @@ async def one_request(client, url: str, model: str, prompt: str, max_tokens: int
             "tpot": (times[-1] - times[0]) / (n - 1) if n > 1 else None, "itl": list(np.diff(times))}
 
 
-async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, headers: dict) -> dict:
+async def run_level(url: str, model: str, prompts: list[str], concurrency: int, args, headers: dict,
+                    what: str = "") -> dict:
+    """One concurrency level (``what`` = "warm-up " for the untimed requests before the sweep, as errors say)."""
     import httpx
     queue: asyncio.Queue = asyncio.Queue()
     for p in prompts:
@@ -129,10 +131,11 @@ async def run_level(url: str, model: str, prompts: list[str], concurrency: int, 
         out["accept_len"] = (after["spec_tokens"] - before["spec_tokens"]) / (
             after["spec_verify_ct"] - before["spec_verify_ct"])
     errors = sorted({r["error"] for r in results if "error" in r})
+    where = f"{what}requests to {url}" + ("" if what else f" at concurrency {concurrency}")
     if results and not ok:  # a table of nan would hide the reason (a wrong --api-key, a server that fails)
-        raise ValueError(f"all {len(results)} requests to {url} at concurrency {concurrency} failed, e.g. {errors[0]}")
+        raise ValueError(f"all {len(results)} {where} failed, e.g. {errors[0]}")
     if errors:
-        print(f"  {len(results) - len(ok)} failed requests, e.g. {errors[0]}", file=sys.stderr)
+        print(f"  {len(results) - len(ok)} of {len(results)} {where} failed, e.g. {errors[0]}", file=sys.stderr)
     return out
 
 
@@ -201,7 +204,8 @@ class Target:
     def warm(self) -> None:
         n = self.args.warmup_requests
         if n:
-            asyncio.run(run_level(self.url, self.model, self.prompts[:n], min(n, 4), self.args, self.headers))
+            asyncio.run(run_level(self.url, self.model, self.prompts[:n], min(n, 4), self.args, self.headers,
+                                  what="warm-up "))
 
     def level(self, c: int) -> dict:
         r = asyncio.run(run_level(self.url, self.model, self.prompts, c, self.args, self.headers))
@@ -384,6 +388,9 @@ def main(argv=None) -> int:
             ap.error(f"--{flag} must be at least 1")
     if args.warmup_requests < 0:
         ap.error("--warmup-requests must be at least 0")
+    for flag, value in (("request-timeout", args.request_timeout), ("launch-timeout", args.launch_timeout)):
+        if not value > 0:  # 0 failed every request (httpx's ConnectTimeout) after the server had been started
+            ap.error(f"--{flag} must be more than 0 seconds (got {value})")
     if args.interleave and not args.launch:
         ap.error("--interleave runs the servers of --launch side by side; give --launch plain,eagle3 (or others)")
     check_output_file(args.json, "--json")

@@ -3,6 +3,9 @@
     python -m specjax.convert export-head CKPT OUT_DIR [--target MODEL] [--dtype bfloat16]
     python -m specjax.convert import-head SRC OUT [--target MODEL] [--format checkpoint|hf]
 
+OUT_DIR (and OUT of ``--format hf``) must be new, empty, or hold only an earlier export (config.json and
+model.safetensors of an EAGLE3 head), which is replaced; a checkpoint is imported into a new or empty folder only.
+
 Library: ``export_head(head_params, head_cfg, vocab_map, out_dir, target_cfg)``; the importer is
 ``specjax.head_weights.load_eagle3_head(path, target_cfg, dtype=None) -> (head_cfg, head_params, vocab_map)``
 (core, with the key table both use); export -> load is exact.
@@ -33,13 +36,16 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.cli import option, parse_options
-from specjax.config import ModelConfig
+from specjax.cli import OutputFolderError, check_output_folder, clear_previous, option, parse_options
+from specjax.config import ModelConfig, config_architectures
 from specjax.models import eagle3
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
 from specjax.head_weights import (HeadFormatError, check_head_matches_target, check_vocab_map, layer_prefix,
                                   layer_table, load_eagle3_head, top_table)
 from specjax.safetensors_io import save_file
+
+HF_HEAD_FILES = ("model.safetensors", "config.json")  # what export_head writes (config.json last)
+HF_HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"  # eagle3.config_to_hf's
 
 # ---- checks ----------------------------------------------------------------------------------------------------
 def _check_params(params: Eagle3Params, head_cfg: Eagle3Config) -> None:
@@ -84,9 +90,11 @@ def head_to_hf(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Voc
 
 
 def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap, out_dir: str,
-                target_cfg: ModelConfig, *, dtype: str | None = None) -> dict:
+                target_cfg: ModelConfig, *, dtype: str | None = None, log=print) -> dict:
     """Write ``out_dir/{config.json, model.safetensors}`` in the LlamaForCausalLMEagle3 format. Weights are stored
-    in ``dtype`` (default head_cfg.dtype; the config's torch_dtype says which). Returns the config dict."""
+    in ``dtype`` (default head_cfg.dtype; the config's torch_dtype says which). ``out_dir`` must be new, empty or
+    hold only an earlier export (``check_output_folder``), which is replaced. Returns the config dict."""
+    previous = check_output_folder(out_dir, "export", HF_HEAD_FILES, HF_HEAD_ARCHITECTURE)
     check_head_matches_target(head_cfg, target_cfg)
     _check_params(head_params, head_cfg)
     check_vocab_map(np.asarray(vocab_map.d2t), np.asarray(vocab_map.t2d), head_cfg)
@@ -95,6 +103,8 @@ def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Vo
     _check_finite(tensors, dtype)
     hf = eagle3.config_to_hf(head_cfg.replace(dtype=dtype), target_num_layers=target_cfg.num_layers)
     os.makedirs(out_dir, exist_ok=True)
+    if previous:
+        clear_previous(out_dir, log)
     save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
     tmp = os.path.join(out_dir, "config.json.tmp")
     with open(tmp, "w") as f:
@@ -105,18 +115,9 @@ def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Vo
 
 
 # ---- command line ----------------------------------------------------------------------------------------------
-def _architectures(path: str) -> list:
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            archs = json.load(f).get("architectures") or []
-    except (OSError, ValueError, AttributeError):
-        return []
-    return archs if isinstance(archs, list) else [archs]
-
-
 def _refuse_eagle1(path: str) -> None:
     """An EAGLE-1/2 head folder is refused saying what to do with it (these commands convert EAGLE3 heads)."""
-    archs = _architectures(path)
+    archs = config_architectures(path)
     if any(a in eagle3.EAGLE_ARCHITECTURES for a in archs):
         raise HeadFormatError(f"{path} is an EAGLE-1/2 head ({archs[0]}): import-head and export-head convert "
                               f"EAGLE3 heads; serve an EAGLE head as it is with --speculative-algorithm EAGLE "
@@ -125,7 +126,7 @@ def _refuse_eagle1(path: str) -> None:
 
 def _is_hf_head(path: str) -> bool:
     """An HF EAGLE3 head folder (rather than a training checkpoint)."""
-    return any("Eagle3" in str(a) for a in _architectures(path))
+    return any("Eagle3" in str(a) for a in config_architectures(path))
 
 
 def _target_config(path: str | None, what: str) -> ModelConfig:
@@ -162,6 +163,7 @@ def _export_main(argv) -> int:
     a = parse_options(ExportOptions, argv, "python -m specjax.convert export-head",
                       "training checkpoint (or HF head folder) -> HF LlamaForCausalLMEagle3",
                       formatter_class=argparse.HelpFormatter)
+    check_output_folder(a.out_dir, "export", HF_HEAD_FILES, HF_HEAD_ARCHITECTURE)  # said before anything loads
     _refuse_eagle1(a.ckpt)
     if _is_hf_head(a.ckpt):
         target_cfg = _target_config(a.target, "exporting an HF head folder")
@@ -184,6 +186,8 @@ def _export_main(argv) -> int:
 def _import_main(argv) -> int:
     a = parse_options(ImportOptions, argv, "python -m specjax.convert import-head",
                       "published EAGLE3 head folder -> specjax head checkpoint", formatter_class=argparse.HelpFormatter)
+    # a checkpoint folder is never written over (orbax would resume in it); an HF folder as export-head's
+    check_output_folder(a.out, "import", HF_HEAD_FILES if a.format == "hf" else (), HF_HEAD_ARCHITECTURE)
     _refuse_eagle1(a.src)
     target_cfg = _target_config(a.target, "import-head")
     head_cfg, params, vmap = load_eagle3_head(a.src, target_cfg)
@@ -191,8 +195,6 @@ def _import_main(argv) -> int:
         export_head(params, head_cfg, vmap, a.out, target_cfg)
     else:
         from specjax.train import checkpoint as ck
-        if os.path.isdir(a.out) and os.listdir(a.out):
-            raise HeadFormatError(f"{a.out} is not empty: import into a new (or empty) folder")
         head32 = head_cfg.replace(dtype="float32")
         params32 = jax.tree.map(lambda x: x.astype(jnp.float32), params)
         target_path = os.path.abspath(a.target) if os.path.exists(a.target) else a.target
@@ -214,7 +216,7 @@ def main(command: str, argv) -> int:
             return _export_main(argv)
         if command == "import-head":
             return _import_main(argv)
-    except HeadFormatError as e:
+    except (HeadFormatError, OutputFolderError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     raise SystemExit(f"unknown command {command!r}")
