@@ -23,10 +23,15 @@ def main(argv=None) -> int:
 
     from specjax.hub import enable_compilation_cache
 
-    from .api import create_app, http_protocol
+    from .api import bind_sockets, create_app, http_protocol
     from .launch import build, setup_logging
 
     setup_logging(args.log_level)
+    try:
+        sockets = bind_sockets(args.host, args.port)
+    except OSError as e:
+        print(f"python -m specjax.serve: cannot start: {e}", file=sys.stderr)
+        return 1
     if folder := enable_compilation_cache():
         log.info("compiled programs are kept in %s for the next start (SPECJAX_COMPILATION_CACHE=0: off)", folder)
     try:
@@ -34,6 +39,8 @@ def main(argv=None) -> int:
     except Exception as e:  # noqa: BLE001 - a startup failure is reported in one line, not a traceback
         log.debug("startup failed", exc_info=True)
         print(f"python -m specjax.serve: cannot start: {type(e).__name__}: {e}", file=sys.stderr)
+        for sock in sockets:
+            sock.close()
         return 1
     if args.skip_server_warmup:
         log.info("skipping warmup (--skip-server-warmup): the first requests compile their shapes")
@@ -50,12 +57,16 @@ def main(argv=None) -> int:
     log.info("try:  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d "
              "'{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
              "France?\"}]}'", args.host, args.port, args.model_name)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
+                                           http=http_protocol(args.http_header_timeout),
+                                           timeout_keep_alive=args.http_idle_timeout))
     try:
-        uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
-                    http=http_protocol(args.http_header_timeout), timeout_keep_alive=args.http_idle_timeout)
+        server.run(sockets=sockets)
+    except KeyboardInterrupt:
+        pass
     finally:
         backend.shutdown()
-    return 0
+    return 0 if server.started else 1
 
 
 t_start = time.perf_counter()

@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import hmac
 import logging
+import socket
 
 from fastapi import FastAPI
 from fastapi.exceptions import RequestValidationError
@@ -111,6 +112,35 @@ def http_protocol(header_timeout: float):
                 self.transport.close()
 
     return HeaderDeadlineProtocol
+
+
+def bind_sockets(host: str, port: int) -> list[socket.socket]:
+    """Sockets bound to every address ``host`` resolves to (as uvicorn would bind them), before the model loads: a
+    port in use or a host that is not this machine's fails at once, not after minutes of loading and warm-up. They
+    listen only when uvicorn starts serving on them, so until then a client is refused, not left waiting. Raises
+    OSError naming the address."""
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)
+    except socket.gaierror as e:
+        raise OSError(f"cannot resolve --host {host!r}: {e.strerror}") from None
+    socks: list[socket.socket] = []
+    try:
+        for family, type_, proto, _, address in dict.fromkeys((i[0], i[1], i[2], None, i[4]) for i in infos):
+            sock = socket.socket(family, type_, proto)
+            socks.append(sock)
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            if family == socket.AF_INET6:  # one socket per family, as asyncio binds them
+                sock.setsockopt(socket.IPPROTO_IPV6, socket.IPV6_V6ONLY, 1)
+            try:
+                sock.bind(address)
+            except OSError as e:
+                shown = f"[{address[0]}]" if family == socket.AF_INET6 else address[0]
+                raise OSError(f"cannot listen on {shown}:{port} (--host {host}, --port {port}): {e.strerror}") from None
+    except OSError:
+        for sock in socks:
+            sock.close()
+        raise
+    return socks
 
 
 def create_app(backend) -> FastAPI:

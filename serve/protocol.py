@@ -282,6 +282,12 @@ class ChatCompletionRequest(_OpenAISampling):
     logprobs: bool = False
     top_logprobs: Int | None = None
 
+    def check(self) -> None:
+        super().check()
+        for i, m in enumerate(self.messages):  # only an assistant turn may come without content (OpenAI's rule)
+            if m.content is None and m.role != "assistant":
+                raise RequestError(f"messages[{i}].content is required for a {m.role} message", param="messages")
+
     def logprob_request(self) -> tuple[bool, int, bool]:
         if self.top_logprobs is not None:
             if not 0 <= self.top_logprobs <= sampling.TOP_LOGPROBS:

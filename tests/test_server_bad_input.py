@@ -6,6 +6,10 @@ from __future__ import annotations
 import http.client
 import json
 import logging
+import os
+import socket
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -151,6 +155,9 @@ BAD = [
                                                              "tool_calls": [{"id": "1"}]}]}, 400, "tool_calls"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": [
         {"type": "image_url", "image_url": {"url": "http://x/y.png"}}]}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "system", "content": "Be brief."},
+                                                            {"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": None}]}, 400, "messages"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 3}, 400, "best_of"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "suffix": "end"}, 400, "suffix"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -405,7 +412,6 @@ def test_large_bodies_are_refused_without_stalling_health(server):
 def test_connections_without_complete_headers_are_closed():
     """A client that opens a connection and trickles its headers (slowloris) is cut off after
     --http-header-timeout; one that never sends a byte too."""
-    import socket
     s = Server(tiny_model_dir(), "--http-header-timeout", "1", "--http-idle-timeout", "2")
     try:
         t0 = time.perf_counter()
@@ -426,6 +432,24 @@ def test_connections_without_complete_headers_are_closed():
         assert httpx.get(s.url + "/health", timeout=5).status_code == 200
     finally:
         s.stop()
+
+
+@pytest.mark.parametrize("host, why", [("127.0.0.1", "Address already in use"),
+                                       ("192.0.2.1", "Cannot assign requested address")])  # TEST-NET-1: not ours
+def test_an_address_it_cannot_listen_on_fails_before_the_model_loads(host, why):
+    """A port in use or a host that is not this machine's: one line naming the address, exit 1, and the model is
+    never loaded or warmed up (the sockets are bound first, not after minutes of start-up)."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = subprocess.run([sys.executable, "-m", "specjax.serve", "--model-path", tiny_model_dir(), "--host", host,
+                               "--port", str(port)], capture_output=True, text=True, timeout=120,
+                              env=dict(os.environ, JAX_PLATFORMS="cpu"))
+    assert proc.returncode == 1, proc.stderr
+    assert proc.stderr.strip().splitlines() == [f"python -m specjax.serve: cannot start: cannot listen on {host}:{port} "
+                                                f"(--host {host}, --port {port}): {why}"], proc.stderr
+    assert "warm" not in proc.stdout + proc.stderr and "Traceback" not in proc.stderr
 
 
 def test_still_serves_after_bad_inputs(server):
@@ -489,8 +513,6 @@ def test_disconnect_mid_stream_frees_pages(server):
 
 
 def test_disconnect_while_waiting_for_a_non_streaming_response(server):
-    import json
-    import socket
     aborted = httpx.get(server.url + "/get_server_info", headers=AUTH).json()["internal_states"][0]["aborted"]
     # 16 requests of 240 tokens on 8 slots: two waves, far longer than the disconnect takes to be noticed
     body = json.dumps({"text": ["Hello"] * 16, "sampling_params": {"max_new_tokens": 240, "ignore_eos": True}})
