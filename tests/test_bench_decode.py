@@ -99,6 +99,20 @@ def test_random_llama_refuses_what_cannot_run(monkeypatch):
     assert common.available_device_bytes() > 10**8  # this CPU's MemAvailable
 
 
+def test_a_decode_window_within_the_repeats_spread_is_flagged(capsys):
+    """Decode tok/s is (N - 1) / (t(N) - t(1)) from the fastest repeats; a long prompt with few new tokens leaves a
+    window that the run-to-run spread can swamp (a 1024-token prompt with 16 new tokens read 165% of the weight-read
+    limit): the rate is still given, with a warning saying how far off it may be."""
+    r = bench._rates(1, 16, [5.00, 5.30], [4.80, 4.95])
+    assert r["decode_tok_s"] == pytest.approx(15 / 0.20) and r["first_token_s"] == 4.80
+    err = capsys.readouterr().err
+    assert "decode window t(16) - t(1) = 0.200s" in err and "off by 225%" in err and "--new-tokens" in err, err
+    r = bench._rates(1, 64, [6.60, 6.62], [4.80, 4.81])
+    assert r["decode_tok_s"] == pytest.approx(63 / 1.80) and capsys.readouterr().err == ""
+    bench._rates(1, 64, [6.60], [4.80])  # one repeat: no spread to judge by
+    assert capsys.readouterr().err == ""
+
+
 def test_published_peaks_by_device_kind():
     """The datasheet tables match jax's device_kind strings, the longest name first (an H100 PCIe is no SXM part)."""
     from specjax.train.train_step import peak_hbm_gbps, peak_tflops

@@ -6,9 +6,10 @@
 
 Both engines generate exactly ``--new-tokens`` tokens per row from the same equal-length prompts (HF with
 ``min_new_tokens`` so that eos cannot stop it early; specjax with no stop tokens). Two numbers per engine:
-- generate tok/s: B * N / (median wall time of the whole generate call, prompt prefill included);
+- generate tok/s: B * N / (wall time of the whole generate call, prompt prefill included);
 - decode tok/s: B * (N - 1) / (t(N tokens) - t(1 token)), i.e. the per-token decode steps alone.
-Each time is the fastest of ``--repeats`` interleaved runs (robust to a shared machine's stalls).
+Each time is the fastest of ``--repeats`` interleaved runs (robust to a shared machine's stalls). Where t(N) - t(1)
+is small against the repeats' spread (a long prompt, few new tokens), the decode rate comes with a warning.
 The first specjax call of each shape compiles and is not timed; HF gets one untimed warm-up call too.
 
 ``--vs llama.cpp`` adds llama.cpp (``bench.llamacpp``) on a GGUF of the same weights (SmolLM2: the published Q4_1 file
@@ -105,18 +106,28 @@ def measure(runners: dict, batch: int, new_tokens: int, repeats: int) -> dict:
     # The fastest of the repeats, not the median: on a shared CPU a stalled 1-token run (two spinning torch threads
     # descheduled) made the median t(1) exceed the median t(N) and HF's batch-8 decode rate came out as nan. Each
     # estimate is then the time the engine needs when it gets the cores, the same rule for every engine.
-    return {name: _rates(batch, new_tokens, min(t["full"]), min(t["first"])) for name, t in times.items()}
+    return {name: _rates(batch, new_tokens, t["full"], t["first"], name) for name, t in times.items()}
 
 
 def time_specjax(params, cfg, prompts, new_tokens: int, repeats: int) -> dict:
     return measure({"specjax": specjax_runner(params, cfg, prompts)}, len(prompts), new_tokens, repeats)["specjax"]
 
 
-def _rates(batch: int, n: int, t_full: float, t_first: float) -> dict:
+def _rates(batch: int, n: int, fulls: list[float], firsts: list[float], name: str = "specjax") -> dict:
+    """Rates from the fastest of each engine's repeats. Decode tok/s comes from the difference t(N) - t(1), so
+    where that window is small against the run-to-run spread of the two times (a long prompt's prefill, few new
+    tokens), it is reported with a warning that says how far it can be off."""
+    t_full, t_first = min(fulls), min(firsts)
     decode = batch * (n - 1) / (t_full - t_first) if n > 1 and t_full > t_first else float("nan")
     if n > 1 and t_full <= t_first:
         print(f"warning: t({n} tokens) {t_full:.3f}s <= t(1 token) {t_first:.3f}s: the machine's load swamped the "
               f"measurement; decode tok/s is not defined (raise --repeats)", file=sys.stderr)
+    elif n > 1 and len(fulls) > 1:
+        spread = sorted(fulls)[1] - t_full + sorted(firsts)[1] - t_first  # second fastest - fastest, both times
+        if spread > 0.1 * (t_full - t_first):
+            print(f"warning: {name}'s decode window t({n}) - t(1) = {t_full - t_first:.3f}s is small against the "
+                  f"repeats' spread ({spread:.3f}s): its decode tok/s may be off by {spread / (t_full - t_first):.0%} "
+                  f"(raise --new-tokens)", file=sys.stderr)
     return {"generate_s": t_full, "first_token_s": t_first, "generate_tok_s": batch * n / t_full,
             "decode_tok_s": decode}
 
