@@ -125,7 +125,7 @@ def bind_sockets(host: str, port: int) -> list[socket.socket]:
         raise OSError(f"cannot resolve --host {host!r}: {e.strerror}") from None
     socks: list[socket.socket] = []
     try:
-        for family, type_, proto, _, address in dict.fromkeys((i[0], i[1], i[2], None, i[4]) for i in infos):
+        for family, type_, proto, address in dict.fromkeys((f, t, p, a) for f, t, p, _, a in infos):
             sock = socket.socket(family, type_, proto)
             socks.append(sock)
             sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)

@@ -224,6 +224,30 @@ def check_output_file(path: str | None, flag: str) -> None:
     _try_writing(path, parent, flag)
 
 
+def _try_writing(path: str, parent: str, flag: str) -> None:
+    """Make ``path``'s missing folders below ``parent`` and open it for appending (its content untouched), then
+    remove what this made; a ValueError naming ``flag`` when the file system refuses."""
+    existed = os.path.exists(path)
+    made = []  # the missing folders, outermost first
+    folder = os.path.dirname(path)
+    while folder != parent and len(folder) > len(parent):
+        made.insert(0, folder)
+        folder = os.path.dirname(folder)
+    try:
+        for d in made:
+            os.mkdir(d)
+        with open(path, "a"):
+            pass
+    except OSError as e:  # "does not exist" would puzzle where the file is to be made: say what could not be
+        said = f"cannot create {e.filename}" if e.errno == errno.ENOENT and e.filename else error_text(e)
+        raise ValueError(f"{flag} {path}: {said}") from None
+    finally:
+        if not existed and os.path.isfile(path):
+            os.remove(path)
+        for d in reversed(made):
+            with contextlib.suppress(OSError):  # only the empty folders this made
+                os.rmdir(d)
+
 
 class OutputFolderError(ValueError):
     """An output folder that a conversion must not write into: its own files would be left beside the new ones."""
@@ -256,30 +280,6 @@ def clear_previous(path: str, log=print) -> None:
     """Before writing over the previous output that ``check_output_folder`` found: remove its config.json."""
     log(f"replacing the previous output in {path}")
     os.remove(os.path.join(path, "config.json"))
-
-def _try_writing(path: str, parent: str, flag: str) -> None:
-    """Make ``path``'s missing folders below ``parent`` and open it for appending (its content untouched), then
-    remove what this made; a ValueError naming ``flag`` when the file system refuses."""
-    existed = os.path.exists(path)
-    made = []  # the missing folders, outermost first
-    folder = os.path.dirname(path)
-    while folder != parent and len(folder) > len(parent):
-        made.insert(0, folder)
-        folder = os.path.dirname(folder)
-    try:
-        for d in made:
-            os.mkdir(d)
-        with open(path, "a"):
-            pass
-    except OSError as e:  # "does not exist" would puzzle where the file is to be made: say what could not be
-        said = f"cannot create {e.filename}" if e.errno == errno.ENOENT and e.filename else error_text(e)
-        raise ValueError(f"{flag} {path}: {said}") from None
-    finally:
-        if not existed and os.path.isfile(path):
-            os.remove(path)
-        for d in reversed(made):
-            with contextlib.suppress(OSError):  # only the empty folders this made
-                os.rmdir(d)
 
 
 def check_field_types(cls, values: dict[str, Any]) -> dict[str, Any]:
