@@ -127,14 +127,9 @@ inline float Dot(const float* a, const P* b, int64_t h) {
   return s;
 }
 
-#if defined(SPECJAX_VEC)
-// Vector registers an F16 takes: one of AVX-512's 32, two of AVX2's 16. Tiles of sums shaped for AVX-512's registers
-// spilled to the stack at every fma on AVX2, so there the tiles below are cut to fit (the 2-core Zen 1 VM, SmolLM2's
-// 30 layers at a 1000-token context, two threads: one token 26 -> 21 ns a score, six tokens 15 -> 9.5; sixty-first
-// session).
-constexpr int kF16Regs = kLanes * 32 / kVectorBits;
-// Keys whose sums Dot16 keeps in registers at a time: all sixteen on AVX-512, four (8 registers) on AVX2.
-constexpr int kDotKeys = kF16Regs == 1 ? kLanes : 4;
+#if defined(__AVX512F__)
+// Keys whose sums Dot16 keeps in registers at a time (AVX2 takes ``Dot16Queries``' tiles instead).
+constexpr int kDotKeys = kLanes;
 
 // Dot(a, row j, h) for sixteen key rows at once into out[0..16], each the same fmas, tree and tail as Dot: row j at
 // rows[j], or (``rows`` null) at first + j * h (a page's consecutive positions: one base register for all loads).
@@ -234,11 +229,11 @@ inline bool NoZeroWeights(const float* w, int64_t stride, int q, int64_t n) {
 // from acc per block, where a pass over all the keys per QG queries read 8 tokens' 24 queries' values six times
 // from L2 (SmolLM2's 30 layers at 8 tokens and a 1000-token context, one thread: 13.3 against 13.8 ms).
 constexpr int64_t kWeighBlock = 64;
+#if defined(__AVX512F__)
 template <typename P, int HV>
 void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                             int64_t keys, int64_t seen_by_all, float* acc) {
-  // queries per pass: QG x HV sums in registers (AVX-512: 16 of its 32; AVX2: one query's, 2 HV of its 16)
-  constexpr int QG = kF16Regs == 1 ? 16 / HV : 1;
+  constexpr int QG = 16 / HV;  // queries per pass: QG x HV sums in 16 of AVX-512's 32 registers
   constexpr int64_t H = HV * kLanes;
   thread_local std::vector<char> dense;  // per pass: whether the prefix takes the loop without tests
   dense.assign((nq + QG - 1) / QG, 0);
@@ -286,13 +281,69 @@ void WeighValuesInRegisters(const float* w, int64_t stride, int64_t nq, const vo
     }
   }
 }
-#endif
+#else
+// AVX2: QG queries' sums over CW of the value row's 8-lane columns stay in registers (12 of its 16) for a pass over
+// a block of keys, each value column loaded once for the QG queries where one query's whole row took them all. A
+// sum is the same fmas in the same order of keys as Axpy's, so the same bits.
+template <typename P, int QG, int CW>
+void WeighValuesTiled(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
+                      int64_t keys, int64_t seen_by_all, int64_t H, float* acc) {
+  thread_local std::vector<char> dense;  // per pass: whether the prefix takes the loop without tests
+  dense.assign((nq + QG - 1) / QG, 0);
+  for (int64_t i = 0; i < nq; i += QG)
+    dense[i / QG] = NoZeroWeights(w + i * stride, stride, std::min<int64_t>(QG, nq - i), seen_by_all);
+  for (int64_t b0 = 0; b0 < keys; b0 += kWeighBlock) {
+    const int64_t b1 = std::min(keys, b0 + kWeighBlock);
+    for (int64_t i = 0; i < nq; i += QG) {
+      const int qn = static_cast<int>(std::min<int64_t>(QG, nq - i));
+      const float* wq = w + i * stride;
+      for (int64_t c0 = 0; c0 < H; c0 += CW * 8) {
+        const bool first = i == 0 && c0 == 0;
+        __m256 a[QG][CW];
+        for (int q = 0; q < QG; ++q)
+          for (int c = 0; c < CW; ++c)
+            a[q][c] = q < qn && b0 > 0 ? _mm256_loadu_ps(acc + (i + q) * H + c0 + c * 8) : _mm256_setzero_ps();
+        int64_t s = b0;
+        if (dense[i / QG] && qn == QG) {
+          for (; s < std::min(b1, seen_by_all); ++s) {
+            if (first) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
+            const P* row = static_cast<const P*>(rows[s]) + c0;
+            __m256 wv[QG];
+            for (int q = 0; q < QG; ++q) wv[q] = _mm256_set1_ps(wq[q * stride + s]);
+            for (int c = 0; c < CW; ++c) {
+              const __m256 v = Load8(row + c * 8);
+              for (int q = 0; q < QG; ++q) a[q][c] = _mm256_fmadd_ps(wv[q], v, a[q][c]);
+            }
+          }
+        }
+        for (; s < b1; ++s) {
+          if (!rows[s]) continue;
+          if (first) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
+          for (int c = 0; c < CW; ++c) {
+            const __m256 v = s >= fresh_from ? Load8(static_cast<const float*>(rows[s]) + c0 + c * 8)
+                                             : Load8(static_cast<const P*>(rows[s]) + c0 + c * 8);
+            for (int q = 0; q < qn; ++q) {
+              const float ws = wq[q * stride + s];
+              if (ws != 0.f) a[q][c] = _mm256_fmadd_ps(_mm256_set1_ps(ws), v, a[q][c]);
+            }
+          }
+        }
+        for (int q = 0; q < qn; ++q)
+          for (int c = 0; c < CW; ++c) _mm256_storeu_ps(acc + (i + q) * H + c0 + c * 8, a[q][c]);
+      }
+    }
+  }
+}
+#endif  // __AVX512F__
+#endif  // SPECJAX_VEC
 
 template <typename P>
 void WeighValues(const float* w, int64_t stride, int64_t nq, const void* const* rows, int64_t fresh_from,
                  int64_t keys, int64_t seen_by_all, int64_t H, float* acc) {
   for (int64_t s = 0; s < kAhead; ++s) PrefetchRow<P>(rows, s, keys, fresh_from, H);
-#if defined(SPECJAX_VEC)
+#if defined(SPECJAX_VEC) && !defined(__AVX512F__)
+  if (H % 32 == 0) return WeighValuesTiled<P, 3, 4>(w, stride, nq, rows, fresh_from, keys, seen_by_all, H, acc);
+#elif defined(SPECJAX_VEC)
   if (H == 64) return WeighValuesInRegisters<P, 4>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
   if (H == 128) return WeighValuesInRegisters<P, 8>(w, stride, nq, rows, fresh_from, keys, seen_by_all, acc);
 #endif
@@ -363,9 +414,52 @@ void PrefixRows(const AttnJob<P>& j, int64_t b, int64_t kh, int64_t prefix, cons
   }
 }
 
+#if defined(SPECJAX_VEC) && !defined(__AVX512F__)
+// AVX2 (16 registers of 8 lanes): AVX-512's tiles of F16 sums spilled to the stack at every fma there (cut to four
+// keys, the sixty-first session: one token 26 -> 21 ns a score, six tokens 15 -> 9.5, SmolLM2's 30 layers at a
+// 1000-token context, two threads). Here a tile of QT queries x KT keys keeps one half (lanes 0-7 or 8-15) of its
+// F16 sums in registers at a time, each query and key half loaded once per step, where one query's four keys
+// loaded every key half for each query. Each sum is the same fma sequence as Dot16's (Dot's), so the same bits.
+template <typename P, int QT, int KT>
+inline void ScoreTile(const float* const* qs, const P* const* rows, int64_t whole, F16 (*sums)[kLanes], int j0) {
+  for (int half = 0; half < 2; ++half) {
+    __m256 s[QT][KT];
+    for (int q = 0; q < QT; ++q)
+      for (int k = 0; k < KT; ++k) s[q][k] = _mm256_setzero_ps();
+    for (int64_t i = half * 8; i < whole; i += kLanes) {
+      __m256 qv[QT];
+      for (int q = 0; q < QT; ++q) qv[q] = _mm256_loadu_ps(qs[q] + i);
+      for (int k = 0; k < KT; ++k) {
+        const __m256 kv = Load8(rows[k] + i);
+        for (int q = 0; q < QT; ++q) s[q][k] = _mm256_fmadd_ps(qv[q], kv, s[q][k]);
+      }
+    }
+    for (int q = 0; q < QT; ++q)
+      for (int k = 0; k < KT; ++k) (half ? sums[q][j0 + k].hi : sums[q][j0 + k].lo) = s[q][k];
+  }
+}
+
+// Dot16 for QT queries q + i * H at once (their rows of ``scores`` from ``out``, row stride ``stride``).
+template <typename P, int QT>
+inline void Dot16Queries(const float* q, const P* const* rows, int64_t h, float* out, int64_t stride) {
+  constexpr int KT = 4;
+  const int64_t whole = h / kLanes * kLanes;
+  const float* qs[QT];
+  for (int i = 0; i < QT; ++i) qs[i] = q + i * h;
+  F16 sums[QT][kLanes];
+  for (int j0 = 0; j0 < kLanes; j0 += KT) ScoreTile<P, QT, KT>(qs, rows + j0, whole, sums, j0);
+  for (int i = 0; i < QT; ++i) {
+    float* o = out + i * stride;
+    VStore(o, ReduceAdd16x16(sums[i]));
+    for (int64_t c = whole; c < h; ++c)
+      for (int j = 0; j < kLanes; ++j) o[j] = __builtin_fmaf(qs[i][c], load(rows[j], c), o[j]);
+  }
+}
+#endif
+
 // scores[i, s] = Dot(q_i, k_s) * scale for the nq queries (q [nq, H]) and the prefix's keys (pool rows krows[s], seen
 // by every query) sixteen at a time (``Dot16``, one base pointer where the sixteen rows are a page's consecutive
-// ones); returns the first key left to score one at a time (all of them without AVX-512).
+// ones; on AVX2 ``Dot16Queries``, three queries at a time); returns the first key left to score one at a time.
 template <typename P>
 int64_t ScorePrefix(const float* q, int64_t nq, int64_t H, const void* const* krows, int64_t prefix, int64_t keys,
                     float scale, float* scores, int64_t stride) {
@@ -374,13 +468,22 @@ int64_t ScorePrefix(const float* q, int64_t nq, int64_t H, const void* const* kr
   for (; s0 + kLanes <= prefix; s0 += kLanes) {
     for (int64_t s = s0 + kLanes; s < s0 + 2 * kLanes; ++s) PrefetchRow<P>(krows, s, keys, prefix, H);
     const P* const* rows = reinterpret_cast<const P* const*>(krows + s0);
+#if defined(__AVX512F__)
     const P* first = rows[0];
     bool consecutive = true;
     for (int r = 1; r < kLanes; ++r) consecutive = consecutive && rows[r] == first + r * H;
     for (int64_t i = 0; i < nq; ++i) {
+      if (consecutive) Dot16<P>(q + i * H, nullptr, first, H, scores + i * stride + s0);
+      else Dot16<P>(q + i * H, rows, nullptr, H, scores + i * stride + s0);
+    }
+#else
+    int64_t i = 0;
+    for (; i + 3 <= nq; i += 3) Dot16Queries<P, 3>(q + i * H, rows, H, scores + i * stride + s0, stride);
+    if (nq - i == 2) Dot16Queries<P, 2>(q + i * H, rows, H, scores + i * stride + s0, stride);
+    if (nq - i == 1) Dot16Queries<P, 1>(q + i * H, rows, H, scores + i * stride + s0, stride);
+#endif
+    for (int64_t i = 0; i < nq; ++i) {
       float* row = scores + i * stride + s0;
-      if (consecutive) Dot16<P>(q + i * H, nullptr, first, H, row);
-      else Dot16<P>(q + i * H, rows, nullptr, H, row);
       VStore(row, VMul(VLoad(row), VSet1(scale)));
     }
   }
@@ -452,9 +555,13 @@ void AttnChunk(const void* ctx, int chunk) {
   total.resize(nq);
   for (int64_t i = 0; i < nq; ++i) total[i] = SoftmaxWeights(&scores[i * stride], stride, prefix);
   WeighValues<P>(scores.data(), stride, nq, vrows.data(), fresh_from, keys, prefix, H, acc.data());
-  for (int64_t i = 0; i < nq; ++i) {
+  for (int64_t i = 0; i < nq; ++i) {  // a query that sees nothing gives 0
     float* o = j.out + ((b * T + (i0 + i) / G) * N + kh * G + (i0 + i) % G) * H;
-    for (int64_t h = 0; h < H; ++h) o[h] = total[i] > 0.f ? acc[i * H + h] / total[i] : 0.f;
+    const float t = total[i];
+    if (t > 0.f)
+      for (int64_t h = 0; h < H; ++h) o[h] = acc[i * H + h] / t;
+    else
+      std::fill(o, o + H, 0.f);
   }
 }
 

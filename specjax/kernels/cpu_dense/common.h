@@ -111,12 +111,12 @@ struct F16 {
 };
 inline F16 VZero() { return {_mm256_setzero_ps(), _mm256_setzero_ps()}; }
 inline F16 VSet1(float v) { return {_mm256_set1_ps(v), _mm256_set1_ps(v)}; }
-inline F16 VLoad(const float* p) { return {_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8)}; }
 inline __m256 Widen8(__m128i h) { return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)); }
-inline F16 VLoad(const uint16_t* p) {
-  return {Widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))),
-          Widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 8)))};
-}
+// Eight lanes of float32 values or of bf16 bits, widened.
+inline __m256 Load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 Load8(const uint16_t* p) { return Widen8(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))); }
+inline F16 VLoad(const float* p) { return {Load8(p), Load8(p + 8)}; }
+inline F16 VLoad(const uint16_t* p) { return {Load8(p), Load8(p + 8)}; }
 inline void VStore(float* p, F16 v) {
   _mm256_storeu_ps(p, v.lo);
   _mm256_storeu_ps(p + 8, v.hi);
