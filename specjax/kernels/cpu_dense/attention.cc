@@ -128,25 +128,18 @@ inline float Dot(const float* a, const P* b, int64_t h) {
 }
 
 #if defined(__AVX512F__)
-// Keys whose sums Dot16 keeps in registers at a time (AVX2 takes ``Dot16Queries``' tiles instead).
-constexpr int kDotKeys = kLanes;
-
 // Dot(a, row j, h) for sixteen key rows at once into out[0..16], each the same fmas, tree and tail as Dot: row j at
 // rows[j], or (``rows`` null) at first + j * h (a page's consecutive positions: one base register for all loads).
-// The keys' sums are taken kDotKeys keys at a time, each key's fmas in the same order, so the same bits.
+// The sixteen keys' sums stay in registers (AVX2 takes ``Dot16Queries``' tiles instead).
 template <typename P>
 inline void Dot16(const float* a, const P* const* rows, const P* first, int64_t h, float* out) {
   auto row = [&](int j) { return rows ? rows[j] : first + j * h; };
   F16 acc[kLanes];
+  for (int j = 0; j < kLanes; ++j) acc[j] = VZero();
   const int64_t whole = h / kLanes * kLanes;
-  for (int j0 = 0; j0 < kLanes; j0 += kDotKeys) {
-    F16 part[kDotKeys];
-    for (int j = 0; j < kDotKeys; ++j) part[j] = VZero();
-    for (int64_t i = 0; i < whole; i += kLanes) {
-      const F16 av = VLoad(a + i);
-      for (int j = 0; j < kDotKeys; ++j) part[j] = VFma(av, VLoad(row(j0 + j) + i), part[j]);
-    }
-    for (int j = 0; j < kDotKeys; ++j) acc[j0 + j] = part[j];
+  for (int64_t i = 0; i < whole; i += kLanes) {
+    const F16 av = VLoad(a + i);
+    for (int j = 0; j < kLanes; ++j) acc[j] = VFma(av, VLoad(row(j) + i), acc[j]);
   }
   VStore(out, ReduceAdd16x16(acc));
   int64_t i = whole;
@@ -207,7 +200,8 @@ inline void PrefetchRow(const void* const* rows, int64_t s, int64_t keys, int64_
 
 // acc[i, :] += w[i, s] * v_s for every key s in order (rows[s] null: skipped; s >= fresh_from: a float32 row, else
 // a pool row; a zero weight skipped), for the nq queries: each query the same fma sequence as Axpy over its keys.
-// With AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows.
+// With AVX-512 and a head dim of 64 or 128 the sums of a few queries stay in registers for a pass over the rows;
+// with AVX2, three queries' sums over 32 columns at a time.
 #if defined(SPECJAX_VEC)
 // Whether none of the n weights of any of the q rows of w (row stride ``stride``) is zero.
 inline bool NoZeroWeights(const float* w, int64_t stride, int q, int64_t n) {
@@ -290,8 +284,8 @@ void WeighValuesTiled(const float* w, int64_t stride, int64_t nq, const void* co
                       int64_t keys, int64_t seen_by_all, int64_t H, float* acc) {
   thread_local std::vector<char> dense;  // per pass: whether the prefix takes the loop without tests
   dense.assign((nq + QG - 1) / QG, 0);
-  for (int64_t i = 0; i < nq; i += QG)
-    dense[i / QG] = NoZeroWeights(w + i * stride, stride, std::min<int64_t>(QG, nq - i), seen_by_all);
+  for (int64_t i = 0; i < nq; i += QG)  // a last group of fewer queries takes the loop with tests
+    dense[i / QG] = nq - i >= QG && NoZeroWeights(w + i * stride, stride, QG, seen_by_all);
   for (int64_t b0 = 0; b0 < keys; b0 += kWeighBlock) {
     const int64_t b1 = std::min(keys, b0 + kWeighBlock);
     for (int64_t i = 0; i < nq; i += QG) {
@@ -304,7 +298,7 @@ void WeighValuesTiled(const float* w, int64_t stride, int64_t nq, const void* co
           for (int c = 0; c < CW; ++c)
             a[q][c] = q < qn && b0 > 0 ? _mm256_loadu_ps(acc + (i + q) * H + c0 + c * 8) : _mm256_setzero_ps();
         int64_t s = b0;
-        if (dense[i / QG] && qn == QG) {
+        if (dense[i / QG]) {
           for (; s < std::min(b1, seen_by_all); ++s) {
             if (first) PrefetchRow<P>(rows, s + kAhead, keys, fresh_from, H);
             const P* row = static_cast<const P*>(rows[s]) + c0;
