@@ -572,7 +572,7 @@ def attend(q, k, v, mask, sm_scale: float, k_pages=None, v_pages=None, page_tabl
         return paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, positions, sm_scale,
                                sliding_window=sliding_window, layer=layer, causal=causal, keys_in_pool=keys_in_pool)
 
-    if sliding_window is not None or not cpu_dense.supports_attention(q, k_pages):
+    if sliding_window is not None or not cpu_dense.supports_attention(q, k_pages, keys_in_pool):
         return xla(q, k, v, mask, k_pages, v_pages, page_table, lengths)
 
     def kernel(q, k, v, mask, k_pages, v_pages, page_table, lengths):

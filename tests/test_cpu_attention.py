@@ -20,17 +20,17 @@ pytestmark = [pytest.mark.skipif(shutil.which("c++") is None and shutil.which("g
 L, K, G, H, Z = 3, 2, 3, 64, 16
 
 
-def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False, kv_heads=K):
+def _case(b=3, t=4, tk=4, pps=8, dtype=jnp.float32, lengths=(37, 0, 90), seed=0, packed=False, kv_heads=K, g=G, h=H):
     ks = jax.random.split(jax.random.key(seed), 6)
     pages = b * pps + 2
-    shape = (L, pages, kv_heads, Z, H)
+    shape = (L, pages, kv_heads, Z, h)
     kp = jax.random.normal(ks[0], shape, jnp.float32).astype(dtype)
     vp = jax.random.normal(ks[1], shape, jnp.float32).astype(dtype)
     if packed:  # the lane-packed layout: the same bytes as [L, P, K, Z/2, 2H]
-        kp, vp = (p.reshape(L, pages, kv_heads, Z // 2, 2 * H) for p in (kp, vp))
-    q = jax.random.normal(ks[2], (b, t, kv_heads * G, H), jnp.float32).astype(dtype)
-    k = jax.random.normal(ks[3], (b, tk, kv_heads, H), jnp.float32).astype(dtype)
-    v = jax.random.normal(ks[4], (b, tk, kv_heads, H), jnp.float32).astype(dtype)
+        kp, vp = (p.reshape(L, pages, kv_heads, Z // 2, 2 * h) for p in (kp, vp))
+    q = jax.random.normal(ks[2], (b, t, kv_heads * g, h), jnp.float32).astype(dtype)
+    k = jax.random.normal(ks[3], (b, tk, kv_heads, h), jnp.float32).astype(dtype)
+    v = jax.random.normal(ks[4], (b, tk, kv_heads, h), jnp.float32).astype(dtype)
     mask = jax.random.bernoulli(ks[5], 0.6, (b, t, tk))
     table = jnp.asarray(np.random.default_rng(seed).permutation(pages)[:b * pps].reshape(b, pps), jnp.int32)
     return q, k, v, mask, kp, vp, table, jnp.asarray(lengths[:b], jnp.int32)
@@ -173,3 +173,41 @@ def test_attend_routes_cache_attention_to_the_kernel():
     np.testing.assert_allclose(np.asarray(layers.attend(q, k, v, mask, H ** -0.5, kp[1], vp[1], table, lengths)),
                                np.asarray(want), rtol=2e-5, atol=2e-5)
     assert kv_cache.page_size_of(kp, H) == Z
+
+
+# A prompt chunk (16 new tokens and up, keys read from k, v): the blocked path, tokens in blocks of 16 and keys in
+# blocks of 64 positions. Chunks that end mid-block, a prefix that ends mid-block, a kv head of 1 / 3 / 4 queries
+# (SmolLM2's 3, Llama's 4: register tiles of 6 rows and their remainders), a head dim that is not whole vectors.
+PROMPT_CASES = [(16, (0, 37, 90), 3, 64, jnp.float32, False), (40, (64, 5, 130), 3, 64, jnp.float32, True),
+                (130, (0, 71, 20), 4, 64, jnp.bfloat16, False), (33, (16, 0, 100), 1, 48, jnp.float32, False)]
+
+
+@pytest.mark.parametrize("t,lengths,g,h,dtype,packed", PROMPT_CASES)
+def test_prompt_chunks_match_xla_paged_attention(t, lengths, g, h, dtype, packed):
+    """A causal prompt chunk with padding rows (seeing no key of the chunk) and any mask (a chunk need not be
+    causal): XLA's paged attention, on one thread and on two; with no prefix and nothing seen, 0."""
+    q, k, v, rand, kp, vp, table, ln = _case(t=t, tk=t, pps=(max(lengths) + t) // Z + 2, lengths=lengths,
+                                            dtype=dtype, packed=packed, g=g, h=h)
+    valid = jnp.arange(t)[None] < jnp.asarray([t, t - 5, t - 9])[:, None]
+    causal = jnp.tril(jnp.ones((t, t), bool))[None] & valid[:, None, :] & valid[:, :, None]
+    tol = 2e-2 if dtype == jnp.bfloat16 else 2e-5  # XLA rounds the softmax weights to bf16 for a bf16 pool
+    for mask in (causal, rand):
+        want = layers.paged_attention(q, k, v, mask, kp, vp, table, ln, None, h ** -0.5, layer=2)
+        for threads in (1, 2):
+            cpu_dense.set_threads(threads)
+            got = cpu_dense.paged_attention(q, k, v, mask, kp, vp, table, ln, 2, h ** -0.5, False)
+            np.testing.assert_allclose(np.asarray(got), np.asarray(want, np.float32), rtol=tol, atol=tol)
+    nothing = cpu_dense.paged_attention(q, k, v, jnp.zeros_like(causal), kp, vp, table, jnp.zeros((3,), jnp.int32),
+                                        2, h ** -0.5, False)
+    assert not np.asarray(nothing).any()
+
+
+def test_attend_routes_a_prompt_chunk_to_the_blocked_kernel():
+    """``layers.attend`` takes the kernel for a prompt chunk (its keys from k, v); with keys in the pool (a long
+    verified chain, never the kernel's few tokens) it keeps XLA's block loop."""
+    q, k, v, _, kp, vp, table, lengths = _case(t=20, tk=20)
+    mask = jnp.broadcast_to(jnp.tril(jnp.ones((20, 20), bool)), (3, 20, 20))
+    for in_pool, routed in ((False, True), (True, False)):
+        run = jax.jit(lambda q, k, v, mask, *cache: layers.attend(q, k, v, mask, H ** -0.5, *cache, layer=1,
+                                                                  causal=True, keys_in_pool=in_pool))
+        assert ("specjax_paged_attention" in run.lower(q, k, v, mask, kp, vp, table, lengths).as_text()) == routed

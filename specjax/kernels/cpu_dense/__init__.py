@@ -13,9 +13,10 @@ row's time, against the widening fmas' 1.5-1.6x; prompt chunks 1.5-1.9x the AVX5
 row in the tiles' summation order on the vector units: bits of their own, still the same at every row count and
 thread count; ``SPECJAX_CPU_AMX=0`` keeps the fma chain.
 
-``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), on the
-same pool, ``pages.cc`` the write of their keys and values into that pool in place (``kv_write``) and the read of
-a block of its pages (``take_pages``, for the XLA attention path of prompt chunks),
+``attention.cc`` is the cache attention of those few tokens over the paged KV pool (``paged_attention``), and of a
+prompt chunk's tokens (blocked, flash attention's way: SmolLM2's 512-token chunk after 512 cached tokens 1.9x
+XLA's block loop), on the same pool, ``pages.cc`` the write of their keys and values into that pool in place
+(``kv_write``) and the read of a block of its pages (``take_pages``, for the XLA attention path),
 ``argmax.cc`` the argmax of logits rows (``argmax``: a greedy token, the target's choice after each verified node), and
 ``norm.cc`` an RMSNorm of any number of rows (``rms_norm``, every CPU ``layers.rms_norm``), ``rope.cc`` the split of a
 fused q/k/v projection with the rotary embedding of q and k (``rope_qkv``, ``layers.rope_qkv``).
@@ -422,16 +423,18 @@ unembed = _kernel_product(
     "x2 [R, D] against a table [V, D] -> f32 [R, V] (a tied lm_head); differentiable.")
 
 
-def supports_attention(q, k_pages) -> bool:
+def supports_attention(q, k_pages, keys_in_pool: bool = False) -> bool:
     """Whether cache attention of q [B, T, N, H] over pools like ``k_pages`` runs in the kernel on a CPU: fp32 or
-    bf16 queries and pools, at most MAX_TOKENS new tokens, the kernels built and not ``disabled``."""
+    bf16 queries and pools, at most MAX_TOKENS new tokens or (a prompt chunk, its keys not ``keys_in_pool``) any
+    number, the kernels built and not ``disabled``."""
     return (q.dtype in DTYPES and k_pages.dtype in DTYPES and q.ndim == 4 and q.size > 0
-            and q.shape[1] <= MAX_TOKENS and not _disabled.value and available())
+            and (q.shape[1] <= MAX_TOKENS or not keys_in_pool) and not _disabled.value and available())
 
 
 def paged_attention(q, k, v, mask, k_pages, v_pages, page_table, lengths, layer, sm_scale: float,
                     keys_in_pool: bool):
-    """``layers.paged_attention``'s result (f32 [B, T, N, H]) from the kernel ``specjax_paged_attention``: q
+    """``layers.paged_attention``'s result (f32 [B, T, N, H]) from the kernel ``specjax_paged_attention`` (from 16
+    new tokens without ``keys_in_pool``, a prompt chunk, its blocked path): q
     [B, T, N, H]; k, v [B, Tk, K, H] the new keys (read only without ``keys_in_pool``); mask bool[B, T, Tk]; the pools
     [L, P, K, Z, H] (lane-packed or not) read in place at ``layer`` (an int or a traced scalar); page_table
     i32[B, pps]; lengths i32[B]. Not differentiable (no cache is ever differentiated)."""

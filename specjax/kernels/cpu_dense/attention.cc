@@ -1,5 +1,5 @@
 // specjax's CPU attention for the few new tokens of a decode step, a verified tree or a draft step over the paged
-// KV pool: an XLA FFI custom call.
+// KV pool, and for a prompt chunk's tokens (the blocked path, ``PromptAttention``): an XLA FFI custom call.
 //
 //   specjax_paged_attention: q [B, T, N, H], k_new, v_new [B, Tk, K, H], mask bool[B, T, Tk], the K and V pools
 //   [L, P, K, Z, H] (or lane-packed [L, P, K, Z/f, f*H], the same bytes; bf16 as bf16 or as its uint16 bits),
@@ -47,7 +47,7 @@ struct AttnJob {
   int64_t batch, tokens, new_keys, heads, kv_heads, head_dim, page_size, pages, pps, layer;
   float scale;
   bool keys_in_pool;
-  int64_t parts;  // chunks per (row, kv head), each a run of its queries
+  int64_t parts;  // chunks per (row, kv head), each a run of its queries (a prompt chunk: its token blocks)
 };
 
 #if defined(SPECJAX_VEC)
@@ -559,6 +559,244 @@ void AttnChunk(const void* ctx, int chunk) {
   }
 }
 
+// ---------------------------------------------------------------------------------------------------------------
+// A prompt chunk (more new tokens than a tree: ``kPromptTokens`` and up, keys read from k_new / v_new): the chunk's
+// scores as products of blocks, flash attention's way. Its keys and values are first laid out in float32 blocks of
+// ``kKeyBlock`` positions per (row, kv head), keys as [H, kKeyBlock] and values as [kKeyBlock, H] (``PromptKeys``).
+// Then each work item, ``kQueryTokens`` tokens of one (row, kv head) whose rows are the tokens x the query heads
+// sharing the kv head, walks the key blocks it may see (the prefix's positions, then the new ones) with an online
+// softmax (running maximum and sum) across blocks: a score tile is rows x 16 keys in registers fed by broadcasts of
+// the queries (no lane reductions), a value tile rows x 16 columns. A block of new keys that none of the item's
+// tokens sees (a causal mask's upper triangle) is skipped. The few-token path above reduces each score across lanes
+// and lays out nothing, which suits a few tokens over a long prefix, not 512 x 1024 blocks; for a prompt chunk XLA's
+// block loop ran at about 30 GFLOP/s against its products' 81 (SmolLM2, a 512-token chunk after 512 cached tokens,
+// two threads: 0.94 s for the 30 layers, 0.49 s here; docs/benchmarks.md, sixty-fifth session).
+constexpr int64_t kPromptTokens = 16;
+constexpr int64_t kQueryTokens = 16;
+constexpr int64_t kKeyBlock = 64;
+static_assert(kKeyBlock % 16 == 0 && kKeyBlock <= 64, "a block's unseen keys are the bits of one uint64_t");
+// rows of a score / value tile: their F16 sums and one key's (column's) vector in 15 of AVX2's 16 registers
+constexpr int kTileRows = kVectorBits == 512 ? 12 : 6;
+
+// s[r, c] = scale * sum_h q[r, h] * kt[h, c] for TR rows and the 16 keys at kt (row stride kKeyBlock).
+template <int TR>
+inline void ScoreRowTile(const float* q, int64_t H, const float* kt, float scale, float* s) {
+#if defined(SPECJAX_VEC)
+  F16 acc[TR];
+  for (int r = 0; r < TR; ++r) acc[r] = VZero();
+  for (int64_t h = 0; h < H; ++h) {
+    const F16 k = VLoad(kt + h * kKeyBlock);
+    for (int r = 0; r < TR; ++r) acc[r] = VFma(VSet1(q[r * H + h]), k, acc[r]);
+  }
+  for (int r = 0; r < TR; ++r) VStore(s + r * kKeyBlock, VMul(acc[r], VSet1(scale)));
+#else
+  for (int r = 0; r < TR; ++r)
+    for (int c = 0; c < kLanes; ++c) {
+      float a = 0.f;
+      for (int64_t h = 0; h < H; ++h) a = __builtin_fmaf(q[r * H + h], kt[h * kKeyBlock + c], a);
+      s[r * kKeyBlock + c] = a * scale;
+    }
+#endif
+}
+
+// o[r, c] += sum_{s < n} w[r, s] * v[s, c] for TR rows and the 16 columns at o, v (row strides H).
+template <int TR>
+inline void WeighRowTile(const float* w, const float* v, int64_t n, int64_t H, float* o) {
+#if defined(SPECJAX_VEC)
+  F16 acc[TR];
+  for (int r = 0; r < TR; ++r) acc[r] = VLoad(o + r * H);
+  for (int64_t s = 0; s < n; ++s) {
+    const F16 x = VLoad(v + s * H);
+    for (int r = 0; r < TR; ++r) acc[r] = VFma(VSet1(w[r * kKeyBlock + s]), x, acc[r]);
+  }
+  for (int r = 0; r < TR; ++r) VStore(o + r * H, acc[r]);
+#else
+  for (int r = 0; r < TR; ++r)
+    for (int c = 0; c < kLanes; ++c)
+      for (int64_t s = 0; s < n; ++s) o[r * H + c] = __builtin_fmaf(w[r * kKeyBlock + s], v[s * H + c], o[r * H + c]);
+#endif
+}
+
+// Rows [r0, r0 + TR) of a block: their scores over the block's keys, or their weights' sums over its values.
+template <int TR>
+void BlockRows(bool score, const float* q, const float* kt, const float* v, float* s, float* o, int64_t r0, int64_t n,
+               int64_t H, float scale) {
+  const int64_t whole = H / kLanes * kLanes;
+  if (score) {
+    for (int64_t c = 0; c < kKeyBlock; c += kLanes)
+      ScoreRowTile<TR>(q + r0 * H, H, kt + c, scale, s + r0 * kKeyBlock + c);
+    return;
+  }
+  for (int64_t c = 0; c < whole; c += kLanes) WeighRowTile<TR>(s + r0 * kKeyBlock, v + c, n, H, o + r0 * H + c);
+  for (int64_t r = r0; r < r0 + TR; ++r)  // columns past the whole vectors
+    for (int64_t c = whole; c < H; ++c)
+      for (int64_t k = 0; k < n; ++k) o[r * H + c] = __builtin_fmaf(s[r * kKeyBlock + k], v[k * H + c], o[r * H + c]);
+}
+
+// BlockRows over rows [0, R): tiles of kTileRows, then the rest one tile.
+template <int TR = kTileRows>
+void AllRows(bool score, const float* q, const float* kt, const float* v, float* s, float* o, int64_t R, int64_t n,
+             int64_t H, float scale, int64_t r0 = 0) {
+  if constexpr (TR > 0) {
+    for (; r0 + TR <= R; r0 += TR) BlockRows<TR>(score, q, kt, v, s, o, r0, n, H, scale);
+    if (r0 < R) AllRows<TR - 1>(score, q, kt, v, s, o, R, n, H, scale, r0);
+  }
+}
+
+// The online-softmax step of one row over a block's scores (``unseen``: bit c set where key c is not seen): the
+// running maximum ``m`` and sum ``l`` updated, the scores turned into weights exp(score - m) in place (0 where
+// unseen), the row's output so far rescaled.
+inline void OnlineSoftmaxRow(float* s, uint64_t unseen, float& m, float& l, float* o, int64_t H) {
+  float bm = kNegInf;
+#if defined(SPECJAX_VEC)
+  F16 top = VSet1(kNegInf);
+  for (int64_t c = 0; c < kKeyBlock; c += kLanes) {
+    const F16 x = VSetWhere(VLoad(s + c), static_cast<unsigned>(unseen >> c) & 0xffffu, kNegInf);
+    VStore(s + c, x);
+    top = VMax(top, x);
+  }
+  bm = VMaxLanes(top);
+#else
+  for (int64_t c = 0; c < kKeyBlock; ++c) {
+    if (unseen >> c & 1) s[c] = kNegInf;
+    bm = std::max(bm, s[c]);
+  }
+#endif
+  const float m_new = std::max(m, bm);
+  if (m_new == kNegInf) {  // nothing seen yet
+    std::fill(s, s + kKeyBlock, 0.f);
+    return;
+  }
+  for (int64_t c = 0; c < kKeyBlock; ++c) s[c] -= m_new;
+  ExpInPlace(s, kKeyBlock);
+  float sum = 0.f;
+#if defined(SPECJAX_VEC)
+  F16 lanes = VZero();
+  for (int64_t c = 0; c < kKeyBlock; c += kLanes) lanes = VAdd(lanes, VLoad(s + c));
+  sum = ReduceAdd16(lanes);
+#else
+  for (int64_t c = 0; c < kKeyBlock; ++c) sum += s[c];
+#endif
+  if (m_new != m) {
+    float alpha = m - m_new;
+    ExpInPlace(&alpha, 1);
+    l *= alpha;
+    for (int64_t h = 0; h < H; ++h) o[h] *= alpha;
+    m = m_new;
+  }
+  l += sum;
+}
+
+// A prompt chunk's job: its keys and values laid out once per (row, kv head) by ``PromptKeys`` (float32 blocks of
+// kKeyBlock positions: keys [H, kKeyBlock], values [kKeyBlock, H]), then read by every token block's ``PromptChunk``.
+template <typename P>
+struct PromptJob {
+  const AttnJob<P>* a;
+  float* kt;           // [B * K, key_blocks, H, kKeyBlock]
+  float* v;            // [B * K, key_blocks, kKeyBlock, H]
+  int64_t key_blocks;  // per (row, kv head): the longest row's prefix and the new keys
+};
+
+template <typename P>
+inline int64_t PromptPrefix(const AttnJob<P>& j, int64_t b) {  // past the page table: not seen, as on the XLA path
+  return std::clamp<int64_t>(j.lengths[b], 0, j.pps * j.page_size);
+}
+
+// Chunk (pair, block): the block of positions [kb * kKeyBlock, ...) of a (row, kv head) laid out as float32.
+template <typename P>
+void PromptKeys(const void* ctx, int chunk) {
+  const auto& pj = *static_cast<const PromptJob<P>*>(ctx);
+  const auto& j = *pj.a;
+  const int64_t K = j.kv_heads, H = j.head_dim, Tk = j.new_keys;
+  const int64_t pair = chunk / pj.key_blocks, b = pair / K, kh = pair % K, p0 = chunk % pj.key_blocks * kKeyBlock;
+  const int64_t prefix = PromptPrefix(j, b), n = std::min(kKeyBlock, prefix + Tk - p0);
+  if (n <= 0) return;
+  float* kt = pj.kt + chunk * H * kKeyBlock;
+  float* v = pj.v + chunk * kKeyBlock * H;
+  for (int64_t c = 0; c < kKeyBlock; ++c) {
+    const int64_t p = p0 + c;
+    if (c >= n) {
+      for (int64_t h = 0; h < H; ++h) kt[h * kKeyBlock + c] = 0.f;
+    } else if (p < prefix) {
+      const P* kr = PoolRow(j, j.k_pool, b, kh, p);
+      const P* vr = PoolRow(j, j.v_pool, b, kh, p);
+      for (int64_t h = 0; h < H; ++h) kt[h * kKeyBlock + c] = load(kr, h);
+      for (int64_t h = 0; h < H; ++h) v[c * H + h] = load(vr, h);
+    } else {
+      const int64_t at = ((b * Tk + p - prefix) * K + kh) * H;
+      for (int64_t h = 0; h < H; ++h) kt[h * kKeyBlock + c] = j.k_new[at + h];
+      std::memcpy(&v[c * H], j.v_new + at, H * sizeof(float));
+    }
+  }
+}
+
+// Chunk (token block, pair): its rows' attention, the last token blocks (the most keys under a causal mask) first,
+// so that the threads end together.
+template <typename P>
+void PromptChunk(const void* ctx, int chunk) {
+  const auto& pj = *static_cast<const PromptJob<P>*>(ctx);
+  const auto& j = *pj.a;
+  const int64_t K = j.kv_heads, H = j.head_dim, T = j.tokens, Tk = j.new_keys, N = j.heads, G = N / K;
+  const int64_t pairs = j.batch * K, pair = chunk % pairs, b = pair / K, kh = pair % K;
+  const int64_t t0 = (j.parts - 1 - chunk / pairs) * kQueryTokens, t1 = std::min(T, t0 + kQueryTokens);
+  const int64_t R = (t1 - t0) * G, prefix = PromptPrefix(j, b);
+  const bool* mask = j.mask + b * T * Tk;
+  thread_local std::vector<float> q, s, o, m, l;
+  uint64_t unseen[kQueryTokens];
+  q.resize(R * H); s.resize(R * kKeyBlock);
+  o.assign(R * H, 0.f); m.assign(R, kNegInf); l.assign(R, 0.f);
+  for (int64_t r = 0; r < R; ++r)  // row r: token t0 + r / G, head kh * G + r % G
+    std::memcpy(&q[r * H], j.q + ((b * T + t0 + r / G) * N + kh * G + r % G) * H, H * sizeof(float));
+  int64_t seen_to = 0;  // the new keys past the last one any of these tokens sees are never read
+  for (int64_t t = t0; t < t1; ++t)
+    for (int64_t k = Tk - 1; k >= seen_to; --k)
+      if (mask[t * Tk + k]) {
+        seen_to = k + 1;
+        break;
+      }
+  const int64_t end = prefix + seen_to;
+  for (int64_t p0 = 0; p0 < end; p0 += kKeyBlock) {
+    const int64_t n = std::min(kKeyBlock, end - p0);
+    bool any = false;
+    for (int64_t t = t0; t < t1; ++t) {  // bit c: key p0 + c unseen by token t
+      uint64_t bits = n == kKeyBlock ? 0 : ~uint64_t{0} << n;
+      for (int64_t c = std::max<int64_t>(prefix - p0, 0); c < n; ++c)
+        bits |= uint64_t{!mask[t * Tk + p0 + c - prefix]} << c;
+      unseen[t - t0] = bits;
+      any = any || ~bits != 0;
+    }
+    if (!any) continue;  // a block of new keys none of these tokens sees
+    const int64_t blk = pair * pj.key_blocks + p0 / kKeyBlock;
+    const float* kt = pj.kt + blk * H * kKeyBlock;
+    const float* v = pj.v + blk * kKeyBlock * H;
+    AllRows(true, q.data(), kt, v, s.data(), o.data(), R, n, H, j.scale);
+    for (int64_t r = 0; r < R; ++r) OnlineSoftmaxRow(&s[r * kKeyBlock], unseen[r / G], m[r], l[r], &o[r * H], H);
+    AllRows(false, q.data(), kt, v, s.data(), o.data(), R, n, H, j.scale);
+  }
+  for (int64_t r = 0; r < R; ++r) {  // a query that sees nothing gives 0
+    float* out = j.out + ((b * T + t0 + r / G) * N + kh * G + r % G) * H;
+    if (l[r] > 0.f)
+      for (int64_t h = 0; h < H; ++h) out[h] = o[r * H + h] / l[r];
+    else
+      std::fill(out, out + H, 0.f);
+  }
+}
+
+// The blocked path over a prompt chunk: its keys laid out, then its token blocks.
+template <typename P>
+void PromptAttention(const AttnJob<P>& j) {
+  int64_t longest = 0;
+  for (int64_t b = 0; b < j.batch; ++b) longest = std::max(longest, PromptPrefix(j, b));
+  const int64_t key_blocks = (longest + j.new_keys + kKeyBlock - 1) / kKeyBlock;
+  const int64_t blocks = j.batch * j.kv_heads * key_blocks;
+  thread_local std::vector<float> kt, v;
+  kt.resize(blocks * j.head_dim * kKeyBlock);
+  v.resize(blocks * kKeyBlock * j.head_dim);
+  const PromptJob<P> pj{&j, kt.data(), v.data(), key_blocks};
+  Parallel(PromptKeys<P>, &pj, static_cast<int>(blocks));
+  Parallel(PromptChunk<P>, &pj, static_cast<int>(j.batch * j.kv_heads * j.parts));
+}
+
 ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer v_new, ffi::Buffer<ffi::PRED> mask,
                          ffi::AnyBuffer k_pool, ffi::AnyBuffer v_pool, ffi::Buffer<ffi::S32> page_table,
                          ffi::Buffer<ffi::S32> lengths, ffi::Buffer<ffi::S32> layer, float sm_scale,
@@ -597,12 +835,16 @@ ffi::Error AttentionImpl(ffi::AnyBuffer q, ffi::AnyBuffer k_new, ffi::AnyBuffer 
   // session). A query's arithmetic does not depend on its run.
   const int64_t per_thread = T > 1 ? 2 : 1;
   const int64_t parts = std::clamp<int64_t>((per_thread * PoolThreads() + B * K - 1) / (B * K), 1, T * (N / K));
+  const bool prompt = T >= kPromptTokens && keys_in_pool == 0;  // token blocks of the blocked path
+  const int64_t blocks = (T + kQueryTokens - 1) / kQueryTokens;
   auto run = [&](auto tag) {
     using P = decltype(tag);
     AttnJob<P> job{qf, kf, vf, m, static_cast<const P*>(k_pool.untyped_data()),
                    static_cast<const P*>(v_pool.untyped_data()), page_table.typed_data(), len,
-                   out->typed_data(), B, T, Tk, N, K, H, Z, pd[1], pps, li, sm_scale, keys_in_pool != 0, parts};
-    Parallel(AttnChunk<P>, &job, static_cast<int>(B * K * parts));
+                   out->typed_data(), B, T, Tk, N, K, H, Z, pd[1], pps, li, sm_scale, keys_in_pool != 0,
+                   prompt ? blocks : parts};
+    if (prompt) PromptAttention(job);
+    else Parallel(AttnChunk<P>, &job, static_cast<int>(B * K * parts));
   };
   if (k_pool.element_type() == ffi::DataType::F32) run(float{});
   else run(uint16_t{});

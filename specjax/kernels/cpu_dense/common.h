@@ -89,6 +89,9 @@ inline unsigned VEqMask(F16 a, F16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_EQ_
 inline unsigned VLtMask(F16 a, F16 b) { return _mm512_cmp_ps_mask(a, b, _CMP_LT_OQ); }
 inline unsigned VNanMask(F16 a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q); }
 inline F16 VZeroWhere(F16 a, unsigned mask) { return _mm512_maskz_mov_ps(static_cast<__mmask16>(~mask), a); }
+inline F16 VSetWhere(F16 a, unsigned mask, float v) {  // v in the lanes whose bit of mask is set
+  return _mm512_mask_mov_ps(a, static_cast<__mmask16>(mask), _mm512_set1_ps(v));
+}
 inline float VMaxLanes(F16 a) { return _mm512_reduce_max_ps(a); }  // exact in any order
 // The 32 bf16 values of the 64-byte line at p widened: the even ones into a[0], the odd ones into a[1].
 inline void VPairedLine(const uint16_t* p, F16 (&a)[2]) {
@@ -152,6 +155,10 @@ inline __m256 KeepMask8(unsigned mask) {  // all ones in lane l where bit l of m
 }
 inline F16 VZeroWhere(F16 a, unsigned mask) {
   return {_mm256_and_ps(a.lo, KeepMask8(mask)), _mm256_and_ps(a.hi, KeepMask8(mask >> 8))};
+}
+inline F16 VSetWhere(F16 a, unsigned mask, float v) {
+  const __m256 f = _mm256_set1_ps(v);
+  return {_mm256_blendv_ps(f, a.lo, KeepMask8(mask)), _mm256_blendv_ps(f, a.hi, KeepMask8(mask >> 8))};
 }
 inline float VMaxLanes(F16 a) {
   alignas(32) float l[8];
