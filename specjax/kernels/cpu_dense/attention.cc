@@ -622,8 +622,8 @@ template <int TR>
 void BlockRows(bool score, const float* q, const float* kt, const float* v, float* s, float* o, int64_t r0, int64_t n,
                int64_t H, float scale) {
   const int64_t whole = H / kLanes * kLanes;
-  if (score) {
-    for (int64_t c = 0; c < kKeyBlock; c += kLanes)
+  if (score) {  // the keys past n: whatever the softmax's mask overwrites
+    for (int64_t c = 0; c < n; c += kLanes)
       ScoreRowTile<TR>(q + r0 * H, H, kt + c, scale, s + r0 * kKeyBlock + c);
     return;
   }
@@ -697,6 +697,35 @@ struct PromptJob {
   int64_t key_blocks;  // per (row, kv head): the longest row's prefix and the new keys
 };
 
+// Bit c set where row[c] is false, for c < n <= 64.
+inline uint64_t FalseBits(const bool* row, int64_t n) {
+  uint64_t bits = 0;
+  int64_t c = 0;
+#if defined(SPECJAX_VEC)
+  for (; c + 16 <= n; c += 16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + c));
+    bits |= static_cast<uint64_t>(static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_setzero_si128()))))
+            << c;
+  }
+#endif
+  for (; c < n; ++c) bits |= uint64_t{!row[c]} << c;
+  return bits;
+}
+
+// One past the last true entry of row[0, n) (0 where none is).
+inline int64_t SeenTo(const bool* row, int64_t n) {
+#if defined(SPECJAX_VEC)
+  for (; n >= 16; n -= 16) {
+    const __m128i x = _mm_loadu_si128(reinterpret_cast<const __m128i*>(row + n - 16));
+    const unsigned set = ~static_cast<unsigned>(_mm_movemask_epi8(_mm_cmpeq_epi8(x, _mm_setzero_si128()))) & 0xffffu;
+    if (set) return n - 16 + (31 - __builtin_clz(set)) + 1;
+  }
+#endif
+  for (; n > 0; --n)
+    if (row[n - 1]) return n;
+  return 0;
+}
+
 template <typename P>
 inline int64_t PromptPrefix(const AttnJob<P>& j, int64_t b) {  // past the page table: not seen, as on the XLA path
   return std::clamp<int64_t>(j.lengths[b], 0, j.pps * j.page_size);
@@ -748,20 +777,15 @@ void PromptChunk(const void* ctx, int chunk) {
   for (int64_t r = 0; r < R; ++r)  // row r: token t0 + r / G, head kh * G + r % G
     std::memcpy(&q[r * H], j.q + ((b * T + t0 + r / G) * N + kh * G + r % G) * H, H * sizeof(float));
   int64_t seen_to = 0;  // the new keys past the last one any of these tokens sees are never read
-  for (int64_t t = t0; t < t1; ++t)
-    for (int64_t k = Tk - 1; k >= seen_to; --k)
-      if (mask[t * Tk + k]) {
-        seen_to = k + 1;
-        break;
-      }
+  for (int64_t t = t0; t < t1; ++t) seen_to = std::max(seen_to, SeenTo(mask + t * Tk, Tk));
   const int64_t end = prefix + seen_to;
   for (int64_t p0 = 0; p0 < end; p0 += kKeyBlock) {
     const int64_t n = std::min(kKeyBlock, end - p0);
     bool any = false;
     for (int64_t t = t0; t < t1; ++t) {  // bit c: key p0 + c unseen by token t
       uint64_t bits = n == kKeyBlock ? 0 : ~uint64_t{0} << n;
-      for (int64_t c = std::max<int64_t>(prefix - p0, 0); c < n; ++c)
-        bits |= uint64_t{!mask[t * Tk + p0 + c - prefix]} << c;
+      const int64_t cp = std::max<int64_t>(prefix - p0, 0);  // the prefix's keys: seen
+      if (cp < n) bits |= FalseBits(mask + t * Tk + p0 + cp - prefix, n - cp) << cp;
       unseen[t - t0] = bits;
       any = any || ~bits != 0;
     }
