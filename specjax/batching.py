@@ -30,12 +30,14 @@ class PrefillPrice:
 
 
 # Measured on a CPU (SmolLM2-135M fp32, 2-core Xeon, one call of t tokens at the runner: 8 / 15 / 16 / 32 / 64 / 128
-# / 256 tokens took 25 / 35 / 39 / 59 / 93 / 160 / 320 ms, ~1.25 ms a token at 128-256): a call is worth ~14 tokens,
-# and a 32- or 64-token chunk after a cached part cost 17-29 ms more than alone (XLA's attention over the cache; an
-# 8-token chunk, in the kernels, cost the same). An accelerator's call price is its machine balance (peak FLOP/s
-# per byte/s of HBM x bytes per weight / 2: ~230 on a TPU v4, ~300 on an H100 in bf16), so there a prompt up to the
-# widest chunk keeps one padded call.
-PREFILL_PRICE = {"cpu": PrefillPrice(call=14, over_cache=18)}
+# / 256 tokens took 25 / 35 / 39 / 59 / 93 / 160 / 320 ms, ~1.25 ms a token at 128-256): a call is worth ~14 tokens.
+# A 32- or 64-token chunk after a cached part cost 17-29 ms more than alone there while XLA's block loop attended to
+# the cache (18 tokens' worth); the kernels' blocked prompt path cut that extra to 10-27 ms at 32 tokens on the
+# 2-core Zen 1 VM (from 36-46 there), about 45% of it: 8 tokens (a 16-token chunk after a cached part 71-81 ms there
+# against 90 for two 8-token ones; docs/benchmarks.md, sixty-fifth session). An accelerator's call price is
+# its machine balance (peak FLOP/s per byte/s of HBM x bytes per weight / 2: ~230 on a TPU v4, ~300 on an H100 in
+# bf16), so there a prompt up to the widest chunk keeps one padded call.
+PREFILL_PRICE = {"cpu": PrefillPrice(call=14, over_cache=8)}
 PREFILL_PRICE_ACCELERATOR = PrefillPrice(call=256, over_cache=0)
 
 

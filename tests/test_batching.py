@@ -88,7 +88,8 @@ def test_serving_prefill_chunks_examples():
     assert serving_prefill_chunks(129, cpu, price) == [(128, 128), (1, 8)]
     assert serving_prefill_chunks(120, cpu, price) == [(120, 128)]
     assert serving_prefill_chunks(16, cpu, price) == [(16, 16)]
-    assert serving_prefill_chunks(16, cpu, price, cached=True) == [(8, 8), (8, 8)]  # no XLA attention over a cache
+    assert serving_prefill_chunks(16, cpu, price, cached=True) == [(16, 16)]  # 16 tokens after a cache: one call
+    assert serving_prefill_chunks(20, cpu, price, cached=True) == [(15, 15), (5, 8)]
     assert serving_prefill_chunks(1100, cpu, price)[:2] == [(512, 512), (512, 512)]
     assert serving_prefill_chunks(70, acc, PREFILL_PRICE_ACCELERATOR) == [(70, 128)]
     assert all(len(serving_prefill_chunks(n, acc, PREFILL_PRICE_ACCELERATOR)) == 1 for n in range(1, 513))
