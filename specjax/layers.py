@@ -109,8 +109,9 @@ def apply_rope(x, positions, inv_freq):
 def rope_qkv(qkv, positions, inv_freq):
     """q [B, T, K*G, H], k and v [B, T, K, H] of a fused projection's output qkv [B, T, K, G + 2, H] (per kv head
     its G query heads, its key, its value), q and k rotated (``apply_rope``).
-    On a CPU, a few tokens per sequence (a decode step, a verified tree) take one kernel call
-    (``kernels.cpu_dense.rope_qkv``, XLA's bits), where XLA:CPU ran five fusions per layer."""
+    On a CPU, any tokens per sequence (a decode step, a verified tree, a prompt chunk) take one kernel call
+    (``kernels.cpu_dense.rope_qkv``, XLA's bits from the same cos and sin), where XLA:CPU ran five fusions per layer
+    that computed cos and sin per head."""
     cos, sin = rope_cos_sin(positions, inv_freq)
     if cpu_dense.supports_rope(qkv):
         def kernel(qkv, cos, sin):

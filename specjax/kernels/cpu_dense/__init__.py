@@ -508,11 +508,10 @@ def _rms_norm_jvp(eps, xla_norm, primals, tangents):
 
 def supports_rope(qkv) -> bool:
     """Whether ``layers.rope_qkv`` of a fused projection's output qkv [..., T, K, G + 2, H] runs in the kernel on a
-    CPU: fp32 or bf16, at most MAX_TOKENS tokens per sequence (as the products that feed it), H even and <= 512, the
-    kernels built and not ``disabled``."""
+    CPU: fp32 or bf16, any number of tokens (a decode step, a tree, a prompt chunk), H even and <= 512, the kernels
+    built and not ``disabled``."""
     return (qkv.dtype in DTYPES and qkv.ndim >= 4 and qkv.size > 0 and qkv.shape[-2] >= 3
-            and qkv.shape[-1] % 2 == 0 and qkv.shape[-1] <= 512 and (qkv.ndim < 5 or qkv.shape[-4] <= MAX_TOKENS)
-            and not _disabled.value and available())
+            and qkv.shape[-1] % 2 == 0 and qkv.shape[-1] <= 512 and not _disabled.value and available())
 
 
 @functools.partial(jax.custom_jvp, nondiff_argnums=(3,))

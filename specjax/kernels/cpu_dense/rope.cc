@@ -8,7 +8,8 @@
 // come in from XLA (computed once per forward), so the bits are XLA's (tests/test_cpu_rope.py).
 // Why: XLA:CPU ran a decoder layer's split of the projection and the two rotations as five fusions, each recomputing
 // cos and sin per head (about 10 us each over a verified 4-token tree: 0.9 ms of a SmolLM2 (3,1,4) step); here one
-// call per layer (twenty-seventh session).
+// call per layer (twenty-seventh session). A prompt chunk's rows run on the thread pool: XLA's fusions over a
+// 512-token chunk took about 3 ms a layer, computing cos and sin per head (sixty-fifth session).
 #include <cmath>
 #include <cstring>
 #include <type_traits>
@@ -48,6 +49,23 @@ void RopeRows(const T* qkv, const float* cos, const float* sin, int64_t rows, in
   }
 }
 
+// A prompt chunk's rows, cut into runs for the thread pool (each row's arithmetic is the same on any run).
+template <typename T>
+struct RopeJob {
+  const T* qkv;
+  const float *cos, *sin;
+  int64_t rows, kv, g, h, width;
+  T *q, *k, *v;
+};
+
+template <typename T>
+void RopeChunk(const void* ctx, int chunk) {
+  const auto& j = *static_cast<const RopeJob<T>*>(ctx);
+  const int64_t r0 = chunk * j.width, n = std::min(j.width, j.rows - r0), half = j.h / 2;
+  RopeRows(j.qkv + r0 * j.kv * (j.g + 2) * j.h, j.cos + r0 * half, j.sin + r0 * half, n, j.kv, j.g, j.h,
+           j.q + r0 * j.kv * j.g * j.h, j.k + r0 * j.kv * j.h, j.v + r0 * j.kv * j.h);
+}
+
 ffi::Error RopeQkvImpl(ffi::AnyBuffer qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffer<ffi::F32> sin,
                        ffi::Result<ffi::AnyBuffer> q, ffi::Result<ffi::AnyBuffer> k, ffi::Result<ffi::AnyBuffer> v) {
   auto d = qkv.dimensions();
@@ -62,8 +80,11 @@ ffi::Error RopeQkvImpl(ffi::AnyBuffer qkv, ffi::Buffer<ffi::F32> cos, ffi::Buffe
     return ffi::Error::InvalidArgument("specjax cpu rope_qkv: float32 or bfloat16 qkv, outputs of its type");
   auto run = [&](auto tag) {
     using T = decltype(tag);
-    RopeRows(static_cast<const T*>(qkv.untyped_data()), cos.typed_data(), sin.typed_data(), R, K, G, H,
-             static_cast<T*>(q->untyped_data()), static_cast<T*>(k->untyped_data()), static_cast<T*>(v->untyped_data()));
+    const Split split = MakeSplit(R, 1, 32);  // a decode step's or a tree's few rows: one run
+    const RopeJob<T> job{static_cast<const T*>(qkv.untyped_data()), cos.typed_data(), sin.typed_data(), R, K, G, H,
+                         split.width, static_cast<T*>(q->untyped_data()), static_cast<T*>(k->untyped_data()),
+                         static_cast<T*>(v->untyped_data())};
+    Parallel(RopeChunk<T>, &job, split.n);
   };
   if (t == ffi::DataType::BF16) run(uint16_t{});
   else run(float{});
