@@ -393,6 +393,13 @@ inline const P* PoolRow(const AttnJob<P>& j, const P* pool, int64_t b, int64_t k
   return pool + (((j.layer * j.pages + page) * j.kv_heads + kh) * Z + p % Z) * j.head_dim;
 }
 
+// The prefix positions row b's queries see: its length, but positions past the page table (a released slot's stale
+// length) are not seen, as on the XLA path.
+template <typename P>
+inline int64_t SeenPrefix(const AttnJob<P>& j, int64_t b) {
+  return std::clamp<int64_t>(j.lengths[b], 0, j.pps * j.page_size);
+}
+
 // The K and V rows of the prefix's positions of row b, kv head kh (``PoolRow``), found page by page: one page-table
 // lookup a page, the page's next positions its next rows.
 template <typename P>
@@ -493,8 +500,7 @@ void AttnChunk(const void* ctx, int chunk) {
   const int64_t Z = j.page_size;
   const int64_t b = chunk / (K * j.parts), kh = chunk / j.parts % K, part = chunk % j.parts;
   const int64_t i0 = T * G * part / j.parts, i1 = T * G * (part + 1) / j.parts;  // this chunk's queries
-  // Positions past the page table (a released slot's stale length) are not seen, as on the XLA path.
-  const int64_t cap = j.pps * Z, len = j.lengths[b], prefix = std::clamp<int64_t>(len, 0, cap);
+  const int64_t cap = j.pps * Z, len = j.lengths[b], prefix = SeenPrefix(j, b);
   const int64_t keys = prefix + Tk;  // candidate keys: the prefix, then the new ones
   const int64_t stride = (keys + kLanes - 1) / kLanes * kLanes;  // a score row, whole vectors
   const int64_t nq = i1 - i0, t0 = i0 / G, t1 = (i1 - 1) / G + 1;  // its tokens [t0, t1)
@@ -570,7 +576,7 @@ void AttnChunk(const void* ctx, int chunk) {
 // tokens sees (a causal mask's upper triangle) is skipped. The few-token path above reduces each score across lanes
 // and lays out nothing, which suits a few tokens over a long prefix, not 512 x 1024 blocks; for a prompt chunk XLA's
 // block loop ran at about 30 GFLOP/s against its products' 81 (SmolLM2, a 512-token chunk after 512 cached tokens,
-// two threads: 0.94 s for the 30 layers, 0.49 s here; docs/benchmarks.md, sixty-fifth session).
+// two threads: 0.95 s for the 30 layers, 0.47 s here; docs/benchmarks.md, sixty-fifth session).
 constexpr int64_t kPromptTokens = 16;
 constexpr int64_t kQueryTokens = 16;
 constexpr int64_t kKeyBlock = 64;
@@ -726,11 +732,6 @@ inline int64_t SeenTo(const bool* row, int64_t n) {
   return 0;
 }
 
-template <typename P>
-inline int64_t PromptPrefix(const AttnJob<P>& j, int64_t b) {  // past the page table: not seen, as on the XLA path
-  return std::clamp<int64_t>(j.lengths[b], 0, j.pps * j.page_size);
-}
-
 // Chunk (pair, block): the block of positions [kb * kKeyBlock, ...) of a (row, kv head) laid out as float32.
 template <typename P>
 void PromptKeys(const void* ctx, int chunk) {
@@ -738,7 +739,7 @@ void PromptKeys(const void* ctx, int chunk) {
   const auto& j = *pj.a;
   const int64_t K = j.kv_heads, H = j.head_dim, Tk = j.new_keys;
   const int64_t pair = chunk / pj.key_blocks, b = pair / K, kh = pair % K, p0 = chunk % pj.key_blocks * kKeyBlock;
-  const int64_t prefix = PromptPrefix(j, b), n = std::min(kKeyBlock, prefix + Tk - p0);
+  const int64_t prefix = SeenPrefix(j, b), n = std::min(kKeyBlock, prefix + Tk - p0);
   if (n <= 0) return;
   float* kt = pj.kt + chunk * H * kKeyBlock;
   float* v = pj.v + chunk * kKeyBlock * H;
@@ -768,7 +769,7 @@ void PromptChunk(const void* ctx, int chunk) {
   const int64_t K = j.kv_heads, H = j.head_dim, T = j.tokens, Tk = j.new_keys, N = j.heads, G = N / K;
   const int64_t pairs = j.batch * K, pair = chunk % pairs, b = pair / K, kh = pair % K;
   const int64_t t0 = (j.parts - 1 - chunk / pairs) * kQueryTokens, t1 = std::min(T, t0 + kQueryTokens);
-  const int64_t R = (t1 - t0) * G, prefix = PromptPrefix(j, b);
+  const int64_t R = (t1 - t0) * G, prefix = SeenPrefix(j, b);
   const bool* mask = j.mask + b * T * Tk;
   thread_local std::vector<float> q, s, o, m, l;
   uint64_t unseen[kQueryTokens];
@@ -810,7 +811,7 @@ void PromptChunk(const void* ctx, int chunk) {
 template <typename P>
 void PromptAttention(const AttnJob<P>& j) {
   int64_t longest = 0;
-  for (int64_t b = 0; b < j.batch; ++b) longest = std::max(longest, PromptPrefix(j, b));
+  for (int64_t b = 0; b < j.batch; ++b) longest = std::max(longest, SeenPrefix(j, b));
   const int64_t key_blocks = (longest + j.new_keys + kKeyBlock - 1) / kKeyBlock;
   const int64_t blocks = j.batch * j.kv_heads * key_blocks;
   thread_local std::vector<float> kt, v;
