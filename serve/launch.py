@@ -31,7 +31,7 @@ from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
-from specjax.weights import load_model, resolve_model_path, stop_token_ids
+from specjax.weights import load_model, load_tokenizer, resolve_model_path, stop_token_ids
 
 from .args import ServerArgs
 from .metrics import Metrics
@@ -260,8 +260,6 @@ def make_mesh_for(args: ServerArgs):
 def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     """Load everything and start the scheduler thread (no warmup). ``model`` = (cfg, params) and ``draft`` =
     (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
-    from transformers import AutoTokenizer
-
     t0 = time.perf_counter()
     chat_template = _given_chat_template(args)
     for line in args.notices():
@@ -277,7 +275,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
         check_context_length(args, ModelConfig.from_pretrained(folder))
     tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
-    tokenizer = AutoTokenizer.from_pretrained(tok_folder, trust_remote_code=args.trust_remote_code)
+    tokenizer = load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)
     if model is not None:
         cfg, params = model

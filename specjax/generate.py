@@ -41,7 +41,7 @@ from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
 from specjax.speculative.tree import num_candidates, validate as validate_tree
 from specjax.speculative.tune import TuneError, load_tune, shape_for, table_path, tuned_elsewhere
-from specjax.weights import WeightsError, load_model, resolve_model_path, stop_token_ids
+from specjax.weights import WeightsError, load_model, load_tokenizer, resolve_model_path, stop_token_ids
 
 
 @jax.tree_util.register_dataclass
@@ -194,16 +194,6 @@ def generate(params: target.TargetParams, cfg: ModelConfig, prompts: Sequence[Se
 
 
 # ---- text in, text out ------------------------------------------------------------------------------------------
-
-def load_tokenizer(folder: str):
-    from transformers import AutoTokenizer
-    try:
-        return AutoTokenizer.from_pretrained(folder)
-    except Exception as e:  # noqa: BLE001 - transformers raises many types for a folder without a tokenizer
-        raise WeightsError(f"could not load a tokenizer from {folder} ({type(e).__name__}: "
-                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the model folder needs "
-                           f"tokenizer.json / tokenizer_config.json") from None
-
 
 def encode_prompts(tokenizer, prompts: Sequence[str], chat: bool) -> list[list[int]]:
     """Token ids of each prompt; with ``chat`` each prompt is one user turn rendered by the chat template."""

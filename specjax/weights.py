@@ -51,6 +51,44 @@ def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "to
             f"`python -m specjax.convert fetch-smollm2 OUT_DIR`.") from None
 
 
+# tokenizer_config.json classes that name the generic tokenizer.json-backed tokenizer: for a Llama-type model
+# AutoTokenizer resolves them to that class itself (transformers 4.45-5.x), so it is loaded directly.
+GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
+
+
+def _generic_tokenizer(folder: str) -> bool:
+    """Whether ``folder``'s tokenizer is the generic tokenizer.json one that AutoTokenizer would pick anyway (a
+    Llama-type model, no remote code): it loads without AutoTokenizer, whose import of the model's config class
+    imports torch where torch is installed (about 3 s of every CLI start on a 2-core machine)."""
+    def read(name):
+        try:
+            with open(os.path.join(folder, name)) as f:
+                return json.load(f)
+        except (OSError, ValueError):
+            return None
+    tok_cfg, model_cfg = read("tokenizer_config.json"), read("config.json")
+    return (isinstance(tok_cfg, dict) and isinstance(model_cfg, dict)
+            and os.path.isfile(os.path.join(folder, "tokenizer.json"))
+            and tok_cfg.get("tokenizer_class") in GENERIC_TOKENIZER_CLASSES
+            and "auto_map" not in tok_cfg and "auto_map" not in model_cfg
+            and model_cfg.get("model_type") == "llama")
+
+
+def load_tokenizer(folder: str, trust_remote_code: bool = False):
+    """The tokenizer of a model folder (the target's, or --tokenizer-path's): the generic tokenizer.json one where
+    AutoTokenizer would pick it (``_generic_tokenizer``), else AutoTokenizer's."""
+    try:
+        if _generic_tokenizer(folder):
+            from transformers import PreTrainedTokenizerFast
+            return PreTrainedTokenizerFast.from_pretrained(folder)
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(folder, trust_remote_code=trust_remote_code)
+    except Exception as e:  # noqa: BLE001 - transformers raises many types for a folder without a tokenizer
+        raise WeightsError(f"could not load a tokenizer from {folder} ({type(e).__name__}: "
+                           f"{str(e).splitlines()[0][:200] if str(e) else ''}); the model folder needs "
+                           f"tokenizer.json / tokenizer_config.json") from None
+
+
 def _hf_layer_map(cfg: ModelConfig) -> dict[str, tuple[str, Callable[[np.ndarray], np.ndarray], tuple]]:
     """HF per-layer suffix -> (LayerParams field, transform of the HF tensor, expected HF shape)."""
     d, f, n, k, h = cfg.hidden_size, cfg.intermediate_size, cfg.num_heads, cfg.num_kv_heads, cfg.head_dim

@@ -147,3 +147,56 @@ def test_hub_download_skips_mistral_consolidated_weights(monkeypatch, tmp_path):
     kept = [f for f in files if any(fnmatch.fnmatch(f, p) for p in seen["allow"])
             and not any(fnmatch.fnmatch(f, p) for p in seen["ignore"])]
     assert kept == ["config.json", "model-00001-of-00003.safetensors", "tokenizer.json"]
+
+
+def _tokenizer_behaviour(tok) -> tuple:
+    texts = ["Hello world, how are you?", "<|im_start|>user\nhi<|im_end|>\n", "  spaces\tand\nnew lines ünïcode"]
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "What is JAX?"}]
+    ids = [tok(t)["input_ids"] for t in texts]
+    return (type(tok).__name__, len(tok), tok.eos_token, tok.pad_token, tok.bos_token, tok.unk_token,
+            tuple(tok.all_special_ids), ids, [tok(t, add_special_tokens=False)["input_ids"] for t in texts],
+            [tok.decode(i, skip_special_tokens=True) for i in ids], [tok.decode(i) for i in ids],
+            tok.apply_chat_template(chat, tokenize=False, add_generation_prompt=True),
+            tok.apply_chat_template(chat, tokenize=True, add_generation_prompt=False))
+
+
+def test_generic_tokenizer_loads_as_autotokenizer_would(tmp_path):
+    """A Llama-type folder whose tokenizer is the generic tokenizer.json one (SmolLM2 as fetched, the tests' tiny
+    models) loads without AutoTokenizer (whose model-config import pulls in torch: seconds of every CLI start) and
+    behaves exactly as AutoTokenizer's; any other folder (Qwen2, whose registered class AutoTokenizer prefers; remote
+    code; no tokenizer.json) still goes through AutoTokenizer."""
+    import json
+    import subprocess
+    import sys
+
+    import train_fixtures as tf
+    from real_model import default_smollm2_path
+    from transformers import AutoTokenizer
+
+    from specjax.weights import _generic_tokenizer, load_tokenizer
+    tiny = tf.make_tiny_model(str(tmp_path / "tiny"))
+    folders = [tiny] + [p for p in [default_smollm2_path()] if os.path.isfile(os.path.join(p, "tokenizer.json"))]
+    for folder in folders:
+        assert _generic_tokenizer(folder), folder
+        assert _tokenizer_behaviour(load_tokenizer(folder)) == _tokenizer_behaviour(AutoTokenizer.from_pretrained(
+            folder)), folder
+    code = (f"import sys; from specjax.weights import load_tokenizer; tok = load_tokenizer({tiny!r}); "
+            "assert tok('hi')['input_ids'] and 'torch' not in sys.modules, sorted(sys.modules)[:50]")
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+
+    def variant(name, edit_tok=None, edit_model=None, drop=None):
+        d = tmp_path / name
+        shutil.copytree(tiny, d)
+        for fname, edit in (("tokenizer_config.json", edit_tok), ("config.json", edit_model)):
+            if edit:
+                cfg = json.loads((d / fname).read_text())
+                edit(cfg)
+                (d / fname).write_text(json.dumps(cfg))
+        if drop:
+            (d / drop).unlink()
+        return str(d)
+    assert not _generic_tokenizer(variant("qwen2", edit_model=lambda c: c.update(model_type="qwen2")))
+    assert not _generic_tokenizer(variant("remote", edit_tok=lambda c: c.update(auto_map={"AutoTokenizer": "x.Y"})))
+    assert not _generic_tokenizer(variant("named", edit_tok=lambda c: c.update(tokenizer_class="Qwen2Tokenizer")))
+    assert not _generic_tokenizer(variant("nojson", drop="tokenizer.json"))
+    assert not _generic_tokenizer(str(tmp_path / "missing"))

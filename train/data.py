@@ -31,6 +31,7 @@ from typing import Any, Callable, Iterable, Iterator
 
 import numpy as np
 
+from specjax import weights
 from specjax.hub import ParseProblem, default_cache_dir as cache_root, fetch_sharegpt, parse_truncated_json_array
 from specjax.train.config import DataConfig
 
@@ -310,14 +311,8 @@ class ChatEncoder:
 
 
 def load_tokenizer(path: str):
-    """The target's fast tokenizer. A folder with tokenizer.json loads through PreTrainedTokenizerFast directly
-    (AutoTokenizer would import torch, ~10 s, for nothing: we only need the tokenizer and its chat template)."""
-    if os.path.isfile(os.path.join(path, "tokenizer.json")):
-        from transformers import PreTrainedTokenizerFast
-        tok = PreTrainedTokenizerFast.from_pretrained(path)
-    else:
-        from transformers import AutoTokenizer
-        tok = AutoTokenizer.from_pretrained(path)
+    """The target's tokenizer (``weights.load_tokenizer``, as serving loads it), which must be a fast one."""
+    tok = weights.load_tokenizer(path)
     if not getattr(tok, "is_fast", False):
         raise ValueError(f"tokenizer at {path} is not a fast tokenizer; specjax needs offsets (tokenizer.json)")
     return tok
