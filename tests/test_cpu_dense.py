@@ -375,3 +375,25 @@ def test_take_pages_matches_xla_gather(dtype):
         assert got.dtype == dtype and got.shape == (2, 4, 2, 16, 64)
         np.testing.assert_array_equal(np.asarray(got, np.float32), np.asarray(want, np.float32))
         assert "specjax_take_pages" in take.lower(pages, at).as_text()
+
+
+def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
+    """Two starts at once on a fresh machine (two pytest workers, two servers) wait for one build of the library
+    under its lock file instead of each compiling it (40-80 s of a 2-core machine each)."""
+    import threading
+    import time
+    calls = []
+
+    def slow_compile(out):
+        calls.append(out)
+        time.sleep(0.5)
+        out.write_bytes(b"built")
+
+    monkeypatch.setattr(cpu_dense, "_compile", slow_compile)
+    out = tmp_path / "kernels" / "lib.so"
+    threads = [threading.Thread(target=cpu_dense._compile_once, args=(out,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert calls == [out] and out.read_bytes() == b"built"

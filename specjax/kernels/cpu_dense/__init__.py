@@ -34,6 +34,7 @@ from __future__ import annotations
 import concurrent.futures
 import ctypes
 import dataclasses
+import fcntl
 import functools
 import hashlib
 import logging
@@ -130,6 +131,18 @@ def _compile(out: Path) -> None:
                 os.unlink(tmp)
 
 
+def _compile_once(out: Path) -> None:
+    """Compile the library into ``out`` unless another process is doing so: processes starting together (two pytest
+    workers, two servers on a fresh machine) wait for the first one's build (40-80 s of a 2-core machine) under a
+    lock file instead of each building its own."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    with open(out.with_suffix(".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not out.exists():
+            log.info("compiling specjax's CPU kernels into %s", out)
+            _compile(out)
+
+
 def _run_compiler(cmd: list[str]) -> subprocess.CompletedProcess:
     return subprocess.run(cmd, capture_output=True, text=True, timeout=300)
 
@@ -141,8 +154,7 @@ def _library() -> ctypes.CDLL | None:
     path = library_path()
     try:
         if not path.exists():
-            log.info("compiling specjax's CPU kernels into %s", path)
-            _compile(path)
+            _compile_once(path)
         lib = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as e:
         detail = getattr(e, "stderr", "") or ""
