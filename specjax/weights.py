@@ -59,7 +59,7 @@ GENERIC_TOKENIZER_CLASSES = ("PreTrainedTokenizerFast", "TokenizersBackend")
 def _generic_tokenizer(folder: str) -> bool:
     """Whether ``folder``'s tokenizer is the generic tokenizer.json one that AutoTokenizer would pick anyway (a
     Llama-type model, no remote code): it loads without AutoTokenizer, whose import of the model's config class
-    imports torch where torch is installed (about 3 s of every CLI start on a 2-core machine)."""
+    imports torch where torch is installed (5.5 s of every CLI start on a 2-core machine)."""
     def read(name):
         try:
             with open(os.path.join(folder, name)) as f:

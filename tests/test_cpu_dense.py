@@ -10,6 +10,8 @@ import platform
 import shutil
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -380,8 +382,6 @@ def test_take_pages_matches_xla_gather(dtype):
 def test_processes_starting_together_build_the_library_once(tmp_path, monkeypatch):
     """Two starts at once on a fresh machine (two pytest workers, two servers) wait for one build of the library
     under its lock file instead of each compiling it (40-80 s of a 2-core machine each)."""
-    import threading
-    import time
     calls = []
 
     def slow_compile(out):

@@ -1,9 +1,12 @@
-"""The safetensors loader: exact values, sharded and half-precision checkpoints, and loud refusals."""
+"""The safetensors loader: exact values, sharded and half-precision checkpoints, loud refusals; the tokenizer loader."""
 
 import copy
 import fnmatch
+import json
 import os
 import shutil
+import subprocess
+import sys
 
 import huggingface_hub
 import jax
@@ -11,11 +14,15 @@ import ml_dtypes
 import numpy as np
 import pytest
 import torch
+from transformers import AutoTokenizer
 
+import train_fixtures as tf
 from hf_tiny_models import build
+from specjax.hub import default_smollm2_path
 from specjax.models import target
 from specjax.safetensors_io import load_file, save_file
-from specjax.weights import WeightsError, load_model, params_to_hf, resolve_model_path
+from specjax.weights import (WeightsError, _generic_tokenizer, load_model, load_tokenizer, params_to_hf,
+                             resolve_model_path)
 
 
 @pytest.fixture(scope="module")
@@ -165,15 +172,6 @@ def test_generic_tokenizer_loads_as_autotokenizer_would(tmp_path):
     models) loads without AutoTokenizer (whose model-config import pulls in torch: seconds of every CLI start) and
     behaves exactly as AutoTokenizer's; any other folder (Qwen2, whose registered class AutoTokenizer prefers; remote
     code; no tokenizer.json) still goes through AutoTokenizer."""
-    import json
-    import subprocess
-    import sys
-
-    import train_fixtures as tf
-    from real_model import default_smollm2_path
-    from transformers import AutoTokenizer
-
-    from specjax.weights import _generic_tokenizer, load_tokenizer
     tiny = tf.make_tiny_model(str(tmp_path / "tiny"))
     folders = [tiny] + [p for p in [default_smollm2_path()] if os.path.isfile(os.path.join(p, "tokenizer.json"))]
     for folder in folders:
