@@ -110,8 +110,7 @@ def library_path() -> Path:
 def _compile(out: Path) -> None:
     """Compile the kernels' sources into ``out`` (written under a temporary name and renamed: concurrent builds are
     safe): each source into an object file, as many at once as this process may use CPUs (dense.cc, the largest, took
-    about half of a 2-core machine's 40-80 s build), then linked."""
-    out.parent.mkdir(parents=True, exist_ok=True)
+    about half of a 2-core machine's 40-80 s build), then linked. ``_compile_once`` has made ``out``'s folder."""
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++") or "c++"
     fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
     os.close(fd)
