@@ -356,8 +356,10 @@ def _draft_config(setup: ServeSetup, algorithm: str):
             raise PreflightError(f"--speculative-draft-model-path {path}: {type(e).__name__}: {e}") from None
         return dcfg, f"head {path}"
     if algorithm == "EAGLE3":
-        return eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=32000, dtype=tcfg.dtype), \
-            "1-layer head shaped from the target, draft vocab 32000"
+        from specjax.train.config import HeadConfig
+        # the trainer's default draft vocabulary (32000), capped at the target's as the trainer caps it
+        dcfg = eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=HeadConfig().draft_vocab_size, dtype=tcfg.dtype)
+        return dcfg, f"1-layer head shaped from the target, draft vocab {dcfg.draft_vocab_size}"
     return eagle.EagleConfig.from_target(tcfg, dtype=tcfg.dtype), "1-layer head shaped from the target"
 
 

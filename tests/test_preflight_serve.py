@@ -34,6 +34,7 @@ def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
     # the pool: 256 pages x 16 tokens of 2 target layers (+1 draft layer), K/V split over tp=2, fp32
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (2 layers" in out
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (3 layers" in out
+    assert "draft vocab 512)" in out  # the trainer's 32000, capped at this target's 512 ids as the trainer caps it
     pool = 2 * 3 * 257 * 16 * 1 * 64 * 4  # K and V, 3 layers, 257 pages (scratch incl.), 1 kv head per chip
     assert got["EAGLE3 step B=4 S=2 k=2 M=4"][0] * GIB >= pool - 0.01 * GIB
 
