@@ -16,6 +16,7 @@ from specjax.heads import DEFAULT_ALGORITHM, DEFAULT_HEAD, default_head_availabl
 from specjax.hub import default_smollm2_path
 from specjax.speculative.tree import validate as validate_tree
 from specjax.speculative.tune import TuneError, load_tune, load_tune_costs, shape_for, table_path
+from specjax.speculative.verify import Thresholds
 
 log = logging.getLogger("specjax.serve")
 
@@ -56,7 +57,7 @@ class ServerArgs:
     api_key: str | None = option(None, group="http",
                                  help="require 'Authorization: Bearer KEY' on every endpoint but /health")
     log_level: str = option("info", group="http", choices=["debug", "info", "warning", "error", "critical"],
-                            help="server and access log verbosity")
+                            type=str.lower, help="server and access log verbosity (any case, as SGLang takes it)")
     enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
     skip_server_warmup: bool = option(False, group="http", help="start without compiling the common shapes")
     max_request_bytes: int = option(8 << 20, group="http",
@@ -107,10 +108,12 @@ class ServerArgs:
                                                      "each step takes the shape tuned for the running batch size, "
                                                      "or a target-only step where the head's live accept length "
                                                      "does not pay for the tree's measured step cost")
-    speculative_accept_threshold_single: float = option(1.0, group=_SPEC,
-                                                        help="SGLang's relaxed acceptance; 1.0 = lossless")
-    speculative_accept_threshold_acc: float = option(1.0, group=_SPEC,
-                                                     help="SGLang's relaxed acceptance; 1.0 = lossless")
+    speculative_accept_threshold_single: float = option(
+        1.0, group=_SPEC, help="sampled requests (temperature > 0) also accept a draft token whose target probability "
+                               "is at least this (SGLang's relaxation; 1.0 = lossless, the target's distribution)")
+    speculative_accept_threshold_acc: float = option(
+        1.0, group=_SPEC, help="sampled requests accept a draft token with probability min(1, p / this) instead of "
+                               "its target probability p (SGLang's relaxation; 1.0 = lossless)")
     # SGLang's CUDA-only flags: accepted so that a copied SGLang command still starts, then ignored (see notices()).
     cuda_graph_max_bs: int | None = option(None, group=_GPU, hidden=True)
     disable_cuda_graph: bool = option(False, group=_GPU, hidden=True)
@@ -232,8 +235,8 @@ class ServerArgs:
         as ``python -m specjax.generate`` refuses them; the acceptance thresholds are checked either way."""
         for name in ("speculative_accept_threshold_single", "speculative_accept_threshold_acc"):
             v = getattr(self, name)
-            if not 0.0 < v <= 1.0:
-                raise ArgsError(f"--{name.replace('_', '-')} must be in (0, 1] (got {v})")
+            if not 0.0 <= v <= 1.0:
+                raise ArgsError(f"--{name.replace('_', '-')} must be in [0, 1] (got {v})")
         algo = self.speculative_algorithm
         try:
             check_token_map_use(algo, self.speculative_token_map)
@@ -261,6 +264,11 @@ class ServerArgs:
                             f"{e}") from None
 
     @property
+    def accept_thresholds(self) -> Thresholds:
+        """SGLang's relaxed acceptance of sampled requests (``verify.Thresholds``; (1, 1) = lossless)."""
+        return Thresholds(self.speculative_accept_threshold_single, self.speculative_accept_threshold_acc)
+
+    @property
     def model_name(self) -> str:
         return self.served_model_name or self.model_path
 
@@ -276,7 +284,7 @@ class ServerArgs:
         out = []
         for name in GPU_ONLY_FLAGS:
             v = getattr(self, name)
-            if v not in (None, False):
+            if v is not None and v is not False:  # a value of 0 was given too (0 == False)
                 out.append(f"--{name.replace('_', '-')} is a CUDA-only SGLang flag and has no effect in specjax")
         return out
 

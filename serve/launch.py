@@ -264,9 +264,10 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     chat_template = _given_chat_template(args)
     for line in args.notices():
         log.warning(line)
-    if args.speculative_algorithm and (args.speculative_accept_threshold_single != 1.0
-                                       or args.speculative_accept_threshold_acc != 1.0):
-        log.warning("relaxed acceptance thresholds are not implemented; verification stays lossless (1.0)")
+    if args.speculative_algorithm and not args.accept_thresholds.lossless:
+        log.warning("relaxed acceptance (--speculative-accept-threshold-single %g, -acc %g): sampled requests accept "
+                    "more draft tokens and no longer follow the target's distribution exactly; greedy ones are exact",
+                    args.speculative_accept_threshold_single, args.speculative_accept_threshold_acc)
     if args.model_path == default_smollm2_path() and not os.path.isdir(args.model_path):
         log.info("first use of the default model: fetching and converting SmolLM2-135M-Instruct into %s",
                  args.model_path)
@@ -303,7 +304,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                             pages_per_seq=pages_per_seq, page_size=z, num_pages=num_pages,
                             attention_impl=args.attention_impl, prefill_chunk=chunk, mesh=mesh,
                             batch_shapes=TreeChoice.measured(args.speculative_tree_costs)
-                            if args.speculative_tree_costs else args.speculative_batch_shapes)
+                            if args.speculative_tree_costs else args.speculative_batch_shapes,
+                            thresholds=args.accept_thresholds)
         if args.speculative_tree_costs:
             log.info("tree per running batch size, re-decided from the live accept length (from %s/"
                      "speculative_tune.json): %s", args.speculative_draft_model_path,

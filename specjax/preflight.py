@@ -499,7 +499,8 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
         num_steps=args.speculative_num_steps, topk=args.speculative_eagle_topk,
         num_draft_tokens=args.speculative_num_draft_tokens, max_batch=plan.max_running,
         pages_per_seq=plan.pages_per_seq, page_size=args.page_size, num_pages=plan.num_pages,
-        attention_impl=args.attention_impl, prefill_chunk=plan.prefill_chunk, mesh=setup.mesh)
+        attention_impl=args.attention_impl, prefill_chunk=plan.prefill_chunk, mesh=setup.mesh,
+        thresholds=args.accept_thresholds)
     runner.scfg = dataclasses.replace(runner.scfg, cache_attention=make_cache_attention(
         args.attention_impl, cfg.sliding_window, "tpu"))  # as on a TPU
     runner.prefill_buckets = serving_prefill_buckets(runner.prefill_buckets[-1], few_rows=False)  # no CPU kernels

@@ -25,7 +25,7 @@ SPEC = dict(speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_d
 
 
 class InProcessServer:
-    def __init__(self, model, draft=None, algorithm=None):
+    def __init__(self, model, draft=None, algorithm=None, **spec):
         import uvicorn
 
         from specjax.serve.api import create_app
@@ -33,7 +33,7 @@ class InProcessServer:
         from specjax.serve.launch import build
         kw = dict(ENGINE_KW, max_running_requests=4)
         if algorithm:
-            kw.update(SPEC, speculative_algorithm=algorithm, speculative_draft_model_path="(in memory)")
+            kw.update(SPEC, speculative_algorithm=algorithm, speculative_draft_model_path="(in memory)", **spec)
         args = ServerArgs(model_path=tiny_model_dir(), skip_server_warmup=True, log_level="warning", **kw).validate()
         self.backend = build(args, model=model, draft=draft)
         port = free_port()
@@ -121,6 +121,24 @@ def test_eagle_head_greedy_equals_plain(plain, models):
             got = s.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=20))
             assert got["output_ids"] == want["output_ids"], p
         assert httpx.get(s.url + "/get_server_info").json()["internal_states"][0]["avg_spec_accept_length"] > 1.3
+    finally:
+        s.stop()
+
+
+def test_relaxed_acceptance_reaches_the_server(plain, models):
+    """``--speculative-accept-threshold-single 0`` (SGLang's relaxation: accept a drafted token whose target
+    probability is at least 0): a sampled request through a random head's (3,1,4) chain is accepted whole at every
+    step (4 tokens per step: 13 in 3 steps after the prefill's token), while a greedy request stays plain greedy."""
+    cfg, tp, perm, *_, rnd = models
+    s = InProcessServer((cfg, tp), draft=rnd, algorithm="EAGLE3", speculative_eagle_topk=1,
+                        speculative_num_draft_tokens=4, speculative_accept_threshold_single=0.0)
+    try:
+        p = prompts(perm, n=2)[1]
+        got = s.generate(input_ids=p, sampling_params=dict(temperature=0.8, ignore_eos=True, max_new_tokens=13))
+        assert got["meta_info"]["spec_verify_ct"] == 3 and len(got["output_ids"]) == 13
+        want = plain.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=13))
+        assert s.generate(input_ids=p, sampling_params=dict(GREEDY, max_new_tokens=13))["output_ids"] == \
+            want["output_ids"]
     finally:
         s.stop()
 

@@ -58,6 +58,14 @@ def test_cli_every_spec_flag_parses():
     assert a.schedule_policy == "lpm" and a.disable_radix_cache and a.api_key == "k"
     assert a.disable_overlap_schedule and not parse_args(["--model", "m"]).disable_overlap_schedule
     assert len(a.notices()) == 6 and all("no effect" in n for n in a.notices())
+    # a CUDA-only count given as 0 is noticed too (0 == False); the log level in any case, as SGLang takes it
+    b = parse_args(["--model", "m", "--cuda-graph-max-bs", "0", "--log-level", "WARNING"])
+    assert b.notices() == ["--cuda-graph-max-bs is a CUDA-only SGLang flag and has no effect in specjax"]
+    assert b.log_level == "warning"
+    # SGLang's relaxed acceptance, each threshold in [0, 1]: 0 is SGLang's "accept whatever the draft proposes"
+    c = parse_args(["--model", "m", "--speculative-accept-threshold-single", "0", "--speculative-accept-threshold-acc",
+                    "0.5"])
+    assert (c.accept_thresholds.single, c.accept_thresholds.acc) == (0.0, 0.5) and a.accept_thresholds.lossless
     assert ServerArgs.from_kwargs(model_path="m", disable_cuda_graph=True).disable_cuda_graph  # Engine(...) too
 
 
@@ -78,7 +86,7 @@ def test_cli_every_spec_flag_parses():
     (["--speculative-num-steps", "-5", "--speculative-num-draft-tokens", "2"],
      "tree flags .--speculative-num-steps, --speculative-num-draft-tokens. need"),
     (["--speculative-accept-threshold-single", "7"], "--speculative-accept-threshold-single must be in .0, 1. .got 7"),
-    (["--speculative-accept-threshold-acc", "0"], "--speculative-accept-threshold-acc must be in .0, 1. .got 0"),
+    (["--speculative-accept-threshold-acc", "-0.5"], "--speculative-accept-threshold-acc must be in .0, 1. .got -0.5"),
 ])
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):

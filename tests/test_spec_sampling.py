@@ -80,7 +80,7 @@ def chi_square(samples, joint):
     return pval, tv
 
 
-def run(cfg, tp, head, alg, sample_accept_fn=None, row=None):
+def run(cfg, tp, head, alg, sample_accept_fn=None, row=None, thresholds=verify.LOSSLESS):
     rows = N + N_GREEDY
     temps = [TEMP] * N + [0.0] * N_GREEDY
     kw = dict(temperature=temps, top_k=TOP_K, top_p=TOP_P, seed=list(range(rows)))
@@ -89,7 +89,8 @@ def run(cfg, tp, head, alg, sample_accept_fn=None, row=None):
                         for i, t in enumerate(temps)])
     out, stats = speculative_generate(tp, cfg, head, [PROMPT] * rows, algorithm=alg, num_steps=CONF[0],
                                       topk=CONF[1], num_draft_tokens=CONF[2], max_new_tokens=3, stop_token_ids=(),
-                                      sample_accept_fn=sample_accept_fn, compiler_options=FAST_COMPILE, **kw)
+                                      sample_accept_fn=sample_accept_fn, compiler_options=FAST_COMPILE,
+                                      thresholds=thresholds, **kw)
     return [tuple(o) for o in out[:N]], out[N:], stats
 
 
@@ -137,6 +138,25 @@ def test_broken_verifiers_fail_the_same_check(setup, joint, broken):
     pval, tv = chi_square(samples, joint)
     print(f"\n{broken.__name__}: chi-square p={pval:.3g} TV={tv:.3f}")
     assert pval < 1e-3, (pval, tv)
+
+
+def test_relaxed_thresholds_reach_the_step_and_leave_greedy_rows_exact(setup, joint):
+    """SGLang's relaxed acceptance through ``speculative_generate``: with ``--speculative-accept-threshold-single
+    0`` every drafted token is accepted (p >= 0), so each sampled row takes its two tokens after prefill in one step
+    (the random head is accepted for ~1.1 tokens per step losslessly), its tokens no longer follow the target's
+    distribution, and the greedy rows of the same batch still give plain greedy's tokens."""
+    cfg, tp, heads = setup
+    samples, greedy_rows, stats = run(cfg, tp, heads["random3"], "EAGLE3", thresholds=verify.Thresholds(single=0.0))
+    assert stats["verify_steps"][:N] == [1] * N
+    observed = {}
+    for x in samples:
+        observed[x] = observed.get(x, 0.0) + 1.0 / N
+    outside = sum(p for x, p in observed.items() if x not in joint)  # drafted tokens outside top-k / top-p
+    tv = tv_distance(observed, joint)
+    print(f"\nrelaxed single=0: TV={tv:.3f}, {outside:.3f} outside the target's support, tau={stats['tau']:.2f}")
+    assert tv > 0.3 and outside > 0.05, (tv, outside)
+    from specjax.generate import generate
+    assert all(g == generate(tp, cfg, [PROMPT], max_new_tokens=3, stop_token_ids=())[0] for g in greedy_rows)
 
 
 PENALTIES = sampling.SamplingRow(repetition_penalty=1.3, frequency_penalty=0.7, presence_penalty=0.4,

@@ -192,3 +192,93 @@ def test_sampling_acceptance_literal():
     # Row 2: coin 0.7 >= 0.5: both children rejected; the residual {6: 1} gives the bonus 6.
     np.testing.assert_array_equal(np.asarray(acc.accept_len), [2, 2, 0])
     np.testing.assert_array_equal(np.asarray(acc.tokens), [[3, 1, 2, 0], [5, 4, 0, 0], [6, 0, 0, 0]])
+
+
+def _literal_sampling_case(b):
+    """The literal tree with the distributions of ``test_sampling_acceptance_literal`` and one coin per level."""
+    probs = np.zeros((b, 6, V), np.float32)
+    probs[:, 0, [3, 5, 6]] = [0.2, 0.3, 0.5]
+    probs[:, 1, 1] = probs[:, 3, 2] = probs[:, 2, 4] = probs[:, 4, 0] = 1.0
+    keys = jax.vmap(lambda s: jax.random.key_data(jax.random.PRNGKey(s)))(jnp.arange(b))
+    return literal_tree(b), jnp.asarray(probs), keys
+
+
+@pytest.mark.parametrize("single, acc, want_len, want_tokens", [
+    (1.0, 1.0, 0, [6, 0, 0, 0]),  # lossless: coin 0.7 >= 0.2 + 0.3, both children rejected, the residual gives 6
+    (0.25, 1.0, 2, [5, 4, 0, 0]),  # p(5) = 0.3 >= 0.25: node 2, then its only token 4 (p 1), bonus 0
+    (1.0, 0.5, 2, [5, 4, 0, 0]),  # 0.7 >= 0.2 / 0.5 for token 3, 0.7 < 0.5 / 0.5 for token 5
+    (1.0, 0.0, 2, [3, 1, 2, 0]),  # acc 0 (SGLang floors it at 1e-9): the first child with any probability, not 7
+])
+def test_relaxed_sampling_acceptance_literal(single, acc, want_len, want_tokens):
+    t, probs, keys = _literal_sampling_case(1)
+    coins = jnp.asarray([[0.7, 0.5, 0.5]], jnp.float32)
+    got = verify.sample_accept(t, probs, coins, keys, 3, verify.Thresholds(single, acc))
+    assert int(got.accept_len[0]) == want_len
+    np.testing.assert_array_equal(np.asarray(got.tokens[0]), want_tokens)
+
+
+def _sibling_walk(parent, tokens, probs, coins, num_steps, single, acc):
+    """SGLang's relaxed tree acceptance as its kernel states it, one row at a time: at each level try the children of
+    the current node in index order, adding each one's target probability to a running sum; the first child with
+    coin < sum / acc or p >= single is accepted (the sum restarts below it); none = stop. Returns the accepted node
+    path and the residual the bonus is drawn from (p at the last node without the tried children)."""
+    cur, path = 0, [0]
+    for d in range(num_steps):
+        total, nxt = np.float32(0.0), None
+        for c in np.flatnonzero(parent == cur):
+            p = probs[cur, tokens[c]]
+            total = np.float32(total + p)
+            if coins[d] < total / np.float32(max(acc, 1e-9)) or p >= single:
+                nxt = c
+                break
+        if nxt is None:
+            break
+        cur = nxt
+        path.append(cur)
+    resid = probs[cur].copy()
+    resid[tokens[parent == cur]] = 0.0
+    return path, resid
+
+
+def _random_trees(rng, b, m, num_steps):
+    """Random trees of m nodes (each node's parent an earlier node above the depth limit), siblings' tokens apart."""
+    parent = np.full((b, m), -1, np.int32)
+    tokens = np.zeros((b, m), np.int32)
+    depth = np.zeros((b, m), np.int32)
+    for r in range(b):
+        for i in range(1, m):
+            parent[r, i] = rng.choice(np.flatnonzero(depth[r, :i] < num_steps))
+            depth[r, i] = depth[r, parent[r, i]] + 1
+            taken = tokens[r, 1:i][parent[r, 1:i] == parent[r, i]]
+            tokens[r, i] = rng.choice(np.setdiff1d(np.arange(V), taken))
+    j = lambda a: jnp.asarray(a)
+    return tree_lib.Tree(tokens=j(tokens), parent=j(parent), depth=j(depth), positions=j(depth),
+                         mask=tree_lib.ancestor_mask(j(parent), num_steps), first_child=tree_lib.first_child(j(parent)),
+                         next_sibling=tree_lib.next_sibling(j(parent)), scores=j(np.ones((b, m), np.float32)),
+                         candidate=j(np.tile(np.arange(m, dtype=np.int32), (b, 1))))
+
+
+@pytest.mark.parametrize("single, acc", [(1.0, 1.0), (0.3, 1.0), (1.0, 0.6), (0.5, 0.8), (0.0, 1.0), (1.0, 0.0)])
+def test_relaxed_acceptance_is_sglangs_sibling_walk(single, acc):
+    """``sample_accept`` with ``Thresholds(single, acc)`` accepts the nodes that SGLang's sibling walk accepts, row by
+    row over 64 random (4, *, 10) trees with sparse random distributions and coins, and draws its bonus from that
+    walk's residual; (1, 1) is the lossless rule."""
+    rng = np.random.default_rng(7)
+    b, m, s = 64, 10, 4
+    tree = _random_trees(rng, b, m, s)
+    probs = rng.dirichlet(np.full(V, 0.3), size=(b, m)).astype(np.float32)
+    coins = rng.random((b, s), dtype=np.float32)
+    keys = jax.vmap(lambda k: jax.random.key_data(jax.random.PRNGKey(k)))(jnp.arange(b))
+    got = jax.jit(verify.sample_accept, static_argnums=(4, 5))(tree, jnp.asarray(probs), jnp.asarray(coins), keys, s,
+                                                               verify.Thresholds(single, acc))
+    parent, tokens = np.asarray(tree.parent), np.asarray(tree.tokens)
+    lengths = []
+    for r in range(b):
+        path, resid = _sibling_walk(parent[r], tokens[r], probs[r], coins[r], s, single, acc)
+        n = len(path) - 1
+        lengths.append(n)
+        assert int(got.accept_len[r]) == n, r
+        np.testing.assert_array_equal(np.asarray(got.path[r, :n + 1]), path)
+        np.testing.assert_array_equal(np.asarray(got.tokens[r, :n]), tokens[r, path[1:]])
+        assert resid[int(got.bonus[r])] > 0, (r, int(got.bonus[r]), resid)
+    assert 0 < np.mean(lengths) < s or (single, acc) in ((0.0, 1.0), (1.0, 0.0))  # the cases are not all trivial

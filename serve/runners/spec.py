@@ -27,6 +27,7 @@ from specjax.sharding import put_kv_pool, use_mesh
 from specjax.speculative import draft as draft_lib, spec_step as step_lib
 from specjax.speculative.draft import Draft
 from specjax.speculative.tune import TreeChoice
+from specjax.speculative.verify import LOSSLESS, Thresholds
 
 log = logging.getLogger("specjax.serve")
 
@@ -118,13 +119,15 @@ class SpecRunner(RunnerCommon):
     step computes all ``nb`` rows: r running rows gain r x (tau - 1) tokens at the cost of an nb-row tree step, so
     the speedup over an nb-row plain step is the same for any r, and ``bench tune`` measured it with every row
     running. Every shape runs on one state sized for the widest of them; the output is
-    the same token for token whatever shape a step takes."""
+    the same token for token whatever shape a step takes. ``thresholds``: SGLang's relaxed acceptance of sampled
+    rows (``verify.Thresholds``; the default is lossless)."""
 
     def __init__(self, target_cfg: ModelConfig, target_params: target.TargetParams, algorithm: str, draft_cfg,
                  draft_params, vocab_map_or_token_map=None, *, num_steps: int, topk: int, num_draft_tokens: int,
                  max_batch: int, pages_per_seq: int, page_size: int, num_pages: int, attention_impl: str = "auto",
                  prefill_chunk: int = PREFILL_CHUNK, mesh=None,
-                 batch_shapes: dict[int, tuple[int, int, int] | None] | TreeChoice | None = None):
+                 batch_shapes: dict[int, tuple[int, int, int] | None] | TreeChoice | None = None,
+                 thresholds: Thresholds = LOSSLESS):
         self.target_cfg = target_cfg
         # Per-layer weights (one copy at start-up): every verify forward reads them in place.
         self.target_params = target_params = target.unstack_layers(target_params)
@@ -133,13 +136,13 @@ class SpecRunner(RunnerCommon):
         self.draft = draft_lib.as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
                                (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
         attend = make_cache_attention(attention_impl, target_cfg.sliding_window)
-        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, attend)
+        self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, attend, thresholds=thresholds)
         # the tree of each step by batch bucket (None: every step runs self.scfg)
         self.trees = batch_shapes if isinstance(batch_shapes, TreeChoice) or not batch_shapes else \
             TreeChoice.fixed(batch_shapes)
         self._configs = {self.scfg.shape: self.scfg}  # every tree a step may run, by shape
         for shape in self.trees.shapes() if self.trees else ():
-            self._configs.setdefault(shape, step_lib.SpecConfig(*shape, attend))
+            self._configs.setdefault(shape, step_lib.SpecConfig(*shape, attend, thresholds=thresholds))
         shapes = list(self._configs.values())
         for c in shapes:
             step_lib.check_compatible(target_cfg, self.draft, c)

@@ -25,7 +25,7 @@ from specjax.config import ModelConfig
 from specjax.kernels.tree_attention import make_cache_attention
 from specjax.models import target
 from specjax.sharding import committed_device
-from specjax.speculative import draft as draft_lib, spec_step as step_lib
+from specjax.speculative import draft as draft_lib, spec_step as step_lib, verify as verify_lib
 
 _JIT = {"prefill": (step_lib.prefill, ("state",)), "loop": (step_lib.generate_loop, ("state", "out")),
         "step": (step_lib.spec_step, ("state",))}
@@ -60,7 +60,8 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
                          max_new_tokens=128, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0,
                          stop_token_ids: Sequence[int] | None = None, page_size: int | None = None,
                          attention_impl: str = "auto", sample_accept_fn=None, compiler_options: dict | None = None,
-                         rows: Sequence[sampling_lib.SamplingRow] | None = None, capacity: int | None = None):
+                         rows: Sequence[sampling_lib.SamplingRow] | None = None, capacity: int | None = None,
+                         thresholds: verify_lib.Thresholds = verify_lib.LOSSLESS):
     """Speculative decoding of a batch of prompts (lists of token ids, any lengths).
 
     draft: a ``speculative.draft.Draft`` or (draft_cfg, draft_params, vocab) as ``load_draft`` returns.
@@ -75,6 +76,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     scalar sampling arguments. ``page_size``: slots per KV page (default: ``kv_cache.default_page_size``).
     ``capacity``: size the cache and output buffers for this many new tokens instead of the call's largest
     ``max_new_tokens`` (as ``specjax.generate.generate``): a short call then compiles the programs of a longer one.
+    ``thresholds``: SGLang's relaxed acceptance of the sampled rows (``verify.Thresholds``; default lossless).
     """
     if not prompts:
         return [], dict(verify_steps=[], accept_lengths=[], completion_tokens=[], tau=0.0)
@@ -86,7 +88,7 @@ def speculative_generate(target_params: target.TargetParams, target_cfg: ModelCo
     may_sample = bool(np.any(np.broadcast_to(np.asarray(temperature, np.float32), (b,)) > 0))
     scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens,
                                make_cache_attention(attention_impl, target_cfg.sliding_window), may_sample,
-                               sample_accept_fn)
+                               sample_accept_fn, thresholds)
     step_lib.check_compatible(target_cfg, d, scfg)
     budget = validate_requests(prompts, target_cfg.vocab_size, max_new_tokens, temperature, top_k, top_p,
                                min_p).astype(np.int32)

@@ -37,6 +37,7 @@ class SpecConfig:
     cache_attention: Callable | None = None  # target.forward's cache_attention hook (None: XLA)
     sampling: bool = True  # False: every row is greedy (the sampling acceptance is not even compiled)
     sample_accept_fn: Callable | None = None  # tests only: replaces verify.sample_accept
+    thresholds: verify_lib.Thresholds = verify_lib.LOSSLESS  # SGLang's relaxed acceptance of sampled rows
 
     def __post_init__(self):
         tree_lib.validate(self.num_steps, self.topk, self.num_draft_tokens)
@@ -299,7 +300,7 @@ def spec_step(tparams: target.TargetParams, tcfg: ModelConfig, draft: Draft, scf
     out = verify_phase(tparams, tcfg, draft, scfg, state, tree, active)
     state = dataclasses.replace(state, cache=out.cache)
     acc, sb = verify_lib.accept(tree, out.logits, state.sampling, scfg.num_steps, scfg.sample_accept_fn,
-                                may_sample=scfg.sampling, active=active)
+                                may_sample=scfg.sampling, active=active, thresholds=scfg.thresholds)
     state = commit_phase(tparams, draft, scfg, state, acc, out, active, sb)
     counts = jnp.where(active, acc.accept_len + 1, 0).astype(jnp.int32)
     return state, acc.tokens, counts

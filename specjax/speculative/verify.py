@@ -9,17 +9,44 @@ Children of a node are tried in index order (= creation order = SGLang's first-c
   what is left of p and stop. Implemented as in SGLang with one uniform coin u per level: child k is accepted when
   ``cum_{k-1} <= u < cum_k`` (cum = running sum of p over the children), which gives each child exactly p(c) and
   leaves the residual for the rest; the output distribution is the target's whatever the draft proposed.
+- Relaxed sampling (SGLang's ``--speculative-accept-threshold-single`` / ``-acc``, ``Thresholds``): child k is also
+  accepted when ``p(k) >= single``, and the running sum is read as ``cum_k / acc`` (a child's chance rises from p to
+  min(1, p / acc) given the siblings before it); the first child that passes either test wins. More draft tokens are
+  accepted and the output no longer follows the target's distribution; (1, 1), the default, is the lossless rule.
+  Greedy rows are never relaxed.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
 
 from specjax import sampling as sampling_lib
 from specjax.speculative.tree import Tree
+
+
+@dataclasses.dataclass(frozen=True)
+class Thresholds:
+    """SGLang's relaxed acceptance for sampled rows (``--speculative-accept-threshold-single`` / ``-acc``, each in
+    [0, 1]); the default (1, 1) is lossless. Static (hashable): part of the compiled step."""
+    single: float = 1.0
+    acc: float = 1.0
+
+    def __post_init__(self):
+        for name in ("single", "acc"):
+            v = getattr(self, name)
+            if not 0.0 <= v <= 1.0:
+                raise ValueError(f"acceptance threshold {name} must be in [0, 1] (got {v})")
+
+    @property
+    def lossless(self) -> bool:
+        return self.single == 1.0 and self.acc == 1.0
+
+
+LOSSLESS = Thresholds()
 
 
 @jax.tree_util.register_dataclass
@@ -83,9 +110,10 @@ def greedy_accept(tree: Tree, target_argmax, num_steps: int) -> Accepted:
     return _finish(tree, path, n, target_argmax[rows, cur], num_steps)
 
 
-def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Accepted:
+def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int,
+                  thresholds: Thresholds = LOSSLESS) -> Accepted:
     """probs: f32[B, M, V] target distribution after each node; coins: f32[B, S] uniforms in [0, 1);
-    residual_keys: u32[B, 2] keys for the final draw."""
+    residual_keys: u32[B, 2] keys for the final draw; ``thresholds``: the relaxed rule (module docstring)."""
     b = tree.tokens.shape[0]
     rows = jnp.arange(b)
     first = _first_sibling_occurrence(tree)
@@ -95,7 +123,11 @@ def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Ac
         p_tok = jnp.take_along_axis(p_cur, tree.tokens, axis=1)  # f32[B, M] p of each node's token
         child = (tree.parent == cur[:, None]) & first
         cum = jnp.cumsum(jnp.where(child, p_tok, 0.0), axis=1)  # children in index order
-        return child & (coins[:, d][:, None] < cum)
+        if thresholds.lossless:
+            return child & (coins[:, d][:, None] < cum)
+        # SGLang divides by acc floored at 1e-9: acc 0 accepts the first child with any probability
+        passes = (coins[:, d][:, None] < cum / max(thresholds.acc, 1e-9)) | (p_tok >= thresholds.single)
+        return child & passes
 
     cur, path, n = _walk(hit, b, num_steps)
     # The bonus: p at the last accepted node with all its children (all tried and rejected) removed.
@@ -110,16 +142,16 @@ def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int) -> Ac
 
 
 def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None,
-           may_sample: bool = True, active=None):
+           may_sample: bool = True, active=None, thresholds: Thresholds = LOSSLESS):
     """Acceptance for a batch mixing greedy, sampling and penalised rows. logits: f32[B, M, V] target logits after
     each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
     distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
-    promises that every row is greedy. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
+    promises that every row is greedy; ``thresholds`` relaxes the sampled rows' acceptance. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
     counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep theirs."""
     x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
-    fn = sample_accept_fn or sample_accept
+    fn = sample_accept_fn or functools.partial(sample_accept, thresholds=thresholds)
 
     def sampled():
         probs = sampling_lib.target_probs(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
