@@ -135,7 +135,7 @@ class ModelConfig:
         if num_heads % num_kv:
             raise ConfigError(f"{arch}: num_attention_heads={num_heads} not divisible by num_key_value_heads={num_kv}")
 
-        rope_theta, rope_scaling = _rope(hf, arch, source)
+        rope_theta, rope_scaling = rope_settings(hf, arch, source)
 
         sliding = None
         if family == "mistral" and hf.get("sliding_window"):
@@ -260,8 +260,10 @@ def _architecture(hf: dict[str, Any], source: str = "config.json") -> str:
     return arch
 
 
-def _rope(hf: dict[str, Any], arch: str, source: str = "config.json") -> tuple[float, dict[str, Any] | None]:
-    """(rope_theta, rope_scaling or None for plain RoPE) of a config.json (``source``, named in errors)."""
+def rope_settings(hf: dict[str, Any], arch: str, source: str = "config.json") -> tuple[float, dict[str, Any] | None]:
+    """(rope_theta, rope_scaling or None for plain RoPE) of a config.json (``source``, named in errors): a target's
+    or a draft head's, from top-level ``rope_theta`` / ``rope_scaling`` or transformers' ``rope_parameters``, with
+    the legacy ``type`` key read as ``rope_type``."""
     rope_scaling = hf.get("rope_scaling")
     rope_theta = hf.get("rope_theta")
     # transformers >= 4.56 may store rope settings under "rope_parameters".

@@ -12,7 +12,7 @@ import pytest
 from specjax import head_weights
 from specjax.config import ModelConfig
 from specjax.convert import head as H
-from specjax.models import eagle3
+from specjax.models import eagle, eagle3
 from specjax.safetensors_io import SafetensorsFile, save_file
 
 V, D, VD = 128, 64, 48
@@ -234,3 +234,31 @@ def test_refuses_non_finite_weights(tmp_path, how):
     with pytest.raises(head_weights.HeadFormatError, match=f"non-finite weights .*{key.replace('.', '[.]')} [(]1 of"):
         H.export_head(params, hcfg, vmap, str(tmp_path / "out"), tcfg, dtype=dtype)
     assert not (tmp_path / "out" / "model.safetensors").exists()
+
+
+LLAMA3_ROPE = {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+
+
+@pytest.mark.parametrize("spelling", ["top-level", "rope_parameters", "legacy type"])
+def test_head_configs_read_rope_as_target_configs_do(spelling):
+    """A head's config.json may give its RoPE as transformers >= 4.56 writes it (``rope_parameters``) or with the
+    legacy ``type`` key: EAGLE3 and EAGLE heads read each as a target's config does (a head with only
+    ``rope_parameters`` loaded as theta 10000 without scaling; a legacy ``type`` failed at the first draft step)."""
+    if spelling == "top-level":
+        rope = {"rope_theta": 500000.0, "rope_scaling": LLAMA3_ROPE}
+    elif spelling == "rope_parameters":
+        rope = {"rope_parameters": dict(LLAMA3_ROPE, rope_theta=500000.0)}
+    else:
+        rope = {"rope_theta": 500000.0, "rope_scaling": dict(
+            {k: v for k, v in LLAMA3_ROPE.items() if k != "rope_type"}, type="llama3")}
+    base = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+            "vocab_size": 96, "num_hidden_layers": 1, **rope}
+    want = (500000.0, tuple(sorted(LLAMA3_ROPE.items())))
+    e3 = eagle3.config_from_hf(dict(base, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=32), 8)
+    e1 = eagle.config_from_hf(dict(base, architectures=["LlamaForCausalLMEagle"]))
+    assert (e3.rope_theta, e3.rope_scaling) == want and (e1.rope_theta, e1.rope_scaling) == want
+    target = ModelConfig.from_hf_dict(dict(base, architectures=["LlamaForCausalLM"], model_type="llama"))
+    assert (target.rope_theta, target.rope_scaling) == want
+    with pytest.raises(ValueError, match="rope_scaling type 'yarn-ish' is not supported"):
+        eagle3.config_from_hf(dict(base, rope_scaling={"rope_type": "yarn-ish"}), 8)

@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 
 from specjax import layers
+from specjax.config import rope_settings
 from specjax.models import random_params
 from specjax.models import eagle3
 
@@ -101,17 +102,12 @@ def config_from_hf(hf: dict[str, Any], dtype: str | None = None) -> EagleConfig:
         raise EagleHeadError("EAGLE heads with attention/MLP bias are not supported")
     h = int(hf["hidden_size"])
     n = int(hf["num_attention_heads"])
-    rs = hf.get("rope_scaling")
-    if rs is not None and rs.get("rope_type", rs.get("type")) in (None, "default"):
-        rs = None
-    if rs is not None:
-        rs = dict(rs, rope_type=rs.get("rope_type", rs.get("type")))
-        rs.pop("type", None)
+    rope_theta, rs = rope_settings(hf, "EAGLE head")
     return EagleConfig(
         hidden_size=h, intermediate_size=int(hf["intermediate_size"]), num_heads=n,
         num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or h // n),
         vocab_size=int(hf["vocab_size"]), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)),
+        rope_theta=rope_theta,
         max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rope_scaling=tuple(sorted(rs.items())) if rs else None, num_layers=int(hf.get("num_hidden_layers", 1)),
         dtype=dtype or hf.get("torch_dtype") or "bfloat16")

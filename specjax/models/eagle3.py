@@ -20,7 +20,7 @@ import numpy as np
 
 from specjax import layers
 from specjax.models import random_params
-from specjax.config import ModelConfig, default_aux_layer_ids, eos_ids, read_json
+from specjax.config import ModelConfig, default_aux_layer_ids, eos_ids, read_json, rope_settings
 
 
 @dataclasses.dataclass(frozen=True)
@@ -282,16 +282,13 @@ def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None
     h = int(hf["hidden_size"])
     n = int(hf["num_attention_heads"])
     ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
-    rs = hf.get("rope_scaling")
-    if rs is not None and rs.get("rope_type", rs.get("type")) in (None, "default"):
-        rs = None
+    rope_theta, rs = rope_settings(hf, "EAGLE3 head")
     return Eagle3Config(
         hidden_size=h, intermediate_size=int(hf["intermediate_size"]), num_heads=n,
         num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or h // n),
         vocab_size=int(hf["vocab_size"]), draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
         target_hidden_size=int(hf.get("target_hidden_size") or h), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
-        rope_theta=float(hf.get("rope_theta", 10000.0)), max_position_embeddings=int(hf.get("max_position_embeddings",
-                                                                                            4096)),
+        rope_theta=rope_theta, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rope_scaling=tuple(sorted(rs.items())) if rs else None, num_layers=int(hf.get("num_hidden_layers", 1)),
         aux_layer_ids=tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_num_layers),
         bos_token_id=hf.get("bos_token_id"),
