@@ -82,6 +82,11 @@ def check_head_matches_target(head_cfg: Eagle3Config, target_cfg: ModelConfig) -
             f"head expects target features of width {head_cfg.target_hidden_size} (fc takes "
             f"{len(head_cfg.aux_layer_ids)} x {head_cfg.target_hidden_size}), but the target's hidden size is "
             f"{target_cfg.hidden_size}: this head was trained for another target")
+    if head_cfg.hidden_size != target_cfg.hidden_size:
+        raise HeadFormatError(
+            f"head hidden_size={head_cfg.hidden_size} differs from the target's {target_cfg.hidden_size}: such a head "
+            f"embeds tokens with an embedding of its own width, and specjax feeds every head the target's embedding; "
+            f"only heads as wide as their target are supported")
     bad = [i for i in head_cfg.aux_layer_ids if not 0 <= i < target_cfg.num_layers]
     if bad:
         raise HeadFormatError(f"head aux layer ids {list(head_cfg.aux_layer_ids)} include {bad}, out of range for the "

@@ -154,6 +154,12 @@ def test_refuses_mismatched_target(tmp_path):
         head_weights.load_eagle3_head(str(tmp_path), _target(hidden_size=96))
     with pytest.raises(head_weights.HeadFormatError, match="vocab"):
         H.export_head(params, hcfg, vmap, str(tmp_path / "x"), _target(vocab_size=256))
+    # a head narrower than its target (target_hidden_size != hidden_size) would fail at its first draft step: the
+    # target's embedding is as wide as the target; refused when it exports or loads
+    narrow_cfg = eagle3.Eagle3Config.from_target(tcfg, draft_vocab_size=VD, hidden_size=32, intermediate_size=64,
+                                                 num_heads=2, num_kv_heads=1, head_dim=16)
+    with pytest.raises(head_weights.HeadFormatError, match="hidden_size=32 differs from the target's"):
+        head_weights.check_head_matches_target(narrow_cfg, tcfg)
     bad = eagle3.VocabMap(d2t=vmap.d2t, t2d=jnp.roll(vmap.t2d, 1))
     with pytest.raises(head_weights.HeadFormatError, match="disagree"):
         H.export_head(params, hcfg, bad, str(tmp_path / "y"), tcfg)
