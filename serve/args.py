@@ -26,6 +26,8 @@ TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_n
 GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
                   "torch_compile_max_bs", "attention_backend")
 # --help sections (argument groups), in the order of the fields.
+# SGLang's admission orders that specjax implements (SGLang also has dfs-weight and priority)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
 _MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
 
 
@@ -83,8 +85,9 @@ class ServerArgs:
     page_size: int | None = option(None, group=_MEM, help="tokens per KV page (radix cache granularity; default 16, on "
                                    "a TPU the smallest page that packs the pool's small head dims into 128-lane "
                                    "rows: 32 for bf16 at head dim 64)")
-    schedule_policy: str = option("fcfs", group=_MEM, choices=["fcfs", "lpm"], help="order of admission: first "
-                                  "come first served, or longest cached prefix first")
+    schedule_policy: str = option("fcfs", group=_MEM, choices=list(SCHEDULE_POLICIES), help="order of admission: "
+                                  "first come first served, longest cached prefix first, longest output "
+                                  "(max_new_tokens) first, or a random order (--random-seed)")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
     disable_overlap_schedule: bool = option(False, group=_MEM, help="collect each decode step before launching the "
                                             "next (by default the host emits step N's tokens while the device runs "
@@ -221,8 +224,9 @@ class ServerArgs:
             raise ArgsError("--context-length must be >= 2")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ArgsError(f"--schedule-policy must be fcfs or lpm (got {self.schedule_policy!r})")
+        if self.schedule_policy not in SCHEDULE_POLICIES:
+            raise ArgsError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)} (got "
+                            f"{self.schedule_policy!r}; SGLang's dfs-weight and priority are not implemented)")
         if self.attention_impl not in ("auto", "xla", "pallas"):
             raise ArgsError(f"--attention-impl must be auto, xla or pallas (got {self.attention_impl!r})")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

@@ -57,6 +57,7 @@ class Scheduler:
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
         self.metrics = metrics or Metrics(enabled=False)
         self._rng = np.random.default_rng(random_seed)
+        self._order_rng = np.random.default_rng(random_seed)  # --schedule-policy random (apart from the seeds')
         self._inbox: queue.Queue = queue.Queue()
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * runner.max_batch
@@ -248,6 +249,10 @@ class Scheduler:
         if self.policy == "lpm" and self.radix.enabled:
             z = self.page_size
             order.sort(key=lambda r: -len(self.radix.match(r.prompt_ids, (len(r.prompt_ids) - 1) // z)))
+        elif self.policy == "lof":  # longest output first: the largest token budget, then arrival
+            order.sort(key=lambda r: -r.params.max_new_tokens)
+        elif self.policy == "random":
+            order = [order[i] for i in self._order_rng.permutation(len(order))]
         for req in order:
             free = [i for i, s in enumerate(self.slots) if s is None]
             if not free:

@@ -336,3 +336,28 @@ def test_shutdown_answers_what_is_in_flight_and_refuses_what_comes_after():
         assert ev["meta_info"]["finish_reason"]["type"] == "abort"
     with pytest.raises(RuntimeError, match="shut down"):
         sched.submit([3], SamplingParams(max_new_tokens=4), q2.put)
+
+
+def _finish_order(policy: str, budgets=(3, 9, 6, 4), seed: int = 0) -> list[int]:
+    """Indices of requests (submitted in order, token budgets ``budgets``) in the order they finish, one slot and
+    all of them waiting when the scheduler starts."""
+    sched = Scheduler(FakeRunner(max_batch=1), FakeTokenizer(), context_length=28, vocab_size=V,
+                      schedule_policy=policy, random_seed=seed)
+    done: queue.Queue = queue.Queue()
+    for i, n in enumerate(budgets):
+        sched.submit([1 + i], SamplingParams(max_new_tokens=n, ignore_eos=True),
+                     lambda ev, i=i: done.put(i) if ev["finished"] else None)
+    sched.start()
+    order = [done.get(timeout=30) for _ in budgets]
+    sched.shutdown()
+    return order
+
+
+def test_admission_orders_of_the_schedule_policies():
+    """--schedule-policy: fcfs admits in arrival order, lof (SGLang's longest output first) the largest
+    max_new_tokens first, random a shuffled order that --random-seed fixes."""
+    assert _finish_order("fcfs") == [0, 1, 2, 3]
+    assert _finish_order("lof") == [1, 2, 3, 0]
+    shuffled = {s: _finish_order("random", seed=s) for s in range(4)}
+    assert all(sorted(o) == [0, 1, 2, 3] for o in shuffled.values())
+    assert len(set(map(tuple, shuffled.values()))) > 1 and _finish_order("random", seed=2) == shuffled[2]
