@@ -284,8 +284,10 @@ class ServerArgs:
         return self.page_size
 
     def notices(self) -> list[str]:
-        """One line per GPU-only flag that was set (it has no effect here)."""
-        out = []
+        """One line per GPU-only flag that was set (it has no effect here), and for a token map that EAGLE3
+        ignores."""
+        ignored_map = check_token_map_use(self.speculative_algorithm, self.speculative_token_map)
+        out = [ignored_map] if ignored_map else []
         for name in GPU_ONLY_FLAGS:
             v = getattr(self, name)
             if v is not None and v is not False:  # a value of 0 was given too (0 == False)

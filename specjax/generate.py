@@ -331,7 +331,8 @@ def _resolve_pair(args) -> tuple[str, str | None, str | None, tuple[int, int, in
             fetch_smollm2(model)
         if algo is None and head is None and default_head_available():
             algo, head = DEFAULT_ALGORITHM, DEFAULT_HEAD
-    check_token_map_use(algo, args.speculative_token_map)
+    if ignored_map := check_token_map_use(algo, args.speculative_token_map):
+        print(f"note: {ignored_map}", file=sys.stderr)
     given = [f for f, v in zip(TREE_FLAGS, (args.speculative_num_steps, args.speculative_eagle_topk,
                                              args.speculative_num_draft_tokens)) if v is not None]
     if given and head is None and algo in (None, "NONE"):  # plain decoding would ignore them

@@ -322,12 +322,18 @@ def load_token_map(path: str, vocab_size: int | None = None) -> np.ndarray:
 
 
 # ---- either head -------------------------------------------------------------------------------------------------
-def check_token_map_use(algorithm: str | None, token_map: str | None) -> None:
-    """An FR-Spec token map (``--speculative-token-map``) belongs to an EAGLE head: with any other algorithm (EAGLE3
-    heads carry their own vocab map, plain decoding has no draft) it would be ignored, so it is refused."""
-    if token_map is not None and (algorithm or "").upper() != "EAGLE":
-        raise ValueError("--speculative-token-map is for EAGLE heads (--speculative-algorithm EAGLE); EAGLE3 heads "
-                         "carry their own vocab map")
+def check_token_map_use(algorithm: str | None, token_map: str | None) -> str | None:
+    """An FR-Spec token map (``--speculative-token-map``) belongs to an EAGLE head. With EAGLE3 it is ignored, as
+    SGLang ignores it (the head carries its own vocab map): returns that one-line notice. Without a speculative
+    algorithm (plain decoding has no draft) it is refused, as the tree flags are."""
+    algorithm = (algorithm or "").upper()
+    if token_map is None or algorithm == "EAGLE":
+        return None
+    if algorithm == "EAGLE3":
+        return ("--speculative-token-map is ignored with EAGLE3: the head carries its own vocab map (d2t/t2d), as "
+                "SGLang ignores it")
+    raise ValueError("--speculative-token-map is for EAGLE heads (--speculative-algorithm EAGLE); plain decoding has "
+                     "no draft")
 
 
 def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,

@@ -66,6 +66,11 @@ def test_cli_every_spec_flag_parses():
     c = parse_args(["--model", "m", "--speculative-accept-threshold-single", "0", "--speculative-accept-threshold-acc",
                     "0.5"])
     assert (c.accept_thresholds.single, c.accept_thresholds.acc) == (0.0, 0.5) and a.accept_thresholds.lossless
+    # an FR-Spec map with EAGLE3 is ignored with a notice, as SGLang ignores it (the head has its own vocab map)
+    d = parse_args(["--model", "m", "--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d",
+                    "--speculative-token-map", "m.json"])
+    assert d.notices() == ["--speculative-token-map is ignored with EAGLE3: the head carries its own vocab map "
+                           "(d2t/t2d), as SGLang ignores it"]
     assert ServerArgs.from_kwargs(model_path="m", disable_cuda_graph=True).disable_cuda_graph  # Engine(...) too
 
 
@@ -77,8 +82,6 @@ def test_cli_every_spec_flag_parses():
     (["--mem-fraction-static", "1.5"], "--mem-fraction-static"),
     (["--port", "0"], "--port"),
     (["--chunked-prefill-size", "0"], "-1 to disable"),
-    (["--speculative-algorithm", "EAGLE3", "--speculative-draft-model-path", "d", "--speculative-token-map", "m.json"],
-     "--speculative-token-map is for EAGLE heads"),  # was a warning, the map ignored
     (["--speculative-token-map", "m.json"], "--speculative-token-map is for EAGLE heads"),  # plain decoding
     # tree flags and thresholds without an algorithm: plain decoding was served, the values never checked
     (["--speculative-num-steps", "3"], "tree flags .--speculative-num-steps. need --speculative-algorithm and "
