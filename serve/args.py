@@ -62,6 +62,9 @@ class ServerArgs:
                             type=str.lower, help="server and access log verbosity (any case, as SGLang takes it)")
     enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
     skip_server_warmup: bool = option(False, group="http", help="start without compiling the common shapes")
+    incremental_streaming_output: bool = option(
+        False, group="http", help="streamed /generate and Engine chunks carry only their new text and token ids "
+                                  "(SGLang's flag); by default each chunk carries the whole output so far")
     max_request_bytes: int = option(8 << 20, group="http",
                                     help="largest request body accepted; a larger one gets 413 before it is read")
     http_header_timeout: float = option(10.0, group="http", help="seconds a client has to send a request's line and "

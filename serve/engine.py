@@ -4,7 +4,8 @@
                          speculative_num_steps=5, speculative_eagle_topk=4, speculative_num_draft_tokens=8)
     out = llm.generate("The capital of France is", {"temperature": 0, "max_new_tokens": 16})
     for chunk in llm.generate("Hi", {"max_new_tokens": 8}, stream=True):
-        print(chunk["text"], end="")      # streamed chunks carry the NEW text (and token ids) only
+        print(chunk["text"])              # each chunk carries the output so far, as SGLang's (new text only with
+                                          # incremental_streaming_output=True)
     out = await llm.async_generate("Hi", {"max_new_tokens": 8})          # in asyncio code; stream=True too
     llm.shutdown()                        # requests still in flight finish with an abort; later calls are refused
 
@@ -46,10 +47,16 @@ def _merge(outs: list[dict], i: int, ev: dict) -> int:
     return int(ev["finished"])
 
 
-def _chunk(i: int, ev: dict) -> dict:
-    """A streamed chunk: the event's new text and token ids."""
-    return {"text": ev["text"], "output_ids": ev["token_ids"], "meta_info": ev["meta_info"], "index": i,
-            "finished": ev["finished"]}
+def _chunk(outs: list[dict], i: int, ev: dict, incremental: bool) -> dict:
+    """A streamed chunk of request ``i``: its output so far, as SGLang's Engine streams by default (``outs`` holds
+    it), or with ``incremental`` the event's new text and token ids only; ``index`` when several requests stream."""
+    _merge(outs, i, ev)
+    out = outs[i] if not incremental else {"text": ev["text"], "output_ids": ev["token_ids"]}
+    chunk = {"text": out["text"], "output_ids": list(out["output_ids"]), "meta_info": ev["meta_info"],
+             "finished": ev["finished"]}
+    if len(outs) > 1:
+        chunk["index"] = i
+    return chunk
 
 
 class Engine:
@@ -125,7 +132,8 @@ class Engine:
                  ) -> dict | list[dict] | Iterator[dict]:
         """Returns {text, output_ids, meta_info} for one prompt (n == 1), else a list in prompt order (n copies
         of each prompt in a row). With ``stream=True`` returns an iterator of chunks {text, output_ids, meta_info,
-        index, finished} holding each request's new text and token ids. ``kwargs``: SGLang's ``return_logprob``,
+        finished, and index when several requests stream} holding each request's output so far, as SGLang's
+        (its new text and token ids only with ``incremental_streaming_output=True``). ``kwargs``: SGLang's ``return_logprob``,
         ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs`` (a value, or one per prompt; they
         may also sit in ``sampling_params``), and its arguments for features specjax lacks (``image_data``,
         ``lora_path``, ...), accepted only when they ask for nothing."""
@@ -169,22 +177,22 @@ class Engine:
         return outs[0] if single else outs
 
     def _stream(self, q: queue.Queue, reqs) -> Iterator[dict]:
-        done = 0
+        outs, done = [_empty_output() for _ in reqs], 0
         try:
             while done < len(reqs):
                 i, ev = q.get()
                 done += ev["finished"]
-                yield _chunk(i, ev)
+                yield _chunk(outs, i, ev, self.server_args.incremental_streaming_output)
         finally:
             self._abort(reqs)  # no-op for finished ones; frees pages if the caller stopped
 
     async def _astream(self, q: asyncio.Queue, reqs) -> AsyncIterator[dict]:
-        done = 0
+        outs, done = [_empty_output() for _ in reqs], 0
         try:
             while done < len(reqs):
                 i, ev = await q.get()
                 done += ev["finished"]
-                yield _chunk(i, ev)
+                yield _chunk(outs, i, ev, self.server_args.incremental_streaming_output)
         finally:
             self._abort(reqs)
 

@@ -4,14 +4,17 @@ requests that cannot fit are refused clearly."""
 
 from __future__ import annotations
 
+import json
 import sys
 import time
 import traceback
 
 import numpy as np
 import pytest
-
 from server_helpers import offline_engine, tiny_model_dir
+from starlette.testclient import TestClient
+
+from specjax.serve.api import create_app
 
 
 @pytest.fixture(scope="module")
@@ -60,10 +63,26 @@ def test_text_api_stream_and_n(engine):
     out = engine.generate("The capital of France is", sp)
     assert set(out) == {"text", "output_ids", "meta_info"} and len(out["output_ids"]) == 9
     assert out["text"] == engine.tokenizer.decode(out["output_ids"], skip_special_tokens=True)
+    # streamed chunks carry the output so far, as SGLang's Engine streams them (and /generate does)
     chunks = list(engine.generate("The capital of France is", sp, stream=True))
-    assert "".join(c["text"] for c in chunks) == out["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"]
+    assert chunks[-1]["text"] == out["text"] and chunks[-1]["output_ids"] == out["output_ids"]
+    assert all(b["output_ids"][:len(a["output_ids"])] == a["output_ids"] for a, b in zip(chunks, chunks[1:]))
     assert chunks[-1]["finished"] and chunks[-1]["meta_info"]["finish_reason"] == {"type": "length", "length": 9}
+    assert "index" not in chunks[0]  # one request: no index, as SGLang's
+    # SGLang's incremental_streaming_output: the new text and ids only, in the Engine and over /generate
+    engine.server_args.incremental_streaming_output = True
+    try:
+        chunks = list(engine.generate("The capital of France is", sp, stream=True))
+        assert "".join(c["text"] for c in chunks) == out["text"]
+        assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"]
+        with TestClient(create_app(engine.backend)) as client:
+            r = client.post("/generate", json={"text": "The capital of France is", "sampling_params": sp,
+                                               "stream": True})
+            events = [json.loads(ln[len("data: "):]) for ln in r.text.splitlines()
+                      if ln.startswith("data: ") and ln != "data: [DONE]"]
+        assert sum((e["output_ids"] for e in events), []) == out["output_ids"] and len(events) > 1
+    finally:
+        engine.server_args.incremental_streaming_output = False
     many = engine.generate(["Hello", "World"], {"max_new_tokens": 5, "temperature": 1.0, "n": 2, "seed": 1})
     assert len(many) == 4 and all(m["meta_info"]["completion_tokens"] <= 5 for m in many)
     # each prompt's two samples are two draws (prompt-major order, as SGLang's), not one answer twice
@@ -175,7 +194,7 @@ def test_sglang_generate_arguments_and_async_generate(engine):
         return out, chunks
     out, chunks = asyncio.run(run())
     assert out["output_ids"] == outside["output_ids"] and out["text"] == outside["text"]
-    assert sum((c["output_ids"] for c in chunks), []) == out["output_ids"] and chunks[-1]["finished"]
+    assert chunks[-1]["output_ids"] == out["output_ids"] and chunks[-1]["finished"]
     info = engine.get_server_info()
     assert {"version", "internal_states", "startup_seconds"} <= set(info) and info["context_length"] == 256
 

@@ -66,9 +66,12 @@ async def generate(request: Request):
         return {"text": fan.text[i], "output_ids": fan.ids[i], "meta_info": fan.meta[i]}
 
     if body.stream:
+        incremental = backend.args.incremental_streaming_output
+
         async def gen():
-            async for i, _ in fan.events():
-                out = item(i)
+            async for i, ev in fan.events():
+                out = item(i) if not incremental else \
+                    {"text": ev["text"], "output_ids": ev["token_ids"], "meta_info": fan.meta[i]}
                 if not single:
                     out["index"] = i
                 yield sse(out)
