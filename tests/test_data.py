@@ -59,6 +59,27 @@ def test_multiturn_mask_exact(tok):
     assert tok.decode(ids[mask == 1]) == "blue sky one two<|im_end|>green sea three<|im_end|>yes happy<|im_end|>"
 
 
+def test_a_truncated_answer_teaches_no_end_of_turn(tok):
+    """An answer that ran out of its token budget (``regenerate`` marks it ``truncated``) keeps its tokens in the
+    loss but not the template's end-of-turn after them: the target never wrote one there."""
+    enc = D.ChatEncoder(tok)
+    conv = [dict(t) for t in CONV[:5]]
+    conv[4]["truncated"] = True  # "green sea three": cut off
+    msgs = D.to_messages({"conversations": conv})
+    assert msgs[-1] == {"role": "assistant", "content": "green sea three", "truncated": True}
+    ids, mask = enc.encode(msgs)
+    segs = [("<|im_start|>system\nbe brief<|im_end|>\n<|im_start|>user\nwhat is the sky<|im_end|>\n"
+             "<|im_start|>assistant\n", 0), ("blue sky one two<|im_end|>", 1),
+            ("\n<|im_start|>user\nand the sea<|im_end|>\n<|im_start|>assistant\n", 0), ("green sea three", 1),
+            ("<|im_end|>\n", 0)]
+    want_ids, want_mask = _expected(tok, segs)
+    np.testing.assert_array_equal(ids, want_ids)
+    np.testing.assert_array_equal(mask, want_mask)
+    # the flag means True only, and only on an assistant turn
+    conv[4]["truncated"] = "yes"
+    assert "truncated" not in D.to_messages({"conversations": conv})[-1]
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_template(think_tok, thinking):
     """Qwen3-style: history turns render without a thinking block, the last turn with one. With thinking off the

@@ -31,14 +31,14 @@ def model_path():
     return smollm2_path()
 
 
-def _plain_answer(path, messages):
+def _plain_answer(path, messages, new=NEW):
     from specjax.generate import generate, load_tokenizer
     from specjax.weights import load_model, stop_token_ids
     cfg, params = load_model(path)
     tok = load_tokenizer(path)
     text = tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     ids = tok(text, add_special_tokens=False)["input_ids"]
-    out = generate(params, cfg, [ids], max_new_tokens=NEW, stop_token_ids=stop_token_ids(path, cfg, tok))[0]
+    out = generate(params, cfg, [ids], max_new_tokens=new, stop_token_ids=stop_token_ids(path, cfg, tok))[0]
     return tok.decode(out, skip_special_tokens=True).strip()
 
 
@@ -75,6 +75,23 @@ def test_regenerate_matches_plain_greedy_and_resumes(model_path, tmp_path):
     again = _read(out)
     assert sorted(r["id"] for r in again) == ["a", "c"]
     assert {r["id"]: r for r in again} == recs
+
+
+def test_an_answer_cut_at_its_budget_is_marked_and_ends_the_conversation(model_path, tmp_path):
+    """An answer that ran out of max_new_tokens before the target's stop token is kept, marked ``truncated`` (the
+    trainer then learns no end of turn after it), and no later turn is answered after it."""
+    src = tmp_path / "in.jsonl"
+    src.write_text(json.dumps({"id": "d", "conversations": [
+        {"from": "human", "value": "Write a long story about a dragon who learns to bake bread."},
+        {"from": "gpt", "value": "Once upon a time..."}, {"from": "human", "value": "Make it longer."}]}) + "\n")
+    out = tmp_path / "out.jsonl"
+    cfg = regen.RegenConfig(model=model_path, data=[str(src)], out=str(out), max_new_tokens=4, max_turns=2)
+    stats = regen.regenerate(cfg, log=lambda m: None)
+    assert stats["written"] == 1 and stats["answers_cut_at_max_new_tokens"] == 1
+    (rec,) = _read(out)
+    d = rec["messages"]
+    assert [m["role"] for m in d] == ["user", "assistant"] and d[1]["truncated"] is True
+    assert d[1]["content"] == _plain_answer(model_path, d[:1], new=4)
 
 
 def test_regenerate_cli_rejects_bad_values(capsys):

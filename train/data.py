@@ -190,6 +190,8 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
         except UnicodeEncodeError:
             raise BadRecord("undecodable", "invalid unicode in content") from None
         msgs.append({"role": ROLES[role.lower()], "content": text})
+        if t.get("truncated") is True and msgs[-1]["role"] == "assistant":  # cut at a token budget (regenerate)
+            msgs[-1]["truncated"] = True
     if any(m["role"] == "system" for m in msgs[1:]):
         raise BadRecord("wrong_role", "system message after the first turn")
     system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
@@ -267,12 +269,25 @@ class ChatEncoder:
                 if j < 0:
                     raise BadRecord("template_mismatch", "no end-of-turn marker after an assistant turn")
                 end = j + len(self.end_marker)
+            if m.get("truncated"):  # the target was cut off here: its answer ends, but no end-of-turn is learnt
+                end = self._content_end(full, m["content"], start, end)
             while end > start and full[end - 1].isspace():  # the newline after the end token is not generated
                 end -= 1
             if end > start:
                 spans.append((start, end))
                 prev_end = end
         return full, spans
+
+    def _content_end(self, full: str, content: str, start: int, end: int) -> int:
+        """Where a truncated assistant turn's text ends in ``full`` (its span ``start``..``end`` without the
+        template's end-of-turn marker)."""
+        j = full.rfind(content.rstrip(), start, end)
+        if j >= 0:
+            return j + len(content.rstrip())
+        k = full.rfind(self.end_marker, start, end) if self.end_marker else -1
+        if k < 0:
+            raise BadRecord("template_mismatch", "no end of a truncated assistant turn")
+        return k
 
     def spans_or_bad(self, msgs) -> tuple[str, list[tuple[int, int]]]:
         try:

@@ -167,11 +167,11 @@ class Regenerator:
         self.stop_ids = stop_token_ids(folder, self.model_cfg, self.tokenizer)
         self.generated_tokens = 0
 
-    def answer(self, prompts: list[list[dict]], seed: int) -> list[str | None]:
-        """One answer per prompt (None: the prompt is over the length limit)."""
+    def answer(self, prompts: list[list[dict]], seed: int) -> list[tuple[str, bool] | None]:
+        """One (answer, cut at max_new_tokens) per prompt (None: the prompt is over the length limit)."""
         texts = [self.tokenizer.apply_chat_template(p, tokenize=False, add_generation_prompt=True) for p in prompts]
         ids = [list(self.tokenizer(t, add_special_tokens=False)["input_ids"]) for t in texts]
-        out: list[str | None] = [None] * len(prompts)
+        out: list[tuple[str, bool] | None] = [None] * len(prompts)
         order = [i for i in np.argsort([len(x) for x in ids], kind="stable")
                  if len(ids[i]) <= self.cfg.max_prompt_tokens]
         bs = self.cfg.batch_size
@@ -183,7 +183,8 @@ class Regenerator:
                                 stop_token_ids=self.stop_ids)
             for i, t in zip(rows, toks):
                 self.generated_tokens += len(t)
-                out[i] = self.tokenizer.decode(t, skip_special_tokens=True).strip()
+                cut = not t or t[-1] not in self.stop_ids  # the budget ran out before the target's stop token
+                out[i] = self.tokenizer.decode(t, skip_special_tokens=True).strip(), cut
         return out
 
     def run_chunk(self, convs: list[Conversation], stats: collections.Counter, chunk_seed: int) -> None:
@@ -193,15 +194,19 @@ class Regenerator:
             if not live:
                 return
             answers = self.answer([p for _, p in live], seed=chunk_seed + 100_003 * rnd)
-            for (c, p), a in zip(live, answers):
-                if a is None:
+            for (c, p), got in zip(live, answers):
+                if got is None:
                     stats["prompt_too_long" if not c.messages else "turns_cut_at_length"] += 1
                     c.done = True
-                elif not a:
+                elif not got[0]:
                     stats["empty_answer"] += 1
                     c.done = True
+                elif got[1]:  # kept, marked: the trainer learns no end of turn the target did not write; no more
+                    stats["answers_cut_at_max_new_tokens"] += 1  # turns after an answer the target had not finished
+                    c.messages = p + [{"role": "assistant", "content": got[0], "truncated": True}]
+                    c.done = True
                 else:
-                    c.messages = p + [{"role": "assistant", "content": a}]
+                    c.messages = p + [{"role": "assistant", "content": got[0]}]
 
 
 def _write_chunk(f, convs: list[Conversation], stats: collections.Counter) -> int:
