@@ -28,11 +28,25 @@ from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
 from .args import ServerArgs
-from .protocol import GenerateRequest, refuse_unsupported
-from .request import RequestError, SamplingParams, check_text, token_ids, with_logprob_fields
+from .protocol import NEUTRAL_EXTRAS, NO_LIMIT, GenerateRequest, refuse_unsupported
+from .request import (RequestError, SamplingParams, batch_rids, check_text, copy_rid, token_ids,
+                      with_logprob_fields)
 
 
 LOGPROB_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+
+
+def _sampling_params(d) -> SamplingParams:
+    """``SamplingParams.from_dict`` as /generate reads a sampling_params object: SGLang's extra parameters accepted
+    at their neutral value (refused otherwise), ``max_new_tokens: None`` = no limit but the context."""
+    if isinstance(d, dict):
+        d = dict(d)
+        for name in [k for k in d if k in NEUTRAL_EXTRAS]:
+            refuse_unsupported(name, d.pop(name), NEUTRAL_EXTRAS, "sampling_params.")
+    sp = SamplingParams.from_dict(d)
+    if isinstance(d, dict) and "max_new_tokens" in d and d["max_new_tokens"] is None:
+        sp.max_new_tokens = NO_LIMIT
+    return sp
 
 
 def _empty_output() -> dict[str, Any]:
@@ -100,7 +114,7 @@ class Engine:
             raise RequestError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
                                "sampling_params")
         given = list(sampling_params) if many else [sampling_params] * len(prompts)
-        sps = with_logprob_fields([SamplingParams.from_dict(s) for s in given], **logprobs)
+        sps = with_logprob_fields([_sampling_params(s) for s in given], **logprobs)
         for ids, d, sp in zip(prompts, given, sps):
             self.backend.check_request(ids, sp, max_new_given=bool(d) and d.get("max_new_tokens") is not None)
         return sps
@@ -109,18 +123,22 @@ class Engine:
         """Submit every request (n copies of each prompt); ``kwargs``: SGLang's other generate() arguments."""
         extra = dict(kwargs)
         logprobs = {name: extra.pop(name) for name in LOGPROB_ARGS if name in extra}
+        given_rid = extra.pop("rid", None)
         for name, value in extra.items():  # the features specjax lacks: accepted when they ask for nothing
             if name not in GenerateRequest.UNSUPPORTED:
                 raise TypeError(f"Engine.generate() got an unexpected keyword argument {name!r}")
             refuse_unsupported(name, value, GenerateRequest.UNSUPPORTED)
         prompts, single = self._prompts(prompt, input_ids)
         sps = self._params(sampling_params, prompts, logprobs)
+        rids = batch_rids(given_rid, len(prompts))
         reqs = []
         try:
-            for ids, sp in zip(prompts, sps):
+            for k, (ids, sp) in enumerate(zip(prompts, sps)):
                 for j in range(sp.n):
                     seed = None if sp.seed is None else sp.seed + j
-                    reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), seed=seed))
+                    rid, group = copy_rid(given_rid, rids, k, j, sp.n, len(prompts))
+                    reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), rid=rid,
+                                                    seed=seed, group=group))
         except Exception:
             self._abort(reqs)
             raise
@@ -133,9 +151,11 @@ class Engine:
         """Returns {text, output_ids, meta_info} for one prompt (n == 1), else a list in prompt order (n copies
         of each prompt in a row). With ``stream=True`` returns an iterator of chunks {text, output_ids, meta_info,
         finished, and index when several requests stream} holding each request's output so far, as SGLang's
-        (its new text and token ids only with ``incremental_streaming_output=True``). ``kwargs``: SGLang's ``return_logprob``,
-        ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs`` (a value, or one per prompt; they
-        may also sit in ``sampling_params``), and its arguments for features specjax lacks (``image_data``,
+        (its new text and token ids only with ``incremental_streaming_output=True``). ``kwargs``: SGLang's ``rid``
+        (a string, or one per prompt: the ids ``meta_info.id`` carries; copies of a prompt under one rid get
+        ``{rid}-{k}-{j}``), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
+        ``return_text_in_logprobs`` (a value, or one per prompt; they may also sit in ``sampling_params``), and its
+        arguments for features specjax lacks (``image_data``,
         ``lora_path``, ...), accepted only when they ask for nothing."""
         q: queue.Queue = queue.Queue()
         reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))),

@@ -189,7 +189,10 @@ class Backend:
         """/get_server_info and ``Engine.get_server_info``: the effective arguments (no api key), the version and
         the scheduler's state."""
         info = {k: v for k, v in dataclasses.asdict(self.args).items() if k != "api_key"}
+        pool_tokens = self.scheduler.pool.capacity * self.scheduler.page_size
         info.update(version=version(), context_length=self.context_length,
+                    max_total_num_tokens=pool_tokens,  # SGLang's two limits: the KV pool, the longest prompt
+                    max_req_input_len=min(self.context_length - 1, pool_tokens - 1),
                     internal_states=[self.scheduler.stats()], startup_seconds=round(self.startup_s, 2))
         return info
 

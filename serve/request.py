@@ -27,6 +27,33 @@ class RequestError(ValueError):
         self.param, self.code = param, code
 
 
+def batch_rids(rid: str | list[str] | None, count: int) -> list[str | None]:
+    """The rid of each of ``count`` prompts: a list gives one per prompt, each its own (an abort by rid would stop
+    every request under it; a rid still in flight is the scheduler's refusal)."""
+    if not isinstance(rid, list):
+        return [rid] * count
+    if len(rid) != count:
+        raise RequestError(f"{len(rid)} rids for {count} prompts: give one rid per prompt", param="rid")
+    seen = set()
+    for r in rid:
+        if r and r in seen:  # "" asks for none: the scheduler makes one
+            raise RequestError(f"the rid {r!r} repeats in the batch: give each prompt its own rid", param="rid",
+                               code="duplicate_rid")
+        seen.add(r)
+    return list(rid)
+
+
+def copy_rid(given: str | list[str] | None, rids: list[str | None], k: int, j: int, n: int,
+             prompts: int) -> tuple[str | None, str | None]:
+    """(rid, group) of copy ``j`` of prompt ``k``: the prompt's own rid, or, where several requests share the rid
+    the client gave (n > 1, or one rid for a batch), ``{rid}-{k}-{j}`` in the group of that rid (an abort by the
+    client's rid still reaches every copy)."""
+    rid = rids[k]
+    if rid is not None and (n > 1 or (prompts > 1 and not isinstance(given, list))):
+        return f"{rid}-{k}-{j}", rid
+    return rid, None
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Per-request sampling and stop parameters (SGLang's names and defaults)."""

@@ -143,7 +143,10 @@ class Scheduler:
     def call(self, fn: Callable[[], Any], timeout: float = 30.0) -> Any:
         """Run ``fn`` on the scheduler thread between iterations and return its result."""
         fut: concurrent.futures.Future = concurrent.futures.Future()
-        self._inbox.put(("call", fn, fut))
+        with self._live_lock:  # as ``submit``: a stopped loop never answers (``_fail_live`` fails what got in before)
+            if self._stop.is_set():
+                raise RuntimeError("the scheduler is shut down: start a new engine / server")
+            self._inbox.put(("call", fn, fut))
         return fut.result(timeout)
 
     def flush_cache(self) -> bool:
@@ -185,6 +188,13 @@ class Scheduler:
         refuses new ones once ``_stop`` is set, under the same lock)."""
         with self._live_lock:
             live = list(self._live.values())
+            while True:  # calls queued before the stop: answered with the refusal, never left waiting
+                try:
+                    item = self._inbox.get_nowait()
+                except queue.Empty:
+                    break
+                if item[0] == "call":
+                    item[2].set_exception(RuntimeError("the scheduler is shut down: start a new engine / server"))
         for req in live:
             try:
                 self.waiting = [r for r in self.waiting if r is not req]

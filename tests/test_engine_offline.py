@@ -197,6 +197,20 @@ def test_sglang_generate_arguments_and_async_generate(engine):
     assert chunks[-1]["output_ids"] == out["output_ids"] and chunks[-1]["finished"]
     info = engine.get_server_info()
     assert {"version", "internal_states", "startup_seconds"} <= set(info) and info["context_length"] == 256
+    assert info["max_total_num_tokens"] > 0 and info["max_req_input_len"] == min(255, info["max_total_num_tokens"] - 1)
+    # SGLang's rid (meta_info.id), one per prompt or one for the batch; its neutral extra sampling parameters;
+    # max_new_tokens None = up to the context, as /generate reads it
+    assert engine.generate("Hello", sp, rid="mine")["meta_info"]["id"] == "mine"
+    ids = [o["meta_info"]["id"] for o in engine.generate(["Hello", "World"], dict(sp, n=2), rid="b")]
+    assert ids == ["b-0-0", "b-0-1", "b-1-0", "b-1-1"]
+    with pytest.raises(RequestError, match="repeats in the batch"):
+        engine.generate(["Hello", "World"], sp, rid=["x", "x"])
+    neutral = dict(sp, json_schema=None, regex=None, spaces_between_special_tokens=True)
+    assert engine.generate("Hello", neutral)["output_ids"] == outside["output_ids"]
+    with pytest.raises(RequestError, match="regex='a' is not supported"):
+        engine.generate("Hello", dict(sp, regex="a"))
+    long = engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": None, "ignore_eos": True})
+    assert long["meta_info"]["completion_tokens"] == 256 - 2
 
 
 def test_small_pool_refuses_what_cannot_fit():
@@ -209,6 +223,8 @@ def test_small_pool_refuses_what_cannot_fit():
             eng.generate(input_ids=list(range(3, 40)), sampling_params={"max_new_tokens": 64})
     finally:
         eng.shutdown()
+    with pytest.raises(RuntimeError, match="shut down"):  # at once (flush_cache waited 30 s for the stopped loop)
+        eng.flush_cache()
 
 
 def test_tp_dp_mesh_gives_the_same_tokens(engine):

@@ -7,25 +7,10 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .. import protocol as P
+from ..request import batch_rids, copy_rid
 from .common import SSE_DONE, APIError, Fanout, backend_of, off_loop, parse, seed_for, sse
 
 router = APIRouter()
-
-
-def batch_rids(rid: str | list[str] | None, count: int) -> list[str | None]:
-    """The rid of each of ``count`` prompts: a list gives one per prompt, each its own (an abort by rid would stop
-    every request under it; a rid still in flight is the scheduler's refusal)."""
-    if not isinstance(rid, list):
-        return [rid] * count
-    if len(rid) != count:
-        raise APIError(400, f"{len(rid)} rids for {count} prompts: give one rid per prompt", param="rid")
-    seen = set()
-    for r in rid:
-        if r and r in seen:  # "" asks for none: the scheduler makes one
-            raise APIError(400, f"the rid {r!r} repeats in the batch: give each prompt its own rid", param="rid",
-                           code="duplicate_rid")
-        seen.add(r)
-    return list(rid)
 
 
 @router.post("/generate")
@@ -56,9 +41,7 @@ async def generate(request: Request):
     fan = Fanout(backend)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
         for j in range(sp.n):
-            rid, group = rids[k], None
-            if rid is not None and (sp.n > 1 or (len(prompts) > 1 and not isinstance(body.rid, list))):
-                rid, group = f"{rid}-{k}-{j}", rid  # an abort by the client's rid still reaches every copy
+            rid, group = copy_rid(body.rid, rids, k, j, sp.n, len(prompts))
             fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j), group=group)
     single = not batch and len(fan.reqs) == 1
 
