@@ -16,14 +16,16 @@ import json
 import os
 import re
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 
-from specjax.config import ModelConfig, read_json
+from specjax.cli import check_output_folder, clear_previous
+from specjax.config import ModelConfig, config_architectures, read_json
 from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
-from specjax.safetensors_io import CheckpointIndex, load_file
+from specjax.safetensors_io import CheckpointIndex, load_file, save_file
 from specjax.weights import on_device
 
 
@@ -356,3 +358,78 @@ def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: st
         ids = load_token_map(token_map, target_cfg.vocab_size) if token_map else None
         return cfg, params, ids
     raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected EAGLE3 or EAGLE")
+
+
+# ---- export (the HF LlamaForCausalLMEagle3 format) ---------------------------------------------------------------
+HF_HEAD_FILES = ("model.safetensors", "config.json")  # what export_head writes (config.json last)
+HF_HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"  # eagle3.config_to_hf's
+
+
+def _check_params(params: Eagle3Params, head_cfg: Eagle3Config) -> None:
+    want = eagle3.param_shapes(head_cfg)
+    if len(params.layers) != head_cfg.num_layers:
+        raise HeadFormatError(f"head has {len(params.layers)} layers, config says {head_cfg.num_layers}")
+    for (path, w), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(want)):
+        if tuple(w.shape) != tuple(s.shape):
+            raise HeadFormatError(f"head param {jax.tree_util.keystr(path)} has shape {tuple(w.shape)}, the config "
+                                  f"needs {tuple(s.shape)}")
+
+
+def _check_finite(tensors: dict[str, np.ndarray], dtype: str) -> None:
+    """A head with NaN/inf weights (a diverged run, a damaged checkpoint, fp16 overflow) would serve garbage."""
+    bad = []
+    for key, t in tensors.items():
+        if np.issubdtype(t.dtype, np.floating) or t.dtype == jnp.bfloat16:
+            n = int(t.size - np.count_nonzero(np.isfinite(t.astype(np.float32))))
+            if n:
+                bad.append(f"{key} ({n} of {t.size})")
+    if bad:
+        raise HeadFormatError(f"refusing to export: non-finite weights (NaN/inf) in {dtype} in "
+                              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; the checkpoint is diverged or "
+                              f"damaged (export an earlier step folder)")
+
+
+def head_to_hf(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap,
+               dtype: str | None = None) -> dict[str, np.ndarray]:
+    """HF key -> numpy tensor ([out, in], in ``dtype``, default head_cfg.dtype), plus d2t (int64) and t2d (bool)."""
+    dt = jnp.dtype(dtype or head_cfg.dtype)
+    conv = lambda x: np.asarray(jnp.asarray(x).astype(dt))
+    out: dict[str, np.ndarray] = {}
+    for key, (field, shape, to_hf, _) in top_table(head_cfg).items():
+        out[key] = np.ascontiguousarray(to_hf(conv(getattr(head_params, field))))
+    for i, lp in enumerate(head_params.layers):
+        for suffix, (field, shape, to_hf, _) in layer_table(head_cfg, i).items():
+            out[layer_prefix(i) + suffix] = np.ascontiguousarray(to_hf(conv(getattr(lp, field))))
+    out["d2t"] = np.asarray(vocab_map.d2t).astype(np.int64)
+    out["t2d"] = np.asarray(vocab_map.t2d).astype(np.bool_)
+    return out
+
+
+def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap, out_dir: str,
+                target_cfg: ModelConfig, *, dtype: str | None = None, log=print) -> dict:
+    """Write ``out_dir/{config.json, model.safetensors}`` in the LlamaForCausalLMEagle3 format. Weights are stored
+    in ``dtype`` (default head_cfg.dtype; the config's torch_dtype says which). ``out_dir`` must be new, empty or
+    hold only an earlier export (``check_output_folder``), which is replaced. Returns the config dict."""
+    previous = check_output_folder(out_dir, "export", HF_HEAD_FILES, HF_HEAD_ARCHITECTURE)
+    check_head_matches_target(head_cfg, target_cfg)
+    _check_params(head_params, head_cfg)
+    check_vocab_map(np.asarray(vocab_map.d2t), np.asarray(vocab_map.t2d), head_cfg)
+    dtype = dtype or head_cfg.dtype
+    tensors = head_to_hf(head_params, head_cfg, vocab_map, dtype)
+    _check_finite(tensors, dtype)
+    hf = eagle3.config_to_hf(head_cfg.replace(dtype=dtype), target_num_layers=target_cfg.num_layers)
+    os.makedirs(out_dir, exist_ok=True)
+    if previous:
+        clear_previous(out_dir, log)
+    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
+    tmp = os.path.join(out_dir, "config.json.tmp")
+    with open(tmp, "w") as f:
+        json.dump(hf, f, indent=2)
+        f.write("\n")
+    os.replace(tmp, os.path.join(out_dir, "config.json"))
+    return hf
+
+
+def is_hf_eagle3_head(path: str) -> bool:
+    """An HF EAGLE3 head folder (rather than a training checkpoint)."""
+    return any("Eagle3" in str(a) for a in config_architectures(path))

@@ -338,7 +338,7 @@ def serve_setup(args, topo: Topology, *, model_config: str | None = None, num_la
 def _draft_config(setup: ServeSetup, algorithm: str):
     """(head config, where it came from): the head folder's config.json when ``--speculative-draft-model-path``
     belongs to this algorithm, else the one-layer head ``specjax.train`` makes for this target."""
-    from specjax.convert.head import HeadFormatError, check_head_matches_target
+    from specjax.head_weights import HeadFormatError, check_head_matches_target
     from specjax.models import eagle, eagle3
     args, tcfg = setup.args, setup.tcfg
     path = args.speculative_draft_model_path if args.speculative_algorithm == algorithm else None

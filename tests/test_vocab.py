@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 
 import train_fixtures as tf
+from specjax.head_weights import export_head, load_eagle3_head
 from specjax.train import vocab as V
 from specjax.train.__main__ import Stop, fresh_head, load_target
 
@@ -124,10 +125,12 @@ def test_widen_lm_head_keeps_rows_and_maps_the_target():
     np.testing.assert_allclose(out, (target_rows[new] @ m).T, atol=1e-4)
 
 
-@pytest.mark.parametrize("widen", [None, "data", "counts"])
+@pytest.mark.parametrize("widen", [None, "data", "counts", "hf"])
 def test_finetune_keeps_head_map(tmp_path, widen):
     """--head.init_from: the new run trains the old head's params under the old head's vocab map, whatever the
-    data would count; with --head.widen_vocab the map grows to head.draft_vocab_size, every old id kept."""
+    data would count; with --head.widen_vocab the map grows to head.draft_vocab_size, every old id kept. "hf": the
+    old head given as an HF EAGLE3 folder (a published or SpecForge head); the completed run writes its final head
+    as one too (checkpoint.export), equal to the checkpoint's in bf16."""
     import jax
     from specjax.config import ModelConfig
     from specjax.models import eagle3
@@ -144,23 +147,34 @@ def test_finetune_keeps_head_map(tmp_path, widen):
     ck.close()
     counted = str(tmp_path / "counts.npz")  # counts that rank ids 0..31 (beside the old ones) first
     V.save_vocab_map(counted, vm, counts=np.r_[np.full(32, 5), np.zeros(tcfg.vocab_size - 32, np.int64)])
+    old = str(tmp_path / "old")
+    if widen == "hf":
+        h_cfg, h_params, h_vm, _ = load_head_for_export(old)
+        old = str(tmp_path / "old_hf")
+        export_head(h_params, h_cfg, h_vm, old, tcfg, dtype="float32")
     env = tf.subprocess_env(2, SPECJAX_CACHE=str(tmp_path / "cache"))
     r = subprocess.run([sys.executable, "-m", "specjax.train", "--config", "configs/tiny.yaml", "--model.path", model,
                         "--data.paths", f"[{data}]", "--data.buckets", "[256]", "--training.max_steps", "1",
                         "--training.ttt_length", "1", "--logging.eval_every", "0", "--logging.progress", "false",
-                        "--head.init_from", str(tmp_path / "old"), "--checkpoint.dir", str(tmp_path / "new")]
-                       + (["--head.widen_vocab", "true", "--head.draft_vocab_size", "80"] if widen else [])
+                        "--head.init_from", old, "--checkpoint.dir", str(tmp_path / "new")]
+                       + (["--head.widen_vocab", "true", "--head.draft_vocab_size", "80"]
+                          if widen in ("data", "counts") else [])
                        + (["--head.vocab_map", counted] if widen == "counts" else []),
                        capture_output=True, text=True, env=env, timeout=240,
                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
-    size = 80 if widen else 48
+    size = 80 if widen in ("data", "counts") else 48
     assert f"draft vocab {size} (head" in r.stdout
     said = {"data": "the training tokens", "counts": "the tokens counted in " + counted}.get(widen, "")
     grown = re.search(r"grown from 48 ids \(covering [\d.]+% of " + re.escape(said) + r"\) to 80 \(100.00%\)",
                       r.stdout)
-    assert (grown is not None) == (widen is not None)
+    assert (grown is not None) == (widen in ("data", "counts"))
     cfg, params, vm2, _ = load_head_for_export(str(tmp_path / "new"))
+    assert f"HF head (SGLang / vLLM) in {tmp_path / 'new' / 'hf'}" in r.stdout
+    hf_cfg, hf_params, hf_vm = load_eagle3_head(str(tmp_path / "new" / "hf"), tcfg, dtype="float32")
+    assert hf_cfg.draft_vocab_size == size and (np.asarray(hf_vm.t2d) == np.asarray(vm2.t2d)).all()
+    np.testing.assert_array_equal(np.asarray(hf_params.fc, np.float32),
+                                  np.asarray(jax.numpy.asarray(params.fc).astype(jax.numpy.bfloat16), np.float32))
     assert cfg.draft_vocab_size == size and params.lm_head.shape[1] == size
     got = np.nonzero(np.asarray(vm2.t2d))[0]
     assert len(got) == size and np.isin(used, got).all()

@@ -25,8 +25,9 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
-from specjax.cli import check_output_file, error_text
+from specjax.cli import OutputFolderError, check_output_file, error_text
 from specjax.config import ModelConfig
+from specjax.head_weights import HeadFormatError, export_head, is_hf_eagle3_head, load_eagle3_head
 from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
@@ -604,8 +605,8 @@ def fresh_head(cfg, target_cfg, head_cfg, train_data):
     """(head config, initial params or None, vocab map, where the map came from) for a run with no checkpoint."""
     if cfg.head.init_from:
         try:
-            head0, init_params, vocab_map, _ = ckpt_lib.load_head_for_export(cfg.head.init_from)
-        except ckpt_lib.CheckpointError as e:
+            head0, init_params, vocab_map = load_init_head(cfg.head.init_from, target_cfg)
+        except (ckpt_lib.CheckpointError, HeadFormatError, ValueError) as e:
             raise Stop(2, f"error: head.init_from: {e}") from None
         if (head0.vocab_size, head0.target_hidden_size) != (target_cfg.vocab_size, target_cfg.hidden_size):
             raise Stop(2, f"error: head.init_from={cfg.head.init_from} was trained for a target with vocab "
@@ -625,6 +626,15 @@ def fresh_head(cfg, target_cfg, head_cfg, train_data):
     counts = count_tokens(train_data.tokens, train_data.loss_mask, target_cfg.vocab_size)
     vocab_map = build_vocab_map(counts, head_cfg.draft_vocab_size)
     return head_cfg, None, vocab_map, f"counted over {int(counts.sum())} training tokens"
+
+
+def load_init_head(path: str, target_cfg):
+    """(head config, fp32 params, vocab map) of ``head.init_from``: a specjax checkpoint, or an HF EAGLE3 head folder
+    (a published or SpecForge-trained head, as ``convert import-head`` reads it)."""
+    if not is_hf_eagle3_head(path):
+        return ckpt_lib.load_head_for_export(path)[:3]
+    head0, params, vocab_map = load_eagle3_head(path, target_cfg, dtype="float32")
+    return head0, jax.tree.map(lambda x: jnp.asarray(x, jnp.float32), params), vocab_map
 
 
 def widen_head(head: HeadConfig, head_cfg, params, vocab_map, train_data, target_params):
@@ -690,12 +700,31 @@ def train(run: Run) -> int:
             break
     run.save(step, wait=True)
     run.ckpt.close()
+    exported = export_final_head(run) if step == run.total_steps else None
     log.close()
     what = (f"stopped at step {step} of {run.total_steps} (rerun the same command to go on)" if step < run.total_steps
             else f"done at step {step}")
-    log.info(f"{what}; checkpoint in {cfg.checkpoint.dir}; export with: python -m specjax.convert "
-             f"export-head {cfg.checkpoint.dir} OUT_DIR")
+    where = f"HF head (SGLang / vLLM) in {exported}" if exported else \
+        f"export with: python -m specjax.convert export-head {cfg.checkpoint.dir} OUT_DIR"
+    log.info(f"{what}; checkpoint in {cfg.checkpoint.dir}; {where}")
     return 0
+
+
+def export_final_head(run: Run) -> str | None:
+    """``checkpoint.export``: the final checkpoint's head written as an HF EAGLE3 folder in bf16 (what ``convert
+    export-head`` writes) by process 0, read back from the saved checkpoint. Returns the folder, or None when there
+    is none (turned off, a gs:// dir, or a failed export, which is said: the checkpoint stays)."""
+    ck = run.cfg.checkpoint
+    if not ck.export or ck.dir.startswith("gs://") or jax.process_index() != 0:
+        return None
+    out = os.path.join(ck.dir, ck.export)
+    try:
+        head_cfg, params, vmap, _ = ckpt_lib.load_head_for_export(ck.dir)
+        export_head(params, head_cfg, vmap, out, run.target_cfg, dtype="bfloat16", log=run.log.info)
+    except (ckpt_lib.CheckpointError, HeadFormatError, OutputFolderError, OSError) as e:
+        run.log.info(f"note: the final head was not exported to {out} ({type(e).__name__}: {e})")
+        return None
+    return out
 
 
 def watch_signals() -> dict:

@@ -6,9 +6,9 @@
 OUT_DIR (and OUT of ``--format hf``) must be new, empty, or hold only an earlier export (config.json and
 model.safetensors of an EAGLE3 head), which is replaced; a checkpoint is imported into a new or empty folder only.
 
-Library: ``export_head(head_params, head_cfg, vocab_map, out_dir, target_cfg)``; the importer is
-``specjax.head_weights.load_eagle3_head(path, target_cfg, dtype=None) -> (head_cfg, head_params, vocab_map)``
-(core, with the key table both use); export -> load is exact.
+Library (core, ``specjax.head_weights``, with the key table both use; re-exported here): ``export_head(head_params,
+head_cfg, vocab_map, out_dir, target_cfg)`` and ``load_eagle3_head(path, target_cfg, dtype=None) -> (head_cfg,
+head_params, vocab_map)``; export -> load is exact.
 
 The folder holds ``config.json`` and one ``model.safetensors`` with the keys of docs/08 section 1, stored ``[out, in]``:
 ``fc.weight``, ``midlayer.*`` (the first layer), ``norm.weight``, ``lm_head.weight``, ``d2t`` (int64 offsets)
@@ -28,91 +28,17 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import os
 import sys
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from specjax.cli import OutputFolderError, check_output_folder, clear_previous, option, parse_options
+from specjax.cli import OutputFolderError, check_output_folder, option, parse_options
 from specjax.config import ModelConfig, config_architectures
+from specjax.head_weights import (HF_HEAD_ARCHITECTURE, HF_HEAD_FILES, HeadFormatError, export_head,
+                                  is_hf_eagle3_head, load_eagle3_head)
 from specjax.models import eagle3
-from specjax.models.eagle3 import Eagle3Config, Eagle3Params, VocabMap
-from specjax.head_weights import (HeadFormatError, check_head_matches_target, check_vocab_map, layer_prefix,
-                                  layer_table, load_eagle3_head, top_table)
-from specjax.safetensors_io import save_file
-
-HF_HEAD_FILES = ("model.safetensors", "config.json")  # what export_head writes (config.json last)
-HF_HEAD_ARCHITECTURE = "LlamaForCausalLMEagle3"  # eagle3.config_to_hf's
-
-# ---- checks ----------------------------------------------------------------------------------------------------
-def _check_params(params: Eagle3Params, head_cfg: Eagle3Config) -> None:
-    want = eagle3.param_shapes(head_cfg)
-    if len(params.layers) != head_cfg.num_layers:
-        raise HeadFormatError(f"head has {len(params.layers)} layers, config says {head_cfg.num_layers}")
-    for (path, w), s in zip(jax.tree_util.tree_flatten_with_path(params)[0], jax.tree.leaves(want)):
-        if tuple(w.shape) != tuple(s.shape):
-            raise HeadFormatError(f"head param {jax.tree_util.keystr(path)} has shape {tuple(w.shape)}, the config "
-                                  f"needs {tuple(s.shape)}")
-
-
-def _check_finite(tensors: dict[str, np.ndarray], dtype: str) -> None:
-    """A head with NaN/inf weights (a diverged run, a damaged checkpoint, fp16 overflow) would serve garbage."""
-    bad = []
-    for key, t in tensors.items():
-        if np.issubdtype(t.dtype, np.floating) or t.dtype == jnp.bfloat16:
-            n = int(t.size - np.count_nonzero(np.isfinite(t.astype(np.float32))))
-            if n:
-                bad.append(f"{key} ({n} of {t.size})")
-    if bad:
-        raise HeadFormatError(f"refusing to export: non-finite weights (NaN/inf) in {dtype} in "
-                              f"{', '.join(bad[:5])}{' ...' if len(bad) > 5 else ''}; the checkpoint is diverged or "
-                              f"damaged (export an earlier step folder)")
-
-
-# ---- export ----------------------------------------------------------------------------------------------------
-def head_to_hf(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap,
-               dtype: str | None = None) -> dict[str, np.ndarray]:
-    """HF key -> numpy tensor ([out, in], in ``dtype``, default head_cfg.dtype), plus d2t (int64) and t2d (bool)."""
-    dt = jnp.dtype(dtype or head_cfg.dtype)
-    conv = lambda x: np.asarray(jnp.asarray(x).astype(dt))
-    out: dict[str, np.ndarray] = {}
-    for key, (field, shape, to_hf, _) in top_table(head_cfg).items():
-        out[key] = np.ascontiguousarray(to_hf(conv(getattr(head_params, field))))
-    for i, lp in enumerate(head_params.layers):
-        for suffix, (field, shape, to_hf, _) in layer_table(head_cfg, i).items():
-            out[layer_prefix(i) + suffix] = np.ascontiguousarray(to_hf(conv(getattr(lp, field))))
-    out["d2t"] = np.asarray(vocab_map.d2t).astype(np.int64)
-    out["t2d"] = np.asarray(vocab_map.t2d).astype(np.bool_)
-    return out
-
-
-def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: VocabMap, out_dir: str,
-                target_cfg: ModelConfig, *, dtype: str | None = None, log=print) -> dict:
-    """Write ``out_dir/{config.json, model.safetensors}`` in the LlamaForCausalLMEagle3 format. Weights are stored
-    in ``dtype`` (default head_cfg.dtype; the config's torch_dtype says which). ``out_dir`` must be new, empty or
-    hold only an earlier export (``check_output_folder``), which is replaced. Returns the config dict."""
-    previous = check_output_folder(out_dir, "export", HF_HEAD_FILES, HF_HEAD_ARCHITECTURE)
-    check_head_matches_target(head_cfg, target_cfg)
-    _check_params(head_params, head_cfg)
-    check_vocab_map(np.asarray(vocab_map.d2t), np.asarray(vocab_map.t2d), head_cfg)
-    dtype = dtype or head_cfg.dtype
-    tensors = head_to_hf(head_params, head_cfg, vocab_map, dtype)
-    _check_finite(tensors, dtype)
-    hf = eagle3.config_to_hf(head_cfg.replace(dtype=dtype), target_num_layers=target_cfg.num_layers)
-    os.makedirs(out_dir, exist_ok=True)
-    if previous:
-        clear_previous(out_dir, log)
-    save_file(tensors, os.path.join(out_dir, "model.safetensors"), metadata={"format": "pt"})
-    tmp = os.path.join(out_dir, "config.json.tmp")
-    with open(tmp, "w") as f:
-        json.dump(hf, f, indent=2)
-        f.write("\n")
-    os.replace(tmp, os.path.join(out_dir, "config.json"))
-    return hf
-
 
 # ---- command line ----------------------------------------------------------------------------------------------
 def _refuse_eagle1(path: str) -> None:
@@ -122,11 +48,6 @@ def _refuse_eagle1(path: str) -> None:
         raise HeadFormatError(f"{path} is an EAGLE-1/2 head ({archs[0]}): import-head and export-head convert "
                               f"EAGLE3 heads; serve an EAGLE head as it is with --speculative-algorithm EAGLE "
                               f"--speculative-draft-model-path {path}")
-
-
-def _is_hf_head(path: str) -> bool:
-    """An HF EAGLE3 head folder (rather than a training checkpoint)."""
-    return any("Eagle3" in str(a) for a in config_architectures(path))
 
 
 def _target_config(path: str | None, what: str) -> ModelConfig:
@@ -165,7 +86,7 @@ def _export_main(argv) -> int:
                       formatter_class=argparse.HelpFormatter)
     check_output_folder(a.out_dir, "export", HF_HEAD_FILES, HF_HEAD_ARCHITECTURE)  # said before anything loads
     _refuse_eagle1(a.ckpt)
-    if _is_hf_head(a.ckpt):
+    if is_hf_eagle3_head(a.ckpt):
         target_cfg = _target_config(a.target, "exporting an HF head folder")
         head_cfg, params, vmap = load_eagle3_head(a.ckpt, target_cfg)
     else:
