@@ -280,6 +280,21 @@ def test_split_eval():
     assert len(D.split_eval(data, 0.0, 3, seed=0)[1]) == 0
 
 
+def test_eval_paths_are_a_held_out_set_of_their_own(tok, tmp_path):
+    """data.eval_paths (SpecForge's --eval-data-path, prepare_data's *_test.jsonl): the run trains on all of
+    data.paths and evaluates on the first eval_max conversations of the eval files."""
+    train_file = tf.write_jsonl(str(tmp_path / "train.jsonl"), tf.make_conversations(12, seed=1))
+    eval_file = tf.write_jsonl(str(tmp_path / "test.jsonl"), tf.make_conversations(5, seed=2))
+    cfg = DataConfig(paths=(train_file,), eval_paths=(eval_file,), eval_max=3, cache_dir=str(tmp_path / "cache"))
+    full = D.load_dataset(cfg, tok, log=lambda m: None)
+    tr, ev = D.train_and_eval(cfg, full, tok, seed=0, log=lambda m: None)
+    assert len(tr) == len(full) == 12 and len(ev) == 3
+    held = D.load_dataset(DataConfig(paths=(eval_file,), cache_dir=str(tmp_path / "cache")), tok, log=lambda m: None)
+    np.testing.assert_array_equal(ev.tokens, held.tokens[:held.offsets[3]])
+    no_eval = DataConfig(paths=(train_file,), eval_fraction=0.25, cache_dir=str(tmp_path / "cache"))
+    assert [len(x) for x in D.train_and_eval(no_eval, full, tok, seed=0)] == [9, 3]
+
+
 def test_compressed_sources_read(tok, tmp_path):
     import bz2
     import gzip

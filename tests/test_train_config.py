@@ -64,6 +64,7 @@ def test_overrides_and_types(tmp_path):
     (["--logging.every", "0"], "logging.every must be >= 1"),
     (["--logging.eval_every", "-1"], "logging.eval_every must be >= 0"),
     (["--offline.build", "true"], "offline.build needs offline.dir"),
+    (["--offline.dir", "/tmp/x", "--data.eval_paths", "[t.jsonl]"], "data.eval_paths with offline.dir"),
     (["--multihost.num_processes", "2"], "go together"),
     (["--multihost.coordinator", "h:1", "--multihost.num_processes", "2", "--multihost.process_id", "5"],
      "process_id must be in"),

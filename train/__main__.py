@@ -395,7 +395,10 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
         full = data_lib.load_dataset(cfg.data, tokenizer, log=log.info)
     except data_lib.NoUsableData as e:
         raise Stop(2, f"error: {e}") from None
-    train_data, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    try:
+        train_data, eval_data = data_lib.train_and_eval(cfg.data, full, tokenizer, cfg.training.seed, log=log.info)
+    except data_lib.NoUsableData as e:
+        raise Stop(2, f"error: data.eval_paths: {e}") from None
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     head_cfg = head_config(cfg, target_cfg)
     if cfg.offline.build:

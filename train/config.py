@@ -69,6 +69,9 @@ class DataConfig:
     overlong: str = option("truncate", help='truncate | drop: what to do with conversations longer than max_length')
     eval_fraction: float = option(0.01, help='held-out share of the conversations (deterministic from training.seed)')
     eval_max: int = option(512, help='at most this many held-out conversations')
+    eval_paths: tuple[str, ...] = option((), help='a held-out set of its own (files as `paths`, e.g. prepare_data\'s '
+                                         '*_test.jsonl): evaluate on its first eval_max conversations and train on '
+                                         'all of `paths` (eval_fraction is then unused)')
     max_examples: int | None = option(None, help='use only the first N conversations (smoke runs)')
     chat_template_kwargs: dict = option(default_factory=dict, help='e.g. {enable_thinking: false}')
     cache_dir: str | None = option(None, help='tokenized-data cache; default: ~/.cache/specjax/data')
@@ -375,7 +378,8 @@ def expand_paths(cfg: RunConfig) -> RunConfig:
     return cfg.replace(
         model=r(cfg.model, path=_expand(cfg.model.path), tokenizer=_expand(cfg.model.tokenizer)),
         head=r(cfg.head, init_from=_expand(cfg.head.init_from), vocab_map=_expand(cfg.head.vocab_map)),
-        data=r(cfg.data, paths=tuple(_expand(p) for p in cfg.data.paths), cache_dir=_expand(cfg.data.cache_dir)),
+        data=r(cfg.data, paths=tuple(_expand(p) for p in cfg.data.paths), cache_dir=_expand(cfg.data.cache_dir),
+               eval_paths=tuple(_expand(p) for p in cfg.data.eval_paths)),
         checkpoint=r(cfg.checkpoint, dir=_expand(cfg.checkpoint.dir)),
         logging=r(cfg.logging, jsonl=_expand(cfg.logging.jsonl), tensorboard=_expand(cfg.logging.tensorboard)),
         offline=r(cfg.offline, dir=_expand(cfg.offline.dir)))
@@ -429,6 +433,9 @@ def validate(cfg: RunConfig) -> None:
         raise ConfigError(f"head.dtype must be float32, bfloat16 or float16, not {cfg.head.dtype!r}")
     if cfg.offline.build and not cfg.offline.dir:
         raise ConfigError("offline.build needs offline.dir: the folder the feature cache is written to")
+    if cfg.offline.dir and cfg.data.eval_paths:
+        raise ConfigError("data.eval_paths with offline.dir: the feature cache holds the features of data.paths "
+                          "only; hold conversations out with data.eval_fraction instead")
     mh = cfg.multihost
     if (mh.coordinator is None) != (mh.num_processes is None) or \
             (mh.coordinator is not None and mh.process_id is None):

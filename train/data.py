@@ -486,6 +486,18 @@ def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print)
     return data
 
 
+def train_and_eval(cfg: DataConfig, full: TokenizedData, tokenizer, seed: int,
+                   log: Callable[[str], None] = print) -> tuple[TokenizedData, TokenizedData]:
+    """(training, held-out) data of a run: ``data.eval_paths`` read as a set of its own (its first ``eval_max``
+    conversations; all of ``full`` trains), else ``split_eval`` of ``full``. The trainer, ``train.vocab`` and
+    ``bench heldout`` all split this way."""
+    if not cfg.eval_paths:
+        return split_eval(full, cfg.eval_fraction, cfg.eval_max, seed)
+    held = load_dataset(dataclasses.replace(cfg, paths=tuple(cfg.eval_paths), hf_datasets=(), max_examples=None,
+                                            eval_paths=()), tokenizer, log=lambda m: log(f"eval {m}"))
+    return full, held.subset(np.arange(min(len(held), cfg.eval_max)))
+
+
 def split_eval(data: TokenizedData, fraction: float, max_eval: int, seed: int) -> tuple[TokenizedData, TokenizedData]:
     """Deterministic held-out split (by conversation)."""
     n = len(data)

@@ -131,7 +131,7 @@ def compute_vocab_map(cfg, vocab_size: int, log=print) -> tuple[VocabMap, np.nda
     """Tokenize the run config's data (same split as training) and build the map."""
     tok = data_lib.load_tokenizer(cfg.model.tokenizer or cfg.model.path)
     full = data_lib.load_dataset(cfg.data, tok, log=log)
-    train, _ = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    train, _ = data_lib.train_and_eval(cfg.data, full, tok, cfg.training.seed, log=log)
     counts = count_tokens(train.tokens, train.loss_mask, vocab_size)
     vm = build_vocab_map(counts, min(cfg.head.draft_vocab_size, vocab_size))
     covered = counts[np.asarray(vm.t2d)].sum() / max(1, counts.sum())

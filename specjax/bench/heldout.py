@@ -38,7 +38,7 @@ from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
 def heldout_split(cfg, tokenizer):
     full = data_lib.load_dataset(cfg.data, tokenizer, log=lambda m: None)
-    _, eval_data = data_lib.split_eval(full, cfg.data.eval_fraction, cfg.data.eval_max, cfg.training.seed)
+    _, eval_data = data_lib.train_and_eval(cfg.data, full, tokenizer, cfg.training.seed, log=lambda m: None)
     return eval_data
 
 
