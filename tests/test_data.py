@@ -80,6 +80,25 @@ def test_a_truncated_answer_teaches_no_end_of_turn(tok):
     assert "truncated" not in D.to_messages({"conversations": conv})[-1]
 
 
+# Qwen3's way: an assistant turn's reasoning_content rendered in a thinking block before its content
+REASONING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+             "{% if m['role'] == 'assistant' and m.get('reasoning_content') %}<think>\n{{ m['reasoning_content'] }}"
+             "\n</think>\n\n{% endif %}{{ m['content'] }}<|im_end|>\n{% endfor %}"
+             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+
+
+def test_reasoning_content_is_rendered_and_learnt(tmp_path):
+    """An assistant turn's ``reasoning_content`` (SpecForge's regenerated thinking data) reaches the chat template,
+    and its thinking block is in the loss with the answer (it was dropped silently)."""
+    rtok = tf.make_tokenizer(str(tmp_path / "tok"), template=REASONING)
+    rec = {"messages": [{"role": "user", "content": "what is the sky"},
+                        {"role": "assistant", "content": "blue", "reasoning_content": "the sky is blue"}]}
+    msgs = D.to_messages(rec)
+    assert msgs[-1]["reasoning_content"] == "the sky is blue"
+    ids, mask = D.ChatEncoder(rtok).encode(msgs)
+    assert rtok.decode(ids[mask == 1]) == "<think>\nthe sky is blue\n</think>\n\nblue<|im_end|>"
+
+
 @pytest.mark.parametrize("thinking", [True, False])
 def test_thinking_template(think_tok, thinking):
     """Qwen3-style: history turns render without a thinking block, the last turn with one. With thinking off the

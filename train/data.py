@@ -156,7 +156,8 @@ def iter_records(cfg: DataConfig, log: Callable[[str], None] | None = None) -> I
 
 # ---- normalising a record ------------------------------------------------------------------------------------------
 def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[dict[str, str]]:
-    """A record in either supported shape -> [{"role": system|user|assistant, "content": str}], cleaned:
+    """A record in either supported shape -> [{"role": system|user|assistant, "content": str}] (an assistant turn
+    keeps its ``reasoning_content``, which thinking models' templates render, and regenerate's ``truncated``), cleaned:
     leading assistant turns dropped, cut at the first empty turn, trailing non-assistant turns dropped.
     ``prompts=True`` (regeneration, where only the user turns matter): the record needs a user turn with text, not
     an answer, and trailing user turns are kept."""
@@ -190,8 +191,11 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
         except UnicodeEncodeError:
             raise BadRecord("undecodable", "invalid unicode in content") from None
         msgs.append({"role": ROLES[role.lower()], "content": text})
-        if t.get("truncated") is True and msgs[-1]["role"] == "assistant":  # cut at a token budget (regenerate)
-            msgs[-1]["truncated"] = True
+        if msgs[-1]["role"] == "assistant":
+            if t.get("truncated") is True:  # cut at a token budget (regenerate)
+                msgs[-1]["truncated"] = True
+            if isinstance(t.get("reasoning_content"), str) and t["reasoning_content"].strip():
+                msgs[-1]["reasoning_content"] = t["reasoning_content"]  # a thinking model's template renders it
     if any(m["role"] == "system" for m in msgs[1:]):
         raise BadRecord("wrong_role", "system message after the first turn")
     system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
