@@ -455,7 +455,8 @@ def fingerprint(cfg: DataConfig, tok) -> str:
             srcs.append((os.path.abspath(q), st.st_size, int(st.st_mtime)))
     vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
     h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
-                         cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig, 1],
+                         cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig,
+                         2],  # the reader's version: 2 reads reasoning_content and truncated turns
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
