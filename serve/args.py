@@ -25,9 +25,9 @@ TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_n
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
 GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
                   "torch_compile_max_bs", "attention_backend")
-# --help sections (argument groups), in the order of the fields.
 # SGLang's admission orders that specjax implements (SGLang also has dfs-weight and priority)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
+# --help sections (argument groups), in the order of the fields.
 _MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
 
 

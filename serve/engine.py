@@ -155,8 +155,8 @@ class Engine:
         (a string, or one per prompt: the ids ``meta_info.id`` carries; copies of a prompt under one rid get
         ``{rid}-{k}-{j}``), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
         ``return_text_in_logprobs`` (a value, or one per prompt; they may also sit in ``sampling_params``), and its
-        arguments for features specjax lacks (``image_data``,
-        ``lora_path``, ...), accepted only when they ask for nothing."""
+        arguments for features specjax lacks (``image_data``, ``lora_path``, ...), accepted only when they ask for
+        nothing."""
         q: queue.Queue = queue.Queue()
         reqs, single = self._submit_all(prompt, sampling_params, input_ids, lambda i: (lambda ev: q.put((i, ev))),
                                         kwargs)

@@ -146,8 +146,9 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
     """Acceptance for a batch mixing greedy, sampling and penalised rows. logits: f32[B, M, V] target logits after
     each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
     distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
-    promises that every row is greedy; ``thresholds`` relaxes the sampled rows' acceptance. Returns (Accepted, SamplingBatch with advanced keys, the emitted tokens
-    counted and their logprobs recorded); rows outside ``active`` (bool[B], default all) keep theirs."""
+    promises that every row is greedy; ``thresholds`` relaxes the sampled rows' acceptance. Returns (Accepted,
+    SamplingBatch with advanced keys, the emitted tokens counted and their logprobs recorded); rows outside
+    ``active`` (bool[B], default all) keep theirs."""
     x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
     keys, sub = sampling_lib.split_keys(sb.key)
