@@ -3,12 +3,14 @@
 import dataclasses
 import glob
 import os
+import sys
+import types
 
 import pytest
 
 from specjax import config as core_config
 from specjax.cli import field_help
-from specjax.train.__main__ import build_parser
+from specjax.train.__main__ import Logger, build_parser
 from specjax.train.config import ConfigError, RunConfig, config_from_command_line, load_config, parse_overrides
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,3 +132,40 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
 
 def test_one_config_error():
     assert ConfigError is core_config.ConfigError
+
+
+class _FakeWandbRun:
+    def __init__(self, **kw):
+        self.init, self.logged, self.finished = kw, [], False
+
+    def log(self, values, step):
+        self.logged.append((step, values))
+
+    def finish(self):
+        self.finished = True
+
+
+def test_wandb_logging_of_metrics(tmp_path, monkeypatch, capsys):
+    """logging.wandb_project (SpecForge's --report-to wandb): process 0 starts a wandb run whose id follows the
+    checkpoint folder (a rerun resumes it) and logs the scalar metrics at their step; without wandb installed, a
+    note and JSONL only."""
+    runs = []
+    fake = types.SimpleNamespace(init=lambda **kw: runs.append(_FakeWandbRun(**kw)) or runs[-1])
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    cfg = RunConfig()
+    cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, dir=str(tmp_path / "run1")),
+                              logging=dataclasses.replace(cfg.logging, wandb_project="eagle3"))
+    for _ in range(2):
+        log = Logger(cfg, primary=True)
+        log.metrics(3, {"loss": 0.5, "acc_0": 0.25, "note": "x", "skipped": True})
+        log.close()
+    assert [r.init["id"] for r in runs] == [runs[0].init["id"]] * 2 and runs[0].init["resume"] == "allow"
+    assert runs[0].init["project"] == "eagle3" and runs[0].init["name"] == "run1"
+    assert runs[0].logged == [(3, {"loss": 0.5, "acc_0": 0.25})] and runs[0].finished
+    monkeypatch.setitem(sys.modules, "wandb", None)  # not installed; TensorBoard's writers neither (the note on
+    for name in ("tensorboardX", "torch.utils.tensorboard"):  # a missing TensorBoard was an AttributeError)
+        monkeypatch.setitem(sys.modules, name, None)
+    cfg = dataclasses.replace(cfg, logging=dataclasses.replace(cfg.logging, tensorboard=str(tmp_path / "tb")))
+    Logger(cfg, primary=True).close()
+    out = capsys.readouterr().out
+    assert "wandb is not installed" in out and "neither tensorboardX nor torch's tensorboard is installed" in out

@@ -169,7 +169,7 @@ class Logger:
         ck = cfg.checkpoint.dir
         local = os.path.join("logs", os.path.basename(ck.rstrip("/")), "metrics.jsonl")  # for gs://... dirs
         self.path = cfg.logging.jsonl or (local if "://" in ck else os.path.join(ck, "metrics.jsonl"))
-        self.tb = None
+        self.tb = self.wandb = self.bar = None  # (the bar first: the notes below print through ``info``)
         if primary:
             try:
                 check_output_file(self.path, "logging.jsonl")
@@ -189,7 +189,22 @@ class Logger:
                               "installed; JSONL only")
                 else:
                     self.tb = SummaryWriter(cfg.logging.tensorboard)
-        self.bar = None
+            if cfg.logging.wandb_project:
+                self.wandb = self._start_wandb(cfg)
+
+    def _start_wandb(self, cfg):
+        """A wandb run for ``logging.wandb_project`` (SpecForge's --report-to wandb), or None with a note when wandb
+        is not installed. Its id comes from the checkpoint folder, so a resumed run continues the same wandb run."""
+        try:
+            import wandb
+        except ImportError:
+            self.info("note: logging.wandb_project is set but wandb is not installed (pip install wandb); JSONL only")
+            return None
+        ck = cfg.checkpoint.dir
+        run_id = hashlib.sha256(os.path.abspath(ck).encode() if "://" not in ck else ck.encode()).hexdigest()[:16]
+        return wandb.init(project=cfg.logging.wandb_project, id=run_id, resume="allow",
+                          name=cfg.logging.wandb_name or os.path.basename(ck.rstrip("/")),
+                          config=dataclasses.asdict(cfg))
 
     def info(self, msg: str) -> None:
         if self.primary:
@@ -201,10 +216,12 @@ class Logger:
             return
         with open(self.path, "a") as f:
             f.write(json.dumps({"step": step, **values}) + "\n")
+        scalars = {k: v for k, v in values.items() if isinstance(v, (int, float)) and not isinstance(v, bool)}
         if self.tb is not None:
-            for k, v in values.items():
-                if isinstance(v, (int, float)) and not isinstance(v, bool):
-                    self.tb.add_scalar(k, v, step)
+            for k, v in scalars.items():
+                self.tb.add_scalar(k, v, step)
+        if self.wandb is not None:
+            self.wandb.log(scalars, step=step)
 
     def progress(self, total: int, initial: int, enabled: bool):
         if self.primary and enabled:
@@ -217,6 +234,8 @@ class Logger:
             self.bar.close()
         if self.tb is not None:
             self.tb.close()
+        if self.wandb is not None:
+            self.wandb.finish()
 
 
 class Streak:

@@ -126,10 +126,13 @@ class CheckpointConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LoggingConfig:
-    """Metrics (JSONL on process 0, optional TensorBoard), progress bar, periodic eval."""
+    """Metrics (JSONL on process 0, optional TensorBoard and Weights & Biases), progress bar, periodic eval."""
     every: int = option(10, help='steps between metric lines')
     jsonl: str | None = option(None, help='default: <checkpoint.dir>/metrics.jsonl')
     tensorboard: str | None = option(None, help='log dir; needs tensorboardX or torch')
+    wandb_project: str | None = option(None, help='also log to Weights & Biases under this project (needs wandb; '
+                                                  'a rerun of the same checkpoint.dir continues its wandb run)')
+    wandb_name: str | None = option(None, help='the wandb run name (default: the checkpoint folder\'s name)')
     eval_every: int = option(500, help='steps between evals on the held-out split (0: never)')
     eval_batches: int = option(8, help='batches of the held-out split per eval')
     progress: bool = option(True, help='tqdm progress bar (process 0)')
