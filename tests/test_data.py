@@ -87,6 +87,44 @@ REASONING = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
              "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
 
 
+# a Qwen2.5-style tool template: the tools in a system block, calls inside the assistant turn, answers as user turns
+TOOLS = ("{% if tools %}<|im_start|>system\ntools: {% for t in tools %}{{ t['function']['name'] }} {% endfor %}"
+         "<|im_end|>\n{% endif %}{% for m in messages %}{% if m['role'] == 'tool' %}<|im_start|>user\n<r>"
+         "{{ m['content'] }}</r><|im_end|>\n{% else %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+         "{% for c in m.get('tool_calls') or [] %}<c>{{ c['function']['name'] }} "
+         "{{ c['function']['arguments'] | tojson }}</c>{% endfor %}<|im_end|>\n{% endif %}{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n"
+         "{% endif %}")
+
+
+def test_tool_calling_conversations_are_learnt(tmp_path):
+    """SpecForge's tool data: a ``tool`` role, an assistant turn's ``tool_calls`` (arguments as a JSON string too) and
+    a record's ``tools`` reach the chat template; the calls are learnt with their turn, the tools' answers are not
+    (these conversations were dropped as wrong_role)."""
+    ttok = tf.make_tokenizer(str(tmp_path / "tok"), template=TOOLS)
+    call = {"id": "c1", "type": "function", "function": {"name": "sky", "arguments": '{"x": 1}'}}
+    rec = {"messages": [{"role": "user", "content": "what is the sky"},
+                        {"role": "assistant", "content": "", "tool_calls": [call]},
+                        {"role": "tool", "content": "blue"},
+                        {"role": "assistant", "content": "the sky is blue"}],
+           "tools": '[{"type": "function", "function": {"name": "sky"}}]'}
+    msgs = D.to_messages(rec)
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"]
+    assert msgs[1]["tool_calls"][0]["function"] == {"name": "sky", "arguments": {"x": 1}}
+    ids, mask = D.ChatEncoder(ttok).encode(msgs, D.record_tools(rec))
+    text = ttok.decode(ids)
+    assert text.startswith("<|im_start|>system\ntools: sky <|im_end|>") and "<r>blue</r>" in text
+    assert ttok.decode(ids[mask == 1]) == '<c>sky {"x": 1}</c><|im_end|>the sky is blue<|im_end|>'
+    for bad, reason in (({"tool_calls": "{oops"}, "bad_format"), ({"tool_calls": [{"function": {}}]}, "bad_format")):
+        broken = dict(rec, messages=[rec["messages"][0], dict(rec["messages"][1], **bad), *rec["messages"][2:]])
+        with pytest.raises(D.BadRecord) as e:
+            D.to_messages(broken)
+        assert e.value.reason == reason
+    with pytest.raises(D.BadRecord, match="tool turns are not regenerated"):
+        D.to_messages(rec, prompts=True)
+    with pytest.raises(D.BadRecord, match="a tool turn after a user turn"):
+        D.to_messages({"messages": [rec["messages"][0], rec["messages"][2], rec["messages"][3]]})
+
+
 def test_reasoning_content_is_rendered_and_learnt(tmp_path):
     """An assistant turn's ``reasoning_content`` (SpecForge's regenerated thinking data) reaches the chat template,
     and its thinking block is in the loss with the answer (it was dropped silently)."""

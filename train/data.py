@@ -37,7 +37,7 @@ from specjax.train.config import DataConfig
 
 _log = logging.getLogger("specjax.train.data")
 ROLES = {"human": "user", "user": "user", "gpt": "assistant", "assistant": "assistant", "chatgpt": "assistant",
-         "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system"}
+         "bard": "assistant", "bing": "assistant", "model": "assistant", "system": "system", "tool": "tool"}
 
 
 class NoUsableData(ValueError):
@@ -155,12 +155,13 @@ def iter_records(cfg: DataConfig, log: Callable[[str], None] | None = None) -> I
 
 
 # ---- normalising a record ------------------------------------------------------------------------------------------
-def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[dict[str, str]]:
-    """A record in either supported shape -> [{"role": system|user|assistant, "content": str}] (an assistant turn
-    keeps its ``reasoning_content``, which thinking models' templates render, and regenerate's ``truncated``), cleaned:
-    leading assistant turns dropped, cut at the first empty turn, trailing non-assistant turns dropped.
+def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[dict[str, Any]]:
+    """A record in either supported shape -> [{"role": system|user|assistant|tool, "content": str}] (an assistant
+    turn keeps its ``reasoning_content``, which thinking models' templates render, its ``tool_calls``, and
+    regenerate's ``truncated``), cleaned: leading assistant and tool turns dropped, cut at the first empty turn (an
+    assistant turn that calls tools, or a tool's answer, may be empty), trailing non-assistant turns dropped.
     ``prompts=True`` (regeneration, where only the user turns matter): the record needs a user turn with text, not
-    an answer, and trailing user turns are kept."""
+    an answer, trailing user turns are kept, and tool turns are refused (their answers would not follow)."""
     if isinstance(record, BadRecord):
         raise record
     if not isinstance(record, dict):
@@ -174,36 +175,86 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
         raise BadRecord("bad_format", f"no {wanted} field")
     if not isinstance(turns, list):
         raise BadRecord("bad_format", "turns are not a list")
-    msgs = []
-    for t in turns:
-        if not isinstance(t, dict):
-            raise BadRecord("bad_format", "turn is not a mapping")
-        role = t.get(role_key, t.get("role", t.get("from")))
-        text = t.get(text_key, t.get("content", t.get("value")))
-        if not isinstance(role, str) or role.lower() not in ROLES:
-            raise BadRecord("wrong_role", repr(role)[:40])
-        if text is None:
-            text = ""
-        if not isinstance(text, str):
-            raise BadRecord("bad_format", "content is not a string")
-        try:
-            text.encode("utf-8")
-        except UnicodeEncodeError:
-            raise BadRecord("undecodable", "invalid unicode in content") from None
-        msgs.append({"role": ROLES[role.lower()], "content": text})
-        if msgs[-1]["role"] == "assistant":
-            if t.get("truncated") is True:  # cut at a token budget (regenerate)
-                msgs[-1]["truncated"] = True
-            if isinstance(t.get("reasoning_content"), str) and t["reasoning_content"].strip():
-                msgs[-1]["reasoning_content"] = t["reasoning_content"]  # a thinking model's template renders it
+    return _cleaned([_message(t, role_key, text_key) for t in turns], prompts)
+
+
+def _message(t: Any, role_key: str, text_key: str) -> dict[str, Any]:
+    """One turn as {"role", "content"} plus an assistant turn's extras, or a BadRecord."""
+    if not isinstance(t, dict):
+        raise BadRecord("bad_format", "turn is not a mapping")
+    role = t.get(role_key, t.get("role", t.get("from")))
+    text = t.get(text_key, t.get("content", t.get("value")))
+    if not isinstance(role, str) or role.lower() not in ROLES:
+        raise BadRecord("wrong_role", repr(role)[:40])
+    if text is None:
+        text = ""
+    if not isinstance(text, str):
+        raise BadRecord("bad_format", "content is not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord("undecodable", "invalid unicode in content") from None
+    m: dict[str, Any] = {"role": ROLES[role.lower()], "content": text}
+    if m["role"] == "assistant":
+        if t.get("truncated") is True:  # cut at a token budget (regenerate)
+            m["truncated"] = True
+        if isinstance(t.get("reasoning_content"), str) and t["reasoning_content"].strip():
+            m["reasoning_content"] = t["reasoning_content"]  # a thinking model's template renders it
+        if t.get("tool_calls"):
+            m["tool_calls"] = _tool_calls(t["tool_calls"])
+    return m
+
+
+def _json_value(value: Any, what: str) -> Any:
+    """``value``, or the JSON it spells when it is a string (datasets store tool calls and tools both ways)."""
+    if not isinstance(value, str):
+        return value
+    try:
+        return json.loads(value)
+    except json.JSONDecodeError:
+        raise BadRecord("bad_format", f"{what} is not valid JSON") from None
+
+
+def _tool_calls(value: Any) -> list[dict[str, Any]]:
+    """An assistant turn's tool calls as chat templates read them (OpenAI's shape, arguments as a mapping)."""
+    calls = _json_value(value, "tool_calls")
+    if not isinstance(calls, list) or not all(isinstance(c, dict) for c in calls):
+        raise BadRecord("bad_format", "tool_calls is not a list of calls")
+    out = []
+    for c in calls:
+        fn = c.get("function", c)
+        if not isinstance(fn, dict) or not isinstance(fn.get("name"), str):
+            raise BadRecord("bad_format", "a tool call has no function name")
+        args = _json_value(fn.get("arguments", {}), "tool call arguments")
+        out.append({"type": "function", "function": {"name": fn["name"], "arguments": args}, "id": c.get("id", "")})
+    return out
+
+
+def record_tools(record: Any) -> list[dict[str, Any]] | None:
+    """The tool definitions a record offers its chat template (``tools``), if any."""
+    tools = _json_value(record.get("tools"), "tools") if isinstance(record, dict) else None
+    if tools in (None, [], ""):
+        return None
+    if not isinstance(tools, list) or not all(isinstance(x, dict) for x in tools):
+        raise BadRecord("bad_format", "tools is not a list of tool definitions")
+    return tools
+
+
+# what may follow each role (SpecForge's rule: tools answer an assistant's calls; the assistant goes on after them)
+_NEXT = {"user": ("assistant",), "assistant": ("user", "tool"), "tool": ("tool", "assistant", "user")}
+
+
+def _cleaned(msgs: list[dict[str, Any]], prompts: bool) -> list[dict[str, Any]]:
     if any(m["role"] == "system" for m in msgs[1:]):
         raise BadRecord("wrong_role", "system message after the first turn")
+    if prompts and any(m["role"] == "tool" for m in msgs):
+        raise BadRecord("wrong_role", "tool turns are not regenerated")
     system = msgs[:1] if msgs and msgs[0]["role"] == "system" else []
     rest = msgs[len(system):]
-    while rest and rest[0]["role"] == "assistant":  # ShareGPT sometimes starts mid-conversation
+    while rest and rest[0]["role"] in ("assistant", "tool"):  # ShareGPT sometimes starts mid-conversation
         rest = rest[1:]
     for i, m in enumerate(rest):
-        if not m["content"].strip():
+        if not m["content"].strip() and m["role"] != "tool" and not m.get("tool_calls"):
             rest = rest[:i]
             break
     keep = "user" if prompts else "assistant"
@@ -212,8 +263,9 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
     if not any(m["role"] == keep for m in rest):
         raise BadRecord("empty", f"no {keep} turn with text")
     for a, b in zip(rest, rest[1:]):
-        if a["role"] == b["role"]:
-            raise BadRecord("wrong_role", f"two {a['role']} turns in a row")
+        if b["role"] not in _NEXT[a["role"]]:
+            raise BadRecord("wrong_role", f"two {a['role']} turns in a row" if a["role"] == b["role"]
+                            else f"a {b['role']} turn after a {a['role']} turn")
     return system + rest
 
 
@@ -243,8 +295,9 @@ class ChatEncoder:
         self.kwargs = dict(template_kwargs or {})
         self.end_marker = self._probe_end_marker()
 
-    def render(self, msgs, gen: bool) -> str:
-        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **self.kwargs)
+    def render(self, msgs, gen: bool, tools: list[dict] | None = None) -> str:
+        kw = dict(self.kwargs, tools=tools) if tools else self.kwargs
+        return self.tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=gen, **kw)
 
     def _probe_end_marker(self) -> str:
         """The text a template puts after an assistant message (e.g. '<|im_end|>', '<|eot_id|>'), stripped."""
@@ -256,14 +309,14 @@ class ChatEncoder:
         i = text.rfind(probe)
         return text[i + len(probe):].strip() if i >= 0 else ""
 
-    def char_spans(self, msgs) -> tuple[str, list[tuple[int, int]]]:
-        full = self.render(msgs, False)
+    def char_spans(self, msgs, tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
+        full = self.render(msgs, False, tools)
         spans, prev_end = [], 0
         for i, m in enumerate(msgs):
             if m["role"] != "assistant":
                 continue
-            start = max(_common_prefix(self.render(msgs[:i], True), full), prev_end)
-            upto = self.render(msgs[:i + 1], False)
+            start = max(_common_prefix(self.render(msgs[:i], True, tools), full), prev_end)
+            upto = self.render(msgs[:i + 1], False, tools)
             if full.startswith(upto):
                 end = len(upto)
             else:  # this turn renders differently once it is not last: end at its end-of-turn marker
@@ -293,9 +346,9 @@ class ChatEncoder:
             raise BadRecord("template_mismatch", "no end of a truncated assistant turn")
         return k
 
-    def spans_or_bad(self, msgs) -> tuple[str, list[tuple[int, int]]]:
+    def spans_or_bad(self, msgs, tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         try:
-            return self.char_spans(msgs)
+            return self.char_spans(msgs, tools)
         except BadRecord:
             raise
         except Exception as e:  # noqa: BLE001 - a template may raise on odd conversations
@@ -310,9 +363,9 @@ class ChatEncoder:
             mask[(starts >= s) & (starts < e)] = 1
         return ids, mask
 
-    def encode(self, msgs) -> tuple[np.ndarray, np.ndarray]:
-        """(i32[T] token ids, u8[T] loss mask: 1 on assistant tokens)."""
-        out = self.encode_rendered([self.spans_or_bad(msgs)])[0]
+    def encode(self, msgs, tools: list[dict] | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(i32[T] token ids, u8[T] loss mask: 1 on assistant tokens); ``tools``: the record's tool definitions."""
+        out = self.encode_rendered([self.spans_or_bad(msgs, tools)])[0]
         if isinstance(out, BadRecord):
             raise out
         return out
@@ -429,7 +482,7 @@ def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length
             break
         stats["records"] += 1
         try:
-            pending.append(encoder.spans_or_bad(to_messages(rec, fmt)))
+            pending.append(encoder.spans_or_bad(to_messages(rec, fmt), record_tools(rec)))
         except BadRecord as e:
             stats[e.reason] += 1
             continue
@@ -456,7 +509,7 @@ def fingerprint(cfg: DataConfig, tok) -> str:
     vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
     h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
                          cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig,
-                         2],  # the reader's version: 2 reads reasoning_content and truncated turns
+                         3],  # the reader's version: 2 read reasoning_content and truncated turns, 3 tools
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
