@@ -55,6 +55,9 @@ def test_two_processes_match_one(tmp_path):
         assert code == 0, out[-4000:]
     outs = [out for _, out in runs]
     assert "2 process(es)" in outs[0] and "on 16 cpu devices" in outs[0]
+    # the final head, split over tp across the two hosts, gathered and written once (by process 0) as an HF folder
+    assert f"HF head (SGLang / vLLM) in {tmp_path / 'two' / 'hf'}" in outs[0]
+    assert sorted(os.listdir(tmp_path / "two" / "hf")) == ["config.json", "model.safetensors"]
 
     a, b = tf.metrics(tmp_path / "one" / "metrics.jsonl"), tf.metrics(tmp_path / "two" / "metrics.jsonl")
     assert sorted(a) == sorted(b) == list(range(1, STEPS + 1))

@@ -733,17 +733,20 @@ def train(run: Run) -> int:
 
 
 def export_final_head(run: Run) -> str | None:
-    """``checkpoint.export``: the final checkpoint's head written as an HF EAGLE3 folder in bf16 (what ``convert
-    export-head`` writes) by process 0, read back from the saved checkpoint. Returns the folder, or None when there
-    is none (turned off, a gs:// dir, or a failed export, which is said: the checkpoint stays)."""
+    """``checkpoint.export``: the final head written as an HF EAGLE3 folder in bf16 (what ``convert export-head``
+    writes): every process gathers the params (a collective: a head split over tp spans hosts), process 0 writes.
+    Returns the folder, or None when there is none (turned off, a gs:// dir, another process, or a failed export,
+    which is said: the checkpoint stays)."""
     ck = run.cfg.checkpoint
-    if not ck.export or ck.dir.startswith("gs://") or jax.process_index() != 0:
+    if not ck.export or ck.dir.startswith("gs://"):
+        return None
+    params, vmap = multihost_utils.process_allgather((run.state.params, run.vocab_map), tiled=True)
+    if jax.process_index() != 0:
         return None
     out = os.path.join(ck.dir, ck.export)
     try:
-        head_cfg, params, vmap, _ = ckpt_lib.load_head_for_export(ck.dir)
-        export_head(params, head_cfg, vmap, out, run.target_cfg, dtype="bfloat16", log=run.log.info)
-    except (ckpt_lib.CheckpointError, HeadFormatError, OutputFolderError, OSError) as e:
+        export_head(params, run.head_cfg, vmap, out, run.target_cfg, dtype="bfloat16", log=run.log.info)
+    except (HeadFormatError, OutputFolderError, OSError) as e:
         run.log.info(f"note: the final head was not exported to {out} ({type(e).__name__}: {e})")
         return None
     return out
