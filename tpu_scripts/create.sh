@@ -11,13 +11,14 @@ extra=()
 if [[ "${SPOT}" == "1" ]]; then extra+=(--spot); fi
 
 if [[ -n "${PREFLIGHT_CONFIG:-}" ]]; then
-  JAX_PLATFORMS=cpu python -m specjax.preflight train --config "${PREFLIGHT_CONFIG}" --topology "${ACCELERATOR_TYPE}"
+  JAX_PLATFORMS=cpu python -m specjax.preflight train --config "$(local_config "${PREFLIGHT_CONFIG}")" \
+    --topology "${ACCELERATOR_TYPE}"
 fi
 
 echo "creating ${ACCELERATOR_TYPE} '${TPU_NAME}' in ${ZONE} (project ${PROJECT})"
 gcloud compute tpus tpu-vm create "${TPU_NAME}" \
   --project "${PROJECT}" --zone "${ZONE}" \
-  --accelerator-type "${ACCELERATOR_TYPE}" --version "${TPU_VERSION}" "${extra[@]}"
+  --accelerator-type "${ACCELERATOR_TYPE}" --version "${TPU_VERSION}" ${extra[@]+"${extra[@]}"}
 gcloud compute tpus tpu-vm describe "${TPU_NAME}" --project "${PROJECT}" --zone "${ZONE}" \
   --format="value(state,acceleratorType)"
 echo "next: ./install.sh"

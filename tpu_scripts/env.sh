@@ -38,3 +38,14 @@ remote_path() {
 tpu_scp() {  # tpu_scp WORKER LOCAL_PATH REMOTE_PATH
   gcloud compute tpus tpu-vm scp "$2" "${TPU_NAME}:$3" --project "${PROJECT}" --zone "${ZONE}" --worker="$1"
 }
+
+# A config path as the local preflight finds it: the scripts run in tpu_scripts/, so a path given from the checkout's
+# root (configs/my.yaml) is read from there; a shipped config's name (qwen2.5-7b.yaml) as it is.
+local_config() {
+  if [[ "$1" != /* && -f "../$1" ]]; then printf '%s' "../$1"; else printf '%s' "$1"; fi
+}
+
+# Hosts of a v4 / v5p slice (its name counts TensorCores: 8 per host), 1 for any other name.
+slice_hosts() {
+  if [[ "${1:-}" =~ ^v(4|5p)-([0-9]+)$ ]]; then echo $(( BASH_REMATCH[2] > 8 ? BASH_REMATCH[2] / 8 : 1 )); else echo 1; fi
+}

@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
-# Serve the target with its trained EAGLE3 head on worker 0 (one host: its 4 v4 chips, TP=4), OpenAI-compatible
+# Serve the target with its trained EAGLE3 head on a one-host TPU VM (a v4-8: its 4 chips, TP=4), OpenAI-compatible
 # HTTP on port ${SERVE_PORT}.
-#   ./serve.sh TARGET HEAD [extra python -m specjax.serve flags]
-#   ./serve.sh Qwen/Qwen2.5-7B-Instruct ~/heads/qwen2.5-7b-eagle3
-# HEAD is an HF-format head folder: export one from a training checkpoint on worker 0 first with
-#   python -m specjax.convert export-head CHECKPOINT_DIR ~/heads/NAME
+#   TPU_NAME=specjax-serve ./serve.sh TARGET HEAD [extra python -m specjax.serve flags]
+#   TPU_NAME=specjax-serve ./serve.sh Qwen/Qwen2.5-7B-Instruct '~/heads/qwen2.5-7b-eagle3'
+# HEAD is an HF-format head folder on that VM (quote a ~/ path: it is the VM's home); README.md section 3 exports one
+# there from the training checkpoint. One process on one host of a multi-host slice would wait at TPU start-up for
+# the other hosts, so a multi-host VM is refused (its type asked of gcloud). The preflight here needs specjax with its tpu extra
+# on this machine; SKIP_PREFLIGHT=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./env.sh
@@ -14,6 +16,14 @@ if [[ $# -lt 2 ]]; then
   exit 2
 fi
 TARGET="$1"; HEAD="$2"; shift 2
+ACCEL="$(gcloud compute tpus tpu-vm describe "${TPU_NAME}" --project "${PROJECT}" --zone "${ZONE}" \
+  --format='value(acceleratorType)')"
+if [[ "$(slice_hosts "${ACCEL}")" != 1 ]]; then
+  echo "error: ${TPU_NAME} is a ${ACCEL} ($(slice_hosts "${ACCEL}") hosts): serve on a one-host VM, e.g." \
+       "TPU_NAME=specjax-serve ACCELERATOR_TYPE=v4-8 ./create.sh, then ./install.sh and ./serve.sh with that" \
+       "TPU_NAME (README.md section 3)" >&2
+  exit 2
+fi
 TP="${TP:-4}"
 NUM_STEPS="${NUM_STEPS:-5}"; TOPK="${TOPK:-4}"; DRAFT_TOKENS="${DRAFT_TOKENS:-8}"
 ARGS="$(quote_args "$@")"

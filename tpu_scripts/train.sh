@@ -2,7 +2,8 @@
 # Launch training on every host of the slice (the same command everywhere; jax.distributed connects them).
 #   ./train.sh CONFIG [--section.key VALUE ...]
 #   ./train.sh configs/qwen2.5-7b.yaml --checkpoint.dir gs://my-bucket/qwen-eagle3
-# Re-running the same command after a stop or a preemption resumes from the last checkpoint.
+# Re-running the same command after a stop resumes from the last checkpoint (a preempted spot slice is recreated
+# first: README.md). The preflight here needs specjax with its tpu extra on this machine; SKIP_PREFLIGHT=1 skips it.
 set -euo pipefail
 cd "$(dirname "$0")"
 source ./env.sh
@@ -19,7 +20,8 @@ if [[ -n "${HF_TOKEN:-}" ]]; then HF_ENV="export HF_TOKEN=$(printf '%q' "${HF_TO
 # Preflight here first (no TPU needed): the train step must compile for the pod's topology and fit its HBM.
 if [[ -n "${ACCELERATOR_TYPE:-}" && "${SKIP_PREFLIGHT:-0}" != 1 ]]; then
   echo "preflight: compiling the train step for ${ACCELERATOR_TYPE} (SKIP_PREFLIGHT=1 skips)"
-  JAX_PLATFORMS=cpu python -m specjax.preflight train --config "${CONFIG}" --topology "${ACCELERATOR_TYPE}" "$@"
+  JAX_PLATFORMS=cpu python -m specjax.preflight train --config "$(local_config "${CONFIG}")" \
+    --topology "${ACCELERATOR_TYPE}" "$@"
 fi
 echo "starting training on all hosts of ${TPU_NAME}: ${CONFIG} ${ARGS}"
 tpu_ssh all "set -euo pipefail; ${HF_ENV}
