@@ -653,6 +653,8 @@ def fresh_head(cfg, target_cfg, head_cfg, train_data):
 def load_init_head(path: str, target_cfg):
     """(head config, fp32 params, vocab map) of ``head.init_from``: a specjax checkpoint, or an HF EAGLE3 head folder
     (a published or SpecForge-trained head, as ``convert import-head`` reads it)."""
+    if "://" not in path and not os.path.exists(path):
+        raise ValueError(f"{path} does not exist (a specjax checkpoint folder or an HF EAGLE3 head folder)")
     if not is_hf_eagle3_head(path):
         return ckpt_lib.load_head_for_export(path)[:3]
     head0, params, vocab_map = load_eagle3_head(path, target_cfg, dtype="float32")

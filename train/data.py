@@ -137,8 +137,8 @@ def resolve_paths(paths: Iterable[str]) -> list[str]:
         p = os.path.expanduser(p)
         hits = sorted(glob.glob(p)) if any(c in p for c in "*?[") else [p]
         if not hits or not all(os.path.exists(h) for h in hits):
-            raise NoUsableData(f"data path {p} does not exist (data.paths takes files, folders and globs, or "
-                               f"sharegpt; a regenerated set is written by `python -m specjax.train.regenerate`)")
+            raise NoUsableData(f"data path {p} does not exist (a data path is a file, folder or glob, or sharegpt; "
+                               f"a regenerated set is written by `python -m specjax.train.regenerate`)")
         out.extend(hits)
     return out
 
