@@ -28,25 +28,12 @@ from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
 from .args import ServerArgs
-from .protocol import NEUTRAL_EXTRAS, NO_LIMIT, GenerateRequest, refuse_unsupported
-from .request import (RequestError, SamplingParams, batch_rids, check_text, copy_rid, token_ids,
-                      with_logprob_fields)
+from .protocol import GenerateRequest
+from .request import (RequestError, SamplingParams, batch_rids, check_text, copy_rid, refuse_unsupported,
+                      token_ids, with_logprob_fields)
 
 
 LOGPROB_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
-
-
-def _sampling_params(d) -> SamplingParams:
-    """``SamplingParams.from_dict`` as /generate reads a sampling_params object: SGLang's extra parameters accepted
-    at their neutral value (refused otherwise), ``max_new_tokens: None`` = no limit but the context."""
-    if isinstance(d, dict):
-        d = dict(d)
-        for name in [k for k in d if k in NEUTRAL_EXTRAS]:
-            refuse_unsupported(name, d.pop(name), NEUTRAL_EXTRAS, "sampling_params.")
-    sp = SamplingParams.from_dict(d)
-    if isinstance(d, dict) and "max_new_tokens" in d and d["max_new_tokens"] is None:
-        sp.max_new_tokens = NO_LIMIT
-    return sp
 
 
 def _empty_output() -> dict[str, Any]:
@@ -114,7 +101,7 @@ class Engine:
             raise RequestError(f"{len(sampling_params)} sampling_params for {len(prompts)} prompts",
                                "sampling_params")
         given = list(sampling_params) if many else [sampling_params] * len(prompts)
-        sps = with_logprob_fields([_sampling_params(s) for s in given], **logprobs)
+        sps = with_logprob_fields([SamplingParams.from_dict(s) for s in given], **logprobs)
         for ids, d, sp in zip(prompts, given, sps):
             self.backend.check_request(ids, sp, max_new_given=bool(d) and d.get("max_new_tokens") is not None)
         return sps

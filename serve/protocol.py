@@ -17,29 +17,9 @@ from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
 
 from specjax import sampling
 
-from .request import RequestError, SamplingParams, check_min_tokens, with_logprob_fields
+from .request import (NEUTRAL_EXTRAS, NO_LIMIT, RequestError, SamplingParams, check_min_tokens,
+                      refuse_unsupported, with_logprob_fields)
 
-NO_LIMIT = 1 << 30  # the max_new_tokens of a request without an output limit (the context's: the scheduler caps it)
-
-
-def _is_neutral(value: Any, neutral: tuple) -> bool:
-    if value is None or (isinstance(value, (str, list, dict)) and not value):  # null / empty asks for nothing
-        return True
-    for n in neutral:
-        if isinstance(n, bool) or isinstance(value, bool):
-            if value is n:
-                return True
-        elif value == n:
-            return True
-    return False
-
-
-def refuse_unsupported(name: str, value: Any, table: dict[str, tuple], where: str = "") -> None:
-    """A RequestError (400) for a field other servers define that specjax does not implement (``table``: field ->
-    its neutral values), unless it asks for nothing (None, empty, or one of its neutral values)."""
-    if not _is_neutral(value, table[name]):
-        raise RequestError(f"{where}{name}={value!r} is not supported by specjax", param=name,
-                           code="unsupported_parameter")
 
 
 # A count or seed: an integer, or a float with an integral value (JSON clients send 3.0), as ``SamplingParams``
@@ -100,12 +80,6 @@ class ErrorResponse(BaseModel):
 
 
 # ---- SGLang native /generate -------------------------------------------------------------------------------------
-# Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
-NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
-                  "spaces_between_special_tokens": (True,),
-                  "custom_params": (), "stream_interval": (), "lora_path": ()}
-
-
 class GenerateSamplingParams(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = NEUTRAL_EXTRAS
     max_new_tokens: Int | None = 128

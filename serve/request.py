@@ -17,6 +17,11 @@ from specjax import sampling
 INT32_MAX = (1 << 31) - 1
 DETOK_CONTEXT = 6  # prompt tokens decoded with the output so that the first output token gets its leading space
 MAX_STOP_CHARS = 512  # per stop string: the held-back tail is compared against each on every step
+NO_LIMIT = 1 << 30  # the max_new_tokens of a request without an output limit (the context's: the scheduler caps it)
+# Extra sampling parameters SGLang knows: accepted at their neutral value, refused otherwise.
+NEUTRAL_EXTRAS = {"regex": (), "json_schema": (), "ebnf": (), "structural_tag": (),
+                  "spaces_between_special_tokens": (True,),
+                  "custom_params": (), "stream_interval": (), "lora_path": ()}
 
 
 class RequestError(ValueError):
@@ -25,6 +30,26 @@ class RequestError(ValueError):
     def __init__(self, message: str, param: str | None = None, code: str | None = None):
         super().__init__(message)
         self.param, self.code = param, code
+
+
+def _is_neutral(value: Any, neutral: tuple) -> bool:
+    if value is None or (isinstance(value, (str, list, dict)) and not value):  # null / empty asks for nothing
+        return True
+    for n in neutral:
+        if isinstance(n, bool) or isinstance(value, bool):
+            if value is n:
+                return True
+        elif value == n:
+            return True
+    return False
+
+
+def refuse_unsupported(name: str, value: Any, table: dict[str, tuple], where: str = "") -> None:
+    """A RequestError (400) for a field other servers define that specjax does not implement (``table``: field ->
+    its neutral values), unless it asks for nothing (None, empty, or one of its neutral values)."""
+    if not _is_neutral(value, table[name]):
+        raise RequestError(f"{where}{name}={value!r} is not supported by specjax", param=name,
+                           code="unsupported_parameter")
 
 
 def batch_rids(rid: str | list[str] | None, count: int) -> list[str | None]:
@@ -82,10 +107,16 @@ class SamplingParams:
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
+        """A Python dict of SGLang's sampling parameters (the Engine's; /generate's JSON goes through pydantic's
+        ``GenerateSamplingParams``): SGLang's extras accepted at their neutral value, ``max_new_tokens: None`` = no
+        limit but the context, ``sampling_seed`` as ``seed``; a RequestError naming the first bad field."""
         if d is not None and not isinstance(d, Mapping):
             raise RequestError(f"sampling_params must be a dict of parameters, got {type(d).__name__}",
                                "sampling_params")
         d = dict(d or {})
+        for name in [k for k in d if k in NEUTRAL_EXTRAS]:  # SGLang's extras: accepted when they ask for nothing
+            refuse_unsupported(name, d.pop(name), NEUTRAL_EXTRAS, "sampling_params.")
+        no_limit = "max_new_tokens" in d and d["max_new_tokens"] is None
         if "sampling_seed" in d and d.get("seed") is None:
             d["seed"] = d.pop("sampling_seed")
         d.pop("sampling_seed", None)
@@ -95,6 +126,8 @@ class SamplingParams:
             raise RequestError(f"unknown sampling parameter(s) {unknown}; known: {sorted(names)}", param=unknown[0])
         d = {k: v for k, v in d.items() if v is not None}
         sp = cls(**d)
+        if no_limit:
+            sp.max_new_tokens = NO_LIMIT
         sp.validate()
         return sp
 

@@ -24,7 +24,8 @@ from specjax.config import ConfigError, ModelConfig
 from specjax.serve.args import ArgsError, ServerArgs, build_parser, parse_args
 from specjax.serve.launch import LONGER_CONTEXT_ENV, build, check_context_length
 from specjax.serve.pages import PagePool, RadixCache
-from specjax.serve.request import MAX_STOP_CHARS, Request, RequestError, SamplingParams, stop_prefix_at_end
+from specjax.serve.request import (MAX_STOP_CHARS, NO_LIMIT, Request, RequestError, SamplingParams,
+                                   stop_prefix_at_end)
 from server_helpers import tiny_model_dir
 
 
@@ -278,6 +279,18 @@ def test_sampling_params_validation(bad):
     with pytest.raises(RequestError) as e:
         SamplingParams.from_dict(bad)
     assert e.value.param == next(iter(bad))  # refused for the bad field, which the error names
+
+
+def test_sampling_params_from_dict_reads_sglang_extras_and_no_limit():
+    """The Engine's one path for a dict: SGLang's extras pass at their neutral value and are refused otherwise,
+    max_new_tokens None means no limit but the context (as /generate's JSON), sampling_seed is the seed."""
+    sp = SamplingParams.from_dict({"max_new_tokens": None, "regex": None, "spaces_between_special_tokens": True,
+                                   "sampling_seed": 7})
+    assert sp.max_new_tokens == NO_LIMIT and sp.seed == 7
+    assert SamplingParams.from_dict({}).max_new_tokens == 128
+    with pytest.raises(RequestError) as e:
+        SamplingParams.from_dict({"regex": "[a-z]+"})
+    assert e.value.param == "regex" and e.value.code == "unsupported_parameter"
 
 
 # ---- pages and radix cache -----------------------------------------------------------------------------------------
