@@ -246,3 +246,43 @@ def test_a_folder_that_cannot_be_written_is_said_at_once(tmp_path, monkeypatch):
     monkeypatch.setattr(epath.Path, "write_text", refuse)
     with pytest.raises(OSError, match=f"cannot write checkpoints to {tmp_path / 'ck'}: Read-only file system"):
         Checkpointer(str(tmp_path / "ck"), keep=3, async_save=False)
+
+
+def test_final_export_reaches_a_gs_url(tmp_path, monkeypatch):
+    """checkpoint.export with a gs:// checkpoint.dir (a TPU pod's usual one): the head is exported to a local
+    temporary folder and copied under the URL, config.json written last (was skipped on gs:// dirs). The URL is
+    mapped onto a local folder here (no Cloud Storage in tests), as etils would map it onto a bucket."""
+    import types
+    from etils import epath
+
+    import train_fixtures as tf
+    from specjax.config import ModelConfig
+    from specjax.head_weights import load_eagle3_head
+    from specjax.train import __main__ as train_main, checkpoint as ckpt_lib
+
+    tcfg = ModelConfig.from_pretrained(tf.make_tiny_model(str(tmp_path / "model")))
+    head = Eagle3Config.from_target(tcfg, draft_vocab_size=48, dtype="float32")
+    params = eagle3.init_params(head, jax.random.PRNGKey(1))
+    vm = VocabMap.from_used_ids(np.arange(48), tcfg.vocab_size)
+    bucket, real_path = tmp_path / "bucket", epath.Path
+
+    def fake_path(p, *rest):
+        p = str(p)
+        if p.startswith("gs://"):
+            p = str(bucket / p[len("gs://"):])
+        return real_path(p, *rest)
+
+    monkeypatch.setattr(ckpt_lib.epath, "Path", fake_path)
+    notes = []
+    run = types.SimpleNamespace(cfg=types.SimpleNamespace(checkpoint=types.SimpleNamespace(
+        dir="gs://b/run/", export="hf")), state=types.SimpleNamespace(params=params), vocab_map=vm, head_cfg=head,
+        target_cfg=tcfg, log=types.SimpleNamespace(info=notes.append))
+    assert train_main.export_final_head(run) == "gs://b/run/hf"
+    assert sorted(os.listdir(bucket / "b" / "run" / "hf")) == ["config.json", "model.safetensors"]
+    got_cfg, got, got_vm = load_eagle3_head(str(bucket / "b" / "run" / "hf"), tcfg, dtype="float32")
+    assert got_cfg.draft_vocab_size == 48 and (np.asarray(got_vm.t2d) == np.asarray(vm.t2d)).all()
+    np.testing.assert_array_equal(np.asarray(got.fc), np.asarray(params.fc.astype(jnp.bfloat16).astype(np.float32)))
+    monkeypatch.setattr(ckpt_lib, "upload_folder", lambda *a: (_ for _ in ()).throw(PermissionError("403")))
+    assert train_main.export_final_head(run) is None  # a failed copy is a note; the run still ends well
+    assert "not exported to gs://b/run/hf (PermissionError: 403)" in notes[-1]
+    assert "export-head gs://b/run/" in notes[-1]

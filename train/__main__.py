@@ -15,6 +15,7 @@ import json
 import os
 import signal
 import sys
+import tempfile
 import time
 from typing import Any, Callable
 
@@ -25,9 +26,10 @@ from jax.experimental import multihost_utils
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from specjax import configs, weights
-from specjax.cli import OutputFolderError, check_output_file, error_text
+from specjax.cli import check_output_file, error_text
 from specjax.config import ModelConfig
-from specjax.head_weights import HeadFormatError, export_head, is_hf_eagle3_head, load_eagle3_head
+from specjax.head_weights import (HF_HEAD_FILES, HeadFormatError, export_head, is_hf_eagle3_head,
+                                  load_eagle3_head)
 from specjax.host import reuse_cpu_temps
 from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
@@ -736,20 +738,27 @@ def train(run: Run) -> int:
 
 def export_final_head(run: Run) -> str | None:
     """``checkpoint.export``: the final head written as an HF EAGLE3 folder in bf16 (what ``convert export-head``
-    writes): every process gathers the params (a collective: a head split over tp spans hosts), process 0 writes.
-    Returns the folder, or None when there is none (turned off, a gs:// dir, another process, or a failed export,
-    which is said: the checkpoint stays)."""
+    writes): every process gathers the params (a collective: a head split over tp spans hosts), process 0 writes
+    (into a local temporary folder first, then copied, when ``checkpoint.dir`` is a gs:// URL). Returns the folder,
+    or None when there is none (turned off, another process, or a failed export, which is said: the checkpoint
+    stays)."""
     ck = run.cfg.checkpoint
-    if not ck.export or ck.dir.startswith("gs://"):
+    if not ck.export:
         return None
     params, vmap = multihost_utils.process_allgather((run.state.params, run.vocab_map), tiled=True)
     if jax.process_index() != 0:
         return None
-    out = os.path.join(ck.dir, ck.export)
+    remote = "://" in ck.dir
+    out = f"{ck.dir.rstrip('/')}/{ck.export}" if remote else os.path.join(ck.dir, ck.export)
     try:
-        export_head(params, run.head_cfg, vmap, out, run.target_cfg, dtype="bfloat16", log=run.log.info)
-    except (HeadFormatError, OutputFolderError, OSError) as e:
-        run.log.info(f"note: the final head was not exported to {out} ({type(e).__name__}: {e})")
+        with tempfile.TemporaryDirectory(prefix="specjax-export-") as tmp:
+            local = os.path.join(tmp, "hf") if remote else out
+            export_head(params, run.head_cfg, vmap, local, run.target_cfg, dtype="bfloat16", log=run.log.info)
+            if remote:
+                ckpt_lib.upload_folder(local, out, HF_HEAD_FILES)
+    except Exception as e:  # noqa: BLE001 -- the run is done and its checkpoint saved: an export failure is a note
+        run.log.info(f"note: the final head was not exported to {out} ({type(e).__name__}: {e}); the checkpoint "
+                     f"is whole: python -m specjax.convert export-head {ck.dir} OUT_DIR")
         return None
     return out
 

@@ -361,6 +361,19 @@ def remove_if_no_files(top: str | None) -> None:
             os.rmdir(root)
 
 
+def upload_folder(local_dir: str, url: str, names: tuple[str, ...]) -> None:
+    """Copy the files ``names`` of ``local_dir`` into ``url`` (a gs:// folder, or any path etils reads), in order:
+    the last one (an HF folder's config.json, which says the folder is whole) is removed first and written last, so
+    a reader never takes a half-copied folder for a complete one. Other files in ``url`` are left alone."""
+    dst = epath.Path(url)
+    dst.mkdir(parents=True, exist_ok=True)
+    last = dst / names[-1]
+    if last.exists():
+        last.unlink()
+    for name in names:
+        (dst / name).write_bytes(epath.Path(local_dir, name).read_bytes())
+
+
 def head_config_to_dict(cfg: Eagle3Config) -> dict[str, Any]:
     d = dataclasses.asdict(cfg)
     d["rope_scaling"] = [list(kv) for kv in cfg.rope_scaling] if cfg.rope_scaling is not None else None

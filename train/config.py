@@ -121,7 +121,7 @@ class CheckpointConfig:
     async_save: bool = option(True, help='write in the background while training continues')
     resume: bool = option(True, help='continue from the latest good checkpoint in dir, if any')
     export: str = option('hf', help='when the run completes, also write the final head as an HF EAGLE3 folder (bf16, '
-                                    'what SGLang and vLLM load) into <dir>/<export>; "" to skip (local dirs only)')
+                                    'what SGLang and vLLM load) into <dir>/<export>, gs:// dirs too; "" to skip')
 
 
 @dataclasses.dataclass(frozen=True)
