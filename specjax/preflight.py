@@ -567,6 +567,11 @@ def _serve_parser():
     p.prog = "python -m specjax.preflight serve"
     p.description = ("Compile every program the server runs with these flags (the server's own) for a TPU "
                      "topology: each prefill bucket, the decode step, the speculative step; no weights needed.")
+    p.epilog = ("examples:\n"
+                "  python -m specjax.preflight serve --model-path llama-3.1-8b --tp-size 4 --topology v5e-4 \\\n"
+                "      --speculative-algorithm EAGLE3 --programs plain,EAGLE3\n"
+                "  python -m specjax.preflight serve --model-path ~/.cache/specjax/SmolLM2-135M-Instruct "
+                "--topology v5e-1")
     return add_options(p, ServePreflightOptions)
 
 

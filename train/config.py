@@ -41,7 +41,8 @@ class HeadConfig:
         32000, help='Vd: the most frequent target ids of the data (capped at the target vocab)')
     num_layers: int = option(1, help='decoder layers of the head (EAGLE3: 1)')
     init_from: str | None = option(
-        None, help='specjax checkpoint dir: fine-tune that head (keeps its vocab map; see widen_vocab)')
+        None, help='a specjax checkpoint dir or an HF EAGLE3 head folder (published, SpecForge, an export): '
+        'fine-tune that head (keeps its vocab map; see widen_vocab)')
     widen_vocab: bool = option(
         False, help="with init_from: grow that head's draft vocab to draft_vocab_size (its ids and rows kept, the "
         "most frequent other ids of the data, or of vocab_map's saved counts when given, added; their lm_head rows "
