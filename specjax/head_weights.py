@@ -25,8 +25,8 @@ from specjax.config import ModelConfig, config_architectures, read_json
 from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
-from specjax.safetensors_io import CheckpointIndex, load_file, save_file
-from specjax.weights import on_device
+from specjax.safetensors_io import CheckpointIndex, save_file
+from specjax.weights import WeightsError, hub_snapshot, on_device
 
 
 class HeadFormatError(ValueError):
@@ -122,13 +122,73 @@ def stored_matrix_dtype(a: np.ndarray, dtype) -> jnp.dtype:
     return dtype
 
 
+class _TorchTensors:
+    """The tensors of ``pytorch_model*.bin`` files (the official EAGLE and EAGLE3 heads' format), read with
+    ``torch.load(weights_only=True)`` (never unrestricted unpickling), behind CheckpointIndex's interface; bf16 kept
+    as bf16."""
+
+    def __init__(self, folder: str, files: list[str], error: type[Exception]):
+        try:
+            import torch
+        except ImportError:
+            raise error(f"{folder} holds its weights as {files[0]}, which needs PyTorch to read: pip install torch "
+                        f"(or convert the folder to safetensors)") from None
+        self.t: dict[str, np.ndarray] = {}
+        for f in files:
+            for k, v in torch.load(os.path.join(folder, f), map_location="cpu", weights_only=True).items():
+                self.t[k] = (v.view(torch.int16).numpy().view(jnp.bfloat16) if v.dtype == torch.bfloat16
+                             else v.numpy())
+
+    def keys(self) -> list[str]:
+        return list(self.t)
+
+    def shape(self, k: str) -> tuple[int, ...]:
+        return tuple(self.t[k].shape)
+
+    def tensor(self, k: str) -> np.ndarray:
+        return self.t[k]
+
+
+def open_head_tensors(folder: str, error: type[Exception] = None):
+    """The tensors of a head folder: its ``*.safetensors`` (a CheckpointIndex, read lazily), else its
+    ``pytorch_model*.bin`` files; ``error`` (default HeadFormatError) when it has neither."""
+    error = error or HeadFormatError
+    files = sorted(os.listdir(folder))
+    if any(f.endswith(".safetensors") for f in files):
+        return CheckpointIndex(folder)
+    bins = [f for f in files if f.startswith("pytorch_model") and f.endswith(".bin")]
+    if not bins:
+        raise error(f"{folder} has no *.safetensors or pytorch_model*.bin")
+    return _TorchTensors(folder, bins, error)
+
+
+def _vocab_tensors(ckpt, raw: dict[str, str], cfg: Eagle3Config, path: str) -> tuple[np.ndarray, np.ndarray, set]:
+    """(d2t, t2d, keys used) of a head: both stored; t2d rebuilt from d2t where only d2t is (Model Optimizer's
+    exports; SGLang and vLLM read d2t alone); the identity when the draft vocab is the target's and neither is."""
+    vd, v = cfg.draft_vocab_size, cfg.vocab_size
+    if "d2t" in raw:
+        d2t = np.asarray(ckpt.tensor(raw["d2t"])).astype(np.int64)
+        if "t2d" in raw:
+            return d2t, np.asarray(ckpt.tensor(raw["t2d"])).astype(bool), {"d2t", "t2d"}
+        ids = np.arange(d2t.shape[0]) + d2t
+        if d2t.ndim != 1 or ids.min(initial=0) < 0 or ids.max(initial=0) >= v:
+            raise HeadFormatError(f"head {path}: d2t maps draft ids outside the target vocab [0, {v})")
+        t2d = np.zeros((v,), bool)
+        t2d[ids] = True
+        return d2t, t2d, {"d2t"}
+    if vd == v and "t2d" not in raw:
+        return np.zeros((vd,), np.int64), np.ones((v,), bool), set()
+    raise HeadFormatError(f"head {path} has draft_vocab_size={vd} < vocab_size={v} but no d2t tensor")
+
+
 def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = None
               ) -> tuple[Eagle3Config, Eagle3Params, VocabMap]:
-    """Read an HF EAGLE3 head folder (config.json + safetensors) for ``target_cfg``; params in ``dtype`` (default:
-    the config's torch_dtype), except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every
-    tensor's shape is checked and every key must be used or known-ignorable."""
+    """Read an HF EAGLE3 head folder (config.json + safetensors or pytorch_model*.bin; SpecForge / SGLang's layout,
+    vLLM speculators', Model Optimizer's) for ``target_cfg``; params in ``dtype`` (default: the config's
+    torch_dtype), except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every tensor's shape is
+    checked and every key must be used or known-ignorable."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors)")
+        raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors or pytorch_model*.bin)")
     hf = eagle3.read_hf_config(path)
     try:
         head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=dtype)
@@ -137,7 +197,7 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
     except ValueError as e:
         raise HeadFormatError(f"{path}/config.json: {e}") from None
     check_head_matches_target(head_cfg, target_cfg)
-    ckpt = CheckpointIndex(path)
+    ckpt = open_head_tensors(path)
     raw = {(k[len("model."):] if k.startswith("model.") else k): k for k in ckpt.keys()}
     if "midlayer.input_layernorm.weight" not in raw and "layers.0.input_layernorm.weight" in raw:
         raw = {(("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k): v for k, v in raw.items()}
@@ -162,15 +222,8 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
                   for suffix, (field, shape, _, from_hf) in layer_table(head_cfg, i).items()}
         lays.append(HeadLayerParams(**fields))
 
-    vd, v = head_cfg.draft_vocab_size, head_cfg.vocab_size
-    if "d2t" in raw and "t2d" in raw:
-        d2t = np.asarray(ckpt.tensor(raw["d2t"])).astype(np.int64)
-        t2d = np.asarray(ckpt.tensor(raw["t2d"])).astype(bool)
-        consumed |= {"d2t", "t2d"}
-    elif vd == v and "d2t" not in raw and "t2d" not in raw:
-        d2t, t2d = np.zeros((vd,), np.int64), np.ones((v,), bool)
-    else:
-        raise HeadFormatError(f"head {path} has draft_vocab_size={vd} < vocab_size={v} but no d2t/t2d tensors")
+    d2t, t2d, used = _vocab_tensors(ckpt, raw, head_cfg, path)
+    consumed |= used
     check_vocab_map(d2t, t2d, head_cfg)
 
     if "embed_tokens.weight" in raw:
@@ -193,22 +246,9 @@ _TOLERATED = ("embed_tokens.weight", "lm_head.weight")  # engines use the target
 
 
 def _read_tensors(folder: str) -> dict[str, np.ndarray]:
-    """All tensors of a head folder: *.safetensors, else pytorch_model*.bin read with torch weights_only=True."""
-    files = sorted(os.listdir(folder))
-    st = [f for f in files if f.endswith(".safetensors")]
-    out: dict[str, np.ndarray] = {}
-    if st:
-        for f in st:
-            out.update(load_file(os.path.join(folder, f)))
-        return out
-    bins = [f for f in files if f.endswith(".bin") and f.startswith("pytorch_model")]
-    if not bins:
-        raise EagleHeadError(f"{folder} has no *.safetensors or pytorch_model*.bin")
-    import torch
-    for f in bins:
-        sd = torch.load(os.path.join(folder, f), map_location="cpu", weights_only=True)
-        out.update({k: v.float().numpy() if v.dtype == torch.bfloat16 else v.numpy() for k, v in sd.items()})
-    return out
+    """All tensors of an EAGLE head folder (``open_head_tensors``)."""
+    src = open_head_tensors(folder, EagleHeadError)
+    return {k: np.asarray(src.tensor(k)) for k in src.keys()}
 
 
 def params_from_hf(tensors: dict[str, np.ndarray], cfg: eagle.EagleConfig) -> eagle.EagleParams:
@@ -338,6 +378,19 @@ def check_token_map_use(algorithm: str | None, token_map: str | None) -> str | N
                      "no draft")
 
 
+def resolve_head_path(path: str) -> str:
+    """A head's local folder: ``path`` itself, or, for a Hugging Face hub id (``owner/name``, no such local path),
+    its files downloaded into the hub cache (as SGLang and vLLM take ``--speculative-draft-model-path``)."""
+    local = os.path.expanduser(path)
+    if os.path.exists(local) or path.count("/") != 1 or path.startswith((".", "/", "~")):
+        return local
+    try:
+        return hub_snapshot(path, ("*.json", "*.safetensors", "pytorch_model*.bin"))
+    except WeightsError as e:
+        raise HeadFormatError(f"{path!r} is no local head folder and the Hugging Face hub could not provide it "
+                              f"({e}): pass the head's local folder") from None
+
+
 def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: str | None = None,
                dtype: str | None = None):
     """(draft_cfg, draft_params, vocab) from an HF head folder. vocab: EAGLE3 -> eagle3.VocabMap (from the head's
@@ -345,6 +398,7 @@ def load_draft(path: str, algorithm: str, target_cfg: ModelConfig, token_map: st
     algorithm = algorithm.upper()
     dtype = dtype or target_cfg.dtype
     check_token_map_use(algorithm, token_map)
+    path = resolve_head_path(path)
     if algorithm == "EAGLE3":
         return load_eagle3_head(path, target_cfg=target_cfg, dtype=dtype)
     if algorithm == "EAGLE":

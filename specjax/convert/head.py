@@ -17,7 +17,8 @@ and ``t2d`` (bool), and no ``embed_tokens`` (engines copy the target's). Aux lay
 ``eagle_config.eagle_aux_hidden_state_layer_ids`` in the TRAINING convention (output of layer id, 0-based), and
 read back the same way.
 
-Heads with more than one layer (``num_hidden_layers`` > 1, which SGLang does not serve): the first layer stays
+Heads with more than one layer (``num_hidden_layers`` > 1; SGLang names extra layers otherwise and would drop
+these): the first layer stays
 ``midlayer.*`` and extra layer i (i >= 1) is ``layers.{i}.*``, a plain Llama decoder layer over H, the names vLLM's
 multi-layer EAGLE3 uses (it reads ``midlayer.`` as ``layers.0.``). The importer accepts ``layers.0.*`` for the
 first layer too, strips a ``model.`` prefix, and accepts an ``embed_tokens.weight`` whose shape matches the

@@ -60,6 +60,8 @@ class Eagle3Config(HeadShape):
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     dtype: str = "bfloat16"
+    # vLLM speculators' variant (RedHatAI heads): the midlayer's residual is hidden_norm(h) rather than h
+    norm_before_residual: bool = False
 
     @classmethod
     def from_target(cls, tcfg: ModelConfig, *, draft_vocab_size: int | None = None, num_layers: int = 1,
@@ -200,7 +202,10 @@ def qkv(lp: HeadLayerParams, cfg: Eagle3Config, x, positions, *, with_q: bool = 
 
 
 def finish_layer(lp: HeadLayerParams, cfg: Eagle3Config, hidden, attn_out):
-    """Residual + o_proj, then the SwiGLU MLP. hidden: [B, T, H]; attn_out: [B, T, N, Hd] -> [B, T, H]."""
+    """Residual + o_proj, then the SwiGLU MLP. hidden: [B, T, H] (the layer's input; a midlayer of a
+    ``norm_before_residual`` head takes hidden_norm(hidden) as its residual); attn_out: [B, T, N, Hd] -> [B, T, H]."""
+    if lp.hidden_norm is not None and cfg.norm_before_residual:
+        hidden = layers.rms_norm(hidden, lp.hidden_norm, cfg.rms_norm_eps)
     h = layers.out_proj(attn_out, lp.wo, residual=hidden)
     return layers.swiglu(layers.rms_norm(h, lp.post_norm, cfg.rms_norm_eps), lp.w_gate, lp.w_up, lp.w_down,
                          residual=h)
@@ -262,10 +267,14 @@ def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dic
         out["head_dim"] = cfg.head_dim
     if cfg.target_hidden_size != cfg.hidden_size:
         out["target_hidden_size"] = cfg.target_hidden_size
-    if target_num_layers is None or tuple(cfg.aux_layer_ids) != default_aux_layer_ids(target_num_layers):
-        if target_num_layers is not None:
-            out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
-                                   "use_aux_hidden_state": True}
+    if cfg.norm_before_residual:
+        out["norm_before_residual"] = True  # read by SGLang and vLLM alike
+    if target_num_layers is not None and tuple(cfg.aux_layer_ids) != default_aux_layer_ids(target_num_layers):
+        # SGLang reads eagle_config's ids as layer outputs (it adds 1); vLLM reads the top-level field first, as the
+        # layer whose INPUT is captured: the same layers written both ways
+        out["eagle_config"] = {"eagle_aux_hidden_state_layer_ids": list(cfg.aux_layer_ids),
+                               "use_aux_hidden_state": True}
+        out["eagle_aux_hidden_state_layer_ids"] = [i + 1 for i in cfg.aux_layer_ids]
     return out
 
 
@@ -273,27 +282,66 @@ def config_to_hf(cfg: Eagle3Config, target_num_layers: int | None = None) -> dic
 EAGLE_ARCHITECTURES = ("LlamaForCausalLMEagle", "EagleLlamaForCausalLM")
 
 
+# Architecture names of EAGLE3 heads: SpecForge / SGLang's, vLLM's, and vLLM speculators' (a nested
+# ``transformer_layer_config``); a plain LlamaForCausalLM name is taken when the rest of the config is an EAGLE3 head's.
+EAGLE3_ARCHITECTURES = ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "Eagle3Speculator", "Eagle3DraftModel",
+                        "LlamaForCausalLM")
+# speculators' options that change the head's math in ways specjax does not implement (refused, never ignored)
+_UNSUPPORTED_OPTIONS = {"norm_before_fc": "an RMSNorm over the concatenated target features before fc",
+                        "fc_norm": "an RMSNorm after fc"}
+
+
+def _flat_config(hf: dict[str, Any]) -> dict[str, Any]:
+    """A speculators config (the layer's fields under ``transformer_layer_config``, the head's own at the top) as
+    one flat dict; other configs as they are."""
+    inner = hf.get("transformer_layer_config")
+    if not isinstance(inner, dict):
+        return hf
+    flat = {"num_hidden_layers": 1, **inner}
+    flat.update({k: v for k, v in hf.items() if k != "transformer_layer_config" and v is not None})
+    if "dtype" in hf and "torch_dtype" not in hf:
+        flat["torch_dtype"] = hf["dtype"]
+    return flat
+
+
+def _aux_ids(hf: dict[str, Any], target_num_layers: int) -> tuple[int, ...]:
+    """Target layers (training convention: layer outputs) from eagle_config's ids (SGLang's, the same convention)
+    or else the top-level ids of vLLM / speculators configs (the layer whose input is captured: minus one)."""
+    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(int(i) for i in ids)
+    ids = hf.get("eagle_aux_hidden_state_layer_ids")
+    if ids:
+        return tuple(int(i) - 1 for i in ids)
+    return default_aux_layer_ids(target_num_layers)
+
+
 def config_from_hf(hf: dict[str, Any], target_num_layers: int, dtype: str | None = None) -> Eagle3Config:
     archs = hf.get("architectures") or []
-    if archs and archs[0] not in ("LlamaForCausalLMEagle3", "Eagle3LlamaForCausalLM", "LlamaForCausalLM"):
+    if archs and archs[0] not in EAGLE3_ARCHITECTURES:
         hint = (" (an EAGLE-1/2 head: serve it as it is with --speculative-algorithm EAGLE)"
                 if archs[0] in EAGLE_ARCHITECTURES else "")
         raise ValueError(f"not an EAGLE3 head: architectures={archs}{hint}")
+    hf = _flat_config(hf)
+    for name, what in _UNSUPPORTED_OPTIONS.items():
+        if hf.get(name):
+            raise ValueError(f"{name}=true ({what}) is not supported by specjax")
     h = int(hf["hidden_size"])
     n = int(hf["num_attention_heads"])
-    ids = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids")
     rope_theta, rs = rope_settings(hf, "EAGLE3 head")
+    vd = hf.get("draft_vocab_size") or hf.get("truncated_vocab_size") or hf["vocab_size"]
     return Eagle3Config(
         hidden_size=h, intermediate_size=int(hf["intermediate_size"]), num_heads=n,
         num_kv_heads=int(hf.get("num_key_value_heads") or n), head_dim=int(hf.get("head_dim") or h // n),
-        vocab_size=int(hf["vocab_size"]), draft_vocab_size=int(hf.get("draft_vocab_size") or hf["vocab_size"]),
+        vocab_size=int(hf["vocab_size"]), draft_vocab_size=int(vd),
         target_hidden_size=int(hf.get("target_hidden_size") or h), rms_norm_eps=float(hf.get("rms_norm_eps", 1e-6)),
         rope_theta=rope_theta, max_position_embeddings=int(hf.get("max_position_embeddings", 4096)),
         rope_scaling=tuple(sorted(rs.items())) if rs else None, num_layers=int(hf.get("num_hidden_layers", 1)),
-        aux_layer_ids=tuple(int(i) for i in ids) if ids else default_aux_layer_ids(target_num_layers),
+        aux_layer_ids=_aux_ids(hf, target_num_layers),
         bos_token_id=hf.get("bos_token_id"),
         eos_token_ids=eos_ids(hf.get("eos_token_id")),
-        dtype=dtype or hf.get("torch_dtype") or "bfloat16")
+        dtype=dtype or hf.get("torch_dtype") or "bfloat16",
+        norm_before_residual=bool(hf.get("norm_before_residual", False)))
 
 
 def read_hf_config(folder: str) -> dict[str, Any]:
