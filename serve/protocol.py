@@ -180,8 +180,10 @@ class _OpenAISampling(_Body):
 
     def sampling(self, max_tokens: int | None, param: str = "max_tokens") -> SamplingParams:
         """The SamplingParams of this body with the output limit ``max_tokens`` (given as the field ``param``)."""
-        if max_tokens is not None and max_tokens < 1:
-            raise RequestError(f"{param} must be >= 1, got {max_tokens}", param=param)
+        want, top, echo = self.logprob_request()
+        if max_tokens is not None and max_tokens < (0 if getattr(self, "echo", False) else 1):
+            # 0 with echo scores the prompt alone (what evaluation harnesses send; vLLM takes it too)
+            raise RequestError(f"{param} must be >= 1 (0 only with echo), got {max_tokens}", param=param)
         if self.min_tokens is not None:  # no max_tokens: no limit but the context (the scheduler's)
             check_min_tokens(self.min_tokens, max_tokens if max_tokens is not None else NO_LIMIT, "min_tokens", param)
         sp = SamplingParams(
@@ -195,7 +197,6 @@ class _OpenAISampling(_Body):
             frequency_penalty=self.frequency_penalty or 0.0, presence_penalty=self.presence_penalty or 0.0,
             repetition_penalty=1.0 if self.repetition_penalty is None else self.repetition_penalty,
             min_new_tokens=self.min_tokens or 0, logit_bias=self.logit_bias, no_stop_trim=self.no_stop_trim)
-        want, top, echo = self.logprob_request()
         sp.return_logprob, sp.top_logprobs_num, sp.logprob_start_len = want, top, 0 if echo else -1
         sp.validate()
         return sp

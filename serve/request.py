@@ -135,8 +135,8 @@ class SamplingParams:
         """Check every parameter's type and range (RequestError naming it) and normalise it in place: integral
         floats to int (JSON clients send 3.0), a single stop string to a list, logit_bias keys to ints."""
         self._normalise_types()
-        if self.max_new_tokens < 1:
-            raise RequestError(f"max_new_tokens must be >= 1, got {self.max_new_tokens}", "max_new_tokens")
+        if self.max_new_tokens < 0:  # 0: SGLang's prefill-only request (prompt logprobs, a cached prefix)
+            raise RequestError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}", "max_new_tokens")
         if self.top_k == 0:  # OpenAI-style clients sometimes send 0 for "off"
             self.top_k = -1
         if self.top_k > INT32_MAX:  # the device kernels take int32; any k >= the vocab size means "off"

@@ -391,7 +391,8 @@ class Scheduler:
     def _first_token(self, req: Request, tok: int) -> None:
         """Emit the prefill's token (with the prompt's logprobs when asked for). As SGLang: prompt tokens from
         ``logprob_start_len`` on (-1, the default: the last prompt token only, which runs no scoring program), the
-        first of them without a logprob (None)."""
+        first of them without a logprob (None). A request for 0 new tokens (SGLang's prefill-only request) finishes
+        here, its token unused."""
         sp = req.params
         try:
             if sp.return_logprob:
@@ -405,6 +406,9 @@ class Scheduler:
         except Exception as e:  # noqa: BLE001 - fail this request only
             log.exception("prompt logprobs of request %s failed", req.rid)
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
+            return
+        if sp.max_new_tokens == 0:
+            self._finish(req, {"type": "length", "length": 0})
             return
         self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
 

@@ -241,3 +241,12 @@ def test_tp_dp_mesh_gives_the_same_tokens(engine):
         assert eng.backend.scheduler.runner.mesh.shape == {"dp": 2, "tp": 2}
     finally:
         eng.shutdown()
+
+
+def test_prefill_only_request(engine):
+    """SGLang's max_new_tokens 0 through the Engine: the prompt's logprobs, no output, finish reason length."""
+    out = engine.generate(input_ids=[5, 6, 7, 8], sampling_params={"max_new_tokens": 0}, return_logprob=True,
+                          logprob_start_len=0)
+    assert out["output_ids"] == [] and out["text"] == "" and out["meta_info"]["finish_reason"]["type"] == "length"
+    lps = out["meta_info"]["input_token_logprobs"]
+    assert [t for _, t, _ in lps] == [5, 6, 7, 8] and lps[0][0] is None and all(x < 0 for x, _, _ in lps[1:])

@@ -88,7 +88,7 @@ BAD = [
     ("/generate", {"text": "x", "input_ids": [1, 2]}, 400, None),
     ("/generate", {}, 400, None),
     ("/generate", {"input_ids": [1, 2, 99999]}, 400, "input_ids"),
-    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": 0}}, 400, "max_new_tokens"),
+    ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": -1}}, 400, "max_new_tokens"),
     ("/generate", {"text": "x", "sampling_params": {"temperature": -2}}, 400, None),
     ("/generate", {"text": "x", "sampling_params": {"frequency_penalty": 2.5}}, 400, "frequency_penalty"),
     ("/generate", {"text": "x", "sampling_params": {"max_new_tokens": "lots"}}, 400, None),

@@ -158,3 +158,33 @@ def test_bad_values_are_400(server, body, param):
         model=SHARED_NAME, messages=[{"role": "user", "content": "hi"}], max_tokens=2, **body), timeout=60)
     assert r.status_code == 400, r.text
     assert r.json()["error"]["param"] == param, r.text
+
+
+def test_zero_new_tokens_scores_the_prompt_alone(server, client, hf):
+    """SGLang's prefill-only request (``max_new_tokens: 0``) and the completions API's ``max_tokens: 0`` with echo
+    (what evaluation harnesses send to score a text): the prompt's logprobs, no output token, finish reason length;
+    the same prompt logprobs as a request that goes on generating. max_tokens 0 without echo asks for nothing."""
+    tok = hf[0]
+    ids = tok(PROMPT)["input_ids"]
+    ref = hf_logprobs(hf, ids)
+    out = gen(server, input_ids=ids, return_logprob=True, logprob_start_len=0, top_logprobs_num=2,
+              sampling_params={"max_new_tokens": 0})
+    meta = out["meta_info"]
+    assert out["output_ids"] == [] and out["text"] == "" and meta["completion_tokens"] == 0
+    assert meta["finish_reason"] == {"type": "length", "length": 0}
+    np.testing.assert_allclose([lp for lp, _, _ in meta["input_token_logprobs"][1:]],
+                               [ref[i - 1, ids[i]] for i in range(1, len(ids))], atol=1e-4)
+    assert meta["output_token_logprobs"] == []
+    r = client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=0, echo=True, logprobs=1,
+                                  temperature=0)
+    choice = r.choices[0]
+    assert choice.text == PROMPT and choice.finish_reason == "length" and r.usage.completion_tokens == 0
+    assert len(choice.logprobs.tokens) == len(ids) and choice.logprobs.token_logprobs[0] is None
+    np.testing.assert_allclose(choice.logprobs.token_logprobs[1:], [lp for lp, _, _ in
+                                                                   meta["input_token_logprobs"][1:]], atol=1e-5)
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model=SHARED_NAME, prompt=PROMPT, max_tokens=0, echo=True, stream=True) if c.choices)
+    assert streamed == PROMPT
+    with pytest.raises(openai.BadRequestError, match="0 only with echo"):
+        client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=0)
+    assert gen(server, text=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2

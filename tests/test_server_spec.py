@@ -203,6 +203,12 @@ def test_eagle3_logprobs_and_penalties_over_http_equal_plain(plain, eagle3_serve
             np.testing.assert_allclose([x for x, _, _ in gt], [x for x, _, _ in wt], atol=1e-4)
         accept.append(g["spec_accept_length"])
     assert np.mean(accept) > 1.2, accept  # drafted paths were accepted under the penalties
+    # a prefill-only request (max_new_tokens 0) through the speculative server: the prompt's logprobs, no token
+    got = eagle3_server.generate(input_ids=p, sampling_params=dict(sp, max_new_tokens=0, min_new_tokens=0), **body)
+    assert got["output_ids"] == [] and got["meta_info"]["finish_reason"]["type"] == "length"
+    np.testing.assert_allclose([x for x, _, _ in got["meta_info"]["input_token_logprobs"][1:]],
+                               [x for x, _, _ in w["input_token_logprobs"][1:]], atol=1e-4)
+    assert eagle3_server.generate(input_ids=p, sampling_params=GREEDY)["output_ids"]  # the slot was freed
 
 
 def test_cli_server_with_a_random_eagle3_head_folder(tmp_path):

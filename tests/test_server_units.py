@@ -268,7 +268,7 @@ def test_skip_special_tokens(tokenizer):
     assert texts[False] == tokenizer.decode(out, skip_special_tokens=False) and tokenizer.eos_token in texts[False]
 
 
-@pytest.mark.parametrize("bad", [{"max_new_tokens": 0}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
+@pytest.mark.parametrize("bad", [{"max_new_tokens": -1}, {"temperature": -0.5}, {"top_p": 0.0}, {"top_p": 1.5},
                                  {"top_k": -3}, {"min_p": 2.0}, {"n": 0}, {"stop": [""]}, {"bogus": 1},
                                  {"frequency_penalty": 2.5}, {"presence_penalty": -3}, {"repetition_penalty": 0.0},
                                  {"min_new_tokens": -1}, {"logit_bias": {"a": 1}}, {"logit_bias": {"3": 101}},
