@@ -312,6 +312,9 @@ class Request:
     nodes: list = dataclasses.field(default_factory=list)  # radix nodes this request holds a reference on
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     prefilled: int = 0  # prompt tokens in the KV cache
+    scored: int = 0  # prompt positions scored for prompt logprobs (``score_span``), after the prefill
+    first_token: int | None = None  # the prefill's token, held while the prompt is scored
+    decoding: bool = False  # the first token is out: the request takes decode steps
     output_ids: list[int] = dataclasses.field(default_factory=list)
     spec_verify_ct: int = 0
     finish_reason: dict | None = None
@@ -337,6 +340,14 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.prefilled >= len(self.prompt_ids)
+
+    def score_span(self) -> tuple[int, int]:
+        """Prompt positions [begin, end) whose next token's logprob the request asks for (SGLang's prompt tokens
+        from ``logprob_start_len`` on, the first without one): empty unless it scores more than one prompt token."""
+        sp, n = self.params, len(self.prompt_ids)
+        if sp.return_logprob and 0 <= sp.logprob_start_len < n - 1:
+            return sp.logprob_start_len, n - 1
+        return 0, 0
 
     def tokens_in_cache(self) -> list[int]:
         """Tokens whose KV sits in this request's pages: the prompt part computed so far, then every emitted token

@@ -292,30 +292,64 @@ class Scheduler:
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def _prefill_round(self) -> None:
+        """Within the round's token budget (``--chunked-prefill-size``), prefill the admitted prompts' next chunks,
+        then score the chunks of those that ask for prompt logprobs; a request whose prompt is through both emits
+        its first token and joins the decode steps."""
         budget = self.chunk if self.chunk else float("inf")
-        for req in [r for r in self.slots if r is not None and not r.prefill_done]:
+        for req in [r for r in self.slots if r is not None and not r.decoding]:
             if budget <= 0:
                 return
-            n = int(min(len(req.prompt_ids) - req.prefilled, budget))
-            try:
-                self.state, tok = self.runner.prefill(self.state, req.slot, np.asarray(
-                    req.prompt_ids[:req.prefilled + n], np.int32), self._page_row(req),
-                    req.params.runner_row(req.seed, self.eos_ids), cached=req.prefilled)
-            except Exception as e:  # noqa: BLE001
-                log.exception("prefill of request %s failed", req.rid)
-                if self._state_lost():
-                    self._recover(f"prefill failed: {type(e).__name__}: {e}")
-                    return
+            if req.finished or req.slot is None:  # failed with the batch (``_recover``) earlier in this round
+                continue
+            if not req.prefill_done:
+                n = int(min(len(req.prompt_ids) - req.prefilled, budget))
+                if not self._prefill_chunk(req, n):
+                    continue
+                budget -= n
+            begin, end = req.score_span()
+            if req.prefill_done and req.scored < end - begin and budget > 0:
+                c = int(min(end - begin - req.scored, budget))
+                if not self._score_chunk(req, begin + req.scored, c):
+                    continue
+                budget -= c
+            if req.prefill_done and req.scored >= end - begin and not req.finished:
+                self._first_token(req, req.first_token)
+
+    def _prefill_chunk(self, req: Request, n: int) -> bool:
+        """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when
+        the device state was lost, is finished)."""
+        try:
+            self.state, tok = self.runner.prefill(self.state, req.slot, np.asarray(
+                req.prompt_ids[:req.prefilled + n], np.int32), self._page_row(req),
+                req.params.runner_row(req.seed, self.eos_ids), cached=req.prefilled)
+        except Exception as e:  # noqa: BLE001
+            log.exception("prefill of request %s failed", req.rid)
+            if self._state_lost():
+                self._recover(f"prefill failed: {type(e).__name__}: {e}")
+            else:
                 self._finish(req, {"type": "abort", "message": f"prefill failed: {type(e).__name__}: {e}"},
                              cache_ok=False)
-                continue
-            budget -= n
-            req.prefilled += n
-            self.totals["prompt_tokens"] += n
-            if req.prefill_done:
-                self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
-                self._cache_prefix(req)
-                self._first_token(req, tok)
+            return False
+        req.prefilled += n
+        self.totals["prompt_tokens"] += n
+        if req.prefill_done:
+            req.first_token = tok
+            self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
+            self._cache_prefix(req)
+        return True
+
+    def _score_chunk(self, req: Request, begin: int, count: int) -> bool:
+        """Score prompt positions [begin, begin + count) of a prefilled request (its prompt logprobs); False when
+        that failed (the request is finished)."""
+        try:
+            req.input_logprobs += self.runner.score_prompt(self.state, self._page_row(req), req.prompt_ids, begin,
+                                                           count, req.params.temperature)
+        except Exception as e:  # noqa: BLE001 - fail this request only
+            log.exception("prompt logprobs of request %s failed", req.rid)
+            self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
+            return False
+        req.scored += count
+        return True
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def _decode_round(self) -> None:
@@ -339,13 +373,13 @@ class Scheduler:
         """Every running request can take a step while one is in flight without writing past its pages."""
         reach = 2 * self.runner.tokens_per_step
         return all(len(r.prompt_ids) + len(r.output_ids) + reach <= len(r.pages) * self.page_size
-                   for r in self.slots if r is not None and r.prefill_done and not r.finished)
+                   for r in self.slots if r is not None and r.decoding and not r.finished)
 
     def _launch(self, pending: _Inflight | None = None) -> tuple[bool, _Inflight | None]:
         """Launch a step of every running request, except one that the step in flight (``pending``) finishes for
         certain (it emits at least one token: one left in the budget)."""
         def runs(b, r):
-            if r is None or not r.prefill_done or r.finished:
+            if r is None or not r.decoding or r.finished:
                 return False
             return pending is None or pending.reqs[b] is not r or len(r.output_ids) + 1 < r.params.max_new_tokens
         active = np.array([runs(b, r) for b, r in enumerate(self.slots)])
@@ -394,14 +428,11 @@ class Scheduler:
         first of them without a logprob (None). A request for 0 new tokens (SGLang's prefill-only request) finishes
         here, its token unused."""
         sp = req.params
+        req.decoding = True
         try:
-            if sp.return_logprob:
-                start = sp.logprob_start_len
-                if 0 <= start < len(req.prompt_ids) - 1:
-                    entries = self.runner.prompt_logprobs(req.prompt_ids, sp.temperature)[start:]
-                else:
-                    entries = [(None, req.prompt_ids[-1], None)]
-                req.input_logprobs = [(None, entries[0][1], None)] + entries[1:]
+            if sp.return_logprob:  # the scored positions' entries (``_score_chunk``) after the first, unscored token
+                begin, end = req.score_span()
+                req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None)] + req.input_logprobs
             lps = self._logprobs([req])
         except Exception as e:  # noqa: BLE001 - fail this request only
             log.exception("prompt logprobs of request %s failed", req.rid)

@@ -1,10 +1,14 @@
 """Log-probabilities of a prompt's own tokens (OpenAI completions ``echo`` + ``logprobs``, SGLang's
-``input_token_logprobs`` from ``logprob_start_len``): one causal target forward over the prompt, outside the KV pool.
+``input_token_logprobs`` from ``logprob_start_len``), scored chunk by chunk against the prompt's K/V in the paged pool.
 
 Token i > 0 gets log_softmax(logits after token i-1 / temperature)[token i] (temperature 1 for greedy requests, no
 penalties: they depend on the output) and the ``sampling.TOP_LOGPROBS`` most likely tokens of that distribution;
-token 0 has no context and gets None, as in SGLang and OpenAI. Prompts are padded to a power of two (>= 16), so a
-handful of compiled programs cover every length.
+token 0 has no context and gets None, as in SGLang and OpenAI.
+
+Scoring runs after the prompt's prefill has written its K/V: a chunk of positions [c, c + n) is one forward over those
+tokens that reads the prefix [0, c) from the pool and writes nothing, so its compiled programs are the prefill's
+shape buckets (bounded, whatever the prompt's length), the logits it holds are [chunk, V] rather than [prompt, V],
+and the scheduler spreads a long prompt's chunks over its rounds as it does prefill chunks.
 """
 
 from __future__ import annotations
@@ -16,31 +20,52 @@ import jax.numpy as jnp
 import numpy as np
 
 from specjax import sampling
+from specjax.batching import pick
 from specjax.config import ModelConfig
+from specjax.kv_cache import KVCache
 from specjax.models import target
 from specjax.sharding import use_mesh
 
 
-@functools.partial(jax.jit, static_argnames=("cfg",))
-def _score(params, cfg: ModelConfig, tokens, n, temperature):
-    t = tokens.shape[1]
-    positions = jnp.arange(t, dtype=jnp.int32)[None]
-    out = target.forward(params, cfg, tokens, positions, valid=positions < n)
-    lp = jax.nn.log_softmax(out.logits[0, :-1].astype(jnp.float32) / temperature, axis=-1)  # predicts tokens[1:]
+@functools.partial(jax.jit, static_argnames=("cfg", "npages", "cache_attention"))
+def _score_chunk(params, cfg: ModelConfig, k, v, page_row, tokens, next_tokens, n, start, temperature, *,
+                 npages: int, cache_attention=None):
+    """(logprob of next_tokens[j], top logprobs, top ids) after tokens[j] at position start + j, for j < n (the
+    rest padding); the prefix [0, start) is read from the pool (``page_row``), nothing is written."""
+    t = tokens.shape[0]
+    view = KVCache(k=k, v=v, page_table=page_row[None, :npages], lengths=start[None])
+    positions = start + jnp.arange(t, dtype=jnp.int32)
+    out = target.forward(params, cfg, tokens[None], positions[None], cache=view,
+                         valid=(jnp.arange(t) < n)[None], return_kv=False, cache_attention=cache_attention)
+    lp = jax.nn.log_softmax(out.logits[0].astype(jnp.float32) / temperature, axis=-1)  # [T, V]
     top_lp, top_ids = jax.lax.top_k(lp, min(sampling.TOP_LOGPROBS, lp.shape[-1]))
-    return jnp.take_along_axis(lp, tokens[0, 1:, None], axis=-1)[:, 0], top_lp, top_ids
+    return jnp.take_along_axis(lp, next_tokens[:, None], axis=-1)[:, 0], top_lp, top_ids
 
 
-def prompt_logprobs(params, cfg: ModelConfig, tokens, temperature: float = 0.0, mesh=None) -> list:
-    """[(None, tokens[0], None), (logprob of tokens[1], tokens[1], top), ...] under the request's temperature;
-    ``top``: [(logprob, token id), ...] of the most likely tokens at that position, best first."""
-    tokens = [int(t) for t in tokens]
-    n = len(tokens)
-    t = max(16, 1 << (n - 1).bit_length())
-    padded = np.zeros((1, t), np.int32)
-    padded[0, :n] = tokens
+def score_prompt(params, cfg: ModelConfig, cache: KVCache, page_row, tokens, begin: int, count: int,
+                 temperature: float, *, buckets: list[int], page_size: int, page_buckets: list[int],
+                 cache_attention=None, mesh=None) -> list:
+    """Entries [(logprob of tokens[p + 1], tokens[p + 1], top), ...] for positions p in [begin, begin + count)
+    (< len(tokens) - 1), whose K/V the pool already holds under ``page_row``; ``top``: [(logprob, token id), ...]
+    best first. Chunks of at most the largest of ``buckets`` (the runner's prefill buckets)."""
+    tokens = np.asarray(tokens, np.int32)
+    if begin < 0 or count < 0 or begin + count > len(tokens) - 1:
+        raise ValueError(f"positions [{begin}, {begin + count}) are not inside the prompt's first "
+                         f"{len(tokens) - 1} positions")
     temp = np.float32(temperature if temperature > 0 else 1.0)
-    with use_mesh(mesh):
-        lp, top_lp, top_ids = (np.asarray(a) for a in _score(params, cfg, padded, np.int32(n), temp))
-    return [(None, tokens[0], None)] + [
-        (float(lp[i]), tokens[i + 1], list(zip(top_lp[i].tolist(), top_ids[i].tolist()))) for i in range(n - 1)]
+    page_row = np.asarray(page_row, np.int32)
+    entries, pos = [], begin
+    while pos < begin + count:
+        n = min(begin + count - pos, buckets[-1])
+        t = pick(buckets, n)
+        chunk, nxt = np.zeros((t,), np.int32), np.zeros((t,), np.int32)
+        chunk[:n], nxt[:n] = tokens[pos:pos + n], tokens[pos + 1:pos + n + 1]
+        npages = pick(page_buckets, -(-(pos + n) // page_size))
+        with use_mesh(mesh):
+            lp, top_lp, top_ids = (np.asarray(a) for a in _score_chunk(
+                params, cfg, cache.k, cache.v, page_row, chunk, nxt, np.int32(n), np.int32(pos), temp,
+                npages=npages, cache_attention=cache_attention))
+        entries += [(float(lp[j]), int(nxt[j]), list(zip(top_lp[j].tolist(), top_ids[j].tolist())))
+                    for j in range(n)]
+        pos += n
+    return entries

@@ -250,3 +250,40 @@ def test_prefill_only_request(engine):
     assert out["output_ids"] == [] and out["text"] == "" and out["meta_info"]["finish_reason"]["type"] == "length"
     lps = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in lps] == [5, 6, 7, 8] and lps[0][0] is None and all(x < 0 for x, _, _ in lps[1:])
+
+
+def test_prompt_logprobs_scored_in_chunks_against_the_pool(engine):
+    """Prompt logprobs are scored chunk by chunk (the engine's 32-token prefill chunks) against the K/V the
+    prefill left in the pool, a reused radix prefix included: the same values as one full causal forward without
+    a cache (1e-4), and no more compiled scoring programs than prefill buckets, whatever the prompt lengths."""
+    import jax
+    from specjax import prompt_logprobs
+    from specjax.models import target
+    from specjax.weights import load_model
+    cfg, params = load_model(tiny_model_dir(), dtype="float32")
+    rng = np.random.default_rng(7)
+    prompt = rng.integers(3, 300, size=150).tolist()
+    programs = prompt_logprobs._score_chunk._cache_size()  # other tests of this process may have compiled some
+
+    def reference(ids):
+        out = target.forward(params, cfg, np.asarray([ids], np.int32), np.arange(len(ids), dtype=np.int32)[None])
+        return np.asarray(jax.nn.log_softmax(out.logits[0].astype(np.float32), axis=-1))
+
+    ref = reference(prompt)
+    for start, ids in ((0, prompt), (100, prompt[:120] + rng.integers(3, 300, size=30).tolist())):
+        out = engine.generate(input_ids=ids, sampling_params={"max_new_tokens": 1, "temperature": 0},
+                              return_logprob=True, logprob_start_len=start, top_logprobs_num=3)
+        meta = out["meta_info"]
+        lps = meta["input_token_logprobs"]
+        assert [t for _, t, _ in lps] == ids[start:] and lps[0][0] is None
+        want = ref if ids is prompt else reference(ids)
+        np.testing.assert_allclose([x for x, _, _ in lps[1:]], [want[i - 1, ids[i]] for i in range(start + 1, 150)],
+                                   atol=1e-4)
+        top = meta["input_top_logprobs"][1:]
+        np.testing.assert_allclose([[x for x, _, _ in e] for e in top],
+                                   -np.sort(-want[start:149], axis=-1)[:, :3], atol=1e-4)
+    assert meta["cached_tokens"] >= 112  # the second prompt reused the first one's pages
+    for n in (20, 45, 77, 133, 200):
+        engine.generate(input_ids=rng.integers(3, 300, size=n).tolist(), sampling_params={"max_new_tokens": 0},
+                        return_logprob=True, logprob_start_len=0)
+    assert prompt_logprobs._score_chunk._cache_size() - programs <= len(engine.backend.scheduler.runner.prefill_buckets)

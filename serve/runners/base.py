@@ -101,7 +101,8 @@ def prefill_buckets(limit: int, mesh=None) -> list[int]:
 
 class RunnerCommon:
     """What both runners share; a runner sets ``target_params``, ``target_cfg``, ``mesh``, ``pages_per_seq``,
-    ``prefill_buckets`` and ``_lengths`` (the host mirror of the slots' committed lengths)."""
+    ``prefill_buckets``, ``page_buckets``, ``cache_attention`` (its target's pool attention) and ``_lengths`` (the
+    host mirror of the slots' committed lengths)."""
 
     def step(self, state, active: np.ndarray, **launch_kw):
         """``launch`` then ``collect``: one step, its tokens read (the ``Runner`` protocol)."""
@@ -137,7 +138,10 @@ class RunnerCommon:
         """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
         return sampling.read_logprobs(state.sampling)
 
-    def prompt_logprobs(self, tokens, temperature: float):
-        """``prompt_logprobs.prompt_logprobs`` of ``tokens`` under this runner's target."""
-        return prompt_logprobs_lib.prompt_logprobs(self.target_params, self.target_cfg, tokens, temperature,
-                                                   self.mesh)
+    def score_prompt(self, state, page_row, tokens, begin: int, count: int, temperature: float) -> list:
+        """``prompt_logprobs.score_prompt``: the logprobs of prompt ``tokens`` after positions [begin, begin +
+        count), read against the K/V its prefill left in this runner's target pool (``page_row``)."""
+        return prompt_logprobs_lib.score_prompt(
+            self.target_params, self.target_cfg, state.cache, page_row, tokens, begin, count, temperature,
+            buckets=self.prefill_buckets, page_size=self.page_size, page_buckets=self.page_buckets,
+            cache_attention=self.cache_attention, mesh=self.mesh)

@@ -135,7 +135,7 @@ class SpecRunner(RunnerCommon):
         # draft_cfg may be a built Draft (``specjax.preflight`` passes abstract shapes), else the head's parts.
         self.draft = draft_lib.as_draft(draft_cfg if isinstance(draft_cfg, Draft) else
                                (draft_cfg, draft_params, vocab_map_or_token_map), self.algorithm, target_params)
-        attend = make_cache_attention(attention_impl, target_cfg.sliding_window)
+        self.cache_attention = attend = make_cache_attention(attention_impl, target_cfg.sliding_window)
         self.scfg = step_lib.SpecConfig(num_steps, topk, num_draft_tokens, attend, thresholds=thresholds)
         # the tree of each step by batch bucket (None: every step runs self.scfg)
         self.trees = batch_shapes if isinstance(batch_shapes, TreeChoice) or not batch_shapes else \
