@@ -404,18 +404,27 @@ def bench_verify_sweep(args) -> dict:
                              lengths=jnp.full((b,), ctx, jnp.int32))
     hook = make_cache_attention(args.attention_impl)
     active = jnp.ones((b,), bool)
-    f_plain = jax.jit(decode.decode, static_argnames=("cfg", "cache_attention"))
-    t_plain = _median(lambda: f_plain(tparams, tcfg, cache, jnp.zeros((b,), jnp.int32), active, cache_attention=hook),
-                      args.phase_repeats)
+    # Both sides as served: the pool donated and written in place (an undonated call copies both pools every time),
+    # the verify writing its root's K/V (``spec_step.verify_phase`` on a tree), the context held at ``ctx``.
+
+    def plain_step(state):
+        c, _ = state
+        new, logits = decode.decode(tparams, tcfg, c, jnp.zeros((b,), jnp.int32), active, cache_attention=hook)
+        return dataclasses.replace(new, lengths=c.lengths), logits
+
+    t_plain = _median_steps(jax.jit(plain_step, donate_argnums=(0,)), (cache, None), args.phase_repeats)
     aux = default_aux_layer_ids(tcfg.num_layers)
-    f = jax.jit(target.forward, static_argnames=("cfg", "aux_layers", "return_kv", "cache_attention"))
     rows = []
     for m in ms:
-        toks = jnp.zeros((b, m), jnp.int32)
-        pos = ctx + jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
-        mask = layers.causal_mask(jnp.ones((b, m), bool))
-        t = _median(lambda: f(tparams, tcfg, toks, pos, cache=cache, mask=mask, aux_layers=aux, return_kv=True,
-                              cache_attention=hook), args.phase_repeats)
+        def verify(state, m=m):
+            toks = jnp.zeros((b, m), jnp.int32)
+            pos = ctx + jnp.broadcast_to(jnp.arange(m, dtype=jnp.int32), (b, m))
+            out = target.forward(tparams, tcfg, toks, pos, cache=state[0], mask=layers.causal_mask(
+                jnp.ones((b, m), bool)), aux_layers=aux, return_kv=True, cache_attention=hook,
+                write_valid=jnp.broadcast_to(jnp.arange(m) == 0, (b, m)))
+            return out.cache, (out.logits, out.aux, out.k_new, out.v_new)
+
+        t = _median_steps(jax.jit(verify, donate_argnums=(0,)), (cache, None), args.phase_repeats)
         rows.append(dict(m=m, ms=t * 1e3, vs_decode=t / t_plain))
     return dict(model=model_note, context=ctx, batch=b, plain_decode_ms=t_plain * 1e3, rows=rows)
 
