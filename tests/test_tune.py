@@ -243,9 +243,10 @@ def test_bench_tune_writes_a_table_the_server_reads(tiny_pair, capsys):
     assert [(r["batch_size"], r["shape"]) for r in rows] == [(1, None), (1, [2, 2, 4]), (2, None), (2, [2, 2, 4])]
     # greedy: every speculative output equals plain greedy (the same prompts, token for token)
     assert all(r["identical"] == 2 for r in rows if r["shape"] is not None)
-    for b, shape in raw["batch_sizes"].items():  # the chosen entry is the fastest row of its batch size
-        fastest = max((r for r in rows if r["batch_size"] == int(b)), key=lambda r: r["tok_s"])
-        assert shape == (None if fastest["shape"] is None else dict(zip(tune_lib.SHAPE_KEYS, fastest["shape"])))
+    for b, shape in raw["batch_sizes"].items():  # the chosen entry: the tree where it beat plain by 3%
+        plain_row, tree_row = (r for r in rows if r["batch_size"] == int(b))
+        won = tree_row["tok_s"] > plain_row["tok_s"] * 1.03
+        assert shape == (dict(zip(tune_lib.SHAPE_KEYS, tree_row["shape"])) if won else None)
     costs = tune_lib.load_tune_costs(head)  # what the server's live TreeChoice reads from the same file
     assert {b: c[0] for b, c in costs.items()} == {1: (2, 2, 4), 2: (2, 2, 4)}
     before = open(os.path.join(head, tune_lib.FILENAME)).read()
@@ -287,6 +288,31 @@ def test_bench_tune_never_chooses_a_shape_whose_greedy_outputs_differ(tiny_pair,
     raw = json.loads(open(os.path.join(head, "full.json")).read())
     assert raw["rows"][1]["speedup"] > 1 and raw["rows"][1]["identical"] == 0  # the faster row, not chosen
     assert raw["batch_sizes"]["1"] is None and raw["best_speculative"] == {}
+
+
+@pytest.mark.parametrize("gain, chosen", [(1.02, None), (1.05, [2, 2, 4])])
+def test_bench_tune_wants_a_gain_beyond_the_noise(tiny_pair, monkeypatch, capsys, gain, chosen):
+    """One timed pass per configuration: a tree 2% faster than plain is within a machine's noise and plain stays
+    the choice (--min-gain 0.03); 5% faster turns it on."""
+    from specjax.bench import tune as bench_tune
+    model, head = tiny_pair
+    real_time, calls = bench_tune._time_groups, []
+
+    def timed(*a, **k):
+        calls.append(1)
+        return (1.0 if len(calls) == 1 else 1.0 / gain,) + real_time(*a, **k)[1:]
+    monkeypatch.setattr(bench_tune, "_time_groups", timed)
+    full = os.path.join(head, f"full{gain}.json")
+    assert bench_tune.main(["--model", model, "--draft", head, "--prompts", "random", "--num-prompts", "1",
+                            "--batch-sizes", "1", "--shapes", "2,2,4", "--max-new-tokens", "4", "--outputs-only",
+                            "--json", full]) == 0
+    raw = json.loads(open(full).read())
+    assert raw["rows"][1]["speedup"] == pytest.approx(gain)
+    got = raw["batch_sizes"]["1"]
+    assert (None if got is None else [got[k] for k in tune_lib.SHAPE_KEYS]) == chosen
+    with pytest.raises(SystemExit):
+        bench_tune.main(["--model", model, "--draft", head, "--min-gain", "-0.1"])
+    assert "--min-gain must be in [0, 1)" in capsys.readouterr().err
 
 
 def test_bench_tune_rejects_a_bad_shape(tiny_pair, capsys):

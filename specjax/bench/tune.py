@@ -10,7 +10,9 @@ For every batch size B, the prompts are decoded in groups of B rows, once by pla
 and once per shape (num_steps, eagle_topk, num_draft_tokens) by ``speculative_generate``; each configuration runs
 every group once untimed (compiles every shape) then once timed. Without ``--shapes`` the candidates depend on the
 backend (``DEFAULT_SHAPES``: small trees on a CPU, up to 60 tokens on an accelerator). The fastest configuration
-per B wins; plain wins where no shape beats it (the server then starts that batch size with target-only steps, and
+per B wins, by ``--min-gain`` (3%) over the fastest before it in the order plain, then the shapes as given: one
+timed pass per configuration cannot tell apart gains inside the machine's noise, so those keep the earlier, cheaper
+choice. Plain wins where no shape beats it so (the server then starts that batch size with target-only steps, and
 the rows' costs let it turn the tree on where live traffic pays for it). Printed per row: tokens/s, speedup over
 plain, tau (completion tokens / verify steps) and, at temperature 0, how many outputs equal plain greedy token for
 token; a shape with any other output (a numerical bug: greedy speculation is lossless by construction) is flagged
@@ -134,7 +136,7 @@ def tune(args) -> dict:
                   file=sys.stderr, flush=True)
             if lossy:
                 continue
-            if row["tok_s"] > best[b]["tok_s"]:
+            if row["tok_s"] > best[b]["tok_s"] * (1 + args.min_gain):
                 best[b] = row
             if b not in best_spec or row["tok_s"] > best_spec[b]["tok_s"]:
                 best_spec[b] = row
@@ -189,6 +191,10 @@ class TuneOptions(TargetRunOptions):
                                           "and this machine's goes beside it as speculative_tune[.DTYPE]."
                                           "on-MACHINE.json)")
     no_write: bool = option(False, help="print only")
+    min_gain: float = option(0.03, help="a configuration is chosen over the faster-so-far one (plain first, then the "
+                                        "shapes in the order given) only when its tok/s is higher by this fraction: "
+                                        "one timed pass each, so a gain within the machine's noise keeps the "
+                                        "earlier, cheaper choice")
     outputs_only: bool = option(False, help="run each group once without a warm-up pass: outputs (== plain) and "
                                             "tau only, tokens/s include compiles; writes no table")
     json: str | None = option(None, help="also write the full results here")
@@ -201,6 +207,8 @@ def main(argv=None) -> int:
     args = parse_into(TuneOptions, ap, argv)
     if any(b < 1 for b in args.batch_sizes) or args.num_prompts < 1 or args.max_new_tokens < 1:
         ap.error("--batch-sizes, --num-prompts and --max-new-tokens must be >= 1")
+    if not 0 <= args.min_gain < 1:
+        ap.error(f"--min-gain must be in [0, 1), got {args.min_gain}")
     if args.num_prompts < max(args.batch_sizes):  # checked before any measurement, not after an hour of them
         ap.error(f"--num-prompts {args.num_prompts} is smaller than batch size {max(args.batch_sizes)}: every batch "
                  f"size needs at least one full group of prompts")
