@@ -120,6 +120,10 @@ def test_published_peaks_by_device_kind():
     assert peak_hbm_gbps("NVIDIA H100 80GB HBM3") == (3350.0, "H100")
     assert peak_hbm_gbps("NVIDIA H100 PCIe") == (2000.0, "H100 PCIe")
     assert peak_hbm_gbps("TPU v5 lite") == (819.0, "TPU v5 lite")
+    assert peak_tflops("NVIDIA H100 PCIe") == (756.0, "H100 PCIe")  # was the SXM part's 989: MFU 24% low
+    assert peak_tflops("NVIDIA H100 NVL") == (835.0, "H100 NVL") and peak_hbm_gbps("NVIDIA H100 NVL")[0] == 3900.0
+    assert peak_hbm_gbps("NVIDIA A100-SXM4-40GB") == (1555.0, "A100-SXM4-40GB")
+    assert peak_hbm_gbps("NVIDIA A100-SXM4-80GB") == (2039.0, "A100")
     assert peak_tflops("TPU v4") == (275.0, "TPU v4")
     assert peak_hbm_gbps("cpu") is None and peak_tflops("cpu") is None
 

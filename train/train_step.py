@@ -465,12 +465,14 @@ def make_feature_fn(target_cfg: ModelConfig, head_cfg: Eagle3Config, mesh: Mesh 
 # Dense bf16 peak TFLOP/s per device (chip / GPU), by device_kind substring (longest match wins): the MFU
 # denominator of the trainer and of ``bench train``.
 PEAK_TFLOPS = {"TPU v4": 275.0, "TPU v5 lite": 197.0, "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v5": 459.0,
-               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H200": 989.0, "A100": 312.0, "L4": 121.0}
-# Published memory bandwidth (GB/s) of the same kinds: the datasheet ceiling of a memory-bound decode step (H100:
-# the SXM part; A100: the 80 GB SXM part).
-PEAK_HBM_GBPS = {"TPU v4": 1228.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5p": 2765.0, "TPU v5": 2765.0,
-                 "TPU v6 lite": 1640.0, "TPU v6e": 1640.0, "H100": 3350.0, "H100 PCIe": 2000.0, "H200": 4800.0,
-                 "A100": 2039.0, "L4": 300.0}
+               "TPU v6 lite": 918.0, "TPU v6e": 918.0, "H100": 989.0, "H100 PCIe": 756.0, "H100 NVL": 835.0,
+               "H200": 989.0, "H200 NVL": 835.0, "A100": 312.0, "L4": 121.0}
+# Published memory bandwidth (GB/s) of the same kinds: the datasheet ceiling of a memory-bound decode step (a bare
+# "H100" / "A100" is the SXM part, the A100's 80 GB one). Names are matched longest first inside jax's device_kind.
+PEAK_HBM_GBPS = {"TPU v4": 1200.0, "TPU v5 lite": 819.0, "TPU v5e": 819.0, "TPU v5p": 2765.0, "TPU v5": 2765.0,
+                 "TPU v6 lite": 1640.0, "TPU v6e": 1640.0, "H100": 3350.0, "H100 PCIe": 2000.0, "H100 NVL": 3900.0,
+                 "H200": 4800.0, "A100": 2039.0, "A100-SXM4-40GB": 1555.0, "A100-PCIE-40GB": 1555.0,
+                 "A100 80GB PCIe": 1935.0, "L4": 300.0}
 
 
 def _by_kind(table: dict[str, float], device_kind: str) -> tuple[float, str] | None:
@@ -493,9 +495,12 @@ def peak_hbm_gbps(device_kind: str) -> tuple[float, str] | None:
 
 def estimate_flops_per_token(target_cfg: ModelConfig, head_cfg: Eagle3Config, seq_len: int, ttt_length: int = 7,
                              *, include_target: bool = True) -> float:
-    """Model FLOPs per training token (matmuls only, 2 per multiply-add, attention over the full T x T scores as
-    computed, not halved for causality): the target's forward, plus the head's forward + backward (3x forward)
-    over the fc projection and ``ttt_length`` rollout steps. For MFU = this * tokens/s / (peak * devices)."""
+    """Model FLOPs per training token (matmuls only, 2 per multiply-add, attention over the full T x T scores, not
+    halved for causality, PaLM's convention; the attention kernel skips the key blocks a causal mask hides from
+    T >= 512, ``layers.query_chunks``): the target's forward, plus the head's forward + backward (3x forward) over
+    the fc projection and ``ttt_length`` rollout steps. For MFU = this * tokens/s / (peak * devices). Within about
+    1% of the step's compiled dot FLOPs (the fc's input gradient, not computed, and the draft lm_head over T rather
+    than T - k rows are counted)."""
     t = seq_len
     c = target_cfg
     d, f, n, k, hd, v = c.hidden_size, c.intermediate_size, c.num_heads, c.num_kv_heads, c.head_dim, c.vocab_size
