@@ -115,9 +115,17 @@ def print_table(header: list[str], rows: list[list[Any]], align: str = "---") ->
 
 
 def report(options, measure: Callable[[Any], dict], show: Callable[[dict], None], indent: int = 2) -> int:
-    """``measure(options)``, ``show`` its results, write them to ``options.json`` when set; exit status 0."""
+    """``measure(options)``, ``show`` its results, write them to ``options.json`` when set; exit status 0. Results
+    that do not name their machine and load get both (``machine_description``, the 1-minute load average after the
+    run), printed under the table."""
     check_output_file(options.json, "--json")  # now, not after the measurements
     results = measure(options)
     show(results)
+    extra = {} if "machine" in results else {"machine": machine_description()}
+    if not any(k.startswith("load_av") for k in results):
+        extra["load_average"] = round(os.getloadavg()[0], 2)  # the 1-minute load average after the run
+    if extra:
+        results.update(extra)
+        print("\n" + "; ".join(f"{k.replace('_', ' ')}: {v}" for k, v in extra.items()))
     write_json(options.json, results, indent)
     return 0
