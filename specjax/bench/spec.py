@@ -358,7 +358,10 @@ def llama_server_rows(args, prompts, plain_out, stop) -> list[dict]:
         accepted = sum(int(t.get("draft_n_accepted", 0)) for _, t in res)
         drafted = sum(int(t.get("draft_n", 0)) for _, t in res)
         same = sum(a == _trim(b, stop) for a, b in zip(outs, plain_out))
-        rows.append(dict(name=name, tokens=n_tok, tok_s=n_tok / dt, tau=n_tok / max(n_tok - accepted, 1),
+        # tau as specjax's: generated tokens / verify steps; each request's first token comes from its prompt's
+        # forward, every later step gives one token plus the drafts it accepted
+        steps = n_tok - len(res) - accepted
+        rows.append(dict(name=name, tokens=n_tok, tok_s=n_tok / dt, tau=n_tok / max(steps, 1) if drafted else 1.0,
                          drafted=drafted, accepted=accepted, same_as_specjax_plain=f"{same}/{len(prompts)}"))
     return rows
 
