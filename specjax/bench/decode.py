@@ -471,18 +471,20 @@ def print_random_llama(res: dict) -> None:
           f"batch 1, prompt {res['prompt_len']}, {res['new_tokens']} new tokens, fastest of {res['repeats']}")
     print(f"machine: {res['machine']}\n")
     published = res.get("published_bandwidth_Bps")
-    print_table(["decode tok/s", "generate tok/s", "weight GB/token", "copy bandwidth GB/s", "limit tok/s",
-                 "fraction of limit", "published GB/s", "fraction of published"],
+    # The datasheet bandwidth is the ceiling; the in-run copy is a measured floor of what the memory gives (a short
+    # copy can read slower than the decode itself), so its fraction is reported second.
+    print_table(["decode tok/s", "generate tok/s", "weight GB/token", "published GB/s", "fraction of published",
+                 "in-run copy GB/s", "copy-bound tok/s", "fraction of the copy"],
                 [[f"{r['decode_tok_s']:.2f}", f"{r['generate_tok_s']:.2f}",
-                  f"{res['weight_bytes_per_token'] / 1e9:.2f}", f"{res['copy_bandwidth_Bps'] / 1e9:.1f}",
-                  f"{res['bandwidth_limit_tok_s']:.2f}", f"{100 * res['bandwidth_fraction']:.1f}%",
-                  f"{published / 1e9:.0f}" if published else "-",
-                  f"{100 * res['published_fraction']:.1f}%" if published else "-"]], align="---:")
+                  f"{res['weight_bytes_per_token'] / 1e9:.2f}", f"{published / 1e9:.0f}" if published else "-",
+                  f"{100 * res['published_fraction']:.1f}%" if published else "-",
+                  f"{res['copy_bandwidth_Bps'] / 1e9:.1f}", f"{res['bandwidth_limit_tok_s']:.2f}",
+                  f"{100 * res['bandwidth_fraction']:.1f}%"]], align="---:")
     if res.get("trace"):
         t = res["trace"]
         print_summary(t, "token (prefill included)")
         busy_gbps = res["weight_bytes_per_token"] / t["busy_ms_per_unit"] / 1e6
-        print(f"\nweights read while the device was busy: {busy_gbps:.0f} GB/s; trace: {t['path']}")
+        print(f"\nweights read while the device was busy (prefill included): {busy_gbps:.0f} GB/s; trace: {t['path']}")
 
 
 @dataclasses.dataclass
