@@ -12,7 +12,7 @@ tokens with full attention and loss masks.
 FLOPs per token come from ``specjax.train.train_step.estimate_flops_per_token`` (frozen target forward + head
 forward/backward over the TTT rollout); MFU = FLOPs/token x tokens/s / (peak x devices). Peak: dense bf16 FLOP/s
 per device from ``train_step.PEAK_TFLOPS`` by device kind, or ``--peak-tflops``. On a CPU the peak is measured in
-the same run:
+the same run, before and after the steps (the faster kept):
 the faster of one large fp32 matmul and one of bf16 operands accumulated in f32 (what the CPU can do at best; on an
 AMX Xeon the bf16 one is 5x the fp32 one). Every run also prints the fraction of each measured peak.
 """
@@ -236,6 +236,9 @@ def main(argv=None) -> int:
     else:
         batch = jax.device_put(batch)
 
+    # The matmul peaks are measured on both sides of the steps and the faster kept: a probe slowed by the host
+    # (it was 0.18-0.47 TFLOP/s on one VM) would inflate the MFU it divides.
+    before = {d: measured_matmul_tflops(d) for d in ("float32", "bfloat16")}
     compile_s, step_s, m = time_steps(step, state, tparams, vmap, batch, a.warmup, a.steps)
 
     n_dev = dp * tp
@@ -243,7 +246,7 @@ def main(argv=None) -> int:
     tok_s = tokens / step_s
     fpt = S.estimate_flops_per_token(tcfg, hcfg, t, ttt)
     head_share = S.estimate_flops_per_token(tcfg, hcfg, t, ttt, include_target=False) / fpt
-    measured = {d: measured_matmul_tflops(d) for d in ("float32", "bfloat16")}
+    measured = {d: max(before[d], measured_matmul_tflops(d)) for d in before}
     peak, peak_src = (a.peak_tflops, "--peak-tflops") if a.peak_tflops else peak_tflops(dev.device_kind, dev.platform)
     if dev.platform == "cpu" and not a.peak_tflops:
         best = max(measured, key=measured.get)
