@@ -317,6 +317,8 @@ class Request:
     decoding: bool = False  # the first token is out: the request takes decode steps
     output_ids: list[int] = dataclasses.field(default_factory=list)
     spec_verify_ct: int = 0
+    spec_draft_tokens: int = 0  # draft tokens its steps proposed (SGLang's spec_draft_token_num)
+    spec_accepted: int = 0  # of them accepted (SGLang's spec_accept_token_num)
     finish_reason: dict | None = None
     abort_requested: bool = False
     first_token_time: float | None = None
@@ -453,9 +455,11 @@ class Request:
         m = {"id": self.rid, "finish_reason": self.finish_reason, "prompt_tokens": len(self.prompt_ids),
              "completion_tokens": len(self.output_ids), "cached_tokens": self.cached_tokens,
              "e2e_latency": now - self.arrival}
-        if spec:
+        if spec:  # SGLang's fields: tokens per verify step (the prefill's included), accepted / proposed drafts
             m["spec_verify_ct"] = self.spec_verify_ct
             m["spec_accept_length"] = (len(self.output_ids) / self.spec_verify_ct) if self.spec_verify_ct else 0.0
+            m["spec_accept_rate"] = self.spec_accepted / self.spec_draft_tokens if self.spec_draft_tokens else 0.0
+            m["spec_accept_token_num"], m["spec_draft_token_num"] = self.spec_accepted, self.spec_draft_tokens
         if self.params.return_logprob:
             m.update(self.logprob_meta(tokenizer))
         return m

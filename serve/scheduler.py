@@ -414,6 +414,8 @@ class Scheduler:
             c = int(counts[b])
             if self.spec:
                 self.totals["spec_tokens"] += c
+                req.spec_draft_tokens += inflight.launched.drafts
+                req.spec_accepted += max(c - 1, 0)  # a step gives its accepted drafts and one token of its own
             n_out += self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
         now = time.perf_counter()
         self.metrics.on_step(n_out, len(rows), now - max(inflight.t0, self._last_collect))

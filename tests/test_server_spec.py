@@ -1,7 +1,7 @@
 """The server with EAGLE3 / EAGLE speculative decoding (SpecRunner behind the same scheduler and HTTP front): greedy
 output equals the plain server's token for token (prompts across page and chunk boundaries, prefix reuse, concurrent
 requests, stops inside a multi-token step), penalised requests and their logprobs equal the plain server's, and
-meta_info carries spec_verify_ct and spec_accept_length.
+meta_info carries spec_verify_ct, spec_accept_length and the accepted / proposed draft counts.
 
 The target is a "bigram" model whose next token is usually a fixed permutation of the current one, with heads built
 in closed form to predict it (tests/spec_models.py), so several tokens are accepted per step; a random EAGLE3 head
@@ -106,6 +106,10 @@ def test_eagle3_greedy_equals_plain(plain, eagle3_server, models):
         assert meta["completion_tokens"] == 24
         assert meta["spec_verify_ct"] >= 1
         assert meta["spec_accept_length"] == pytest.approx(24 / meta["spec_verify_ct"])
+        # SGLang's newer fields: accepted / proposed draft tokens (the last step may give tokens past the budget)
+        assert meta["spec_accept_token_num"] >= 24 - 1 - meta["spec_verify_ct"]
+        assert 0 < meta["spec_accept_token_num"] <= meta["spec_draft_token_num"]
+        assert meta["spec_accept_rate"] == pytest.approx(meta["spec_accept_token_num"] / meta["spec_draft_token_num"])
         assert "spec_verify_ct" not in want["meta_info"]
     state = httpx.get(eagle3_server.url + "/get_server_info").json()["internal_states"][0]
     assert state["avg_spec_accept_length"] > 1.3  # the closed-form head really is accepted

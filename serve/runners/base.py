@@ -70,6 +70,7 @@ class Launched:
     tokens: Any = None  # i32[nb, W'] on device (None when nothing ran)
     counts: Any = None  # i32[nb] on device (None: one token per active slot)
     shape: tuple[int, int, int] | None = None  # the tree shape it ran (speculative runners)
+    drafts: int = 0  # draft tokens it proposed per row (num_draft_tokens - 1; 0 for plain and target-only steps)
 
     def kept(self, keep: np.ndarray | None = None) -> np.ndarray:
         """bool[B]: the slots of ``keep`` (default: every slot) that this step ran."""

@@ -237,7 +237,8 @@ class SpecRunner(RunnerCommon):
                                              draft_tokens=scfg is not None)
         self._inflight[idx] += w
         chosen = scfg.shape if scfg is not None and tree is _CHOOSE else None  # recorded for the live acceptance
-        return state, Launched(active, nb, toks, counts, chosen)
+        drafts = scfg.num_draft_tokens - 1 if scfg is not None else 0
+        return state, Launched(active, nb, toks, counts, chosen, drafts)
 
     def collect(self, launched: Launched, keep=None):
         keep = launched.kept(keep)
