@@ -481,7 +481,21 @@ def plain_programs(setup: ServeSetup, plan, *, all_buckets: bool = True) -> list
                                 npages=npages))
     reports.append(_compile(setup, f"plain decode step B={nb}", _attention_used(setup, 1), runner._step_jit,
                             runner.params, state, s((plan.max_running,), jnp.bool_), nb=nb, npages=npages))
+    reports.append(_score_program(setup, "plain", runner, state, s))
     return reports
+
+
+def _score_program(setup: ServeSetup, name: str, runner, state, s) -> Report:
+    """The prompt-logprob scoring chunk (``prompt_logprobs._score_chunk``) at the runner's largest prefill bucket,
+    the one holding the most logits ([T, V] f32), against the runner's pool."""
+    import jax.numpy as jnp
+
+    from specjax import prompt_logprobs
+    t, npages = runner.prefill_buckets[-1], runner.page_buckets[-1]
+    return _compile(setup, f"{name} prompt scoring T={t}", _attention_used(setup, t), prompt_logprobs._score_chunk,
+                    runner.target_params, setup.tcfg, state.cache.k, state.cache.v, s((runner.pages_per_seq,)),
+                    s((t,)), s((t,)), s(()), s(()), s((), jnp.float32), npages=npages,
+                    cache_attention=runner.cache_attention)
 
 
 def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets: bool = True) -> list[Report]:
@@ -503,6 +517,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
         thresholds=args.accept_thresholds)
     runner.scfg = dataclasses.replace(runner.scfg, cache_attention=make_cache_attention(
         args.attention_impl, cfg.sliding_window, "tpu"))  # as on a TPU
+    runner.cache_attention = runner.scfg.cache_attention
     runner.prefill_buckets = serving_prefill_buckets(runner.prefill_buckets[-1], few_rows=False)  # no CPU kernels
     state = _abstract_state(setup, runner.init_state, (".cache.k", ".cache.v", ".draft_k", ".draft_v"))
     rep = NamedSharding(setup.shard_mesh, P())
@@ -520,6 +535,7 @@ def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets:
                             spec_runner._step_rows, runner.target_params,
                             cfg, runner.draft, sc, state, s((plan.max_running,), jnp.bool_), nb=plan.max_running,
                             npages=plan.pages_per_seq))
+    reports.append(_score_program(setup, algorithm, runner, state, s))
     return reports
 
 

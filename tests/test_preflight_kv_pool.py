@@ -34,6 +34,6 @@ def test_kv_pool_is_read_and_written_in_place_at_long_context(v5e, tmp_path, cap
     got = rows(out)
     pool = float(re.search(r"KV pool .*?\(2 layers, ([\d.]+) GiB per chip\)", out)[1])
     assert pool > 5 and f"context {context}" in out, out
-    assert out.count("attention: Pallas kernel") == 4, out
+    assert out.count("attention: Pallas kernel") == 6, out  # prefill, step and prompt scoring of both sets
     for name, (_, temp, _, fits) in got.items():
         assert fits and temp < 0.05 * pool, (name, temp, pool, out)

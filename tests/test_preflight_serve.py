@@ -18,7 +18,8 @@ HEAD = os.path.join(os.path.dirname(preflight.__file__), "heads", "smollm2-135m-
 
 
 def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
-    """plain prefill + decode, EAGLE3 prefill + step, EAGLE prefill + step, over tp=2 of a v5e-4: each compiles with
+    """plain prefill + decode, EAGLE3 prefill + step, EAGLE prefill + step, and each set's prompt-scoring chunk,
+    over tp=2 of a v5e-4: each compiles with
     the Pallas kernel (run per shard under shard_map: XLA cannot partition a Mosaic call), fits, all-reduces the
     row-parallel matmuls, and holds the KV pool the server would allocate."""
     rc = preflight.main(["serve", "--model-path", small_config(tmp_path), "--tp-size", "2", "--topology", "v5e-4",
@@ -27,10 +28,11 @@ def test_serve_preflight_compiles_every_program_with_tp(v5e, tmp_path, capsys):
     assert rc == 0, out
     got = rows(out)
     names = ["plain prefill T=16", "plain decode step B=4", "EAGLE3 prefill T=16", "EAGLE3 step B=4 S=2 k=2 M=4",
-             "EAGLE prefill T=16", "EAGLE step B=4 S=2 k=2 M=4"]
+             "EAGLE prefill T=16", "EAGLE step B=4 S=2 k=2 M=4", "plain prompt scoring T=16",
+             "EAGLE3 prompt scoring T=16", "EAGLE prompt scoring T=16"]
     assert sorted(got) == sorted(names), out
     assert all(fits for *_, fits in got.values())
-    assert out.count("attention: Pallas kernel") == 6 and "all-reduce" in out
+    assert out.count("attention: Pallas kernel") == 9 and "all-reduce" in out
     # the pool: 256 pages x 16 tokens of 2 target layers (+1 draft layer), K/V split over tp=2, fp32
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (2 layers" in out
     assert "KV pool 256 pages x 16 tokens = 4096 tokens (3 layers" in out
@@ -47,7 +49,7 @@ def test_serve_preflight_reports_the_xla_fallback(v5e, tmp_path, capsys):
                          "--topology", "v5e-1", "--programs", "plain", *PLAIN_SMALL_FLAGS])
     out = capsys.readouterr().out
     assert rc == 0, out
-    assert out.count("attention: XLA fallback (") == 2 and "head_dim 32" in out
+    assert out.count("attention: XLA fallback (") == 3 and "head_dim 32" in out
 
 
 def test_serve_preflight_fails_clearly_when_a_program_does_not_fit(v5e, tmp_path, capsys):
