@@ -188,7 +188,8 @@ def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = Non
     torch_dtype), except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every tensor's shape is
     checked and every key must be used or known-ignorable."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
-        raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors or pytorch_model*.bin)")
+        raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors or "
+                              f"pytorch_model*.bin)")
     hf = eagle3.read_hf_config(path)
     try:
         head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=dtype)

@@ -188,6 +188,15 @@ def print_result(res: dict, tokens: int, peak: float, exact: dict) -> None:
           + f"; 1-min load average {os.getloadavg()[0]:.1f}.")
 
 
+def timed_with_peaks(step, state, tparams, vmap, batch, warmup: int, steps: int):
+    """``time_steps`` plus the fp32 and bf16 matmul peaks (``measured_matmul_tflops``), measured on both sides of the
+    steps and the faster kept: a probe slowed by the host (0.18-0.47 TFLOP/s on one VM) would inflate the MFU it
+    divides. Returns (compile s, step s, metrics, {dtype: TFLOP/s})."""
+    before = {d: measured_matmul_tflops(d) for d in ("float32", "bfloat16")}
+    compile_s, step_s, m = time_steps(step, state, tparams, vmap, batch, warmup, steps)
+    return compile_s, step_s, m, {d: max(before[d], measured_matmul_tflops(d)) for d in before}
+
+
 def main(argv=None) -> int:
     a = _check(_args(list(sys.argv[1:] if argv is None else argv)))
     hf, s, name = _resolve(a)
@@ -236,17 +245,13 @@ def main(argv=None) -> int:
     else:
         batch = jax.device_put(batch)
 
-    # The matmul peaks are measured on both sides of the steps and the faster kept: a probe slowed by the host
-    # (it was 0.18-0.47 TFLOP/s on one VM) would inflate the MFU it divides.
-    before = {d: measured_matmul_tflops(d) for d in ("float32", "bfloat16")}
-    compile_s, step_s, m = time_steps(step, state, tparams, vmap, batch, a.warmup, a.steps)
+    compile_s, step_s, m, measured = timed_with_peaks(step, state, tparams, vmap, batch, a.warmup, a.steps)
 
     n_dev = dp * tp
     tokens = acc * b * t
     tok_s = tokens / step_s
     fpt = S.estimate_flops_per_token(tcfg, hcfg, t, ttt)
     head_share = S.estimate_flops_per_token(tcfg, hcfg, t, ttt, include_target=False) / fpt
-    measured = {d: max(before[d], measured_matmul_tflops(d)) for d in before}
     peak, peak_src = (a.peak_tflops, "--peak-tflops") if a.peak_tflops else peak_tflops(dev.device_kind, dev.platform)
     if dev.platform == "cpu" and not a.peak_tflops:
         best = max(measured, key=measured.get)
