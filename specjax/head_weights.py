@@ -7,7 +7,7 @@ EAGLE3 folder: ``config.json`` and safetensors holding these keys, stored ``[out
 ``lm_head.weight``, ``d2t`` (int64 offsets) and ``t2d`` (bool). The importer accepts ``layers.0.*`` for the first
 layer, strips a ``model.`` prefix, and accepts an ``embed_tokens.weight`` whose shape matches the target's embedding
 (its values are ignored: engines, and specjax, use the target's own).
-EAGLE folder: ``fc.*`` and ``layers.{i}.*`` in safetensors or ``pytorch_model*.bin`` (read with weights_only=True).
+EAGLE folder: ``fc.*`` and ``layers.{i}.*`` in safetensors or ``pytorch_model*.bin`` (tensors only, ``torch_zip``).
 """
 
 from __future__ import annotations
@@ -20,6 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from specjax import torch_zip
 from specjax.cli import check_output_folder, clear_previous
 from specjax.config import ModelConfig, config_architectures, read_json
 from specjax.models import eagle, eagle3
@@ -123,21 +124,17 @@ def stored_matrix_dtype(a: np.ndarray, dtype) -> jnp.dtype:
 
 
 class _TorchTensors:
-    """The tensors of ``pytorch_model*.bin`` files (the official EAGLE and EAGLE3 heads' format), read with
-    ``torch.load(weights_only=True)`` (never unrestricted unpickling), behind CheckpointIndex's interface; bf16 kept
-    as bf16."""
+    """The tensors of ``pytorch_model*.bin`` files (the official EAGLE and EAGLE3 heads' format), read without
+    PyTorch and without unpickling anything but tensors (``specjax.torch_zip``), behind CheckpointIndex's
+    interface."""
 
     def __init__(self, folder: str, files: list[str], error: type[Exception]):
-        try:
-            import torch
-        except ImportError:
-            raise error(f"{folder} holds its weights as {files[0]}, which needs PyTorch to read: pip install torch "
-                        f"(or convert the folder to safetensors)") from None
         self.t: dict[str, np.ndarray] = {}
         for f in files:
-            for k, v in torch.load(os.path.join(folder, f), map_location="cpu", weights_only=True).items():
-                self.t[k] = (v.view(torch.int16).numpy().view(jnp.bfloat16) if v.dtype == torch.bfloat16
-                             else v.numpy())
+            try:
+                self.t.update(torch_zip.load(os.path.join(folder, f)))
+            except (torch_zip.TorchFileError, OSError) as e:
+                raise error(str(e)) from None
 
     def keys(self) -> list[str]:
         return list(self.t)

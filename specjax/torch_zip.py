@@ -1,0 +1,84 @@
+"""PyTorch checkpoints (``pytorch_model.bin``, ``torch.save``'s zip format) read without PyTorch.
+
+The official EAGLE and EAGLE3 heads ship their weights this way. The pickle inside is unpickled with a closed list
+of globals (the tensor rebuild function, the storage types, ``OrderedDict``): anything else in the file (code, other
+objects) is refused, as ``torch.load(weights_only=True)`` refuses it. Tensors come back as numpy arrays (bf16 as
+``ml_dtypes.bfloat16``). The pre-1.6 non-zip format is refused with a message.
+"""
+
+from __future__ import annotations
+
+import collections
+import pickle
+import zipfile
+
+import ml_dtypes
+import numpy as np
+
+_STORAGE_DTYPES = {
+    "FloatStorage": np.float32, "DoubleStorage": np.float64, "HalfStorage": np.float16,
+    "BFloat16Storage": ml_dtypes.bfloat16, "LongStorage": np.int64, "IntStorage": np.int32,
+    "ShortStorage": np.int16, "CharStorage": np.int8, "ByteStorage": np.uint8, "BoolStorage": np.bool_,
+}
+
+
+class TorchFileError(ValueError):
+    """Not a PyTorch zip checkpoint of plain tensors."""
+
+
+class _Storage:
+    def __init__(self, dtype):
+        self.dtype = dtype
+
+
+def _rebuild_tensor(storage: np.ndarray, offset: int, size, stride, *_ignored) -> np.ndarray:
+    """``torch._utils._rebuild_tensor_v2``'s arguments -> a numpy array (a copy, row-major)."""
+    if not size:
+        return np.array(storage[offset])
+    item = storage.itemsize
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
+                                           strides=tuple(s * item for s in stride))
+    return np.ascontiguousarray(view)
+
+
+class _Unpickler(pickle.Unpickler):
+    def __init__(self, file, archive: zipfile.ZipFile, prefix: str):
+        super().__init__(file)
+        self.archive, self.prefix = archive, prefix
+
+    def find_class(self, module: str, name: str):
+        if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
+            return _rebuild_tensor
+        if module == "torch" and name in _STORAGE_DTYPES:
+            return _Storage(_STORAGE_DTYPES[name])
+        if (module, name) == ("collections", "OrderedDict"):
+            return collections.OrderedDict
+        raise TorchFileError(f"the file holds {module}.{name}, not only tensors: refused (it could run code)")
+
+    def persistent_load(self, pid):
+        if not (isinstance(pid, tuple) and len(pid) >= 5 and pid[0] == "storage"):
+            raise TorchFileError(f"unexpected persistent id {pid!r}")
+        storage_type, key = pid[1], pid[2]
+        if not isinstance(storage_type, _Storage):
+            raise TorchFileError(f"unexpected storage type {storage_type!r}")
+        raw = self.archive.read(f"{self.prefix}data/{key}")
+        return np.frombuffer(raw, dtype=storage_type.dtype)
+
+
+def load(path: str) -> dict[str, np.ndarray]:
+    """The tensors of a ``torch.save``d state dict (name -> numpy array)."""
+    if not zipfile.is_zipfile(path):
+        raise TorchFileError(f"{path} is not a PyTorch zip checkpoint (the pre-1.6 format needs PyTorch to read)")
+    with zipfile.ZipFile(path) as archive:
+        pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
+        if len(pkl) != 1:
+            raise TorchFileError(f"{path} holds {len(pkl)} data.pkl records, expected one")
+        prefix = pkl[0][:-len("data.pkl")]
+        with archive.open(pkl[0]) as f:
+            try:
+                obj = _Unpickler(f, archive, prefix).load()
+            except (pickle.UnpicklingError, EOFError, KeyError) as e:
+                raise TorchFileError(f"{path} could not be read: {type(e).__name__}: {e}") from None
+    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
+        raise TorchFileError(f"{path} is not a state dict of tensors")
+    return dict(obj)
