@@ -329,8 +329,8 @@ def load_eagle_head(folder: str, dtype: str | None = None) -> tuple[eagle.EagleC
 
 
 def load_token_map(path: str, vocab_size: int | None = None) -> np.ndarray:
-    """FR-Spec hot-token ids i32[Vd] from a .json list, a .npy array, or a torch file read with
-    ``torch.load(weights_only=True)`` (never unrestricted unpickling)."""
+    """FR-Spec hot-token ids i32[Vd] from a .json list, a .npy array, or a torch file (``torch_zip``: tensors and
+    lists only, never unrestricted unpickling)."""
     if not os.path.exists(path):
         raise EagleHeadError(f"speculative token map {path} does not exist")
     if path.endswith(".json"):
@@ -342,14 +342,10 @@ def load_token_map(path: str, vocab_size: int | None = None) -> np.ndarray:
     elif path.endswith(".npy"):
         ids = np.load(path, allow_pickle=False)
     else:
-        import pickle
-        import torch
         try:
-            obj = torch.load(path, map_location="cpu", weights_only=True)
-        except pickle.UnpicklingError as e:
-            raise EagleHeadError(f"token map {path} holds more than plain tensors/lists and is refused (loaded with "
-                                 f"weights_only=True): {str(e).splitlines()[0][:200]}") from None
-        ids = obj.numpy() if hasattr(obj, "numpy") else np.asarray(obj)
+            ids = np.asarray(torch_zip.load_object(path))
+        except torch_zip.TorchFileError as e:
+            raise EagleHeadError(f"token map: {e}") from None
     ids = np.asarray(ids)
     if ids.ndim != 1 or ids.size == 0 or not np.issubdtype(ids.dtype, np.integer):
         raise EagleHeadError(f"token map {path} must be a non-empty 1-D list of integer token ids, got dtype "

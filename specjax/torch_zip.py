@@ -67,8 +67,17 @@ class _Unpickler(pickle.Unpickler):
 
 def load(path: str) -> dict[str, np.ndarray]:
     """The tensors of a ``torch.save``d state dict (name -> numpy array)."""
+    obj = load_object(path)
+    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
+        raise TorchFileError(f"{path} is not a state dict of tensors")
+    return dict(obj)
+
+
+def load_object(path: str):
+    """What ``torch.save`` wrote, made of tensors (numpy arrays), lists, dicts and numbers only."""
     if not zipfile.is_zipfile(path):
-        raise TorchFileError(f"{path} is not a PyTorch zip checkpoint (the pre-1.6 format needs PyTorch to read)")
+        raise TorchFileError(f"{path} is not a PyTorch zip checkpoint (torch.save's format since PyTorch 1.6): "
+                             f"refused")
     with zipfile.ZipFile(path) as archive:
         pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
         if len(pkl) != 1:
@@ -79,6 +88,4 @@ def load(path: str) -> dict[str, np.ndarray]:
                 obj = _Unpickler(f, archive, prefix).load()
             except (pickle.UnpicklingError, EOFError, KeyError) as e:
                 raise TorchFileError(f"{path} could not be read: {type(e).__name__}: {e}") from None
-    if not isinstance(obj, dict) or not all(isinstance(v, np.ndarray) for v in obj.values()):
-        raise TorchFileError(f"{path} is not a state dict of tensors")
-    return dict(obj)
+    return obj
