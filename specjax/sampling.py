@@ -403,11 +403,14 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None, x_rows=None) -> Sa
 
 def sample_next(logits, sb: SamplingBatch, active=None):
     """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys and recorded token).
-    ``active`` bool[B] (default all): rows outside it advance their keys only. When every active row is greedy only
-    the argmax runs (the sampling path, a softmax, filters and a categorical draw over the vocabulary, costs a small
-    model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream is
-    unchanged."""
+    ``active`` bool[B] (default all): rows outside it keep their keys and records (a request waiting in its slot, e.g.
+    while its prompt is scored, draws the same stream whatever steps ran meanwhile). When every active row is greedy
+    only the argmax runs (the sampling path, a softmax, filters and a categorical draw over the vocabulary, costs a
+    small model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream
+    is unchanged."""
     keys, sub = split_keys(sb.key)
+    if active is not None:
+        keys = jnp.where(_expand(active, keys.ndim), keys, sb.key)
     x = process_logits(logits, sb)
     greedy_tok = argmax(x)  # i32[B]
     greedy = sb.greedy if active is None else sb.greedy | ~active

@@ -287,3 +287,24 @@ def test_prompt_logprobs_scored_in_chunks_against_the_pool(engine):
         engine.generate(input_ids=rng.integers(3, 300, size=n).tolist(), sampling_params={"max_new_tokens": 0},
                         return_logprob=True, logprob_start_len=0)
     assert prompt_logprobs._score_chunk._cache_size() - programs <= len(engine.backend.scheduler.runner.prefill_buckets)
+
+
+def test_a_seeded_request_waiting_for_its_prompt_scores_draws_its_own_stream(engine):
+    """While a request's prompt is scored (several rounds at 32-token chunks) its slot sits out of the decode steps
+    of the others; those steps must not advance its random key, or its seeded output would depend on them."""
+    import threading
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(3, 300, size=100).tolist()
+    sp = {"max_new_tokens": 12, "temperature": 1.0, "seed": 11, "ignore_eos": True}
+    alone = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
+    # the long request in slot 1 (the short one frees slot 0 at once), so the scored one takes slot 0, inside the
+    # rows every decode step of the other computes
+    busy = threading.Thread(target=engine.generate, kwargs=dict(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=[
+        {"max_new_tokens": 1, "temperature": 0}, {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}]))
+    busy.start()
+    time.sleep(0.3)
+    got = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True, logprob_start_len=0)
+    running = busy.is_alive()
+    busy.join()
+    assert running, "the other request finished before this one was scored: the test proves nothing"
+    assert got["output_ids"] == alone
