@@ -32,13 +32,28 @@ class _Storage:
 
 
 def _rebuild_tensor(storage: np.ndarray, offset: int, size, stride, *_ignored) -> np.ndarray:
-    """``torch._utils._rebuild_tensor_v2``'s arguments -> a numpy array (a copy, row-major)."""
+    """``torch._utils._rebuild_tensor_v2``'s arguments -> a numpy array (a copy, row-major). The view must lie
+    inside its storage (a crafted file could point past it: read as memory, or crash the process)."""
+    if not isinstance(storage, np.ndarray):
+        raise TorchFileError("a tensor without a storage")
+    size, stride = tuple(int(n) for n in size), tuple(int(n) for n in stride)
+    offset = int(offset)
+    if len(size) != len(stride) or min(size + stride + (offset,), default=0) < 0:
+        raise TorchFileError(f"a tensor of size {size}, stride {stride}, offset {offset}")
+    last = offset + sum((n - 1) * st for n, st in zip(size, stride))
+    if 0 not in size and last >= len(storage):
+        raise TorchFileError(f"a tensor of size {size}, stride {stride}, offset {offset} reaches past its storage "
+                             f"of {len(storage)} elements")
     if not size:
         return np.array(storage[offset])
     item = storage.itemsize
-    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=tuple(size),
-                                           strides=tuple(s * item for s in stride))
+    view = np.lib.stride_tricks.as_strided(storage[offset:], shape=size, strides=tuple(st * item for st in stride))
     return np.ascontiguousarray(view)
+
+
+def _rebuild_parameter(data, *_ignored):
+    """``torch._utils._rebuild_parameter``: an ``nn.Parameter`` is its data here."""
+    return data
 
 
 class _Unpickler(pickle.Unpickler):
@@ -49,6 +64,8 @@ class _Unpickler(pickle.Unpickler):
     def find_class(self, module: str, name: str):
         if (module, name) in (("torch._utils", "_rebuild_tensor_v2"), ("torch._utils", "_rebuild_tensor")):
             return _rebuild_tensor
+        if (module, name) == ("torch._utils", "_rebuild_parameter"):
+            return _rebuild_parameter
         if module == "torch" and name in _STORAGE_DTYPES:
             return _Storage(_STORAGE_DTYPES[name])
         if (module, name) == ("collections", "OrderedDict"):
@@ -62,6 +79,8 @@ class _Unpickler(pickle.Unpickler):
         if not isinstance(storage_type, _Storage):
             raise TorchFileError(f"unexpected storage type {storage_type!r}")
         raw = self.archive.read(f"{self.prefix}data/{key}")
+        if len(raw) % np.dtype(storage_type.dtype).itemsize:
+            raise TorchFileError(f"storage {key} holds {len(raw)} bytes, not whole {np.dtype(storage_type.dtype)}")
         return np.frombuffer(raw, dtype=storage_type.dtype)
 
 
@@ -86,6 +105,9 @@ def load_object(path: str):
         with archive.open(pkl[0]) as f:
             try:
                 obj = _Unpickler(f, archive, prefix).load()
-            except (pickle.UnpicklingError, EOFError, KeyError) as e:
+            except TorchFileError as e:
+                raise TorchFileError(f"{path}: {e}") from None
+            except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError,
+                    IndexError) as e:
                 raise TorchFileError(f"{path} could not be read: {type(e).__name__}: {e}") from None
     return obj

@@ -40,3 +40,49 @@ def test_anything_but_tensors_is_refused_unrun(tmp_path, monkeypatch):
     (tmp_path / "old.bin").write_bytes(b"\x80\x02not a zip")
     with pytest.raises(torch_zip.TorchFileError, match="not a PyTorch zip checkpoint"):
         torch_zip.load(str(tmp_path / "old.bin"))
+
+
+class _Storage:
+    pass
+
+
+def _crafted(path, size, stride, offset=0, nbytes=16):
+    """A zip checkpoint whose one tensor claims ``size`` / ``stride`` / ``offset`` over a storage of ``nbytes``."""
+    import io
+    import pickle
+    import zipfile
+
+    class View:
+        def __reduce__(self):
+            return (torch._utils._rebuild_tensor_v2, (_Storage(), offset, size, stride, False,
+                                                      collections.OrderedDict()))
+
+    class Pickler(pickle.Pickler):
+        def persistent_id(self, obj):
+            return ("storage", torch.FloatStorage, "0", "cpu", nbytes // 4) if isinstance(obj, _Storage) else None
+    buf = io.BytesIO()
+    Pickler(buf, protocol=2).dump({"w": View()})
+    with zipfile.ZipFile(path, "w") as z:
+        z.writestr("archive/data.pkl", buf.getvalue())
+        z.writestr("archive/data/0", b"\0" * nbytes)
+    return str(path)
+
+
+@pytest.mark.parametrize("size, stride, offset, nbytes, message", [
+    ((64,), (1,), 0, 16, "reaches past its storage of 4 elements"),  # would read 240 bytes of the heap
+    ((1 << 26,), (1 << 10,), 0, 16, "reaches past its storage"),  # would crash the process
+    ((2,), (1,), 3, 16, "reaches past its storage"),
+    ((2,), (-1,), 1, 16, "a tensor of size"),
+    ((1,), (1,), 0, 10, "not whole float32"),
+])
+def test_views_outside_their_storage_are_refused(tmp_path, size, stride, offset, nbytes, message):
+    with pytest.raises(torch_zip.TorchFileError, match=message):
+        torch_zip.load(_crafted(tmp_path / "crafted.bin", size, stride, offset, nbytes))
+    assert torch_zip.load(_crafted(tmp_path / "ok.bin", (2, 2), (1, 2)))["w"].shape == (2, 2)
+
+
+def test_parameters_read_as_their_data(tmp_path):
+    """A state dict of nn.Parameter objects (torch.save(dict(model.named_parameters()))), as weights_only reads it."""
+    w = torch.nn.Parameter(torch.randn(3, 2))
+    torch.save({"w": w}, str(tmp_path / "p.bin"))
+    np.testing.assert_array_equal(torch_zip.load(str(tmp_path / "p.bin"))["w"], w.detach().numpy())
