@@ -334,6 +334,9 @@ class Scheduler:
         self.totals["prompt_tokens"] += n
         if req.prefill_done:
             req.first_token = tok
+            if req.params.return_logprob:  # the first prompt token asked for, without a logprob; scores follow it
+                begin, end = req.score_span()
+                req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None)]
             self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
             self._cache_prefix(req)
         return True
@@ -429,18 +432,14 @@ class Scheduler:
         ``logprob_start_len`` on (-1, the default: the last prompt token only, which runs no scoring program), the
         first of them without a logprob (None). A request for 0 new tokens (SGLang's prefill-only request) finishes
         here, its token unused."""
-        sp = req.params
         req.decoding = True
-        try:
-            if sp.return_logprob:  # the scored positions' entries (``_score_chunk``) after the first, unscored token
-                begin, end = req.score_span()
-                req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None)] + req.input_logprobs
+        try:  # the prompt's logprobs are in req.input_logprobs already (``_prefill_chunk``, ``_score_chunk``)
             lps = self._logprobs([req])
         except Exception as e:  # noqa: BLE001 - fail this request only
-            log.exception("prompt logprobs of request %s failed", req.rid)
+            log.exception("logprobs of request %s failed", req.rid)
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
             return
-        if sp.max_new_tokens == 0:
+        if req.params.max_new_tokens == 0:
             self._finish(req, {"type": "length", "length": 0})
             return
         self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
