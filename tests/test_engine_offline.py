@@ -298,13 +298,23 @@ def test_a_seeded_request_waiting_for_its_prompt_scores_draws_its_own_stream(eng
     sp = {"max_new_tokens": 12, "temperature": 1.0, "seed": 11, "ignore_eos": True}
     alone = engine.generate(input_ids=prompt, sampling_params=sp)["output_ids"]
     # the long request in slot 1 (the short one frees slot 0 at once), so the scored one takes slot 0, inside the
-    # rows every decode step of the other computes
-    busy = threading.Thread(target=engine.generate, kwargs=dict(input_ids=[[5, 6, 7], [8, 9, 10]], sampling_params=[
-        {"max_new_tokens": 1, "temperature": 0}, {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}]))
-    busy.start()
-    time.sleep(0.3)
+    # rows every decode step of the other computes; its stream's chunks time its steps
+    chunks, started = [], threading.Event()
+
+    def busy():
+        for c in engine.generate(input_ids=[[5, 6, 7], [8, 9, 10]], stream=True, sampling_params=[
+                {"max_new_tokens": 1, "temperature": 0},
+                {"max_new_tokens": 240, "temperature": 0, "ignore_eos": True}]):
+            chunks.append(time.perf_counter())
+            if len(chunks) > 3:
+                started.set()
+    thread = threading.Thread(target=busy)
+    thread.start()
+    assert started.wait(60)
+    t0 = time.perf_counter()
     got = engine.generate(input_ids=prompt, sampling_params=sp, return_logprob=True, logprob_start_len=0)
-    running = busy.is_alive()
-    busy.join()
-    assert running, "the other request finished before this one was scored: the test proves nothing"
+    t1 = time.perf_counter()
+    thread.join()
+    # the other request stepped all through this one's prefill and scoring rounds (8 at 32 tokens a round)
+    assert sum(t0 < t < t1 for t in chunks) >= 12 or chunks[-1] > t1, "the other request did not run alongside"
     assert got["output_ids"] == alone
