@@ -181,9 +181,11 @@ class _OpenAISampling(_Body):
     def sampling(self, max_tokens: int | None, param: str = "max_tokens") -> SamplingParams:
         """The SamplingParams of this body with the output limit ``max_tokens`` (given as the field ``param``)."""
         want, top, echo = self.logprob_request()
-        if max_tokens is not None and max_tokens < (0 if getattr(self, "echo", False) else 1):
+        echo_field = getattr(self, "echo", None)  # completions only
+        if max_tokens is not None and max_tokens < (0 if echo_field else 1):
             # 0 with echo scores the prompt alone (what evaluation harnesses send; vLLM takes it too)
-            raise RequestError(f"{param} must be >= 1 (0 only with echo), got {max_tokens}", param=param)
+            raise RequestError(f"{param} must be >= 1{' (0 only with echo)' if echo_field is not None else ''}, "
+                               f"got {max_tokens}", param=param)
         if self.min_tokens is not None:  # no max_tokens: no limit but the context (the scheduler's)
             check_min_tokens(self.min_tokens, max_tokens if max_tokens is not None else NO_LIMIT, "min_tokens", param)
         sp = SamplingParams(

@@ -338,14 +338,13 @@ def serve_setup(args, topo: Topology, *, model_config: str | None = None, num_la
 def _draft_config(setup: ServeSetup, algorithm: str):
     """(head config, where it came from): the head folder's config.json when ``--speculative-draft-model-path``
     belongs to this algorithm, else the one-layer head ``specjax.train`` makes for this target."""
-    from specjax.head_weights import HeadFormatError, check_head_matches_target
+    from specjax.head_weights import HeadFormatError, check_head_matches_target, resolve_head_path
     from specjax.models import eagle, eagle3
     args, tcfg = setup.args, setup.tcfg
     path = args.speculative_draft_model_path if args.speculative_algorithm == algorithm else None
     if path:
-        cfg_json = os.path.join(os.path.expanduser(path), "config.json")
         try:
-            with open(cfg_json) as f:
+            with open(os.path.join(resolve_head_path(path), "config.json")) as f:  # a folder, or a hub id
                 hf = json.load(f)
             if algorithm == "EAGLE3":
                 dcfg = eagle3.config_from_hf(hf, tcfg.num_layers, dtype=tcfg.dtype)
