@@ -312,7 +312,6 @@ class Request:
     nodes: list = dataclasses.field(default_factory=list)  # radix nodes this request holds a reference on
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     prefilled: int = 0  # prompt tokens in the KV cache
-    scored: int = 0  # prompt positions scored for prompt logprobs (``score_span``), after the prefill
     first_token: int | None = None  # the prefill's token, held while the prompt is scored
     decoding: bool = False  # the first token is out: the request takes decode steps
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -342,6 +341,11 @@ class Request:
     @property
     def prefill_done(self) -> bool:
         return self.prefilled >= len(self.prompt_ids)
+
+    @property
+    def scored(self) -> int:
+        """Prompt positions scored so far (``score_span``): the entries after the unscored first one."""
+        return max(len(self.input_logprobs) - 1, 0)
 
     def score_span(self) -> tuple[int, int]:
         """Prompt positions [begin, end) whose next token's logprob the request asks for (SGLang's prompt tokens

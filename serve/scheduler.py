@@ -306,14 +306,18 @@ class Scheduler:
                 if not self._prefill_chunk(req, n):
                     continue
                 budget -= n
+                if not req.prefill_done:
+                    continue
             begin, end = req.score_span()
-            if req.prefill_done and req.scored < end - begin and budget > 0:
-                c = int(min(end - begin - req.scored, budget))
-                if not self._score_chunk(req, begin + req.scored, c):
+            left = end - begin - req.scored
+            if left > 0:
+                c = int(min(left, budget))
+                if c <= 0 or not self._score_chunk(req, begin + req.scored, c):
                     continue
                 budget -= c
-            if req.prefill_done and req.scored >= end - begin and not req.finished:
-                self._first_token(req, req.first_token)
+                if c < left:
+                    continue
+            self._first_token(req, req.first_token)
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:
         """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when
@@ -351,7 +355,6 @@ class Scheduler:
             log.exception("prompt logprobs of request %s failed", req.rid)
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
             return False
-        req.scored += count
         return True
 
     # ---- decode --------------------------------------------------------------------------------------------------
