@@ -231,14 +231,69 @@ def test_bad_records_counted(tok, tmp_path):
     enc = D.ChatEncoder(tok)
     cfg = DataConfig(paths=(str(p),))
     out = D.tokenize_records(D.iter_records(cfg), enc, max_length=256, overlong="drop")
+    # (the `text` record is read as preformatted text, data.format auto, and holds no assistant turn)
     assert out.stats == {"records": 15, "kept": 3, "undecodable": 3, "empty": 3, "wrong_role": 2,
-                         "bad_format": 3, "too_long": 1}, out.stats
+                         "bad_format": 2, "no_assistant_tokens": 1, "too_long": 1}, out.stats
     assert "kept 3 of 15" in D.summary(out.stats)
     out = D.tokenize_records(D.iter_records(cfg), enc, max_length=256, overlong="truncate")
     assert out.stats["kept"] == 4 and out.stats["truncated"] == 1 and out.lengths.max() == 256
     # a conversation truncated before its first assistant token has nothing to learn from
     out = D.tokenize_records(D.iter_records(cfg), enc, max_length=8, overlong="truncate")
-    assert out.stats["kept"] == 0 and out.stats["no_assistant_tokens"] == 4
+    assert out.stats["kept"] == 0 and out.stats["no_assistant_tokens"] == 5
+
+
+# Llama 3's layout (a BOS, headers ending in a blank line, no newline after the end token)
+LLAMA3ISH = ("<|endoftext|>{% for m in messages %}<|im_start|>{{ m['role'] }}</think>\n\n{{ m['content'] }}<|im_end|>"
+             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant</think>\n\n{% endif %}")
+# gpt-oss's: the final answer ends with another token (<|return|> there) than answers in the history (<|end|>)
+LASTENDS = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}"
+            "{% if m['role'] == 'assistant' and loop.last %}<|endoftext|>{% else %}<|im_end|>{% endif %}{% endfor %}"
+            "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+# Phi-3's: a conversation without a generation prompt ends with EOS
+EOSEND = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+          "{% if add_generation_prompt %}<|im_start|>assistant\n{% else %}<|endoftext|>{% endif %}")
+
+
+@pytest.mark.parametrize("template", ["chatml", "thinking", "thinking-off", "llama3ish", "lastends"])
+def test_preformatted_text_reads_as_its_conversation(tok, think_tok, tmp_path, template):
+    """SpecForge's --is-preformatted data (`text`: a conversation already rendered with the target's chat template)
+    gives the tokens and loss mask of the same conversation given as turns, in both data.format auto and text."""
+    t = {"chatml": tok, "thinking": think_tok, "thinking-off": think_tok}.get(template)
+    if t is None:
+        t = tf.make_tokenizer(str(tmp_path / "tok"), template=LLAMA3ISH if template == "llama3ish" else LASTENDS)
+    enc = D.ChatEncoder(t, {"enable_thinking": False} if template == "thinking-off" else {})
+    convs = tf.make_conversations(8, seed=5) + [{"conversations": CONV}]
+    texts = [{"text": enc.render(D.to_messages(c), False)} for c in convs]
+    tf.write_jsonl(str(tmp_path / "turns.jsonl"), convs)
+    tf.write_jsonl(str(tmp_path / "text.jsonl"), texts)
+    ref = D.tokenize_records(D.iter_records(DataConfig(paths=(str(tmp_path / "turns.jsonl"),))), enc, max_length=4096)
+    for fmt in ("auto", "text"):
+        got = D.tokenize_records(D.iter_records(DataConfig(paths=(str(tmp_path / "text.jsonl"),))), enc,
+                                 max_length=4096, fmt=fmt)
+        assert got.stats == ref.stats == {"records": 9, "kept": 9}
+        np.testing.assert_array_equal(got.tokens, ref.tokens)
+        np.testing.assert_array_equal(got.loss_mask, ref.loss_mask)
+        np.testing.assert_array_equal(got.offsets, ref.offsets)
+
+
+def test_preformatted_text_spans(tok, tmp_path):
+    """An answer cut short (no end-of-turn) is learnt to the end of the text; headers and end markers can be given
+    for text in another layout; records of the wrong shape are counted, not read."""
+    enc = D.ChatEncoder(tok)
+    assert (enc.assistant_header, enc.end_marker) == ("<|im_start|>assistant\n", "<|im_end|>")
+    text = "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\nblue sky<|im_end|>\n<|im_start|>assistant\ngreen se"
+    ids, mask = enc.encode_rendered([enc.text_spans(text)])[0]
+    assert tok.decode(ids[mask == 1]) == "blue sky<|im_end|>green se"
+    phi = D.ChatEncoder(tf.make_tokenizer(str(tmp_path / "phi"), template=EOSEND))  # the header after a user turn
+    assert (phi.assistant_header, phi.turn_end) == ("<|im_start|>assistant\n", "<|im_end|>")
+    own = D.ChatEncoder(tok, assistant_header="A:", end_of_turn="<|im_end|>")
+    ids, mask = own.encode_rendered([own.text_spans("Q: what is the sky\nA: blue sky<|im_end|>\nQ: and\nA: sea")])[0]
+    assert tok.decode(ids[mask == 1]) == " blue sky<|im_end|> sea"
+    records = [{"text": 5}, {"text": "  "}, {"text": "\ud800"}, {"conversations": CONV}, {"messages": []}]
+    out = D.tokenize_records(iter(records), enc, max_length=512, fmt="text")
+    assert out.stats == {"records": 5, "kept": 0, "bad_format": 3, "empty": 1, "undecodable": 1}, out.stats
+    with pytest.raises(D.BadRecord, match="preformatted text"):
+        D.to_messages({"text": text}, prompts=True)  # regeneration needs turns
 
 
 def _fake_data(lengths, seed=0):

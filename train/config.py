@@ -64,7 +64,15 @@ class DataConfig:
                                     "folders; the name 'sharegpt' means the cleaned ShareGPT fetched into the cache")
     hf_datasets: tuple[str, ...] = option((), help='hub datasets (`datasets.load_dataset(name, split=...)`)')
     split: str = option("train", help='split of the hub datasets')
-    format: str = option("auto", help='auto | sharegpt (conversations/from/value) | messages (OpenAI role/content)')
+    format: str = option("auto", help='auto | sharegpt (conversations/from/value) | messages (OpenAI role/content) | '
+                                      'text (preformatted: each record\'s `text` is a conversation already rendered '
+                                      'with the target\'s chat template, as SpecForge\'s preformatted data; auto reads '
+                                      'a record with `text` and no turns as such)')
+    assistant_header: str | None = option(None, help='preformatted text: what opens an assistant turn (default: what '
+                                          'the chat template writes there, e.g. "<|im_start|>assistant\\n"; in YAML '
+                                          'double quotes for escapes)')
+    end_of_turn: str | None = option(None, help='preformatted text: what ends an assistant turn (default: what the chat '
+                                     'template writes there, e.g. "<|im_end|>")')
     max_length: int = option(2048, help='tokens per conversation (after rendering)')
     buckets: tuple[int, ...] = option((128, 256, 512, 1024, 2048, 4096), help='padded lengths (one compile each)')
     overlong: str = option("truncate", help='truncate | drop: what to do with conversations longer than max_length')
@@ -391,8 +399,11 @@ def expand_paths(cfg: RunConfig) -> RunConfig:
 
 def validate(cfg: RunConfig) -> None:
     dc = cfg.data
-    if dc.format not in ("auto", "sharegpt", "messages"):
-        raise ConfigError(f"data.format must be auto, sharegpt or messages, not {dc.format!r}")
+    if dc.format not in ("auto", "sharegpt", "messages", "text"):
+        raise ConfigError(f"data.format must be auto, sharegpt, messages or text, not {dc.format!r}")
+    for key in ("assistant_header", "end_of_turn"):
+        if getattr(dc, key) is not None and (not isinstance(getattr(dc, key), str) or not getattr(dc, key).strip()):
+            raise ConfigError(f"data.{key} must be a non-empty string, not {getattr(dc, key)!r}")
     if dc.overlong not in ("truncate", "drop"):
         raise ConfigError(f"data.overlong must be truncate or drop, not {dc.overlong!r}")
     if dc.max_length < 2:

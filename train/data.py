@@ -3,7 +3,9 @@
 Inputs (``data.paths`` / ``data.hf_datasets``): ShareGPT JSON/JSONL (``conversations`` of ``{from, value}``,
 roles human/gpt/system), OpenAI-style ``messages`` JSONL (``{role, content}``), any ``datasets`` dataset (hub name,
 parquet, or a ``save_to_disk`` folder) holding either shape, and the name ``sharegpt`` (the cleaned ShareGPT file
-that ``specjax.hub`` downloads into the cache).
+that ``specjax.hub`` downloads into the cache); preformatted ``text`` (SpecForge's ``--is-preformatted``: a
+conversation already rendered with the chat template, its assistant turns found by the template's header and
+end-of-turn marker, ``ChatEncoder.text_spans``).
 
 Rendering: the TARGET tokenizer's chat template. Assistant spans are found by rendering incrementally: turn i's
 tokens start where ``render(messages[:i], add_generation_prompt=True)`` stops matching the full rendering, and end
@@ -170,12 +172,37 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
         turns, role_key, text_key = record["conversations"], "from", "value"
     elif fmt in ("auto", "messages") and "messages" in record:
         turns, role_key, text_key = record["messages"], "role", "content"
+    elif "text" in record:
+        raise BadRecord("bad_format", "preformatted text (a `text` field) where turns are needed")
     else:
         wanted = {"sharegpt": "conversations", "messages": "messages"}.get(fmt, "conversations or messages")
         raise BadRecord("bad_format", f"no {wanted} field")
     if not isinstance(turns, list):
         raise BadRecord("bad_format", "turns are not a list")
     return _cleaned([_message(t, role_key, text_key) for t in turns], prompts)
+
+
+def record_text(record: Any, fmt: str = "auto") -> str | None:
+    """A preformatted record's text (``data.format: text``, SpecForge's ``--is-preformatted``: the conversation
+    already rendered with the target's chat template, in ``text``; ``auto`` reads a record with ``text`` and no
+    turns as one), else None."""
+    if fmt not in ("auto", "text") or isinstance(record, BadRecord):
+        return None
+    if fmt == "auto" and not (isinstance(record, dict) and "text" in record
+                              and "conversations" not in record and "messages" not in record):
+        return None
+    if not isinstance(record, dict) or "text" not in record:
+        raise BadRecord("bad_format", "no text field")
+    text = record["text"]
+    if not isinstance(text, str):
+        raise BadRecord("bad_format", "text is not a string")
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord("undecodable", "invalid unicode in text") from None
+    if not text.strip():
+        raise BadRecord("empty", "empty text")
+    return text
 
 
 def _message(t: Any, role_key: str, text_key: str) -> dict[str, Any]:
@@ -287,13 +314,20 @@ def _common_prefix(a: str, b: str) -> int:
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template; returns token ids and the assistant loss mask."""
 
-    def __init__(self, tokenizer, template_kwargs: dict | None = None):
-        if getattr(tokenizer, "chat_template", None) is None:
-            raise ValueError(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; "
-                             f"set one in tokenizer_config.json (chat_template)")
+    def __init__(self, tokenizer, template_kwargs: dict | None = None, assistant_header: str | None = None,
+                 end_of_turn: str | None = None):
+        if getattr(tokenizer, "chat_template", None) is None and (assistant_header is None or end_of_turn is None):
+            raise NoUsableData(f"tokenizer {getattr(tokenizer, 'name_or_path', '')!r} has no chat template; set one "
+                               f"in tokenizer_config.json (chat_template), or, for preformatted text only, "
+                               f"data.assistant_header and data.end_of_turn")
         self.tok = tokenizer
         self.kwargs = dict(template_kwargs or {})
-        self.end_marker = self._probe_end_marker()
+        self.end_marker = self._probe_end_marker() if end_of_turn is None else end_of_turn
+        head, end, self.gen_extra = self._probe_history_turn()
+        # preformatted text (text_spans): what opens and ends an assistant turn
+        self.assistant_header = head if assistant_header is None else assistant_header
+        self.turn_end = end if end_of_turn is None else end_of_turn
+        self.texts_read = 0
 
     def render(self, msgs, gen: bool, tools: list[dict] | None = None) -> str:
         kw = dict(self.kwargs, tools=tools) if tools else self.kwargs
@@ -309,6 +343,56 @@ class ChatEncoder:
         i = text.rfind(probe)
         return text[i + len(probe):].strip() if i >= 0 else ""
 
+    def _probe_history_turn(self) -> tuple[str, str, str]:
+        """(what opens, what ends an assistant message in a conversation's history, what the generation prompt adds
+        after that opening): e.g. ('<|im_start|>assistant\\n', '<|im_end|>', ''), Llama 3's
+        ('<|start_header_id|>assistant<|end_header_id|>\\n\\n', '<|eot_id|>', ''), Qwen3 with thinking off
+        ('<|im_start|>assistant\\n', '<|im_end|>', '<think>\\n\\n</think>\\n\\n'); '' where it cannot tell."""
+        probe, first = "Zq7 probe reply", [{"role": "user", "content": "Zq7 hello"}]
+        try:
+            before, prompt = self.render(first, False), self.render(first, True)
+            full = self.render(first + [{"role": "assistant", "content": probe},
+                                        {"role": "user", "content": "Zq7 bye"}], False)
+        except Exception:  # noqa: BLE001 - templates raise anything
+            return "", "", ""
+        i, k = full.find(probe), full.find("Zq7 bye")
+        if i < 0 or k < i:
+            return "", "", ""
+        tail = full[i + len(probe):k]  # the end of the turn, then the user's header
+        end = max((t for t in self.tok.get_added_vocab() if t and tail.startswith(t)), key=len, default="") \
+            or (self.end_marker if self.end_marker and tail.startswith(self.end_marker) else "")
+        if full.startswith(before):
+            head = full[len(before):i].lstrip()
+        else:  # a template that ends a conversation with EOS: the header follows the user turn's end marker
+            u = full.find("Zq7 hello") + len("Zq7 hello")
+            head = full[u + len(end):i].lstrip() if end and full.startswith(end, u) else ""
+        gen = prompt[len(before):].lstrip() if prompt.startswith(before) else ""
+        return head, end, gen[len(head):] if head and gen.startswith(head) else ""
+
+    def text_spans(self, text: str) -> tuple[str, list[tuple[int, int]]]:
+        """(text, the assistant spans of a preformatted conversation): each runs from after an assistant header to
+        the end-of-turn marker after it, the marker included, or to the end of the text (an answer cut short), as
+        SpecForge reads ``--is-preformatted`` data; what the generation prompt itself adds after the header (an empty
+        thinking block with thinking off) is context, as in ``char_spans``."""
+        head, end = self.assistant_header, self.turn_end
+        if not head or not end:
+            raise NoUsableData("preformatted text needs the strings that open and end an assistant turn, and the "
+                               "chat template's were not found (" + ("no header" if not head else "no end-of-turn")
+                               + "): set data.assistant_header and data.end_of_turn")
+        self.texts_read += 1
+        spans, pos = [], 0
+        while (i := text.find(head, pos)) >= 0:
+            start = i + len(head)
+            if self.gen_extra and text.startswith(self.gen_extra, start):  # injected by the generation prompt
+                start += len(self.gen_extra)
+            j = text.find(end, start)
+            pos = stop = len(text) if j < 0 else j + len(end)
+            while stop > start and text[stop - 1].isspace():
+                stop -= 1
+            if stop > start:
+                spans.append((start, stop))
+        return text, spans
+
     def char_spans(self, msgs, tools: list[dict] | None = None) -> tuple[str, list[tuple[int, int]]]:
         full = self.render(msgs, False, tools)
         spans, prev_end = [], 0
@@ -319,13 +403,14 @@ class ChatEncoder:
             upto = self.render(msgs[:i + 1], False, tools)
             if full.startswith(upto):
                 end = len(upto)
-            else:  # this turn renders differently once it is not last: end at its end-of-turn marker
-                if not self.end_marker:
+            else:  # this turn renders differently once it is not last: end at a history turn's end marker
+                marker = self.turn_end or self.end_marker
+                if not marker:
                     raise BadRecord("template_mismatch", "turn rendering is not prefix-stable and no end marker")
-                j = full.find(self.end_marker, start)
+                j = full.find(marker, start)
                 if j < 0:
                     raise BadRecord("template_mismatch", "no end-of-turn marker after an assistant turn")
-                end = j + len(self.end_marker)
+                end = j + len(marker)
             if m.get("truncated"):  # the target was cut off here: its answer ends, but no end-of-turn is learnt
                 end = self._content_end(full, m["content"], start, end)
             while end > start and full[end - 1].isspace():  # the newline after the end token is not generated
@@ -482,7 +567,9 @@ def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length
             break
         stats["records"] += 1
         try:
-            pending.append(encoder.spans_or_bad(to_messages(rec, fmt), record_tools(rec)))
+            text = record_text(rec, fmt)
+            pending.append(encoder.text_spans(text) if text is not None
+                           else encoder.spans_or_bad(to_messages(rec, fmt), record_tools(rec)))
         except BadRecord as e:
             stats[e.reason] += 1
             continue
@@ -509,7 +596,8 @@ def fingerprint(cfg: DataConfig, tok) -> str:
     vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
     h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
                          cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig,
-                         3],  # the reader's version: 2 read reasoning_content and truncated turns, 3 tools
+                         cfg.assistant_header, cfg.end_of_turn,
+                         4],  # the reader's version: 2 read reasoning_content and truncated turns, 3 tools, 4 text
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
 
@@ -529,13 +617,16 @@ def load_dataset(cfg: DataConfig, tokenizer, log: Callable[[str], None] = print)
             return data
         except Exception:  # noqa: BLE001 - a damaged cache is rebuilt
             pass
-    encoder = ChatEncoder(tokenizer, cfg.chat_template_kwargs)
+    encoder = ChatEncoder(tokenizer, cfg.chat_template_kwargs, cfg.assistant_header, cfg.end_of_turn)
     data = tokenize_records(iter_records(cfg, log), encoder, max_length=cfg.max_length, overlong=cfg.overlong,
                             fmt=cfg.format, max_examples=cfg.max_examples)
     log(f"data: {summary(data.stats)}")
     if len(data) == 0:
+        hint = (f"; the preformatted text was read with assistant header {encoder.assistant_header!r} and "
+                f"end-of-turn {encoder.turn_end!r}: set data.assistant_header / data.end_of_turn (YAML double quotes "
+                f"for escapes such as \\n) if the text is laid out otherwise" if encoder.texts_read else "")
         raise NoUsableData(f"no usable conversations in {list(cfg.paths) + list(cfg.hf_datasets)}: "
-                         f"{summary(data.stats)}")
+                           f"{summary(data.stats)}{hint}")
     try:
         os.makedirs(cache_dir, exist_ok=True)
         data.save(path)

@@ -7,7 +7,8 @@ A draft head is accepted where it predicts what the TARGET says, not what ChatGP
 trainers (EAGLE, HASS, SpecForge) answer the prompts with the target first; it is the biggest lever on acceptance.
 
 How: conversations are read with the trainer's own reader and cleaner (``data.iter_records`` / ``data.to_messages``,
-so every format the trainer reads works here), the human turns are kept, and the assistant turns are produced in
+so every conversation format the trainer reads works here; preformatted text has no turns to answer and is counted
+as ``bad_format``), the human turns are kept, and the assistant turns are produced in
 rounds: round r answers the r-th user turn of every conversation in a chunk, given the regenerated history, with
 specjax's batched engine (``specjax.generate``: one jitted while loop per batch, rows of similar prompt length
 batched together). Greedy by default (``--temperature`` > 0 samples). A conversation stops growing at its last
