@@ -27,7 +27,7 @@ from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
 from specjax.safetensors_io import CheckpointIndex, save_file
-from specjax.weights import WeightsError, hub_snapshot, on_device
+from specjax.weights import WeightsError, hub_snapshot, is_hub_id, on_device
 
 
 class HeadFormatError(ValueError):
@@ -375,9 +375,8 @@ def check_token_map_use(algorithm: str | None, token_map: str | None) -> str | N
 def resolve_head_path(path: str) -> str:
     """A head's local folder: ``path`` itself, or, for a Hugging Face hub id (``owner/name``, no such local path),
     its files downloaded into the hub cache (as SGLang and vLLM take ``--speculative-draft-model-path``)."""
-    local = os.path.expanduser(path)
-    if os.path.exists(local) or path.count("/") != 1 or path.startswith((".", "/", "~")):
-        return local
+    if not is_hub_id(path):
+        return os.path.expanduser(path)
     try:
         return hub_snapshot(path, ("*.json", "*.safetensors", "pytorch_model*.bin"))
     except WeightsError as e:

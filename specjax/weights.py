@@ -30,6 +30,13 @@ class WeightsError(ValueError):
     pass
 
 
+def is_hub_id(path: str) -> bool:
+    """Whether ``path`` names a Hugging Face hub repo (``owner/name``, no such local path) rather than a folder."""
+    path = os.fspath(path)
+    return (path.count("/") == 1 and not path.startswith((".", "/", "~"))
+            and not os.path.exists(os.path.expanduser(path)))
+
+
 def hub_snapshot(repo: str, allow_patterns) -> str:
     """The local folder of Hugging Face hub repo ``repo`` (its files matching ``allow_patterns``, downloaded into the
     hub cache); a WeightsError saying only why the hub could not provide it."""

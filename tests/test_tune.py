@@ -5,6 +5,7 @@ tree flag is given; explicit flags win; a damaged file is a clear error."""
 import json
 import logging
 import os
+import types
 
 import pytest
 from hf_tiny_models import build
@@ -384,3 +385,33 @@ def test_a_table_per_kind_of_machine(tmp_path, monkeypatch):
     assert tune_lib.output_path(head) == str(tmp_path / tune_lib.FILENAME)  # measured here: rewritten
     monkeypatch.setattr(tune_lib, "this_machine", lambda: ("x", None, "NVIDIA H100 80GB HBM3"))
     assert tune_lib.machine_tag() == "nvidia-h100-80gb-hbm3"
+
+
+def test_a_hub_heads_table_is_read_from_the_hub(tmp_path, monkeypatch, caplog):
+    """A head given as a hub id (`--speculative-draft-model-path owner/name`) has its tree table read from the hub
+    cache: only the tables are fetched for it, once per process; a hub that cannot provide them gives the defaults
+    with a warning, never an error."""
+    table = {"format": 1, "machine": "elsewhere", "batch_sizes": {"1": dict(zip(tune_lib.SHAPE_KEYS, (3, 1, 4)))}}
+    tune_lib.save_tune(str(tmp_path / tune_lib.FILENAME), table)
+    asked = []
+    monkeypatch.setattr(tune_lib, "hub_snapshot",
+                        lambda repo, patterns: asked.append((repo, patterns)) or str(tmp_path))
+    tune_lib._hub_tables.cache_clear()
+    assert tune_lib.load_tune("someone/head-eagle3") == {1: (3, 1, 4)}
+    assert tune_lib.table_path("someone/head-eagle3") == str(tmp_path / tune_lib.FILENAME)
+    assert asked == [("someone/head-eagle3", ("speculative_tune*.json",))]
+    assert tune_lib.load_tune(str(tmp_path / "not-here")) is None and len(asked) == 1  # a local path stays local
+    from specjax import head_weights
+    from specjax.bench import tune as bench_tune
+    monkeypatch.setattr(head_weights, "hub_snapshot", lambda repo, patterns: str(tmp_path / "snapshot"))
+    args = types.SimpleNamespace(no_write=False, outputs_only=False, out=None, draft="someone/head", dtype=None)
+    assert bench_tune.table_output(args) == str(tmp_path / "snapshot" / tune_lib.FILENAME)  # bench tune's table
+
+    def offline(repo, patterns):
+        raise tune_lib.WeightsError("LocalEntryNotFoundError: offline")
+    monkeypatch.setattr(tune_lib, "hub_snapshot", offline)
+    tune_lib._hub_tables.cache_clear()
+    with caplog.at_level(logging.WARNING, logger="specjax.tune"):
+        assert tune_lib.load_tune("someone/other-head") is None
+    assert "no tree table for hub head someone/other-head" in caplog.text
+    tune_lib._hub_tables.cache_clear()

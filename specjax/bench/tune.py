@@ -39,6 +39,7 @@ import time
 
 import jax
 
+from specjax import head_weights
 from specjax.batching import warmup_budget
 from specjax.bench.common import TargetRunOptions, machine_description, write_json
 from specjax.bench.spec import load_prompts, load_target, prompt_texts
@@ -88,7 +89,6 @@ def _time_groups(run, groups, max_new_tokens: int, warm: bool = True) -> tuple[f
 
 
 def tune(args) -> dict:
-    from specjax import head_weights
     from specjax.generate import generate
     from specjax.speculative import draft as draft_lib
     from specjax.speculative.spec_generate import speculative_generate
@@ -201,6 +201,14 @@ class TuneOptions(TargetRunOptions):
     random_llama_8b: bool = False  # the target is always a real model here (bench spec's load_target reads it)
 
 
+def table_output(args) -> str | None:
+    """Where the table goes: ``--out``, else into the head's folder (a hub head's hub-cache folder, where serving it
+    by the same id reads it); None with ``--no-write`` or ``--outputs-only``."""
+    if args.no_write or args.outputs_only:
+        return None
+    return args.out or tune_lib.output_path(head_weights.resolve_head_path(args.draft), args.dtype)
+
+
 def main(argv=None) -> int:
     ap = options_parser(TuneOptions, "python -m specjax.bench tune", __doc__.split("\n\n")[0],
                         exclude=("random_llama_8b",))
@@ -212,8 +220,7 @@ def main(argv=None) -> int:
     if args.num_prompts < max(args.batch_sizes):  # checked before any measurement, not after an hour of them
         ap.error(f"--num-prompts {args.num_prompts} is smaller than batch size {max(args.batch_sizes)}: every batch "
                  f"size needs at least one full group of prompts")
-    out = None if args.no_write or args.outputs_only else \
-        args.out or tune_lib.output_path(args.draft, args.dtype)
+    out = table_output(args)
     check_output_file(out, "--out")  # now, not after an hour of measurements
     check_output_file(args.json, "--json")
     args.shapes = args.shapes or default_shapes(jax.default_backend())

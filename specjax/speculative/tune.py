@@ -25,6 +25,7 @@ instead (``_smallest_paying``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import math
@@ -34,9 +35,11 @@ import re
 import jax
 
 from specjax.host import VECTOR_EXTENSIONS, cpu_model, cpu_vector_extension
+from specjax.weights import WeightsError, hub_snapshot, is_hub_id
 
 FORMAT = 1
 FILENAME = "speculative_tune.json"
+_log = logging.getLogger("specjax.tune")
 SHAPE_KEYS = ("num_steps", "eagle_topk", "num_draft_tokens")
 
 
@@ -74,6 +77,10 @@ def table_path(folder_or_file: str | None, dtype: str | None = None) -> str | No
     machine's where the folder has one (``filename``'s ``machine``); None when there is none."""
     if not folder_or_file:
         return None
+    if is_hub_id(folder_or_file):
+        folder_or_file = _hub_tables(folder_or_file)
+        if folder_or_file is None:
+            return None
     if not os.path.isdir(folder_or_file):
         return folder_or_file if os.path.isfile(folder_or_file) else None
     tagged = any(n.startswith("speculative_tune.") and ".on-" in n for n in os.listdir(folder_or_file))
@@ -81,6 +88,17 @@ def table_path(folder_or_file: str | None, dtype: str | None = None) -> str | No
     names = (filename(dtype, tag), filename(dtype), filename(None, tag), FILENAME)
     paths = (os.path.join(folder_or_file, name) for name in dict.fromkeys(names))
     return next((p for p in paths if os.path.isfile(p)), None)
+
+
+@functools.lru_cache(maxsize=None)
+def _hub_tables(repo: str) -> str | None:
+    """The hub cache folder holding hub head ``repo``'s tree tables (fetched once per process; the head's weights
+    come later, into the same folder), or None where the hub cannot provide them (warned once)."""
+    try:
+        return hub_snapshot(repo, (f"{FILENAME.rsplit('.', 1)[0]}*.json",))
+    except WeightsError as e:
+        _log.warning("no tree table for hub head %s (%s): its trees are the defaults", repo, e)
+        return None
 
 
 def output_path(folder: str, dtype: str | None = None) -> str:
@@ -271,7 +289,7 @@ class TreeChoice:
         self._first_interval = {b: self._budgeted(e, probe_budget) for b, e in self.entries.items()}
         self._interval = dict(self._first_interval)
         self._pays: dict[int, bool] = {}
-        self._log = log or logging.getLogger("specjax.tune").info
+        self._log = log or _log.info
 
     def _budgeted(self, e: _Entry, budget: float) -> int:
         if e.cost is None or budget <= 0:
