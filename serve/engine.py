@@ -210,6 +210,11 @@ class Engine:
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()
 
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
+        """SGLang's: the target's weights from ``model_path`` (same architecture and shapes) without a restart, once
+        the running requests finish; (success, message, paused requests). The draft head and tokenizer are kept."""
+        return self.backend.update_weights_from_disk(model_path, load_format)
+
     def get_server_info(self) -> dict:
         """What /get_server_info answers: the effective arguments, the version and the scheduler's state."""
         return self.backend.server_info()

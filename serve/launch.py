@@ -184,6 +184,9 @@ class Backend:
     spec: bool
     metrics: Metrics
     startup_s: float = 0.0
+    mesh: object = None
+    weight_version: str = "default"  # SGLang's label of the weights served (``update_weights_from_disk``)
+    _update_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
     def server_info(self) -> dict:
         """/get_server_info and ``Engine.get_server_info``: the effective arguments (no api key), the version and
@@ -244,6 +247,54 @@ class Backend:
         done.wait(3600)
         self.scheduler.flush_cache()
         return time.perf_counter() - t0
+
+    def update_weights_from_disk(self, model_path: str, load_format: str | None = None,
+                                 abort_all_requests: bool = False, weight_version: str | None = None,
+                                 flush_cache: bool = True) -> tuple[bool, str, int]:
+        """SGLang's weight update: the target's weights from ``model_path`` (a folder or a hub id of the same
+        architecture and shapes), loaded while serving goes on; then admission pauses, the running requests finish
+        (or are aborted first, ``abort_all_requests``), the weights are swapped and the prefix cache dropped
+        (``flush_cache``), and admission resumes. The draft head and the tokenizer are kept. Returns (success,
+        message, requests paused: 0, as nothing is retracted); on failure the old weights keep serving."""
+        if load_format not in (None, "auto", "safetensors"):
+            return False, f"load_format {load_format!r} is not supported (auto / safetensors)", 0
+        with self._update_lock:
+            try:
+                folder = resolve_model_path(model_path)
+                cfg, params = load_model(folder, dtype=self.cfg.dtype, mesh=self.mesh, layout="decode")
+            except Exception as e:  # noqa: BLE001 - any failure to load is the answer's message
+                return False, f"failed to load {model_path}: {type(e).__name__}: {e}", 0
+            same = dataclasses.replace(cfg, bos_token_id=self.cfg.bos_token_id, eos_token_ids=self.cfg.eos_token_ids)
+            if same != self.cfg:
+                diff = [f"{k} {getattr(cfg, k)!r} (serving {getattr(self.cfg, k)!r})"
+                        for k in (f.name for f in dataclasses.fields(cfg)) if getattr(same, k) != getattr(self.cfg, k)]
+                return False, f"{model_path} is not the served model's shape: {', '.join(diff)}", 0
+            self._swap_when_drained(params, abort_all_requests, flush_cache)
+            args = self.args  # the served name and the tokenizer stay what they were (SGLang's rule)
+            args.served_model_name, args.tokenizer_path = args.model_name, args.tokenizer_path or args.model_path
+            args.model_path, self.model_folder = model_path, folder
+            if weight_version is not None:
+                self.weight_version = weight_version
+        log.info("weights updated from %s (weight version %s)", folder, self.weight_version)
+        return True, "Succeeded to update model weights.", 0
+
+    def _swap_when_drained(self, params, abort: bool, flush_cache: bool) -> None:
+        """Pause admission, let the running requests finish (abort them first with ``abort``), swap the target's
+        weights on the scheduler thread, drop the cached prefixes, resume."""
+        sched = self.scheduler
+
+        def pause():
+            sched.admission_paused = True
+            return [r.rid for r in sched.slots if r is not None] + ([r.rid for r in sched.waiting] if abort else [])
+        try:
+            rids = sched.call(pause)
+            for rid in rids if abort else ():
+                sched.abort(rid)
+            while not sched.call(sched.drained):
+                time.sleep(0.02)
+            sched.call(lambda: sched.set_target_params(params, flush_cache), timeout=600)
+        finally:
+            sched.call(lambda: setattr(sched, "admission_paused", False))
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()
@@ -339,4 +390,4 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     return Backend(args=args, model_folder=folder, tokenizer_folder=tok_folder, tokenizer=tokenizer, cfg=cfg,
                    scheduler=scheduler, chat_template=_resolve_chat_template(chat_template, tokenizer),
                    context_length=context_length, spec=spec, metrics=metrics,
-                   startup_s=time.perf_counter() - t0)
+                   startup_s=time.perf_counter() - t0, mesh=mesh)

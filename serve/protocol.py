@@ -380,6 +380,46 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class TokenizeRequest(_Body):
+    """SGLang's ``/v1/tokenize``: one prompt or a list of them."""
+    model: str | None = None
+    prompt: str | list[str]
+    add_special_tokens: bool = True
+
+
+class TokenizeResponse(BaseModel):
+    tokens: list[int] | list[list[int]]
+    count: int | list[int]
+    max_model_len: int
+
+
+class DetokenizeRequest(_Body):
+    """SGLang's ``/v1/detokenize``: one list of token ids or a list of them."""
+    model: str | None = None
+    tokens: list[int] | list[list[int]]
+    skip_special_tokens: bool = True
+
+
+class DetokenizeResponse(BaseModel):
+    text: str | list[str]
+
+
+class UpdateWeightsFromDiskRequest(_Body):
+    """SGLang's ``/update_weights_from_disk``."""
+    model_path: str
+    load_format: str | None = None
+    abort_all_requests: bool = False
+    weight_version: str | None = None
+    flush_cache: bool = True
+    # SGLang's for CUDA memory and graphs: nothing to do under JAX (programs take the new weights as arguments)
+    torch_empty_cache: bool = False
+    recapture_cuda_graph: bool = False
+    token_step: int = 0
+    # SGLang's that specjax lacks: refused when they ask for something
+    is_async: bool = False
+    keep_pause: bool = False
+
+
 class AbortRequest(_Body):
     rid: str = ""
     abort_all: bool = False

@@ -58,6 +58,7 @@ class Scheduler:
         self.metrics = metrics or Metrics(enabled=False)
         self._rng = np.random.default_rng(random_seed)
         self._order_rng = np.random.default_rng(random_seed)  # --schedule-policy random (apart from the seeds')
+        self.admission_paused = False  # set on this thread (``call``): waiting requests wait (a weight update)
         self._inbox: queue.Queue = queue.Queue()
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * runner.max_batch
@@ -159,6 +160,18 @@ class Scheduler:
             return True
         return self.call(do)
 
+    def set_target_params(self, params, flush_cache: bool = True) -> None:
+        """(On this thread, ``call``, with no request running.) The runner's target weights replaced; the cached
+        prefixes, K/V of the old weights, dropped unless ``flush_cache`` is False."""
+        self.runner.set_target_params(params)
+        if flush_cache:
+            self.radix.evict(self.pool.capacity)
+        self._update_snapshot(force=True)
+
+    def drained(self) -> bool:
+        """(On this thread, ``call``.) No request holds a slot and no step is in flight."""
+        return not any(self.slots) and self._pending is None
+
     def stats(self) -> dict[str, Any]:
         """The state at the end of the loop's last iteration (read without waiting for the loop): a request's
         first tokens can reach its client before the iteration that admitted it ends, and a finished request's
@@ -170,7 +183,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                idle = not self.waiting and not any(self.slots) and self._pending is None
+                idle = (not self.waiting or self.admission_paused) and not any(self.slots) and self._pending is None
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break
@@ -253,7 +266,7 @@ class Scheduler:
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
 
     def _admit(self) -> None:
-        if not self.waiting or all(s is not None for s in self.slots):
+        if self.admission_paused or not self.waiting or all(s is not None for s in self.slots):
             return
         order = list(self.waiting)
         if self.policy == "lpm" and self.radix.enabled:

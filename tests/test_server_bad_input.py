@@ -467,7 +467,8 @@ def test_api_key(server):
     for method, path in [("GET", "/v1/models"), ("GET", "/get_model_info"), ("GET", "/get_server_info"),
                          ("POST", "/generate"), ("POST", "/v1/completions"), ("POST", "/v1/chat/completions"),
                          ("POST", "/flush_cache"), ("POST", "/abort_request"), ("GET", "/health_generate"),
-                         ("GET", "/metrics")]:
+                         ("GET", "/metrics"), ("POST", "/update_weights_from_disk"), ("POST", "/v1/tokenize"),
+                         ("POST", "/v1/detokenize")]:
         for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": KEY}):
             r = httpx.request(method, server.url + path, headers=headers, json={"text": "x"}, timeout=30)
             err = assert_error(r, 401)

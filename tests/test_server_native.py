@@ -162,7 +162,8 @@ def test_info_endpoints(server, model_dir):
     assert httpx.get(server.url + "/health").status_code == 200
     assert httpx.get(server.url + "/health_generate", timeout=60).status_code == 200
     info = httpx.get(server.url + "/get_model_info").json()
-    assert info == {"model_path": model_dir, "tokenizer_path": model_dir, "is_generation": True}
+    assert info == {"model_path": model_dir, "tokenizer_path": model_dir, "is_generation": True,
+                    "weight_version": "default"}
     si = httpx.get(server.url + "/get_server_info").json()
     assert si["page_size"] == 8 and si["context_length"] == 256 and "version" in si and "api_key" not in si
     assert {"num_running_reqs", "kv_usage", "gen_throughput"} <= set(si["internal_states"][0])

@@ -30,6 +30,30 @@ def test_models(client):
     assert [m.id for m in client.models.list().data] == [NAME]
 
 
+def test_tokenize_and_detokenize(server, tokenizer):
+    """SGLang's /v1/tokenize and /v1/detokenize (also without /v1): the served tokenizer's ids and text, one prompt or
+    a list; ids outside the vocabulary and a wrong model are refused."""
+    import httpx
+    url = server.url
+    r = httpx.post(url + "/v1/tokenize", json={"model": NAME, "prompt": "Hello Paris"}).json()
+    want = tokenizer("Hello Paris")["input_ids"]
+    assert r["tokens"] == want and r["count"] == len(want) and r["max_model_len"] > len(want)
+    r = httpx.post(url + "/tokenize", json={"prompt": ["a b", "", "Paris"], "add_special_tokens": False}).json()
+    assert r["tokens"] == [tokenizer("a b", add_special_tokens=False)["input_ids"], [],
+                           tokenizer("Paris", add_special_tokens=False)["input_ids"]] and r["count"][1] == 0
+    eos = tokenizer.eos_token_id
+    r = httpx.post(url + "/v1/detokenize", json={"tokens": want + [eos]}).json()
+    assert r == {"text": tokenizer.decode(want + [eos], skip_special_tokens=True)}
+    r = httpx.post(url + "/detokenize", json={"tokens": [want, [eos]], "skip_special_tokens": False}).json()
+    assert r == {"text": [tokenizer.decode(want), tokenizer.decode([eos])]}
+    assert httpx.post(url + "/v1/detokenize", json={"tokens": []}).json() == {"text": ""}
+    bad = httpx.post(url + "/v1/detokenize", json={"tokens": [1, len(tokenizer)]})
+    assert bad.status_code == 400 and "outside the tokenizer's vocabulary" in bad.json()["error"]["message"]
+    assert httpx.post(url + "/v1/detokenize", json={"tokens": [1, "2"]}).status_code == 400
+    assert httpx.post(url + "/v1/tokenize", json={"prompt": 5}).status_code == 400
+    assert httpx.post(url + "/v1/tokenize", json={"model": "other", "prompt": "x"}).status_code == 404
+
+
 def test_chat(client, tokenizer):
     r = client.chat.completions.create(model=NAME, messages=MESSAGES, max_tokens=8, temperature=0,
                                        extra_body=IGNORE_EOS)

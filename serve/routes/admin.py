@@ -1,5 +1,5 @@
 """Server administration routes (SGLang's names): liveness, model and server info, cache flush, aborts,
-Prometheus metrics."""
+weight updates from disk, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import asyncio
 import uuid
 
 from fastapi import APIRouter, Request
-from fastapi.responses import PlainTextResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from .. import protocol as P
 from ..request import SamplingParams
@@ -45,7 +45,22 @@ async def get_model_info(request: Request):
     backend = backend_of(request)
     args = backend.args
     return {"model_path": args.model_path, "tokenizer_path": args.tokenizer_path or args.model_path,
-            "is_generation": True}
+            "is_generation": True, "weight_version": backend.weight_version}
+
+
+@router.post("/update_weights_from_disk")
+async def update_weights_from_disk(request: Request):
+    """SGLang's: the target's weights replaced from a folder (or hub id) of the same shapes, without a restart."""
+    backend = backend_of(request)
+    body = await parse(request, P.UpdateWeightsFromDiskRequest)
+    for name in ("is_async", "keep_pause"):
+        if getattr(body, name):
+            raise APIError(400, f"{name} is not supported: the update returns when the new weights serve", param=name)
+    ok, message, paused = await asyncio.get_running_loop().run_in_executor(None, lambda: (
+        backend.update_weights_from_disk(body.model_path, body.load_format, body.abort_all_requests,
+                                         body.weight_version, body.flush_cache)))
+    return JSONResponse({"success": ok, "message": message, "num_paused_requests": paused},
+                        status_code=200 if ok else 400)
 
 
 @router.get("/get_server_info")

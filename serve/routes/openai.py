@@ -1,4 +1,5 @@
-"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions`` and ``/v1/chat/completions``."""
+"""The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, and SGLang's
+``/v1/tokenize`` and ``/v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``)."""
 
 from __future__ import annotations
 
@@ -149,3 +150,32 @@ async def chat_completions(request: Request):
                for i in range(len(fan.reqs))]
     return P.ChatCompletionResponse(id=cid, created=created, model=served, choices=choices,
                                     usage=usage()).model_dump()
+
+
+@router.post("/v1/tokenize")
+@router.post("/tokenize", include_in_schema=False)
+async def tokenize(request: Request):
+    """Token ids of a prompt (or of each of a list of prompts) with the served tokenizer, and the served context."""
+    backend, _, body = await openai_request(request, P.TokenizeRequest)
+    one = isinstance(body.prompt, str)
+    texts = [body.prompt] if one else body.prompt
+    ids = await off_loop(lambda: [backend.encode(t, add_special_tokens=body.add_special_tokens) for t in texts])
+    return P.TokenizeResponse(tokens=ids[0] if one else ids, count=len(ids[0]) if one else [len(i) for i in ids],
+                              max_model_len=backend.context_length).model_dump()
+
+
+@router.post("/v1/detokenize")
+@router.post("/detokenize", include_in_schema=False)
+async def detokenize(request: Request):
+    """The text of a list of token ids (or of each of a list of them) with the served tokenizer."""
+    backend, _, body = await openai_request(request, P.DetokenizeRequest)
+    one = not body.tokens or isinstance(body.tokens[0], int)
+    lists = [body.tokens] if one else body.tokens
+    n = len(backend.tokenizer)
+    for ids in lists:
+        bad = next((t for t in ids if not 0 <= t < n), None)
+        if bad is not None:
+            raise APIError(400, f"token id {bad} is outside the tokenizer's vocabulary [0, {n})", param="tokens")
+    texts = await off_loop(lambda: [backend.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
+                                    for ids in lists])
+    return P.DetokenizeResponse(text=texts[0] if one else texts).model_dump()

@@ -68,6 +68,11 @@ class PlainRunner(RunnerCommon):
     def target_params(self):
         return self.params
 
+    def set_target_params(self, params) -> None:
+        """New target weights of the same shapes, dtypes and shardings (``update_weights_from_disk``): the compiled
+        programs take them as arguments, so nothing recompiles."""
+        self.params = target.unstack_layers(params)
+
     @property
     def target_cfg(self) -> ModelConfig:
         return self.cfg

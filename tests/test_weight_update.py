@@ -1,0 +1,98 @@
+"""SGLang's ``update_weights_from_disk`` (Engine method and HTTP route): after an update the engine's greedy outputs
+are the new weights' (specjax.generate on them, the independent plain decoder), plain and EAGLE3; a request running
+when the update is asked for finishes on the old weights first; a model of another shape, a missing folder or an
+unsupported option is refused and the old weights keep serving."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+from server_helpers import ENGINE_KW, tiny_model_dir
+from starlette.testclient import TestClient
+
+import specjax
+from specjax.serve.api import create_app
+
+GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def oracle():
+    """Greedy tokens of specjax.generate over the weights in a folder."""
+    from specjax.generate import generate
+    from specjax.weights import load_model
+
+    def run(folder, prompts, n=10):
+        cfg, params = load_model(folder, dtype="float32")
+        return generate(params, cfg, prompts, max_new_tokens=n, stop_token_ids=(), page_size=8)
+    return run
+
+
+def _prompts():
+    rng = np.random.default_rng(5)
+    return [rng.integers(3, 300, size=n).tolist() for n in (5, 17, 40)]
+
+
+def _greedy(engine, prompts, sp=GREEDY):
+    return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
+
+
+@pytest.mark.parametrize("algorithm", [None, "EAGLE3"])
+def test_update_weights_from_disk(oracle, tmp_path, algorithm):
+    a, b = tiny_model_dir(0), tiny_model_dir(1)
+    kw = dict(ENGINE_KW)
+    if algorithm:
+        from spec_models import random_models
+        from specjax.convert.head import export_head
+        from specjax.weights import load_model
+        cfg, _ = load_model(a, dtype="float32")
+        _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3)
+        export_head(hparams, hcfg, vmap, str(tmp_path / "head"), cfg)
+        kw.update(speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path / "head"),
+                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    prompts = _prompts()
+    want_a, want_b = oracle(a, prompts), oracle(b, prompts)
+    assert want_a != want_b
+    with specjax.Engine(model_path=a, skip_server_warmup=True, **kw) as engine:
+        assert _greedy(engine, prompts) == want_a
+        assert engine.update_weights_from_disk(b) == (True, "Succeeded to update model weights.", 0)
+        assert _greedy(engine, prompts) == want_b  # the cached prefixes of A's K/V were dropped with its weights
+        info = engine.get_server_info()
+        assert info["model_path"] == b and info["served_model_name"] == a and info["tokenizer_path"] == a
+
+        # a request running when the update is asked for finishes on the weights it started with
+        long = {**GREEDY, "max_new_tokens": 40}
+        stream = engine.generate(input_ids=prompts[1], sampling_params=long, stream=True)
+        first = next(stream)["output_ids"]
+        result = {}
+        t = threading.Thread(target=lambda: result.update(r=engine.update_weights_from_disk(a)))
+        t.start()
+        rest = [c["output_ids"] for c in stream]
+        t.join(120)
+        assert result["r"][0] and (rest[-1] if rest else first) == oracle(b, [prompts[1]], 40)[0]
+        assert _greedy(engine, prompts) == want_a
+
+        with TestClient(create_app(engine.backend)) as client:
+            r = client.post("/update_weights_from_disk", json={"model_path": b, "weight_version": "step-7"})
+            assert r.status_code == 200 and r.json() == {"success": True, "num_paused_requests": 0,
+                                                         "message": "Succeeded to update model weights."}
+            assert client.get("/get_model_info").json()["weight_version"] == "step-7"
+            r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
+            assert r.status_code == 400 and not r.json()["success"] and "failed to load" in r.json()["message"]
+            r = client.post("/update_weights_from_disk", json={"model_path": b, "keep_pause": True})
+            assert r.status_code == 400 and "keep_pause is not supported" in r.text
+            r = client.post("/update_weights_from_disk", json={"model_path": b, "load_format": "gguf"})
+            assert r.status_code == 400 and "load_format 'gguf' is not supported" in r.json()["message"]
+        assert _greedy(engine, prompts) == want_b
+
+
+def test_a_model_of_another_shape_is_refused(tmp_path):
+    from hf_tiny_models import build
+    build("llama", tmp_path / "other", config={"hidden_size": 96})
+    with specjax.Engine(model_path=tiny_model_dir(0), skip_server_warmup=True, **ENGINE_KW) as engine:
+        before = _greedy(engine, _prompts()[:1])
+        ok, message, _ = engine.update_weights_from_disk(str(tmp_path / "other"))
+        assert not ok and "is not the served model's shape" in message and "hidden_size" in message
+        assert _greedy(engine, _prompts()[:1]) == before
