@@ -254,47 +254,65 @@ class Backend:
         """SGLang's weight update: the target's weights from ``model_path`` (a folder or a hub id of the same
         architecture and shapes), loaded while serving goes on; then admission pauses, the running requests finish
         (or are aborted first, ``abort_all_requests``), the weights are swapped and the prefix cache dropped
-        (``flush_cache``), and admission resumes. The draft head and the tokenizer are kept. Returns (success,
-        message, requests paused: 0, as nothing is retracted); on failure the old weights keep serving."""
+        (``flush_cache``), and admission resumes. The draft head and the tokenizer are kept; the served name
+        becomes ``model_path``, as SGLang's does. Returns (success, message, requests paused: 0, as nothing is
+        retracted); on failure the old weights keep serving."""
         if load_format not in (None, "auto", "safetensors"):
             return False, f"load_format {load_format!r} is not supported (auto / safetensors)", 0
-        with self._update_lock:
-            try:
-                folder = resolve_model_path(model_path)
-                cfg, params = load_model(folder, dtype=self.cfg.dtype, mesh=self.mesh, layout="decode")
-            except Exception as e:  # noqa: BLE001 - any failure to load is the answer's message
-                return False, f"failed to load {model_path}: {type(e).__name__}: {e}", 0
-            same = dataclasses.replace(cfg, bos_token_id=self.cfg.bos_token_id, eos_token_ids=self.cfg.eos_token_ids)
-            if same != self.cfg:
-                diff = [f"{k} {getattr(cfg, k)!r} (serving {getattr(self.cfg, k)!r})"
-                        for k in (f.name for f in dataclasses.fields(cfg)) if getattr(same, k) != getattr(self.cfg, k)]
-                return False, f"{model_path} is not the served model's shape: {', '.join(diff)}", 0
+        if not self._update_lock.acquire(blocking=False):
+            return False, "another weight update is in progress", 0
+        try:
+            folder = resolve_model_path(model_path)
+            why = self._shape_mismatch(ModelConfig.from_pretrained(folder, dtype=self.cfg.dtype))
+            if why:  # said before the weights load
+                return False, f"{model_path} is not the served model's shape: {why}", 0
+            _, params = load_model(folder, dtype=self.cfg.dtype, mesh=self.mesh, layout="decode")
             self._swap_when_drained(params, abort_all_requests, flush_cache)
-            args = self.args  # the served name and the tokenizer stay what they were (SGLang's rule)
-            args.served_model_name, args.tokenizer_path = args.model_name, args.tokenizer_path or args.model_path
-            args.model_path, self.model_folder = model_path, folder
+        except Exception as e:  # noqa: BLE001 - a failed update is the answer's message; the old weights serve on
+            return False, f"failed to update the weights from {model_path}: {type(e).__name__}: {e}", 0
+        else:
+            args = self.args  # the tokenizer stays; SGLang names the served model after the new path
+            args.tokenizer_path = args.tokenizer_path or args.model_path
+            args.model_path, args.served_model_name, self.model_folder = model_path, model_path, folder
+            message = "Succeeded to update model weights."
             if weight_version is not None:
                 self.weight_version = weight_version
+                message += f" Weight version updated to {weight_version}."
+        finally:
+            self._update_lock.release()
         log.info("weights updated from %s (weight version %s)", folder, self.weight_version)
-        return True, "Succeeded to update model weights.", 0
+        return True, message, 0
+
+    def _shape_mismatch(self, cfg: ModelConfig) -> str:
+        """What differs between a checkpoint's config and the served one's that the compiled programs depend on
+        ('' when nothing: stop ids may differ, and the position limit where it still covers the served context)."""
+        served = self.cfg
+        same = dataclasses.replace(cfg, bos_token_id=served.bos_token_id, eos_token_ids=served.eos_token_ids,
+                                   max_position_embeddings=served.max_position_embeddings)
+        diff = [f"{f.name} {getattr(cfg, f.name)!r} (serving {getattr(served, f.name)!r})"
+                for f in dataclasses.fields(cfg) if getattr(same, f.name) != getattr(served, f.name)]
+        if cfg.max_position_embeddings < self.context_length:
+            diff.append(f"max_position_embeddings {cfg.max_position_embeddings} (the served context is "
+                        f"{self.context_length})")
+        return ", ".join(diff)
 
     def _swap_when_drained(self, params, abort: bool, flush_cache: bool) -> None:
         """Pause admission, let the running requests finish (abort them first with ``abort``), swap the target's
         weights on the scheduler thread, drop the cached prefixes, resume."""
-        sched = self.scheduler
+        sched, wait = self.scheduler, 3600.0  # an iteration may compile or prefill a long chunk
 
         def pause():
             sched.admission_paused = True
             return [r.rid for r in sched.slots if r is not None] + ([r.rid for r in sched.waiting] if abort else [])
         try:
-            rids = sched.call(pause)
+            rids = sched.call(pause, timeout=wait)
             for rid in rids if abort else ():
                 sched.abort(rid)
-            while not sched.call(sched.drained):
+            while not sched.call(sched.drained, timeout=wait):
                 time.sleep(0.02)
-            sched.call(lambda: sched.set_target_params(params, flush_cache), timeout=600)
+            sched.call(lambda: sched.set_target_params(params, flush_cache), timeout=wait)
         finally:
-            sched.call(lambda: setattr(sched, "admission_paused", False))
+            sched.call(lambda: setattr(sched, "admission_paused", False), timeout=wait)
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -1,11 +1,13 @@
 """SGLang's ``update_weights_from_disk`` (Engine method and HTTP route): after an update the engine's greedy outputs
-are the new weights' (specjax.generate on them, the independent plain decoder), plain and EAGLE3; a request running
-when the update is asked for finishes on the old weights first; a model of another shape, a missing folder or an
-unsupported option is refused and the old weights keep serving."""
+are the new weights' (specjax.generate on them, the independent plain decoder), plain, EAGLE3 and EAGLE (whose
+vocabulary head is the target's); a request running when the update is asked for finishes on the old weights, one
+arriving meanwhile starts on the new; a model of another shape, a missing folder or an unsupported option is refused
+and the old weights keep serving."""
 
 from __future__ import annotations
 
 import threading
+import time
 
 import numpy as np
 import pytest
@@ -13,6 +15,7 @@ from server_helpers import ENGINE_KW, tiny_model_dir
 from starlette.testclient import TestClient
 
 import specjax
+from specjax.serve import launch
 from specjax.serve.api import create_app
 
 GREEDY = {"max_new_tokens": 10, "temperature": 0, "ignore_eos": True}
@@ -39,19 +42,29 @@ def _greedy(engine, prompts, sp=GREEDY):
     return [o["output_ids"] for o in engine.generate(input_ids=prompts, sampling_params=sp)]
 
 
-@pytest.mark.parametrize("algorithm", [None, "EAGLE3"])
-def test_update_weights_from_disk(oracle, tmp_path, algorithm):
-    a, b = tiny_model_dir(0), tiny_model_dir(1)
+def _engine_kw(algorithm, folder, tmp_path, monkeypatch):
+    """Engine options for plain decoding, an EAGLE3 head folder, or an EAGLE head with FR-Spec hot ids."""
     kw = dict(ENGINE_KW)
-    if algorithm:
-        from spec_models import random_models
-        from specjax.convert.head import export_head
-        from specjax.weights import load_model
-        cfg, _ = load_model(a, dtype="float32")
-        _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3)
+    if algorithm is None:
+        return kw
+    from spec_models import random_models
+    from specjax.convert.head import export_head
+    from specjax.weights import load_model
+    cfg, _ = load_model(folder, dtype="float32")
+    _, (hcfg, hparams, vmap), eagle_head = random_models(cfg, seed=3, draft_vocab=200)
+    if algorithm == "EAGLE3":
         export_head(hparams, hcfg, vmap, str(tmp_path / "head"), cfg)
-        kw.update(speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path / "head"),
-                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+    else:  # its vocabulary head is the target's lm_head, its hot rows: rebuilt from the new weights
+        monkeypatch.setattr(launch, "load_draft", lambda *a, **k: eagle_head)
+    return dict(kw, speculative_algorithm=algorithm, speculative_draft_model_path=str(tmp_path / "head"),
+                speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+
+
+@pytest.mark.parametrize("algorithm", [None, "EAGLE3", "EAGLE"])
+def test_update_weights_from_disk(oracle, tmp_path, monkeypatch, algorithm):
+    a, b = tiny_model_dir(0), tiny_model_dir(1)
+    (tmp_path / "head").mkdir()
+    kw = _engine_kw(algorithm, a, tmp_path, monkeypatch)
     prompts = _prompts()
     want_a, want_b = oracle(a, prompts), oracle(b, prompts)
     assert want_a != want_b
@@ -60,32 +73,48 @@ def test_update_weights_from_disk(oracle, tmp_path, algorithm):
         assert engine.update_weights_from_disk(b) == (True, "Succeeded to update model weights.", 0)
         assert _greedy(engine, prompts) == want_b  # the cached prefixes of A's K/V were dropped with its weights
         info = engine.get_server_info()
-        assert info["model_path"] == b and info["served_model_name"] == a and info["tokenizer_path"] == a
-
-        # a request running when the update is asked for finishes on the weights it started with
-        long = {**GREEDY, "max_new_tokens": 40}
-        stream = engine.generate(input_ids=prompts[1], sampling_params=long, stream=True)
-        first = next(stream)["output_ids"]
-        result = {}
-        t = threading.Thread(target=lambda: result.update(r=engine.update_weights_from_disk(a)))
-        t.start()
-        rest = [c["output_ids"] for c in stream]
-        t.join(120)
-        assert result["r"][0] and (rest[-1] if rest else first) == oracle(b, [prompts[1]], 40)[0]
-        assert _greedy(engine, prompts) == want_a
+        assert info["model_path"] == info["served_model_name"] == b and info["tokenizer_path"] == a
+        _running_request_finishes_first(engine, monkeypatch, oracle, a, b, prompts)
 
         with TestClient(create_app(engine.backend)) as client:
             r = client.post("/update_weights_from_disk", json={"model_path": b, "weight_version": "step-7"})
-            assert r.status_code == 200 and r.json() == {"success": True, "num_paused_requests": 0,
-                                                         "message": "Succeeded to update model weights."}
+            assert r.status_code == 200 and r.json() == {
+                "success": True, "num_paused_requests": 0,
+                "message": "Succeeded to update model weights. Weight version updated to step-7."}
             assert client.get("/get_model_info").json()["weight_version"] == "step-7"
-            r = client.post("/update_weights_from_disk", json={"model_path": str(tmp_path / "missing")})
-            assert r.status_code == 400 and not r.json()["success"] and "failed to load" in r.json()["message"]
-            r = client.post("/update_weights_from_disk", json={"model_path": b, "keep_pause": True})
-            assert r.status_code == 400 and "keep_pause is not supported" in r.text
-            r = client.post("/update_weights_from_disk", json={"model_path": b, "load_format": "gguf"})
-            assert r.status_code == 400 and "load_format 'gguf' is not supported" in r.json()["message"]
+            for body, why in [({"model_path": str(tmp_path / "missing")}, "failed to update the weights"),
+                              ({"model_path": b, "keep_pause": True}, "keep_pause is not supported"),
+                              ({"model_path": b, "load_format": "gguf"}, "load_format 'gguf' is not supported")]:
+                r = client.post("/update_weights_from_disk", json=body)
+                assert r.status_code == 400 and r.json()["success"] is False and why in r.json()["message"], r.text
         assert _greedy(engine, prompts) == want_b
+
+
+def _running_request_finishes_first(engine, monkeypatch, oracle, a, b, prompts):
+    """A request running when an update (b -> a) is asked for finishes on b's weights; one that arrives while the
+    update waits for it starts on a's."""
+    from specjax.weights import load_model
+    loaded = load_model(a, dtype="float32", layout="decode")
+    monkeypatch.setattr(launch, "load_model", lambda *args, **kw: loaded)  # the pause starts at once
+    sched = engine.backend.scheduler
+    long = {**GREEDY, "max_new_tokens": 120}
+    stream = engine.generate(input_ids=prompts[1], sampling_params=long, stream=True)
+    next(stream)
+    result, late = {}, {}
+    updater = threading.Thread(target=lambda: result.update(r=engine.update_weights_from_disk(a)))
+    updater.start()
+    deadline = time.monotonic() + 60
+    while not sched.admission_paused and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sched.admission_paused and engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 1
+    arrival = threading.Thread(target=lambda: late.update(o=_greedy(engine, prompts[:1])))
+    arrival.start()
+    outputs = [c["output_ids"] for c in stream]
+    updater.join(120)
+    arrival.join(120)
+    assert result["r"][0] and outputs[-1] == oracle(b, [prompts[1]], 120)[0]
+    assert late["o"] == oracle(a, prompts[:1])
+    monkeypatch.undo()
 
 
 def test_a_model_of_another_shape_is_refused(tmp_path):

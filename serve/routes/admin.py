@@ -53,12 +53,14 @@ async def update_weights_from_disk(request: Request):
     """SGLang's: the target's weights replaced from a folder (or hub id) of the same shapes, without a restart."""
     backend = backend_of(request)
     body = await parse(request, P.UpdateWeightsFromDiskRequest)
-    for name in ("is_async", "keep_pause"):
-        if getattr(body, name):
-            raise APIError(400, f"{name} is not supported: the update returns when the new weights serve", param=name)
-    ok, message, paused = await asyncio.get_running_loop().run_in_executor(None, lambda: (
-        backend.update_weights_from_disk(body.model_path, body.load_format, body.abort_all_requests,
-                                         body.weight_version, body.flush_cache)))
+    unsupported = next((n for n in ("is_async", "keep_pause") if getattr(body, n)), None)
+    if unsupported:
+        ok, message, paused = False, f"{unsupported} is not supported: the update returns when the new weights " \
+                                     f"serve", 0
+    else:
+        ok, message, paused = await asyncio.get_running_loop().run_in_executor(None, lambda: (
+            backend.update_weights_from_disk(body.model_path, body.load_format, body.abort_all_requests,
+                                             body.weight_version, body.flush_cache)))
     return JSONResponse({"success": ok, "message": message, "num_paused_requests": paused},
                         status_code=200 if ok else 400)
 

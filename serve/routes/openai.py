@@ -171,11 +171,11 @@ async def detokenize(request: Request):
     backend, _, body = await openai_request(request, P.DetokenizeRequest)
     one = not body.tokens or isinstance(body.tokens[0], int)
     lists = [body.tokens] if one else body.tokens
-    n = len(backend.tokenizer)
+    n = max(len(backend.tokenizer), backend.cfg.vocab_size)  # a padded vocabulary's ids decode to nothing
     for ids in lists:
         bad = next((t for t in ids if not 0 <= t < n), None)
         if bad is not None:
-            raise APIError(400, f"token id {bad} is outside the tokenizer's vocabulary [0, {n})", param="tokens")
+            raise APIError(400, f"token id {bad} is outside the vocabulary [0, {n})", param="tokens")
     texts = await off_loop(lambda: [backend.tokenizer.decode(ids, skip_special_tokens=body.skip_special_tokens)
                                     for ids in lists])
     return P.DetokenizeResponse(text=texts[0] if one else texts).model_dump()

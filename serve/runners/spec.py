@@ -167,16 +167,16 @@ class SpecRunner(RunnerCommon):
         """New target weights of the same shapes, dtypes and shardings (``update_weights_from_disk``); the head is
         kept (an EAGLE head's vocabulary head is the target's lm_head, its FR-Spec rows: taken from the new one).
         Nothing recompiles."""
-        self.target_params = target.unstack_layers(params)
-        if self.draft.algorithm != "EAGLE":
-            return
-        head = target.lm_head_weight(self.target_params)  # [D, V]
-        ids = np.asarray(self.draft.ids)
-        full = ids.shape[0] == head.shape[1] and np.array_equal(ids, np.arange(head.shape[1]))
-        lm_head = head if full else jnp.take(head, jnp.asarray(ids), axis=1)
-        self.draft = dataclasses.replace(self.draft, lm_head=self._on_mesh(lm_head) if self.mesh is not None
-                                         else lm_head)
-        self.prefill_draft = draft_lib.for_prefill(self.draft)
+        params = target.unstack_layers(params)
+        draft = self.draft
+        if draft.algorithm == "EAGLE":  # built before anything is replaced: a failure leaves the old weights whole
+            head = target.lm_head_weight(params)  # [D, V]
+            ids = np.asarray(draft.ids)
+            full = ids.shape[0] == head.shape[1] and np.array_equal(ids, np.arange(head.shape[1]))
+            lm_head = head if full else jnp.take(head, jnp.asarray(ids), axis=1)
+            draft = dataclasses.replace(draft, lm_head=self._on_mesh(lm_head) if self.mesh is not None else lm_head)
+        prefill_draft = draft_lib.for_prefill(draft) if draft is not self.draft else self.prefill_draft
+        self.target_params, self.draft, self.prefill_draft = params, draft, prefill_draft
 
     def _on_mesh(self, x, spec=P()):
         if isinstance(getattr(x, "sharding", None), NamedSharding) and x.sharding.mesh == self.mesh:
