@@ -71,8 +71,8 @@ class DataConfig:
     assistant_header: str | None = option(None, help='preformatted text: what opens an assistant turn (default: what '
                                           'the chat template writes there, e.g. "<|im_start|>assistant\\n"; in YAML '
                                           'double quotes for escapes)')
-    end_of_turn: str | None = option(None, help='preformatted text: what ends an assistant turn (default: what the chat '
-                                     'template writes there, e.g. "<|im_end|>")')
+    end_of_turn: str | None = option(None, help='preformatted text: what ends an assistant turn (default: what the '
+                                     'chat template writes there, e.g. "<|im_end|>")')
     max_length: int = option(2048, help='tokens per conversation (after rendering)')
     buckets: tuple[int, ...] = option((128, 256, 512, 1024, 2048, 4096), help='padded lengths (one compile each)')
     overlong: str = option("truncate", help='truncate | drop: what to do with conversations longer than max_length')
