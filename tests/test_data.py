@@ -286,7 +286,11 @@ def test_preformatted_text_spans(tok, tmp_path):
     assert tok.decode(ids[mask == 1]) == "blue sky<|im_end|>green se"
     phi = D.ChatEncoder(tf.make_tokenizer(str(tmp_path / "phi"), template=EOSEND))  # the header after a user turn
     assert (phi.assistant_header, phi.turn_end) == ("<|im_start|>assistant\n", "<|im_end|>")
-    own = D.ChatEncoder(tok, assistant_header="A:", end_of_turn="<|im_end|>")
+    bare = tf.make_tokenizer(str(tmp_path / "bare"))
+    bare.chat_template = None
+    with pytest.raises(D.NoUsableData, match="no chat template"):
+        D.ChatEncoder(bare)
+    own = D.ChatEncoder(bare, assistant_header="A:", end_of_turn="<|im_end|>")  # text needs no template then
     ids, mask = own.encode_rendered([own.text_spans("Q: what is the sky\nA: blue sky<|im_end|>\nQ: and\nA: sea")])[0]
     assert tok.decode(ids[mask == 1]) == " blue sky<|im_end|> sea"
     records = [{"text": 5}, {"text": "  "}, {"text": "\ud800"}, {"conversations": CONV}, {"messages": []}]

@@ -387,7 +387,14 @@ def test_a_table_per_kind_of_machine(tmp_path, monkeypatch):
     assert tune_lib.machine_tag() == "nvidia-h100-80gb-hbm3"
 
 
-def test_a_hub_heads_table_is_read_from_the_hub(tmp_path, monkeypatch, caplog):
+@pytest.fixture
+def hub_tables_cleared():
+    tune_lib._hub_tables.cache_clear()
+    yield
+    tune_lib._hub_tables.cache_clear()  # no test's fake hub answer outlives it
+
+
+def test_a_hub_heads_table_is_read_from_the_hub(tmp_path, monkeypatch, caplog, hub_tables_cleared):
     """A head given as a hub id (`--speculative-draft-model-path owner/name`) has its tree table read from the hub
     cache: only the tables are fetched for it, once per process; a hub that cannot provide them gives the defaults
     with a warning, never an error."""
@@ -396,7 +403,6 @@ def test_a_hub_heads_table_is_read_from_the_hub(tmp_path, monkeypatch, caplog):
     asked = []
     monkeypatch.setattr(tune_lib, "hub_snapshot",
                         lambda repo, patterns: asked.append((repo, patterns)) or str(tmp_path))
-    tune_lib._hub_tables.cache_clear()
     assert tune_lib.load_tune("someone/head-eagle3") == {1: (3, 1, 4)}
     assert tune_lib.table_path("someone/head-eagle3") == str(tmp_path / tune_lib.FILENAME)
     assert asked == [("someone/head-eagle3", ("speculative_tune*.json",))]
@@ -414,4 +420,3 @@ def test_a_hub_heads_table_is_read_from_the_hub(tmp_path, monkeypatch, caplog):
     with caplog.at_level(logging.WARNING, logger="specjax.tune"):
         assert tune_lib.load_tune("someone/other-head") is None
     assert "no tree table for hub head someone/other-head" in caplog.text
-    tune_lib._hub_tables.cache_clear()

@@ -74,6 +74,8 @@ def test_update_weights_from_disk(oracle, tmp_path, monkeypatch, algorithm):
         assert _greedy(engine, prompts) == want_b  # the cached prefixes of A's K/V were dropped with its weights
         info = engine.get_server_info()
         assert info["model_path"] == info["served_model_name"] == b and info["tokenizer_path"] == a
+        if algorithm == "EAGLE":  # greedy outputs would not show a stale vocabulary head: look at it
+            _vocab_head_is_the_targets(engine, b, a)
         _running_request_finishes_first(engine, monkeypatch, oracle, a, b, prompts)
 
         with TestClient(create_app(engine.backend)) as client:
@@ -88,6 +90,15 @@ def test_update_weights_from_disk(oracle, tmp_path, monkeypatch, algorithm):
                 r = client.post("/update_weights_from_disk", json=body)
                 assert r.status_code == 400 and r.json()["success"] is False and why in r.json()["message"], r.text
         assert _greedy(engine, prompts) == want_b
+
+
+def _vocab_head_is_the_targets(engine, new, old):
+    from specjax.speculative.draft import eagle_lm_head
+    from specjax.weights import load_model
+    draft = engine.backend.scheduler.runner.draft
+    head = lambda folder: np.asarray(eagle_lm_head(load_model(folder, dtype="float32", layout="decode")[1],
+                                                   draft.ids))
+    assert np.array_equal(np.asarray(draft.lm_head), head(new)) and not np.array_equal(head(new), head(old))
 
 
 def _running_request_finishes_first(engine, monkeypatch, oracle, a, b, prompts):
@@ -109,6 +120,9 @@ def _running_request_finishes_first(engine, monkeypatch, oracle, a, b, prompts):
     assert sched.admission_paused and engine.get_server_info()["internal_states"][0]["num_running_reqs"] == 1
     arrival = threading.Thread(target=lambda: late.update(o=_greedy(engine, prompts[:1])))
     arrival.start()
+    while not sched.call(lambda: len(sched.waiting)) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    assert sched.call(lambda: (len(sched.waiting), sched.admission_paused)) == (1, True)  # queued in the pause
     outputs = [c["output_ids"] for c in stream]
     updater.join(120)
     arrival.join(120)

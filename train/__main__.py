@@ -51,7 +51,8 @@ Start here (CPU, a few minutes):
                                 # (python -m specjax.train.regenerate: see configs/smollm2-135m.yaml)
 
 What happens:
-  - the target (model.path: an HF folder with config.json, *.safetensors and a tokenizer with a chat template)
+  - the target (model.path: an HF folder with config.json, *.safetensors and a tokenizer with a chat template;
+    preformatted text with data.assistant_header and data.end_of_turn needs none)
     is loaded frozen, sharded over the (dp, tp) mesh;
   - chats (data.paths / data.hf_datasets) are rendered with the target's chat template; only assistant tokens
     are trained on; lengths are bucketed (data.buckets) so only a few shapes compile;

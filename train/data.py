@@ -322,11 +322,11 @@ class ChatEncoder:
                                f"data.assistant_header and data.end_of_turn")
         self.tok = tokenizer
         self.kwargs = dict(template_kwargs or {})
-        self.end_marker = self._probe_end_marker() if end_of_turn is None else end_of_turn
-        head, end, self.gen_extra = self._probe_history_turn()
-        # preformatted text (text_spans): what opens and ends an assistant turn
+        self.end_marker = self._probe_end_marker()  # after the last answer
+        head, self.history_end, self.gen_extra = self._probe_history_turn()  # around an answer in the history
+        # preformatted text (text_spans) only: what opens and ends an assistant turn, probed or given
         self.assistant_header = head if assistant_header is None else assistant_header
-        self.turn_end = end if end_of_turn is None else end_of_turn
+        self.turn_end = self.history_end if end_of_turn is None else end_of_turn
         self.texts_read = 0
 
     def render(self, msgs, gen: bool, tools: list[dict] | None = None) -> str:
@@ -404,7 +404,7 @@ class ChatEncoder:
             if full.startswith(upto):
                 end = len(upto)
             else:  # this turn renders differently once it is not last: end at a history turn's end marker
-                marker = self.turn_end or self.end_marker
+                marker = self.history_end or self.end_marker
                 if not marker:
                     raise BadRecord("template_mismatch", "turn rendering is not prefix-stable and no end marker")
                 j = full.find(marker, start)

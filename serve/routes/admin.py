@@ -11,7 +11,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 from .. import protocol as P
 from ..request import SamplingParams
-from .common import APIError, Fanout, backend_of, drain, error_response, parse
+from .common import APIError, Fanout, backend_of, drain, error_response, off_loop, parse
 
 router = APIRouter()
 
@@ -58,9 +58,8 @@ async def update_weights_from_disk(request: Request):
         ok, message, paused = False, f"{unsupported} is not supported: the update returns when the new weights " \
                                      f"serve", 0
     else:
-        ok, message, paused = await asyncio.get_running_loop().run_in_executor(None, lambda: (
-            backend.update_weights_from_disk(body.model_path, body.load_format, body.abort_all_requests,
-                                             body.weight_version, body.flush_cache)))
+        ok, message, paused = await off_loop(backend.update_weights_from_disk, body.model_path, body.load_format,
+                                             body.abort_all_requests, body.weight_version, body.flush_cache)
     return JSONResponse({"success": ok, "message": message, "num_paused_requests": paused},
                         status_code=200 if ok else 400)
 

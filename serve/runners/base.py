@@ -61,6 +61,9 @@ class Runner(Protocol):
     def release(self, state: Any, slot: int) -> Any:
         """Mark the slot free (its pages are returned by the scheduler)."""
 
+    def set_target_params(self, params) -> None:
+        """Serve new target weights of the same shapes (a weight update, with no request running)."""
+
 
 @dataclasses.dataclass
 class Launched:

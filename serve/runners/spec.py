@@ -170,10 +170,7 @@ class SpecRunner(RunnerCommon):
         params = target.unstack_layers(params)
         draft = self.draft
         if draft.algorithm == "EAGLE":  # built before anything is replaced: a failure leaves the old weights whole
-            head = target.lm_head_weight(params)  # [D, V]
-            ids = np.asarray(draft.ids)
-            full = ids.shape[0] == head.shape[1] and np.array_equal(ids, np.arange(head.shape[1]))
-            lm_head = head if full else jnp.take(head, jnp.asarray(ids), axis=1)
+            lm_head = draft_lib.eagle_lm_head(params, draft.ids)
             draft = dataclasses.replace(draft, lm_head=self._on_mesh(lm_head) if self.mesh is not None else lm_head)
         prefill_draft = draft_lib.for_prefill(draft) if draft is not self.draft else self.prefill_draft
         self.target_params, self.draft, self.prefill_draft = params, draft, prefill_draft

@@ -74,13 +74,9 @@ def make_draft(algorithm: str, cfg, params, target_params: target.TargetParams, 
         ids = jnp.arange(vd, dtype=jnp.int32) + jnp.asarray(vocab.d2t, jnp.int32)
         return Draft(params=params, ids=ids, lm_head=None, cfg=cfg, algorithm="EAGLE3")
     if algorithm == "EAGLE":
-        head = target.lm_head_weight(target_params)  # [D, V]
-        if vocab is None:
-            ids = jnp.arange(head.shape[1], dtype=jnp.int32)
-        else:
-            ids = jnp.asarray(np.asarray(vocab), jnp.int32)
-            head = jnp.take(head, ids, axis=1)  # [D, Vd]
-        return Draft(params=params, ids=ids, lm_head=head, cfg=cfg, algorithm="EAGLE")
+        v = target.lm_head_weight(target_params).shape[1]
+        ids = jnp.arange(v, dtype=jnp.int32) if vocab is None else jnp.asarray(np.asarray(vocab), jnp.int32)
+        return Draft(params=params, ids=ids, lm_head=eagle_lm_head(target_params, ids), cfg=cfg, algorithm="EAGLE")
     raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected one of {ALGORITHMS}")
 
 
@@ -124,6 +120,16 @@ def logits(draft: Draft, h):
 def draft_head_dims(cfg) -> tuple[int, int, int]:
     """(layers, kv heads, head dim) of the head's KV cache."""
     return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
+
+
+def eagle_lm_head(target_params: target.TargetParams, ids) -> jax.Array:
+    """An EAGLE head's vocabulary head: the target's lm_head [D, V] itself for the full vocabulary (``ids`` 0..V-1),
+    else its columns at ``ids`` (FR-Spec hot tokens) [D, Vd]."""
+    head = target.lm_head_weight(target_params)
+    host = np.asarray(ids)
+    if host.shape[0] == head.shape[1] and np.array_equal(host, np.arange(head.shape[1])):
+        return head
+    return jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1)
 
 
 def for_prefill(draft: Draft) -> Draft:
