@@ -193,16 +193,21 @@ def record_text(record: Any, fmt: str = "auto") -> str | None:
         return None
     if not isinstance(record, dict) or "text" not in record:
         raise BadRecord("bad_format", "no text field")
-    text = record["text"]
-    if not isinstance(text, str):
-        raise BadRecord("bad_format", "text is not a string")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRecord("undecodable", "invalid unicode in text") from None
+    text = _checked_text(record["text"], "text")
     if not text.strip():
         raise BadRecord("empty", "empty text")
     return text
+
+
+def _checked_text(value: Any, what: str) -> str:
+    """``value`` when it is a string of valid Unicode, else a BadRecord naming ``what``."""
+    if not isinstance(value, str):
+        raise BadRecord("bad_format", f"{what} is not a string")
+    try:
+        value.encode("utf-8")
+    except UnicodeEncodeError:
+        raise BadRecord("undecodable", f"invalid unicode in {what}") from None
+    return value
 
 
 def _message(t: Any, role_key: str, text_key: str) -> dict[str, Any]:
@@ -213,14 +218,7 @@ def _message(t: Any, role_key: str, text_key: str) -> dict[str, Any]:
     text = t.get(text_key, t.get("content", t.get("value")))
     if not isinstance(role, str) or role.lower() not in ROLES:
         raise BadRecord("wrong_role", repr(role)[:40])
-    if text is None:
-        text = ""
-    if not isinstance(text, str):
-        raise BadRecord("bad_format", "content is not a string")
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError:
-        raise BadRecord("undecodable", "invalid unicode in content") from None
+    text = _checked_text("" if text is None else text, "content")
     m: dict[str, Any] = {"role": ROLES[role.lower()], "content": text}
     if m["role"] == "assistant":
         if t.get("truncated") is True:  # cut at a token budget (regenerate)
