@@ -74,9 +74,10 @@ def make_draft(algorithm: str, cfg, params, target_params: target.TargetParams, 
         ids = jnp.arange(vd, dtype=jnp.int32) + jnp.asarray(vocab.d2t, jnp.int32)
         return Draft(params=params, ids=ids, lm_head=None, cfg=cfg, algorithm="EAGLE3")
     if algorithm == "EAGLE":
-        v = target.lm_head_weight(target_params).shape[1]
-        ids = jnp.arange(v, dtype=jnp.int32) if vocab is None else jnp.asarray(np.asarray(vocab), jnp.int32)
-        return Draft(params=params, ids=ids, lm_head=eagle_lm_head(target_params, ids), cfg=cfg, algorithm="EAGLE")
+        hot = None if vocab is None else jnp.asarray(np.asarray(vocab), jnp.int32)
+        head = eagle_lm_head(target_params, hot)
+        ids = jnp.arange(head.shape[1], dtype=jnp.int32) if hot is None else hot
+        return Draft(params=params, ids=ids, lm_head=head, cfg=cfg, algorithm="EAGLE")
     raise ValueError(f"unknown speculative algorithm {algorithm!r}; expected one of {ALGORITHMS}")
 
 
@@ -122,14 +123,11 @@ def draft_head_dims(cfg) -> tuple[int, int, int]:
     return cfg.num_layers, cfg.num_kv_heads, cfg.head_dim
 
 
-def eagle_lm_head(target_params: target.TargetParams, ids) -> jax.Array:
-    """An EAGLE head's vocabulary head: the target's lm_head [D, V] itself for the full vocabulary (``ids`` 0..V-1),
-    else its columns at ``ids`` (FR-Spec hot tokens) [D, Vd]."""
+def eagle_lm_head(target_params: target.TargetParams, hot_ids=None) -> jax.Array:
+    """An EAGLE head's vocabulary head: the target's lm_head [D, V] itself, or its columns at ``hot_ids`` (FR-Spec
+    hot tokens) [D, Vd]."""
     head = target.lm_head_weight(target_params)
-    host = np.asarray(ids)
-    if host.shape[0] == head.shape[1] and np.array_equal(host, np.arange(head.shape[1])):
-        return head
-    return jnp.take(head, jnp.asarray(ids, jnp.int32), axis=1)
+    return head if hot_ids is None else jnp.take(head, jnp.asarray(hot_ids, jnp.int32), axis=1)
 
 
 def for_prefill(draft: Draft) -> Draft:
