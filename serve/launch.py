@@ -184,7 +184,6 @@ class Backend:
     spec: bool
     metrics: Metrics
     startup_s: float = 0.0
-    mesh: object = None
     weight_version: str = "default"  # SGLang's label of the weights served (``update_weights_from_disk``)
     _update_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
 
@@ -266,7 +265,7 @@ class Backend:
             why = self._shape_mismatch(ModelConfig.from_pretrained(folder, dtype=self.cfg.dtype))
             if why:  # said before the weights load
                 return False, f"{model_path} is not the served model's shape: {why}", 0
-            _, params = load_model(folder, dtype=self.cfg.dtype, mesh=self.mesh, layout="decode")
+            _, params = load_model(folder, dtype=self.cfg.dtype, mesh=self.scheduler.runner.mesh, layout="decode")
             self._swap_when_drained(params, abort_all_requests, flush_cache)
         except Exception as e:  # noqa: BLE001 - a failed update is the answer's message; the old weights serve on
             return False, f"failed to update the weights from {model_path}: {type(e).__name__}: {e}", 0
@@ -408,4 +407,4 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     return Backend(args=args, model_folder=folder, tokenizer_folder=tok_folder, tokenizer=tokenizer, cfg=cfg,
                    scheduler=scheduler, chat_template=_resolve_chat_template(chat_template, tokenizer),
                    context_length=context_length, spec=spec, metrics=metrics,
-                   startup_s=time.perf_counter() - t0, mesh=mesh)
+                   startup_s=time.perf_counter() - t0)

@@ -183,7 +183,7 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                idle = (not self.waiting or self.admission_paused) and not any(self.slots) and self._pending is None
+                idle = (not self.waiting or self.admission_paused) and self.drained()
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break

@@ -309,6 +309,9 @@ def _common_prefix(a: str, b: str) -> int:
     return lo
 
 
+_PROBE = "Zq7 probe reply"  # an assistant message no template rewrites, found again in the rendering
+
+
 class ChatEncoder:
     """Renders conversations with a tokenizer's chat template; returns token ids and the assistant loss mask."""
 
@@ -333,7 +336,7 @@ class ChatEncoder:
 
     def _probe_end_marker(self) -> str:
         """The text a template puts after an assistant message (e.g. '<|im_end|>', '<|eot_id|>'), stripped."""
-        probe = "Zq7 probe reply"
+        probe = _PROBE
         try:
             text = self.render([{"role": "user", "content": "hi"}, {"role": "assistant", "content": probe}], False)
         except Exception:  # noqa: BLE001 - templates raise anything
@@ -346,7 +349,7 @@ class ChatEncoder:
         after that opening): e.g. ('<|im_start|>assistant\\n', '<|im_end|>', ''), Llama 3's
         ('<|start_header_id|>assistant<|end_header_id|>\\n\\n', '<|eot_id|>', ''), Qwen3 with thinking off
         ('<|im_start|>assistant\\n', '<|im_end|>', '<think>\\n\\n</think>\\n\\n'); '' where it cannot tell."""
-        probe, first = "Zq7 probe reply", [{"role": "user", "content": "Zq7 hello"}]
+        probe, first = _PROBE, [{"role": "user", "content": "Zq7 hello"}]
         try:
             before, prompt = self.render(first, False), self.render(first, True)
             full = self.render(first + [{"role": "assistant", "content": probe},

@@ -170,8 +170,8 @@ class SpecRunner(RunnerCommon):
         params = target.unstack_layers(params)
         draft = self.draft
         if draft.algorithm == "EAGLE":  # built before anything is replaced: a failure leaves the old weights whole
-            ids, v = np.asarray(draft.ids), draft.lm_head.shape[1]  # all V ids in order: the full vocabulary
-            full = ids.shape[0] == target.lm_head_weight(params).shape[1] and np.array_equal(ids, np.arange(v))
+            ids, v = np.asarray(draft.ids), target.lm_head_weight(params).shape[1]
+            full = np.array_equal(ids, np.arange(v))  # every target id in order: no FR-Spec map
             lm_head = draft_lib.eagle_lm_head(params, None if full else draft.ids)
             draft = dataclasses.replace(draft, lm_head=self._on_mesh(lm_head) if self.mesh is not None else lm_head)
         prefill_draft = draft_lib.for_prefill(draft) if draft is not self.draft else self.prefill_draft
