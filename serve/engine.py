@@ -27,13 +27,15 @@ import numpy as np
 from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
+from . import scoring
 from .args import ServerArgs
 from .protocol import GenerateRequest
 from .request import (RequestError, SamplingParams, batch_rids, check_text, copy_rid, refuse_unsupported,
                       token_ids, with_logprob_fields)
 
 
-LOGPROB_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs")
+LOGPROB_ARGS = ("return_logprob", "logprob_start_len", "top_logprobs_num", "return_text_in_logprobs",
+                "token_ids_logprob")
 
 
 def _empty_output() -> dict[str, Any]:
@@ -141,7 +143,8 @@ class Engine:
         (its new text and token ids only with ``incremental_streaming_output=True``). ``kwargs``: SGLang's ``rid``
         (a string, or one per prompt: the ids ``meta_info.id`` carries; copies of a prompt under one rid get
         ``{rid}-{k}-{j}``), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
-        ``return_text_in_logprobs`` (a value, or one per prompt; they may also sit in ``sampling_params``), and its
+        ``return_text_in_logprobs``, ``token_ids_logprob`` (a value, or one per prompt; they may also sit in
+        ``sampling_params``), and its
         arguments for features specjax lacks (``image_data``, ``lora_path``, ...), accepted only when they ask for
         nothing."""
         q: queue.Queue = queue.Queue()
@@ -206,6 +209,29 @@ class Engine:
     def _abort(self, reqs) -> None:
         for r in reqs:
             self.backend.scheduler.abort(r.rid)
+
+    def score(self, query: str | list[int] | None = None, items: str | list[str] | list[list[int]] | None = None,
+              label_token_ids: list[int] | None = None, apply_softmax: bool = False, item_first: bool = False
+              ) -> list[list[float]]:
+        """SGLang's: per item, the probabilities of ``label_token_ids`` as the next token after query + item (item
+        + query with ``item_first``), in the labels' order; with ``apply_softmax`` normalised over the labels
+        (``serve.scoring``)."""
+        prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
+        outs = self.generate(input_ids=prompts, sampling_params=[dataclasses.asdict(sp)] * len(prompts))
+        return [scoring.item_scores(o["meta_info"], apply_softmax) for o in outs]
+
+    async def async_score(self, query: str | list[int] | None = None,
+                          items: str | list[str] | list[list[int]] | None = None,
+                          label_token_ids: list[int] | None = None, apply_softmax: bool = False,
+                          item_first: bool = False) -> list[list[float]]:
+        """``score`` for asyncio code (the event loop is never blocked)."""
+        prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
+        outs = await self.async_generate(input_ids=prompts, sampling_params=[dataclasses.asdict(sp)] * len(prompts))
+        return [scoring.item_scores(o["meta_info"], apply_softmax) for o in outs]
+
+    def _score_requests(self, query, items, label_token_ids, item_first):
+        sp = scoring.score_params(label_token_ids, self.backend.cfg.vocab_size)
+        return scoring.score_prompts(self.backend.encode, query, items, item_first), sp
 
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()

@@ -119,7 +119,7 @@ def to_sampling(p: GenerateSamplingParams) -> SamplingParams:
 class GenerateRequest(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "image_data": (), "audio_data": (), "video_data": (), "input_embeds": (), "lora_path": (), "lora_id": (),
-        "token_ids_logprob": (), "return_hidden_states": (False,), "custom_logit_processor": (),
+        "return_hidden_states": (False,), "custom_logit_processor": (),
         "session_params": (), "modalities": (), "data_parallel_rank": (), "log_metrics": (True, False),
         "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": ()}
     text: str | list[str] | None = None
@@ -131,12 +131,14 @@ class GenerateRequest(_Body):
     logprob_start_len: Int | list[Int] = -1
     top_logprobs_num: Int | list[Int] = 0
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[Int] | list[list[Int]] | None = None
 
     def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` (one per prompt) with this request's logprob fields (scalars or one per prompt) applied."""
         return with_logprob_fields(params, return_logprob=self.return_logprob,
                                    logprob_start_len=self.logprob_start_len, top_logprobs_num=self.top_logprobs_num,
-                                   return_text_in_logprobs=self.return_text_in_logprobs)
+                                   return_text_in_logprobs=self.return_text_in_logprobs,
+                                   token_ids_logprob=self.token_ids_logprob)
 
 
 # ---- OpenAI ------------------------------------------------------------------------------------------------------
@@ -378,6 +380,23 @@ class ModelCard(BaseModel):
 class ModelList(BaseModel):
     object: str = "list"
     data: list[ModelCard]
+
+
+class ScoringRequest(_Body):
+    """SGLang's ``/v1/score``: the probabilities of ``label_token_ids`` after query + each item (``serve.scoring``)."""
+    model: str | None = None
+    query: str | list[Int] | None = None
+    items: str | list[str] | list[list[Int]] | None = None
+    label_token_ids: list[Int] | None = None
+    apply_softmax: bool = False
+    item_first: bool = False
+
+
+class ScoringResponse(BaseModel):
+    scores: list[list[float]]  # per item, in the order of label_token_ids
+    model: str
+    usage: UsageInfo | None = None
+    object: str = "scoring"
 
 
 class TokenizeRequest(_Body):

@@ -104,6 +104,7 @@ class SamplingParams:
     top_logprobs_num: int = 0
     logprob_start_len: int = -1  # prompt logprobs from this position on (-1: the last prompt token only, as SGLang)
     return_text_in_logprobs: bool = False
+    token_ids_logprob: list[int] | None = None  # the logprobs of these ids at every position reported
 
     @classmethod
     def from_dict(cls, d: dict[str, Any] | None) -> "SamplingParams":
@@ -154,6 +155,8 @@ class SamplingParams:
                                "top_logprobs_num")
         if self.logprob_start_len < -1:
             raise RequestError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
+        if self.token_ids_logprob and not self.return_logprob:
+            raise RequestError("token_ids_logprob needs return_logprob: true", "token_ids_logprob")
         check_min_tokens(self.min_new_tokens, self.max_new_tokens)
         try:  # temperature, top_k/p, min_p, penalties, logit_bias: the runner row's own ranges
             self.runner_row(0, ()).validate()
@@ -182,6 +185,8 @@ class SamplingParams:
         if self.logit_bias is not None and not isinstance(self.logit_bias, Mapping):
             raise RequestError("logit_bias must map token ids to numbers", "logit_bias")
         self.logit_bias = {_token_key(k): _number("logit_bias", v) for k, v in (self.logit_bias or {}).items()} or None
+        if self.token_ids_logprob is not None:
+            self.token_ids_logprob = token_ids(self.token_ids_logprob, "token_ids_logprob") or None
 
     def runner_row(self, seed: int | None, eos_ids) -> sampling.SamplingRow:
         """The runner's typed row: min_new_tokens holds back the stop tokens (eos unless ignore_eos)."""
@@ -191,7 +196,7 @@ class SamplingParams:
             frequency_penalty=float(self.frequency_penalty), presence_penalty=float(self.presence_penalty),
             repetition_penalty=float(self.repetition_penalty), min_new_tokens=int(self.min_new_tokens),
             logit_bias=tuple((self.logit_bias or {}).items()), stop_ids=stops,
-            logprobs=bool(self.return_logprob))
+            logprobs=bool(self.return_logprob), logprob_ids=tuple(self.token_ids_logprob or ()))
 
 
 _INTS = ("max_new_tokens", "top_k", "n", "min_new_tokens", "top_logprobs_num", "logprob_start_len")
@@ -268,12 +273,16 @@ def _number(name: str, v) -> float:
 
 def with_logprob_fields(params: list[SamplingParams], **fields) -> list[SamplingParams]:
     """``params`` (one per prompt) with SGLang's request-level logprob fields applied (``return_logprob``,
-    ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``): each a value for every prompt or a
-    list of one per prompt; None leaves a field as it is."""
+    ``logprob_start_len``, ``top_logprobs_num``, ``return_text_in_logprobs``, ``token_ids_logprob``): each a value
+    for every prompt or a list of one per prompt (``token_ids_logprob``: a list of ids, or a list of such lists);
+    None leaves a field as it is."""
     out = []
     for i, sp in enumerate(params):
         given = {}
         for name, v in fields.items():
+            if name == "token_ids_logprob" and isinstance(v, (list, tuple)) and \
+                    not any(isinstance(x, (list, tuple)) for x in v):
+                v = [list(v)] * len(params)  # one list of ids for every prompt
             if isinstance(v, list):
                 if len(v) != len(params):
                     raise RequestError(f"{len(v)} values of {name} for {len(params)} prompts", param=name)
@@ -323,8 +332,11 @@ class Request:
     first_token_time: float | None = None
     # Logprobs (when params.return_logprob): per output token (logprob, id) and its top (logprob, id) pairs;
     # prompt tokens from logprob_start_len on as (logprob or None for the first, id, top pairs or None).
+    # With token_ids_logprob: per output position the logprobs of those ids (a prefill-only request: the position
+    # after the prompt, as SGLang's scoring reads it); prompt entries carry theirs fourth (None for the first).
     output_logprobs: list = dataclasses.field(default_factory=list)
     output_top_logprobs: list = dataclasses.field(default_factory=list)
+    output_ids_logprobs: list = dataclasses.field(default_factory=list)
     input_logprobs: list = dataclasses.field(default_factory=list)
     # Detokenization state.
     text: str = ""  # visible output text so far (stop strings removed)
@@ -382,14 +394,22 @@ class Request:
     def _record_logprob(self, logprobs, j: int, tok: int) -> None:
         if logprobs is None or not self.params.return_logprob:
             return
-        lp, ids, vals = logprobs
+        lp, ids, vals, _ = logprobs
         k = self.params.top_logprobs_num
         self.output_logprobs.append((float(lp[j]), tok))
         self.output_top_logprobs.append([(float(v), int(i)) for v, i in zip(vals[j, :k], ids[j, :k])])
+        self.record_ids_logprobs(logprobs, j)
+
+    def record_ids_logprobs(self, logprobs, j: int) -> None:
+        """The logprobs of ``token_ids_logprob`` at column ``j`` of a step's ``logprobs`` (when it asks for them)."""
+        want = self.params.token_ids_logprob
+        if logprobs is not None and self.params.return_logprob and want:
+            self.output_ids_logprobs.append([float(v) for v in logprobs[3][j, :len(want)]])
 
     def append_tokens(self, tokens, tokenizer, eos_ids: frozenset[int], context_left: int, logprobs=None) -> None:
         """Add newly generated tokens one by one, stopping at the first stop condition (the rest are dropped).
-        ``logprobs``: (f32[W], i32[W, K], f32[W, K]) of these tokens (``sampling.read_logprobs`` of the slot)."""
+        ``logprobs``: (f32[W], i32[W, K], f32[W, K], f32[W, I]) of these tokens (``sampling.read_logprobs`` of the
+        slot)."""
         sp = self.params
         stop_ids = set(sp.stop_token_ids) | (set() if sp.ignore_eos else set(eos_ids))
         max_stop = max((len(s) for s in sp.stop), default=0)
@@ -447,11 +467,16 @@ class Request:
         triple = lambda lp, t: (lp, t, text(t))
         k = self.params.top_logprobs_num
         tops = lambda top: [triple(lp, t) for lp, t in top[:k]] if top else None
-        meta = {"input_token_logprobs": [triple(lp, t) for lp, t, _ in self.input_logprobs],
+        meta = {"input_token_logprobs": [triple(e[0], e[1]) for e in self.input_logprobs],
                 "output_token_logprobs": [triple(lp, t) for lp, t in self.output_logprobs]}
         if k > 0:
-            meta["input_top_logprobs"] = [tops(top) for _, _, top in self.input_logprobs]
+            meta["input_top_logprobs"] = [tops(e[2]) for e in self.input_logprobs]
             meta["output_top_logprobs"] = [tops(top) for top in self.output_top_logprobs]
+        want = self.params.token_ids_logprob
+        if want:
+            by_id = lambda lps: [triple(lp, t) for lp, t in zip(lps, want)] if lps is not None else None
+            meta["input_token_ids_logprobs"] = [by_id(e[3]) for e in self.input_logprobs]
+            meta["output_token_ids_logprobs"] = [by_id(lps) for lps in self.output_ids_logprobs]
         return meta
 
     def meta_info(self, spec: bool, tokenizer=None) -> dict:

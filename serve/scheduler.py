@@ -353,7 +353,7 @@ class Scheduler:
             req.first_token = tok
             if req.params.return_logprob:  # the first prompt token asked for, without a logprob; scores follow it
                 begin, end = req.score_span()
-                req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None)]
+                req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None, None)]
             self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
             self._cache_prefix(req)
         return True
@@ -363,7 +363,8 @@ class Scheduler:
         that failed (the request is finished)."""
         try:
             req.input_logprobs += self.runner.score_prompt(self.state, self._page_row(req), req.prompt_ids, begin,
-                                                           count, req.params.temperature)
+                                                           count, req.params.temperature,
+                                                           req.params.token_ids_logprob or ())
         except Exception as e:  # noqa: BLE001 - fail this request only
             log.exception("prompt logprobs of request %s failed", req.rid)
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
@@ -447,7 +448,8 @@ class Scheduler:
         """Emit the prefill's token (with the prompt's logprobs when asked for). As SGLang: prompt tokens from
         ``logprob_start_len`` on (-1, the default: the last prompt token only, which runs no scoring program), the
         first of them without a logprob (None). A request for 0 new tokens (SGLang's prefill-only request) finishes
-        here, its token unused."""
+        here, its token unused (the logprobs of its ``token_ids_logprob`` after the prompt kept, as SGLang's
+        scoring reads them)."""
         req.decoding = True
         try:  # the prompt's logprobs are in req.input_logprobs already (``_prefill_chunk``, ``_score_chunk``)
             lps = self._logprobs([req])
@@ -456,6 +458,7 @@ class Scheduler:
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
             return
         if req.params.max_new_tokens == 0:
+            req.record_ids_logprobs(None if lps is None else tuple(a[req.slot] for a in lps), 0)
             self._finish(req, {"type": "length", "length": 0})
             return
         self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))

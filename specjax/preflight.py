@@ -489,12 +489,12 @@ def _score_program(setup: ServeSetup, name: str, runner, state, s) -> Report:
     the one holding the most logits ([T, V] f32), against the runner's pool."""
     import jax.numpy as jnp
 
-    from specjax import prompt_logprobs
+    from specjax import prompt_logprobs, sampling
     t, npages = runner.prefill_buckets[-1], runner.page_buckets[-1]
     return _compile(setup, f"{name} prompt scoring T={t}", _attention_used(setup, t), prompt_logprobs._score_chunk,
                     runner.target_params, setup.tcfg, state.cache.k, state.cache.v, s((runner.pages_per_seq,)),
-                    s((t,)), s((t,)), s(()), s(()), s((), jnp.float32), npages=npages,
-                    cache_attention=runner.cache_attention)
+                    s((t,)), s((t,)), s(()), s(()), s((), jnp.float32), s((sampling.MAX_TOKEN_IDS_LOGPROB,)),
+                    npages=npages, cache_attention=runner.cache_attention)
 
 
 def spec_programs(setup: ServeSetup, plan, algorithm: str, dcfg, *, all_buckets: bool = True) -> list[Report]:

@@ -34,6 +34,7 @@ from specjax.kernels import cpu_dense
 MAX_LOGIT_BIAS = 300  # logit_bias entries per request (OpenAI's limit)
 MAX_STOP_IDS = 64  # stop token ids per request that min_new_tokens can hold back
 TOP_LOGPROBS = 20  # most top logprobs per emitted token (OpenAI's limit); every logprob batch computes this many
+MAX_TOKEN_IDS_LOGPROB = 32  # token ids per request whose logprobs every step reports (SGLang's token_ids_logprob)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -53,6 +54,7 @@ class SamplingRow:
     logit_bias: tuple[tuple[int, float], ...] = ()
     stop_ids: tuple[int, ...] = ()
     logprobs: bool = False
+    logprob_ids: tuple[int, ...] = ()  # tokens whose logprobs each emitted token reports (needs ``logprobs``)
 
     @classmethod
     def coerce(cls, x: "SamplingRow | Mapping[str, Any] | None") -> "SamplingRow":
@@ -65,7 +67,7 @@ class SamplingRow:
             raise ValueError(f"unknown sampling field(s) {unknown}")
         if isinstance(d.get("logit_bias"), Mapping):
             d["logit_bias"] = tuple((int(k), float(v)) for k, v in d["logit_bias"].items())
-        for k in ("logit_bias", "stop_ids"):
+        for k in ("logit_bias", "stop_ids", "logprob_ids"):
             if k in d:
                 d[k] = tuple(tuple(e) if isinstance(e, (list, tuple)) else e for e in d[k])
         return cls(**d)
@@ -94,6 +96,12 @@ class SamplingRow:
             if t < 0 or (vocab_size is not None and t >= vocab_size):
                 where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
                 raise ValueError(f"logit_bias token id {t} is outside {where}")
+        if len(self.logprob_ids) > MAX_TOKEN_IDS_LOGPROB:
+            raise ValueError(f"token_ids_logprob has {len(self.logprob_ids)} ids; at most {MAX_TOKEN_IDS_LOGPROB}")
+        bad = [t for t in self.logprob_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
+        if bad:
+            where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
+            raise ValueError(f"token_ids_logprob id {bad[0]} is outside {where}")
         if self.min_new_tokens > 0 and len(set(self.stop_ids)) > MAX_STOP_IDS:
             raise ValueError(f"min_new_tokens can hold back at most {MAX_STOP_IDS} stop token ids, got "
                              f"{len(set(self.stop_ids))}")
@@ -134,6 +142,7 @@ class SamplingBatch:
     bias_vals: jax.Array  # f32[B, MAX_LOGIT_BIAS]
     stop_ids: jax.Array  # i32[B, MAX_STOP_IDS] tokens min_new_tokens holds back, -1 = unused
     want_logprobs: jax.Array  # bool[B]
+    logprob_ids: jax.Array  # i32[B, MAX_TOKEN_IDS_LOGPROB] tokens whose logprobs are reported, -1 = unused
     # Per-row state.
     generated: jax.Array  # i32[B] tokens emitted so far
     counts: jax.Array  # i32[B, V] how often each token was emitted (V = 1 in a batch built without a vocab)
@@ -142,6 +151,7 @@ class SamplingBatch:
     logprob: jax.Array  # f32[B, W]
     top_ids: jax.Array  # i32[B, W, TOP_LOGPROBS]
     top_logprobs: jax.Array  # f32[B, W, TOP_LOGPROBS]
+    ids_logprobs: jax.Array  # f32[B, W, MAX_TOKEN_IDS_LOGPROB] the logprobs of ``logprob_ids``
 
     @classmethod
     def make(cls, batch: int, temperature=0.0, top_k=-1, top_p=1.0, min_p=0.0, seed=0, *, vocab: int = 1,
@@ -173,8 +183,10 @@ class SamplingBatch:
         a["bias_ids"] = np.full((b, MAX_LOGIT_BIAS), -1, np.int32)
         a["bias_vals"] = np.zeros((b, MAX_LOGIT_BIAS), np.float32)
         a["stop_ids"] = np.full((b, MAX_STOP_IDS), -1, np.int32)
+        a["logprob_ids"] = np.full((b, MAX_TOKEN_IDS_LOGPROB), -1, np.int32)
         a["prompt_seen"] = np.zeros((b, vocab), bool)
         for i, r in enumerate(rows):
+            a["logprob_ids"][i, :len(r.logprob_ids)] = r.logprob_ids
             if r.logit_bias:
                 ids, vals = zip(*r.logit_bias)
                 a["bias_ids"][i, :len(ids)], a["bias_vals"][i, :len(ids)] = ids, vals
@@ -192,10 +204,12 @@ class SamplingBatch:
             bias_ids=np.full((batch, MAX_LOGIT_BIAS), -1, np.int32),
             bias_vals=np.zeros((batch, MAX_LOGIT_BIAS), np.float32),
             stop_ids=np.full((batch, MAX_STOP_IDS), -1, np.int32), want_logprobs=np.zeros((batch,), bool),
+            logprob_ids=np.full((batch, MAX_TOKEN_IDS_LOGPROB), -1, np.int32),
             generated=np.zeros((batch,), np.int32), counts=np.zeros((batch, vocab), np.int32),
             prompt_seen=np.zeros((batch, vocab), bool), logprob=np.zeros((batch, width), np.float32),
             top_ids=np.zeros((batch, width, TOP_LOGPROBS), np.int32),
-            top_logprobs=np.zeros((batch, width, TOP_LOGPROBS), np.float32))
+            top_logprobs=np.zeros((batch, width, TOP_LOGPROBS), np.float32),
+            ids_logprobs=np.zeros((batch, width, MAX_TOKEN_IDS_LOGPROB), np.float32))
         defaults.update(a)
         # device_put, not jnp.asarray: in JAX 0.10 the latter compiles a staging program per new shape (13 here)
         return cls(**{k: jax.device_put(v) for k, v in defaults.items()})
@@ -355,8 +369,8 @@ def sample_rows(probs, subkeys):
 def token_logprobs(x, sb: SamplingBatch, tokens, x_rows=None):
     """SGLang's logprobs of ``tokens`` i32[B, W] under penalised logits x f32[B, W, V] (or, with ``x_rows``
     i32[B, W], under rows ``x_rows`` of x f32[B, M, V]: the nodes of a verified tree that emitted them, gathered
-    only when needed): (f32[B, W], top ids i32[B, W, TOP_LOGPROBS], top logprobs f32[B, W, TOP_LOGPROBS]);
-    computed only when a row asks for them."""
+    only when needed): (f32[B, W], top ids i32[B, W, TOP_LOGPROBS], top logprobs f32[B, W, TOP_LOGPROBS], the
+    logprobs of each row's ``logprob_ids`` f32[B, W, MAX_TOKEN_IDS_LOGPROB]); computed only when a row asks."""
     b, w = tokens.shape
     k = min(TOP_LOGPROBS, x.shape[-1])
 
@@ -367,13 +381,14 @@ def token_logprobs(x, sb: SamplingBatch, tokens, x_rows=None):
         lp = jnp.maximum(lp, jnp.finfo(jnp.float32).min)  # -inf (min_new_tokens, bias) -> finite, as SGLang
         top_lp, top_ids = jax.lax.top_k(lp, k)
         pad = TOP_LOGPROBS - k
+        ids = jnp.broadcast_to(jnp.maximum(sb.logprob_ids, 0)[:, None, :], (b, w, MAX_TOKEN_IDS_LOGPROB))
         return (jnp.take_along_axis(lp, tokens[..., None], axis=-1)[..., 0],
                 jnp.pad(top_ids.astype(jnp.int32), ((0, 0), (0, 0), (0, pad))),
-                jnp.pad(top_lp, ((0, 0), (0, 0), (0, pad))))
+                jnp.pad(top_lp, ((0, 0), (0, 0), (0, pad))), jnp.take_along_axis(lp, ids, axis=-1))
 
     def skip():
         return (jnp.zeros((b, w), jnp.float32), jnp.zeros((b, w, TOP_LOGPROBS), jnp.int32),
-                jnp.zeros((b, w, TOP_LOGPROBS), jnp.float32))
+                jnp.zeros((b, w, TOP_LOGPROBS), jnp.float32), jnp.zeros((b, w, MAX_TOKEN_IDS_LOGPROB), jnp.float32))
 
     return jax.lax.cond(sb.want_logprobs.any(), compute, skip)
 
@@ -393,11 +408,12 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None, x_rows=None) -> Sa
     new = dataclasses.replace(sb, counts=counts, generated=sb.generated + take.sum(-1).astype(jnp.int32))
     if x is not None:
         pad = sb.logprob.shape[1] - w  # a speculative row's prefill emits 1 of its W tokens per step
-        lp, ids, top = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
-                        for a in token_logprobs(x, sb, tokens, x_rows))
+        lp, ids, top, by_id = (jnp.pad(a, ((0, 0), (0, pad)) + ((0, 0),) * (a.ndim - 2))
+                               for a in token_logprobs(x, sb, tokens, x_rows))
         keep = lambda a, b: jnp.where(_expand(active, a.ndim), a, b) if active is not None else a
         new = dataclasses.replace(new, logprob=keep(lp, sb.logprob), top_ids=keep(ids, sb.top_ids),
-                                  top_logprobs=keep(top, sb.top_logprobs))
+                                  top_logprobs=keep(top, sb.top_logprobs),
+                                  ids_logprobs=keep(by_id, sb.ids_logprobs))
     return new
 
 
@@ -425,6 +441,7 @@ def sample_next(logits, sb: SamplingBatch, active=None):
 
 
 def read_logprobs(sb: SamplingBatch):
-    """Host copies (f32[B, W], i32[B, W, TOP_LOGPROBS], f32[B, W, TOP_LOGPROBS]) of the logprobs of the tokens each
-    row emitted in its latest step (prefill: column 0)."""
-    return np.asarray(sb.logprob), np.asarray(sb.top_ids), np.asarray(sb.top_logprobs)
+    """Host copies (f32[B, W], i32[B, W, TOP_LOGPROBS], f32[B, W, TOP_LOGPROBS], f32[B, W, MAX_TOKEN_IDS_LOGPROB])
+    of the logprobs of the tokens each row emitted in its latest step (prefill: column 0), its top tokens' and its
+    ``logprob_ids``'."""
+    return np.asarray(sb.logprob), np.asarray(sb.top_ids), np.asarray(sb.top_logprobs), np.asarray(sb.ids_logprobs)

@@ -15,6 +15,7 @@ from server_helpers import offline_engine, tiny_model_dir
 from starlette.testclient import TestClient
 
 from specjax.serve.api import create_app
+from specjax.serve.request import RequestError
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +251,36 @@ def test_prefill_only_request(engine):
     assert out["output_ids"] == [] and out["text"] == "" and out["meta_info"]["finish_reason"]["type"] == "length"
     lps = out["meta_info"]["input_token_logprobs"]
     assert [t for _, t, _ in lps] == [5, 6, 7, 8] and lps[0][0] is None and all(x < 0 for x, _, _ in lps[1:])
+
+
+def test_score_and_async_score(engine):
+    """SGLang's ``Engine.score``: the labels' next-token probabilities after query + item, as a full causal
+    forward without a cache gives them (items sharing the query's prefix, item_first), ``apply_softmax`` over the
+    labels; ``async_score`` answers the same; bad arguments are clear errors."""
+    import asyncio
+
+    import jax.numpy as jnp
+
+    from specjax.models import target
+    from specjax.weights import load_model
+    cfg, params = load_model(tiny_model_dir(), dtype="float32")
+    query, items, labels = list(range(3, 40)), [[50, 51], [52], [53, 54, 55]], [4, 9, 100, 4]
+
+    def ref(ids):
+        x = target.forward(params, cfg, jnp.asarray([ids]), jnp.arange(len(ids))[None]).logits[0, -1]
+        return np.exp(np.asarray(x, np.float64)[labels] - np.log(np.exp(np.asarray(x, np.float64)).sum()))
+
+    got = engine.score(query=query, items=items, label_token_ids=labels)
+    np.testing.assert_allclose(got, [ref(query + x) for x in items], rtol=1e-4, atol=1e-8)
+    first = engine.score(query=query, items=items, label_token_ids=labels, apply_softmax=True, item_first=True)
+    want = [ref(x + query) for x in items]
+    np.testing.assert_allclose(first, [w / w.sum() for w in want], rtol=1e-4)
+    np.testing.assert_allclose(asyncio.run(engine.async_score(query=query, items=items, label_token_ids=labels)),
+                               got, rtol=1e-6)
+    with pytest.raises(RequestError, match="label token id"):
+        engine.score(query=query, items=items, label_token_ids=[10 ** 7])
+    with pytest.raises(RequestError, match="items"):
+        engine.score(query="text", items=items, label_token_ids=labels)
 
 
 def test_prompt_logprobs_scored_in_chunks_against_the_pool(engine):

@@ -101,18 +101,19 @@ SAMPLED = R(temperature=0.7, seed=11, frequency_penalty=0.5, presence_penalty=0.
 
 
 def run_runner(runner, prompts, rows, max_new):
-    """Every prompt in its own slot, stepped together; returns per prompt (tokens, logprobs, top ids, top logprobs)
-    of the first ``max_new`` tokens."""
+    """Every prompt in its own slot, stepped together; returns per prompt (tokens, logprobs, top ids, top logprobs,
+    the logprobs of the row's ``logprob_ids``) of the first ``max_new`` tokens."""
     state = runner.init_state()
-    out = [dict(tok=[], lp=[], ids=[], top=[]) for _ in prompts]
+    out = [dict(tok=[], lp=[], ids=[], top=[], by_id=[]) for _ in prompts]
 
     def take(i, toks, lps, w):
-        lp, ids, top = lps
+        lp, ids, top, by_id = lps
         for j in range(w):
             out[i]["tok"].append(int(toks[j]))
             out[i]["lp"].append(float(lp[i, j]))
             out[i]["ids"].append(ids[i, j].tolist())
             out[i]["top"].append(top[i, j].tolist())
+            out[i]["by_id"].append(by_id[i, j, :len(rows[i].logprob_ids)].tolist())
 
     for i, (p, r) in enumerate(zip(prompts, rows)):
         pages = np.arange(1 + i * PPS, 1 + (i + 1) * PPS)
@@ -132,7 +133,10 @@ def runner_outputs(models):
     cfg, tp, heads, prompts, base = models
     stop, rows = penalised_rows(base)
     # Row 3 samples (temperature 0.7, penalties): its logprobs are the temperature-adjusted ones.
+    # Rows 0 and 3 also ask for the logprobs of a few ids (SGLang's token_ids_logprob), some repeated.
     rows = [sampling.dataclasses.replace(r, logprobs=True, seed=7) for r in rows[:3]] + [SAMPLED]
+    rows[0] = sampling.dataclasses.replace(rows[0], logprob_ids=(5, 0, cfg.vocab_size - 1, 5))
+    rows[3] = sampling.dataclasses.replace(rows[3], logprob_ids=tuple(range(cfg.vocab_size - 32, cfg.vocab_size)))
     kw = dict(max_batch=4, pages_per_seq=PPS, page_size=PAGE, num_pages=1 + 4 * PPS, attention_impl="xla")
     plain = run_runner(PlainRunner(cfg, tp, **kw), prompts, rows, 16)
     spec = {alg: run_runner(SpecRunner(cfg, tp, alg, *heads[alg], num_steps=3, topk=2, num_draft_tokens=5,
@@ -158,6 +162,8 @@ def check_target_logprobs(cfg, tp, prompt, row: R, out):
         assert out["lp"][j] == pytest.approx(x[o[j]] - lse, abs=1e-4)
         order = np.argsort(-x, kind="stable")[:sampling.TOP_LOGPROBS]
         np.testing.assert_allclose(out["top"][j], x[order] - lse, atol=1e-4)
+        want = np.maximum(x[list(row.logprob_ids)] - lse, np.finfo(np.float32).min)  # -inf reported as SGLang does
+        np.testing.assert_allclose(out["by_id"][j], want, atol=1e-4, rtol=1e-6)
 
 
 def test_runner_logprobs_are_the_penalised_log_softmax(models, runner_outputs):

@@ -188,3 +188,66 @@ def test_zero_new_tokens_scores_the_prompt_alone(server, client, hf):
     with pytest.raises(openai.BadRequestError, match="0 only with echo"):
         client.completions.create(model=SHARED_NAME, prompt=PROMPT, max_tokens=0)
     assert gen(server, text=PROMPT, sampling_params={"max_new_tokens": 2})["meta_info"]["completion_tokens"] == 2
+
+
+def test_token_ids_logprob_matches_hf(server, hf):
+    """SGLang's ``token_ids_logprob``: the logprobs of the named ids at every prompt position from
+    logprob_start_len (the first None) and at every output position, equal to HF's log_softmax; one list for every
+    prompt or one per prompt; bad ids, too many ids, or no return_logprob are 400s naming the field."""
+    tok = hf[0]
+    ids = tok(PROMPT)["input_ids"]
+    want = [3, 17, 3, 60]
+    out = gen(server, input_ids=ids, return_logprob=True, logprob_start_len=0, token_ids_logprob=want,
+              return_text_in_logprobs=True, sampling_params={"temperature": 0, "max_new_tokens": 4,
+                                                             "ignore_eos": True})
+    meta, oids = out["meta_info"], out["output_ids"]
+    ref = hf_logprobs(hf, ids + oids)
+    inp, outp = meta["input_token_ids_logprobs"], meta["output_token_ids_logprobs"]
+    assert len(inp) == len(ids) and inp[0] is None and len(outp) == len(oids) == 4
+    for pos, entry in [(i - 1, inp[i]) for i in range(1, len(ids))] + [(len(ids) - 1 + j, e)
+                                                                        for j, e in enumerate(outp)]:
+        assert [t for _, t, _ in entry] == want and [x for _, _, x in entry] == [tok.decode([t]) for t in want]
+        np.testing.assert_allclose([lp for lp, _, _ in entry], ref[pos, want], atol=1e-4)
+    both = gen(server, input_ids=[ids, ids[:3]], return_logprob=True, token_ids_logprob=[[5], [6, 7]],
+               sampling_params={"temperature": 0, "max_new_tokens": 1})
+    assert [[t for _, t, _ in m["meta_info"]["output_token_ids_logprobs"][0]] for m in both] == [[5], [6, 7]]
+    assert "output_token_ids_logprobs" not in gen(server, input_ids=ids, return_logprob=True,
+                                                  sampling_params={"max_new_tokens": 1})["meta_info"]
+    for body in ({"token_ids_logprob": [1]}, {"token_ids_logprob": [10 ** 6], "return_logprob": True},
+                 {"token_ids_logprob": list(range(sampling.MAX_TOKEN_IDS_LOGPROB + 1)), "return_logprob": True}):
+        r = httpx.post(server.url + "/generate", json=dict(input_ids=ids, **body), timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == "token_ids_logprob", r.text
+
+
+def test_score_matches_hf(server, hf):
+    """SGLang's ``/v1/score``: per item, the labels' next-token probabilities after query + item (HF's softmax at
+    the prompt's last position), text joined before tokenizing, token ids concatenated, item_first, apply_softmax
+    over the labels; bad labels and mixed inputs are 400s naming the field."""
+    tok = hf[0]
+    query, items, labels = "The capital of France is", [" Paris", " a city", " London"], [5, 9, 42]
+
+    def score(**body):
+        r = httpx.post(server.url + "/v1/score", json=dict(model=SHARED_NAME, label_token_ids=labels, **body),
+                       timeout=120)
+        assert r.status_code == 200, r.text
+        assert r.json()["object"] == "scoring"
+        return r.json()
+
+    def probs(ids):
+        return np.exp(hf_logprobs(hf, ids)[-1, labels])
+
+    out = score(query=query, items=items)
+    want = [probs(tok(query + x)["input_ids"]) for x in items]
+    np.testing.assert_allclose(out["scores"], want, rtol=1e-3, atol=1e-7)
+    assert out["usage"]["prompt_tokens"] == sum(len(tok(query + x)["input_ids"]) for x in items)
+    soft = score(query=query, items=items, apply_softmax=True)["scores"]
+    np.testing.assert_allclose(soft, [p / p.sum() for p in want], rtol=1e-3)
+    q, its = tok(query)["input_ids"], [[7, 8], [9]]
+    np.testing.assert_allclose(score(query=q, items=its, item_first=True)["scores"],
+                               [probs(x + q) for x in its], rtol=1e-3, atol=1e-7)
+    for body, param in (({"query": query, "items": items, "label_token_ids": [10 ** 6]}, "label_token_ids"),
+                        ({"query": query, "items": items, "label_token_ids": []}, "label_token_ids"),
+                        ({"query": query, "items": [[1, 2]], "label_token_ids": labels}, "items"),
+                        ({"query": query, "items": [], "label_token_ids": labels}, "items")):
+        r = httpx.post(server.url + "/v1/score", json=body, timeout=60)
+        assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text

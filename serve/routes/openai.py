@@ -1,5 +1,5 @@
 """The OpenAI-compatible routes: ``/v1/models``, ``/v1/completions``, ``/v1/chat/completions``, and SGLang's
-``/v1/tokenize`` and ``/v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``)."""
+``/v1/score``, ``/v1/tokenize`` and ``/v1/detokenize`` (also at ``/tokenize`` and ``/detokenize``)."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import StreamingResponse
 
 from .. import protocol as P
+from .. import scoring
 from .common import SSE_DONE, APIError, Fanout, backend_of, check_model, off_loop, parse, seed_for, sse
 
 router = APIRouter()
@@ -150,6 +151,24 @@ async def chat_completions(request: Request):
                for i in range(len(fan.reqs))]
     return P.ChatCompletionResponse(id=cid, created=created, model=served, choices=choices,
                                     usage=usage()).model_dump()
+
+
+@router.post("/v1/score")
+async def score(request: Request):
+    """SGLang's decoder-only scoring: per item, the probabilities of ``label_token_ids`` as the next token after
+    query + item (``serve.scoring``); each pair is a prefill-only request."""
+    backend, served, body = await openai_request(request, P.ScoringRequest)
+    sp = scoring.score_params(body.label_token_ids, backend.cfg.vocab_size)
+    prompts = await off_loop(scoring.score_prompts, backend.encode, body.query, body.items, body.item_first)
+    for ids in prompts:
+        backend.check_request(ids, sp, max_new_given=False)
+    fan = Fanout(backend)
+    for ids in prompts:
+        fan.add(ids, sp)
+    await fan.wait(request)
+    pt = sum(len(ids) for ids in prompts)
+    return P.ScoringResponse(scores=[scoring.item_scores(m, body.apply_softmax) for m in fan.meta], model=served,
+                             usage=P.UsageInfo(prompt_tokens=pt, total_tokens=pt)).model_dump()
 
 
 @router.post("/v1/tokenize")

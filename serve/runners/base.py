@@ -142,10 +142,12 @@ class RunnerCommon:
         """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
         return sampling.read_logprobs(state.sampling)
 
-    def score_prompt(self, state, page_row, tokens, begin: int, count: int, temperature: float) -> list:
+    def score_prompt(self, state, page_row, tokens, begin: int, count: int, temperature: float,
+                     logprob_ids=()) -> list:
         """``prompt_logprobs.score_prompt``: the logprobs of prompt ``tokens`` after positions [begin, begin +
-        count), read against the K/V its prefill left in this runner's target pool (``page_row``)."""
+        count) (and of ``logprob_ids`` there), read against the K/V its prefill left in this runner's target pool
+        (``page_row``)."""
         return prompt_logprobs_lib.score_prompt(
             self.target_params, self.target_cfg, state.cache, page_row, tokens, begin, count, temperature,
             buckets=self.prefill_buckets, page_size=self.page_size, page_buckets=self.page_buckets,
-            cache_attention=self.cache_attention, mesh=self.mesh)
+            cache_attention=self.cache_attention, mesh=self.mesh, logprob_ids=logprob_ids)

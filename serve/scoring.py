@@ -1,0 +1,69 @@
+"""SGLang's decoder-only scoring (``POST /v1/score``, ``Engine.score``): for each item, how likely each of
+``label_token_ids`` is as the next token after query + item (item + query with ``item_first``).
+
+Each pair is one prefill-only request (``max_new_tokens: 0``) that asks for the labels' logprobs after its prompt
+(``token_ids_logprob``; the scheduler keeps them for a request that emits nothing), so the pairs batch like any
+prompts and the query's K/V is shared through the prefix cache when the query comes first. Text is joined before it
+is tokenized, as SGLang does (``f"{query}{item}"``); token ids are concatenated. Scores per item, in the labels'
+order: with ``apply_softmax`` the softmax over the labels' logprobs (the next-token distribution restricted to the
+labels, summing to 1), else each label's probability exp(logprob).
+"""
+
+from __future__ import annotations
+
+import math
+
+from specjax import sampling
+
+from .request import RequestError, SamplingParams, check_text, token_ids
+
+
+def score_prompts(encode, query, items, item_first: bool = False) -> list[list[int]]:
+    """One prompt's token ids per item: query and items both text (``encode`` tokenizes) or both token ids;
+    a RequestError naming the field otherwise."""
+    if query is None or items is None:
+        raise RequestError("give both query and items", param="query" if query is None else "items")
+    if isinstance(items, str):
+        items = [items]
+    if not isinstance(items, (list, tuple)) or not items:
+        raise RequestError("items must be a non-empty list of strings or of token id lists", param="items")
+    if isinstance(query, str):
+        if not all(isinstance(x, str) for x in items):
+            raise RequestError("a text query takes text items (token id items need a token id query)", "items")
+        check_text(query, "query")
+        texts = [check_text(x, "items") for x in items]
+        return [encode(x + query if item_first else query + x) for x in texts]
+    q = token_ids(query, "query")
+    if not all(isinstance(x, (list, tuple)) for x in items):
+        raise RequestError("a token id query takes items that are lists of token ids", param="items")
+    lists = [token_ids(x, "items") for x in items]
+    return [x + q if item_first else q + x for x in lists]
+
+
+def score_params(label_token_ids, vocab_size: int) -> SamplingParams:
+    """A prefill-only request's parameters asking for the labels' logprobs after its prompt."""
+    if not isinstance(label_token_ids, (list, tuple)) or not label_token_ids:
+        raise RequestError("label_token_ids must be a non-empty list of token ids", param="label_token_ids")
+    labels = token_ids(label_token_ids, "label_token_ids")
+    bad = next((t for t in labels if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise RequestError(f"label token id {bad} is outside the vocabulary [0, {vocab_size})",
+                           param="label_token_ids")
+    if len(labels) > sampling.MAX_TOKEN_IDS_LOGPROB:
+        raise RequestError(f"at most {sampling.MAX_TOKEN_IDS_LOGPROB} label_token_ids, got {len(labels)}",
+                           param="label_token_ids")
+    sp = SamplingParams(max_new_tokens=0, return_logprob=True, token_ids_logprob=labels)
+    sp.validate()
+    return sp
+
+
+def item_scores(meta: dict, apply_softmax: bool) -> list[float]:
+    """One item's scores from its request's meta_info (``output_token_ids_logprobs``: the position after the
+    prompt), in the labels' order."""
+    lps = [lp for lp, _, _ in meta["output_token_ids_logprobs"][0]]
+    if not apply_softmax:
+        return [math.exp(x) for x in lps]
+    top = max(lps)
+    e = [math.exp(x - top) for x in lps]
+    total = sum(e)
+    return [x / total for x in e]
