@@ -241,6 +241,16 @@ class Engine:
         the running requests finish; (success, message, paused requests). The draft head and tokenizer are kept."""
         return self.backend.update_weights_from_disk(model_path, load_format)
 
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's: no request is admitted, prefilled or stepped until ``continue_generation``; ``abort`` aborts
+        every running and waiting request first; ``retract`` frees the running ones' slots and K/V, to prefill them
+        again over prompt and output when generation continues (with the weights then served); ``in_place`` keeps
+        them where they stopped (a weight update then swaps at once, and they go on with the new weights)."""
+        self.backend.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        self.backend.continue_generation()
+
     def get_server_info(self) -> dict:
         """What /get_server_info answers: the effective arguments, the version and the scheduler's state."""
         return self.backend.server_info()

@@ -297,7 +297,9 @@ class Backend:
 
     def _swap_when_drained(self, params, abort: bool, flush_cache: bool) -> None:
         """Pause admission, let the running requests finish (abort them first with ``abort``), swap the target's
-        weights on the scheduler thread, drop the cached prefixes, resume."""
+        weights on the scheduler thread, drop the cached prefixes, resume. While generation is paused
+        (``pause_generation``) the swap is at once: requests paused in place go on with the new weights when
+        generation continues (their earlier K/V the old weights', as in SGLang)."""
         sched, wait = self.scheduler, 3600.0  # an iteration may compile or prefill a long chunk
 
         def pause():
@@ -307,11 +309,18 @@ class Backend:
             rids = sched.call(pause, timeout=wait)
             for rid in rids if abort else ():
                 sched.abort(rid)
-            while not sched.call(sched.drained, timeout=wait):
+            while not sched.call(lambda: sched.drained() or sched.generation_paused, timeout=wait):
                 time.sleep(0.02)
             sched.call(lambda: sched.set_target_params(params, flush_cache), timeout=wait)
         finally:
             sched.call(lambda: setattr(sched, "admission_paused", False), timeout=wait)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's (``Scheduler.pause_generation``): stop generating until ``continue_generation``."""
+        self.scheduler.pause_generation(mode)
+
+    def continue_generation(self) -> None:
+        self.scheduler.continue_generation()
 
     def shutdown(self) -> None:
         self.scheduler.shutdown()

@@ -382,6 +382,11 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class PauseGenerationRequest(_Body):
+    """SGLang's ``/pause_generation``: ``abort``, ``retract`` or ``in_place`` (``Scheduler.pause_generation``)."""
+    mode: str = "abort"
+
+
 class ScoringRequest(_Body):
     """SGLang's ``/v1/score``: the probabilities of ``label_token_ids`` after query + each item (``serve.scoring``)."""
     model: str | None = None

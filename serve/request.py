@@ -322,6 +322,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     prefilled: int = 0  # prompt tokens in the KV cache
     first_token: int | None = None  # the prefill's token, held while the prompt is scored
+    resumed: int = 0  # output tokens prefilled again with the prompt after a retraction (``fill_ids``)
+    saved_row: Any = None  # a retracted request's slot sampling row (its random stream, penalty state)
     decoding: bool = False  # the first token is out: the request takes decode steps
     output_ids: list[int] = dataclasses.field(default_factory=list)
     spec_verify_ct: int = 0
@@ -351,8 +353,17 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def fill_len(self) -> int:
+        return len(self.prompt_ids) + self.resumed
+
+    @property
+    def fill_ids(self) -> list[int]:
+        """The tokens a prefill runs: the prompt, and after a retraction the output emitted before it."""
+        return self.prompt_ids + self.output_ids[:self.resumed] if self.resumed else self.prompt_ids
+
+    @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= len(self.prompt_ids)
+        return self.prefilled >= self.fill_len
 
     @property
     def scored(self) -> int:
@@ -371,7 +382,7 @@ class Request:
         """Tokens whose KV sits in this request's pages: the prompt part computed so far, then every emitted token
         but the last (which has not been fed back yet)."""
         if not self.prefill_done:
-            return self.prompt_ids[:self.prefilled]
+            return self.fill_ids[:self.prefilled]
         return self.prompt_ids + self.output_ids[:-1]
 
     def init_detok(self) -> None:

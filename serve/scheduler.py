@@ -31,6 +31,8 @@ from .pages import PagePool, RadixCache
 from .request import Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
 
+PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
+
 log = logging.getLogger("specjax.serve")
 
 
@@ -59,6 +61,7 @@ class Scheduler:
         self._rng = np.random.default_rng(random_seed)
         self._order_rng = np.random.default_rng(random_seed)  # --schedule-policy random (apart from the seeds')
         self.admission_paused = False  # set on this thread (``call``): waiting requests wait (a weight update)
+        self.generation_paused = False  # SGLang's pause_generation: no admission, prefill or step until continued
         self._inbox: queue.Queue = queue.Queue()
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * runner.max_batch
@@ -151,14 +154,49 @@ class Scheduler:
         return fut.result(timeout)
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; refused (False) while requests are running or waiting."""
+        """Drop every cached prefix; refused (False) while requests are running, or waiting while generation goes
+        on (a retracting pause leaves them waiting: then the cache may be flushed, as SGLang allows)."""
         def do():
-            if self.waiting or any(self.slots):
+            if any(self.slots) or (self.waiting and not self.generation_paused):
                 return False
             self.radix.evict(self.pool.capacity)
             self._update_snapshot(force=True)
             return True
         return self.call(do)
+
+    def pause_generation(self, mode: str = "abort") -> None:
+        """SGLang's: stop admitting, prefilling and stepping until ``continue_generation``, after the step in flight
+        is collected. ``abort``: every running and waiting request finishes with an abort first; ``retract``: the
+        running requests leave their slots and K/V (``_retract``) and wait, to be prefilled again over their prompt
+        and output when generation continues (the cache can be flushed, the weights updated meanwhile);
+        ``in_place``: they stay as they are (slots, K/V) and go on where they stopped. Requests submitted meanwhile
+        wait."""
+        if mode not in PAUSE_MODES:
+            raise RequestError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)}", param="mode")
+
+        def do():
+            pending, self._pending = self._pending, None
+            if pending is not None:
+                self._collect(pending)
+            running = [r for r in self.slots if r is not None]
+            if mode == "abort":
+                for req in list(self.waiting) + running:
+                    self.waiting = [r for r in self.waiting if r is not req]
+                    self._finish(req, {"type": "abort", "message": "aborted by pause_generation"})
+            elif mode == "retract":  # back to the queue ahead of what arrived later, in arrival order
+                for req in running:
+                    self._retract(req)
+                self.waiting = sorted(running, key=lambda r: r.arrival) + self.waiting
+            self.generation_paused = True
+            self._update_snapshot(force=True)
+        self.call(do)
+
+    def continue_generation(self) -> None:
+        """Resume after ``pause_generation``: the paused and the waiting requests go on."""
+        def do():
+            self.generation_paused = False
+            self._update_snapshot(force=True)
+        self.call(do)
 
     def set_target_params(self, params, flush_cache: bool = True) -> None:
         """(On this thread, ``call``, with no request running.) The runner's target weights replaced; the cached
@@ -183,10 +221,12 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                idle = (not self.waiting or self.admission_paused) and self.drained()
+                idle = self.generation_paused or ((not self.waiting or self.admission_paused) and self.drained())
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break
+                if self.generation_paused:
+                    continue
                 self._admit()
                 self._prefill_round()
                 self._decode_round()
@@ -271,7 +311,7 @@ class Scheduler:
         order = list(self.waiting)
         if self.policy == "lpm" and self.radix.enabled:
             z = self.page_size
-            order.sort(key=lambda r: -len(self.radix.match(r.prompt_ids, (len(r.prompt_ids) - 1) // z)))
+            order.sort(key=lambda r: -len(self.radix.match(r.fill_ids, (r.fill_len - 1) // z)))
         elif self.policy == "lof":  # longest output first: the largest token budget, then arrival
             order.sort(key=lambda r: -r.params.max_new_tokens)
         elif self.policy == "random":
@@ -280,9 +320,10 @@ class Scheduler:
             free = [i for i, s in enumerate(self.slots) if s is None]
             if not free:
                 return
-            nodes = self.radix.match(req.prompt_ids, (len(req.prompt_ids) - 1) // self.page_size)
+            fill = req.fill_ids
+            nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
             self.radix.lock(nodes)
-            need = self._pages_needed(len(req.prompt_ids), req.params.max_new_tokens) - len(nodes)
+            need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
             if self.pool.num_free < need:
                 self.radix.evict(need - self.pool.num_free)
             fresh = self.pool.alloc(need)
@@ -315,7 +356,7 @@ class Scheduler:
             if req.finished or req.slot is None:  # failed with the batch (``_recover``) earlier in this round
                 continue
             if not req.prefill_done:
-                n = int(min(len(req.prompt_ids) - req.prefilled, budget))
+                n = int(min(req.fill_len - req.prefilled, budget))
                 if not self._prefill_chunk(req, n):
                     continue
                 budget -= n
@@ -336,9 +377,9 @@ class Scheduler:
         """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when
         the device state was lost, is finished)."""
         try:
+            row = req.saved_row if req.saved_row is not None else req.params.runner_row(req.seed, self.eos_ids)
             self.state, tok = self.runner.prefill(self.state, req.slot, np.asarray(
-                req.prompt_ids[:req.prefilled + n], np.int32), self._page_row(req),
-                req.params.runner_row(req.seed, self.eos_ids), cached=req.prefilled)
+                req.fill_ids[:req.prefilled + n], np.int32), self._page_row(req), row, cached=req.prefilled)
         except Exception as e:  # noqa: BLE001
             log.exception("prefill of request %s failed", req.rid)
             if self._state_lost():
@@ -351,10 +392,11 @@ class Scheduler:
         self.totals["prompt_tokens"] += n
         if req.prefill_done:
             req.first_token = tok
-            if req.params.return_logprob:  # the first prompt token asked for, without a logprob; scores follow it
+            if req.params.return_logprob and not req.resumed:  # the first prompt token asked for, without a
+                # logprob; scores follow it (a retracted request has its prompt's already)
                 begin, end = req.score_span()
                 req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None, None)]
-            self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
+            self.metrics.on_prefill(req.fill_len - req.cached_tokens, req.cached_tokens)
             self._cache_prefix(req)
         return True
 
@@ -509,16 +551,7 @@ class Scheduler:
         except Exception:  # noqa: BLE001
             log.exception("final detokenization of %s failed", req.rid)
         text, ids = req.stream_delta()
-        self._dirty = True
-        if req.slot is not None:
-            if cache_ok:
-                self._cache_prefix(req)
-            self.radix.unlock(req.nodes)
-            owned = {n.page for n in req.nodes}
-            self.pool.release([p for p in req.pages if p not in owned])
-            self.state = self.runner.release(self.state, req.slot)
-            self.slots[req.slot] = None
-            req.slot, req.nodes, req.pages = None, [], []
+        self._free_slot(req, cache_ok)
         try:
             meta = req.meta_info(self.spec, self.tokenizer)
         except Exception as e:  # noqa: BLE001 - the consumer gets its final event whatever failed
@@ -531,6 +564,32 @@ class Scheduler:
             self.totals["aborted"] += 1
         self.metrics.on_finish(req, meta)
         self._send(req, {"text": text, "token_ids": ids, "finished": True, "meta_info": meta})
+
+    def _free_slot(self, req: Request, cache_ok: bool = True) -> None:
+        """The request leaves its slot: its full pages of K/V go to the prefix cache (``cache_ok``), the rest back
+        to the pool."""
+        self._dirty = True
+        if req.slot is None:
+            return
+        if cache_ok:
+            self._cache_prefix(req)
+        self.radix.unlock(req.nodes)
+        owned = {n.page for n in req.nodes}
+        self.pool.release([p for p in req.pages if p not in owned])
+        self.state = self.runner.release(self.state, req.slot)
+        self.slots[req.slot] = None
+        req.slot, req.nodes, req.pages = None, [], []
+
+    def _retract(self, req: Request) -> None:
+        """SGLang's retraction: the request leaves its slot (its K/V pages to the prefix cache, where its next
+        prefill finds what was not evicted meanwhile) and waits to be prefilled again over its prompt and the output
+        it emitted, its sampling row kept (the same random stream and penalty state go on). One that has emitted
+        nothing starts over as it arrived."""
+        if req.decoding:
+            req.saved_row = self.runner.slot_row(self.state, req.slot)
+            req.resumed = len(req.output_ids)
+        self._free_slot(req)
+        req.prefilled, req.decoding, req.first_token = 0, False, None
 
     def _send(self, req: Request, event: dict) -> None:
         try:
@@ -581,7 +640,8 @@ class Scheduler:
             "num_running_reqs": len(running), "num_waiting_reqs": len(self.waiting),
             "kv_pages_total": cap, "kv_pages_used": held, "kv_pages_cached": self.radix.cached_pages(),
             "kv_pages_free": self.pool.num_free, "kv_usage": held / cap if cap else 0.0,
-            "page_size": self.page_size, "max_running_requests": self.runner.max_batch, **t,
+            "page_size": self.page_size, "max_running_requests": self.runner.max_batch,
+            "generation_paused": self.generation_paused, **t,
         }
         if self.spec:
             snap["avg_spec_accept_length"] = t["spec_tokens"] / t["spec_verify_ct"] if t["spec_verify_ct"] else 0.0

@@ -1,5 +1,5 @@
-"""Server administration routes (SGLang's names): liveness, model and server info, cache flush, aborts,
-weight updates from disk, Prometheus metrics."""
+"""Server administration routes (SGLang's names): liveness, model and server info, cache flush, aborts, pausing
+and continuing generation, weight updates from disk, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -93,6 +93,25 @@ async def abort_request(request: Request):
     else:
         raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
     return Response(status_code=200)
+
+
+@router.post("/pause_generation")
+async def pause_generation(request: Request):
+    """SGLang's: no request is admitted, prefilled or stepped until ``/continue_generation``; ``mode`` ``abort``
+    (the default) aborts every running and waiting request first, ``retract`` frees the running ones' slots and K/V
+    (they are prefilled again over prompt and output when generation continues), ``in_place`` keeps them where they
+    stopped."""
+    backend = backend_of(request)
+    body = await parse(request, P.PauseGenerationRequest)
+    await off_loop(backend.pause_generation, body.mode)
+    return {"message": "Generation paused successfully.", "status": "ok"}
+
+
+@router.post("/continue_generation")
+async def continue_generation(request: Request):
+    backend = backend_of(request)
+    await off_loop(backend.continue_generation)
+    return {"message": "Generation continued successfully.", "status": "ok"}
 
 
 @router.get("/metrics")

@@ -42,7 +42,8 @@ class Runner(Protocol):
                 cached: int = 0) -> tuple[Any, int]:
         """Run the prompt ``tokens`` (i32[n]) into ``slot``, whose page-table row becomes ``page_row`` (i32[pps]).
         The first ``cached`` tokens are already in the cache pages (prefix reuse) and are not recomputed.
-        ``row``: the request's ``sampling.SamplingRow`` (a mapping of its fields is coerced). Returns (state, first
+        ``row``: the request's ``sampling.SamplingRow`` (a mapping of its fields is coerced), or the one-row
+        ``sampling.SamplingBatch`` that ``slot_row`` saved (a retracted request going on). Returns (state, first
         generated token)."""
 
     def step(self, state: Any, active: np.ndarray) -> tuple[Any, np.ndarray, np.ndarray]:
@@ -122,6 +123,22 @@ class RunnerCommon:
         self._lengths[active] = 0
         lengths = jnp.where(jax.device_put(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
+
+    def row_batch(self, row, tokens, width: int = 1) -> sampling.SamplingBatch:
+        """A prefill's one-row SamplingBatch: a saved slot row (``slot_row``: a retracted request's random stream
+        and penalty state go on) as it is, else a fresh row for the request's SamplingRow (or mapping) and prompt
+        ``tokens``."""
+        if isinstance(row, sampling.SamplingBatch):
+            return row
+        row = SamplingRow.coerce(row)
+        return sampling.SamplingBatch.from_rows([row], self.target_cfg.vocab_size, [tokens], width=width,
+                                                seeds=[self._seeds.next(row)])
+
+    def slot_row(self, state, slot: int) -> sampling.SamplingBatch:
+        """The slot's sampling row (parameters, random stream, penalty counts) as a one-row batch on the device,
+        for ``prefill`` to take when the request is prefilled again (a retraction)."""
+        idx = jax.device_put(np.asarray([slot], np.int32))
+        return jax.tree.map(lambda a: jnp.take(a, idx, axis=0), state.sampling)
 
     def prefill_chunks(self, n: int, cached: bool = False) -> list[tuple[int, int]]:
         """``batching.serving_prefill_chunks`` of an n-token prefill (after a cached part: ``cached``) on this

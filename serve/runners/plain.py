@@ -132,8 +132,7 @@ class PlainRunner(RunnerCommon):
     def prefill(self, state, slot: int, tokens, page_row, row: sampling.SamplingRow, cached: int = 0):
         tokens = np.asarray(tokens, np.int32)
         page_row = np.asarray(page_row, np.int32)
-        row = sampling.SamplingRow.coerce(row)
-        args = [sampling.SamplingBatch.from_rows([row], self.cfg.vocab_size, [tokens], seeds=[self._seeds.next(row)])]
+        args = [self.row_batch(row, tokens)]
         pos, total, tok = int(cached), len(tokens), None
         if total <= pos:
             raise ValueError(f"prefill needs at least one uncached token (cached={pos}, tokens={total})")

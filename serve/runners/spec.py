@@ -206,9 +206,7 @@ class SpecRunner(RunnerCommon):
         # With a reused prefix, recompute its last token for its features (the draft pair at cached-1 needs the
         # next token, which differs between requests) without rewriting its target K/V.
         start = max(int(cached) - 1, 0) if cached else 0
-        row = sampling_lib.SamplingRow.coerce(row)
-        batch = sampling_lib.SamplingBatch.from_rows([row], self.target_cfg.vocab_size, [tokens],
-                                                     width=self.tokens_per_step, seeds=[self._seeds.next(row)])
+        batch = self.row_batch(row, tokens, width=self.tokens_per_step)
         state = _begin_slot(state, jnp.int32(slot), np.asarray(page_row, np.int32), jnp.int32(start), batch)
         rest = tokens[start:]
         nxt_all = np.concatenate([rest[1:], [0]]).astype(np.int32)
