@@ -241,6 +241,13 @@ class Engine:
         the running requests finish; (success, message, paused requests). The draft head and tokenizer are kept."""
         return self.backend.update_weights_from_disk(model_path, load_format)
 
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True) -> tuple[bool, str]:
+        """SGLang's: (name, tensor) pairs in the checkpoint's names (any subset; numpy, jax or torch tensors, bf16
+        included) replace what they name in the served target, once the running requests finish (at once while
+        generation is paused); (success, message). The draft head and tokenizer are kept."""
+        return self.backend.update_weights_from_tensor(named_tensors, load_format, flush_cache)
+
     def pause_generation(self, mode: str = "abort") -> None:
         """SGLang's: no request is admitted, prefilled or stepped until ``continue_generation``; ``abort`` aborts
         every running and waiting request first; ``retract`` frees the running ones' slots and K/V, to prefill them

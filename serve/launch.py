@@ -31,7 +31,7 @@ from specjax.serve.scheduler import Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
-from specjax.weights import load_model, load_tokenizer, resolve_model_path, stop_token_ids
+from specjax.weights import load_model, load_tokenizer, resolve_model_path, stop_token_ids, with_hf_tensors
 
 from .args import ServerArgs
 from .metrics import Metrics
@@ -281,6 +281,26 @@ class Backend:
             self._update_lock.release()
         log.info("weights updated from %s (weight version %s)", folder, self.weight_version)
         return True, message, 0
+
+    def update_weights_from_tensor(self, named_tensors, load_format: str | None = None,
+                                   flush_cache: bool = True) -> tuple[bool, str]:
+        """SGLang's in-process weight update (RL trainers hand their tensors over): (name, tensor) pairs in the
+        checkpoint's names (any subset; numpy, jax or torch tensors) replace what they name in the served target
+        (``weights.with_hf_tensors``), then swap as ``update_weights_from_disk`` does. Returns (success, message);
+        on failure the old weights keep serving."""
+        if load_format not in (None, "direct"):
+            return False, f"load_format {load_format!r} is not supported (None or 'direct': (name, tensor) pairs)"
+        if not self._update_lock.acquire(blocking=False):
+            return False, "another weight update is in progress"
+        try:
+            params = with_hf_tensors(self.scheduler.runner.target_params, self.cfg, list(named_tensors))
+            self._swap_when_drained(params, False, flush_cache)
+        except Exception as e:  # noqa: BLE001 - a failed update is the answer's message; the old weights serve on
+            return False, f"failed to update the weights from tensors: {type(e).__name__}: {e}"
+        finally:
+            self._update_lock.release()
+        log.info("weights updated from tensors")
+        return True, "Succeeded to update model weights."
 
     def _shape_mismatch(self, cfg: ModelConfig) -> str:
         """What differs between a checkpoint's config and the served one's that the compiled programs depend on

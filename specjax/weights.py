@@ -19,6 +19,7 @@ import numpy as np
 from jax.sharding import Mesh, NamedSharding
 
 from specjax.config import ModelConfig, eos_ids
+from specjax.kernels import cpu_dense
 from specjax.models import target
 from specjax.safetensors_io import CheckpointIndex
 from specjax.sharding import spec_for_shape
@@ -238,7 +239,7 @@ def params_to_hf(params: target.TargetParams, cfg: ModelConfig) -> dict[str, np.
     """Inverse of the loader (used by tests and GGUF conversion): HF key -> numpy tensor."""
     out = {"model.embed_tokens.weight": np.asarray(params.embed), "model.norm.weight": np.asarray(params.final_norm)}
     if params.lm_head is not None:
-        out["lm_head.weight"] = np.asarray(params.lm_head).T
+        out["lm_head.weight"] = np.ascontiguousarray(np.asarray(params.lm_head).T)  # safetensors writes the buffer
     for suffix, (field, _, hf_shape) in _hf_layer_map(cfg).items():
         stacked = np.asarray(getattr(params.layers, field))
         for i in range(cfg.num_layers):
@@ -253,8 +254,93 @@ def params_to_hf(params: target.TargetParams, cfg: ModelConfig) -> dict[str, np.
     return out
 
 
+def host_tensor(x, name: str) -> np.ndarray:
+    """A numpy copy of an array-like tensor (numpy, jax, torch: bf16 and on any device); else a WeightsError."""
+    if hasattr(x, "detach") and hasattr(x, "cpu"):  # torch, without importing it: bf16 has no numpy dtype
+        x = x.detach().cpu()
+        x = x.float() if str(x.dtype) == "torch.bfloat16" else x
+        x = x.numpy()
+    if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+        raise WeightsError(f"tensor {name!r} is not an array (numpy, jax or torch), got {type(x).__name__}")
+    return np.asarray(x)
+
+
+def _placed_like(host: np.ndarray, like, dtype) -> jax.Array:
+    """``host`` as a ``dtype`` array where ``like`` lives (its sharding when it has one committed)."""
+    if getattr(like, "committed", False):
+        return jax.device_put(np.asarray(host, dtype), like.sharding)
+    return on_device(host, dtype)
+
+
+def with_hf_tensors(params: target.TargetParams, cfg: ModelConfig, named) -> target.TargetParams:
+    """Decode-layout ``params`` with the HF-named tensors of ``named`` ((name, array) pairs: any subset of the
+    checkpoint's, ``model.`` prefix optional) in place of what they name, as the loader would read them; each
+    touched layer's layout (fused q/k/v and gate/up, CPU panels) rebuilt, the rest shared. A name the model does not
+    use or a tensor of the wrong shape is a WeightsError, before anything is replaced (SGLang's
+    ``update_weights_from_tensor``)."""
+    if not target.is_unstacked(params):
+        raise ValueError("with_hf_tensors takes the decode layout (target.unstack_layers)")
+    layer_map, dtype = _hf_layer_map(cfg), jnp.dtype(cfg.dtype)
+    v, d = cfg.vocab_size, cfg.hidden_size
+    top = {"embed_tokens.weight": (v, d), "norm.weight": (d,), "lm_head.weight": (v, d)}
+    layers: dict[int, dict[str, np.ndarray]] = {}
+    tops: dict[str, np.ndarray] = {}
+    for name, x in named:
+        key = name[len("model."):] if name.startswith("model.") else name
+        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+        if m and int(m.group(1)) < cfg.num_layers and m.group(2) in layer_map:
+            field, fn, shape = layer_map[m.group(2)]
+        elif key in top and not (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            field, fn, shape = key, None, top[key]
+        elif any(p.match(name) for p in IGNORED) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+            continue  # the loader skips these too (a tied model's lm_head copy: the embedding is authoritative)
+        else:
+            raise WeightsError(f"{name!r} does not name a tensor of {cfg.architecture} ({cfg.num_layers} layers)")
+        host = host_tensor(x, name)
+        if tuple(host.shape) != tuple(shape):
+            raise WeightsError(f"tensor {name!r} has shape {tuple(host.shape)}, expected {tuple(shape)}")
+        if fn is None:
+            tops[field] = host
+        else:
+            layers.setdefault(int(m.group(1)), {})[field] = fn(host)
+    new_layers = list(params.layers)
+    for i, fields in layers.items():
+        new_layers[i] = _relaid_layer(params.layers[i], fields, dtype)
+    return _with_top_tensors(dataclasses.replace(params, layers=tuple(new_layers)), tops, dtype)
+
+
+def _relaid_layer(old: target.LayerParams, fields: dict, dtype) -> target.LayerParams:
+    """Layer ``old`` (decode layout) with ``fields`` (host tensors in LayerParams' shapes) replaced, laid out as it
+    was: fused when it was, its matrices in panels when they were."""
+    lp = target.unfuse_layer(target.unpack_layer(old))
+    lp = dataclasses.replace(lp, **{f: _placed_like(a, getattr(lp, f), dtype) for f, a in fields.items()})
+    if old.w_qkv is not None or old.w_gate_up is not None:
+        lp = target.fuse_layer(lp)
+    if any(isinstance(getattr(old, f), cpu_dense.PackedWeight) for f in target.LAYER_MATRICES):
+        lp = target.pack_layer(lp)
+    return lp
+
+
+def _with_top_tensors(params: target.TargetParams, tops: dict, dtype) -> target.TargetParams:
+    """The embedding, final norm and lm_head of ``tops`` (HF shapes) in place, with the copies the decode layout
+    derives from them (the table's bits and panels, the lm_head's panels) made again."""
+    if "norm.weight" in tops:
+        params = dataclasses.replace(params, final_norm=_placed_like(tops["norm.weight"], params.final_norm, dtype))
+    if "embed_tokens.weight" in tops:
+        embed = _placed_like(tops["embed_tokens.weight"], params.embed, dtype)
+        params = dataclasses.replace(
+            params, embed=embed, embed_bits=target.embed_bits(embed) if params.embed_bits is not None else None,
+            embed_panels=cpu_dense.pack_table(embed) if params.embed_panels is not None else None)
+    if "lm_head.weight" in tops:
+        packed = isinstance(params.lm_head, cpu_dense.PackedWeight)
+        old = params.lm_head.unpack() if packed else params.lm_head
+        head = _placed_like(tops["lm_head.weight"].T, old, dtype)
+        params = dataclasses.replace(params, lm_head=cpu_dense.pack(head) if packed else head)
+    return params
+
+
 __all__ = ["load_model", "load_target_params", "param_shardings", "shard_params", "resolve_model_path",
-           "WeightsError", "params_to_hf"]
+           "WeightsError", "params_to_hf", "with_hf_tensors"]
 
 
 # ---- eos ids of a model folder -----------------------------------------------------------------------------------

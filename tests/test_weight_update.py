@@ -139,3 +139,56 @@ def test_a_model_of_another_shape_is_refused(tmp_path):
         ok, message, _ = engine.update_weights_from_disk(str(tmp_path / "other"))
         assert not ok and "is not the served model's shape" in message and "hidden_size" in message
         assert _greedy(engine, _prompts()[:1]) == before
+
+
+def test_update_weights_from_tensor(oracle, tmp_path):
+    """SGLang's ``Engine.update_weights_from_tensor``: HF-named tensors (numpy, torch, jax; any subset) replace what
+    they name in the served weights, their layout (fused q/k/v, CPU panels) rebuilt; the greedy outputs are then
+    those of a checkpoint holding the same tensors; an unknown name, a wrong shape or an unsupported format is
+    refused whole, the old weights serving on."""
+    import shutil
+
+    import jax.numpy as jnp
+    import torch
+    from safetensors.numpy import save_file
+
+    from specjax.weights import load_model, params_to_hf
+    a, b = tiny_model_dir(0), tiny_model_dir(1)
+    prompts = _prompts()
+    hf_a, hf_b = (params_to_hf(load_model(f, dtype="float32")[1], load_model(f, dtype="float32")[0]) for f in (a, b))
+    some = {k: hf_b[k] for k in ("model.layers.0.self_attn.k_proj.weight", "model.layers.1.mlp.up_proj.weight",
+                                 "model.norm.weight", "model.embed_tokens.weight")}
+    k_proj = torch.from_numpy(some["model.layers.0.self_attn.k_proj.weight"]).to(torch.bfloat16)  # as RL sends it
+    some["model.layers.0.self_attn.k_proj.weight"] = k_proj.float().numpy()
+    mixed = tmp_path / "mixed"  # a's checkpoint with b's tensors where ``some`` names them
+    shutil.copytree(a, mixed)
+    save_file({**hf_a, **some}, str(mixed / "model.safetensors"))
+    want_mixed, want_b = oracle(str(mixed), prompts), oracle(b, prompts)
+    with specjax.Engine(model_path=a, skip_server_warmup=True, **ENGINE_KW) as engine:
+        before = _greedy(engine, prompts)
+        for named, why in [([("model.layers.0.mlp.gate.weight", some["model.norm.weight"])], "does not name"),
+                           ([("model.norm.weight", np.zeros(3, np.float32))], "shape"),
+                           ([("model.norm.weight", 1.0)], "array")]:
+            ok, message = engine.update_weights_from_tensor(named)
+            assert not ok and why in message, message
+        assert engine.update_weights_from_tensor([], load_format="flattened_bucket")[0] is False
+        assert _greedy(engine, prompts) == before
+        named = [(k, k_proj if "k_proj" in k else jnp.asarray(v) if "up_proj" in k else v) for k, v in some.items()]
+        assert engine.update_weights_from_tensor(named) == (True, "Succeeded to update model weights.")
+        assert _greedy(engine, prompts) == want_mixed != before
+        assert engine.update_weights_from_tensor(list(hf_b.items()))[0]
+        assert _greedy(engine, prompts) == want_b
+
+
+def test_update_weights_from_tensor_keeps_the_shardings(oracle):
+    """Under tensor parallelism (2 fake CPU devices) the replaced tensors take the shardings of the ones they
+    replace, and the outputs are the new weights'."""
+    from specjax.weights import load_model, params_to_hf
+    a, b = tiny_model_dir(0), tiny_model_dir(1)
+    cfg, params_b = load_model(b, dtype="float32")
+    prompts = _prompts()
+    with specjax.Engine(model_path=a, skip_server_warmup=True, tp_size=2, **ENGINE_KW) as engine:
+        old = engine.backend.scheduler.runner.target_params.layers[0].wq.sharding
+        assert engine.update_weights_from_tensor(params_to_hf(params_b, cfg).items())[0]
+        assert engine.backend.scheduler.runner.target_params.layers[0].wq.sharding == old
+        assert _greedy(engine, prompts) == oracle(b, prompts)
