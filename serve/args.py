@@ -25,7 +25,7 @@ TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_n
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
 GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
                   "torch_compile_max_bs", "attention_backend")
-# SGLang's admission orders that specjax implements (SGLang also has dfs-weight and priority)
+# SGLang's admission orders that specjax implements (SGLang also has dfs-weight; priority: --enable-priority-scheduling)
 SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
 # --help sections (argument groups), in the order of the fields.
 _MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
@@ -91,6 +91,17 @@ class ServerArgs:
     schedule_policy: str = option("fcfs", group=_MEM, choices=list(SCHEDULE_POLICIES), help="order of admission: "
                                   "first come first served, longest cached prefix first, longest output "
                                   "(max_new_tokens) first, or a random order (--random-seed)")
+    enable_priority_scheduling: bool = option(False, group=_MEM, help="admit waiting requests by their `priority` "
+                                              "(larger first), then by --schedule-policy (fcfs or lof); a request "
+                                              "that cannot be admitted retracts running ones of a priority lower "
+                                              "by more than --priority-scheduling-preemption-threshold")
+    schedule_low_priority_values_first: bool = option(False, group=_MEM, help="with priority scheduling: smaller "
+                                                      "`priority` values first")
+    priority_scheduling_preemption_threshold: int = option(10, group=_MEM, help="how much higher a waiting "
+                                                           "request's priority must be than a running one's to "
+                                                           "retract it")
+    default_priority_value: int | None = option(None, group=_MEM, help="the priority of requests that give none "
+                                                "(default 0)")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
     disable_overlap_schedule: bool = option(False, group=_MEM, help="collect each decode step before launching the "
                                             "next (by default the host emits step N's tokens while the device runs "
@@ -229,7 +240,11 @@ class ServerArgs:
             raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ArgsError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)} (got "
-                            f"{self.schedule_policy!r}; SGLang's dfs-weight and priority are not implemented)")
+                            f"{self.schedule_policy!r}; SGLang's dfs-weight is not implemented, and priority is "
+                            f"--enable-priority-scheduling)")
+        if self.enable_priority_scheduling and self.schedule_policy not in ("fcfs", "lof"):
+            raise ArgsError(f"--enable-priority-scheduling orders requests by priority, then by --schedule-policy fcfs "
+                            f"or lof (got {self.schedule_policy!r}), as SGLang")
         if self.attention_impl not in ("auto", "xla", "pallas"):
             raise ArgsError(f"--attention-impl must be auto, xla or pallas (got {self.attention_impl!r})")
         if self.log_level.lower() not in ("debug", "info", "warning", "error", "critical"):

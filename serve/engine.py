@@ -113,6 +113,7 @@ class Engine:
         extra = dict(kwargs)
         logprobs = {name: extra.pop(name) for name in LOGPROB_ARGS if name in extra}
         given_rid = extra.pop("rid", None)
+        priority = extra.pop("priority", None)
         for name, value in extra.items():  # the features specjax lacks: accepted when they ask for nothing
             if name not in GenerateRequest.UNSUPPORTED:
                 raise TypeError(f"Engine.generate() got an unexpected keyword argument {name!r}")
@@ -127,7 +128,7 @@ class Engine:
                     seed = None if sp.seed is None else sp.seed + j
                     rid, group = copy_rid(given_rid, rids, k, j, sp.n, len(prompts))
                     reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), rid=rid,
-                                                    seed=seed, group=group))
+                                                    seed=seed, group=group, priority=priority))
         except Exception:
             self._abort(reqs)
             raise
@@ -144,7 +145,7 @@ class Engine:
         (a string, or one per prompt: the ids ``meta_info.id`` carries; copies of a prompt under one rid get
         ``{rid}-{k}-{j}``), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
         ``return_text_in_logprobs``, ``token_ids_logprob`` (a value, or one per prompt; they may also sit in
-        ``sampling_params``), and its
+        ``sampling_params``), ``priority`` (with ``enable_priority_scheduling``), and its
         arguments for features specjax lacks (``image_data``, ``lora_path``, ...), accepted only when they ask for
         nothing."""
         q: queue.Queue = queue.Queue()

@@ -27,7 +27,7 @@ from specjax.head_weights import load_draft
 from specjax.hub import default_smollm2_path, fetch_smollm2
 from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
-from specjax.serve.scheduler import Scheduler
+from specjax.serve.scheduler import PriorityPolicy, Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
@@ -229,8 +229,8 @@ class Backend:
             raise RequestError(f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
                                f"{len(ids)} tokens", param="logprob_start_len")
 
-    def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None, group=None):
-        return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed, group=group)
+    def submit(self, ids, params: SamplingParams, sink, rid=None, seed=None, group=None, priority=None):
+        return self.scheduler.submit(ids, params, sink, rid=rid, seed=seed, group=group, priority=priority)
 
     def warmup(self) -> float:
         """Compile the common shapes, then run one request end to end. Returns seconds."""
@@ -428,7 +428,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                           chunked_prefill_size=args.chunked_prefill_size,
                           enable_radix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy,
                           random_seed=args.random_seed, spec=spec, metrics=metrics,
-                          overlap_schedule=not args.disable_overlap_schedule)
+                          overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args))
     scheduler.start()
     log.info("loaded %s (%s, %d layers, dtype %s) in %.1fs; KV pool %d pages x %d tokens, %d slots, context %d%s",
              folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,

@@ -132,6 +132,7 @@ class GenerateRequest(_Body):
     top_logprobs_num: Int | list[Int] = 0
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[Int] | list[list[Int]] | None = None
+    priority: Int | None = None  # with --enable-priority-scheduling (``scheduler.PriorityPolicy``)
 
     def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` (one per prompt) with this request's logprob fields (scalars or one per prompt) applied."""
@@ -168,6 +169,7 @@ class _OpenAISampling(_Body):
     frequency_penalty: float | None = None
     repetition_penalty: float | None = None
     logit_bias: dict[str, float] | None = None
+    priority: Int | None = None  # SGLang's, with --enable-priority-scheduling
     min_tokens: Int | None = None
     no_stop_trim: bool = False
 

@@ -314,6 +314,7 @@ class Request:
     sink: Callable[[dict], None]  # receives output events; called on the scheduler thread
     seed: int = 0
     group: str | None = None  # the client's rid when it was expanded per prompt / copy (an abort by it stops all)
+    priority: int = 0  # SGLang's (``scheduler.PriorityPolicy``)
     arrival: float = dataclasses.field(default_factory=time.perf_counter)
     # Scheduling state (owned by the scheduler thread).
     slot: int | None = None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import concurrent.futures
 import dataclasses
 import logging
+import numbers
 import queue
 import threading
 import time
@@ -33,6 +34,29 @@ from .runners.base import Launched
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
 
+
+@dataclasses.dataclass(frozen=True)
+class PriorityPolicy:
+    """SGLang's priority scheduling (``--enable-priority-scheduling``): waiting requests are admitted by priority
+    (larger values first, or smaller with ``low_values_first``), then by the schedule policy; one that finds no
+    room retracts running requests whose priority is lower by more than ``preemption_threshold``. Requests that
+    give no priority get ``default`` (0 when None)."""
+    low_values_first: bool = False
+    preemption_threshold: int = 10
+    default: int | None = None
+
+    @classmethod
+    def of(cls, args) -> "PriorityPolicy | None":
+        """The policy of ServerArgs ``args`` (None unless priority scheduling is on)."""
+        if not args.enable_priority_scheduling:
+            return None
+        return cls(args.schedule_low_priority_values_first, args.priority_scheduling_preemption_threshold,
+                   args.default_priority_value)
+
+    def rank(self, priority: int) -> int:
+        """Larger ranks are admitted first."""
+        return -priority if self.low_values_first else priority
+
 log = logging.getLogger("specjax.serve")
 
 
@@ -48,12 +72,13 @@ class Scheduler:
     def __init__(self, runner, tokenizer, *, context_length: int, vocab_size: int, eos_ids=(),
                  chunked_prefill_size: int | None = 512, enable_radix_cache: bool = True,
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
-                 metrics: Metrics | None = None, overlap_schedule: bool = True):
+                 metrics: Metrics | None = None, overlap_schedule: bool = True,
+                 priority: PriorityPolicy | None = None):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        self.policy, self.spec, self.overlap = schedule_policy, spec, overlap_schedule
+        self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -98,10 +123,11 @@ class Scheduler:
         return self.context_length - prompt_len
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
-               seed: int | None = None, group: str | None = None) -> Request:
+               seed: int | None = None, group: str | None = None, priority: int | None = None) -> Request:
         """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
         names a request still in flight. ``group``: the client's rid of a request submitted under an expanded rid
-        (a batch or n copies), which an abort names as well."""
+        (a batch or n copies), which an abort names as well; ``priority``: SGLang's (``PriorityPolicy``)."""
+        priority = self._priority_of(priority)
         # The length first: a prompt of millions of ids is refused at once, not after Python passes over each id on
         # the caller's thread (the server's event loop, which /health shares).
         n = len(prompt_ids) if isinstance(prompt_ids, (list, tuple, np.ndarray)) else 0
@@ -130,7 +156,7 @@ class Scheduler:
         if seed is None:
             seed = params.seed if params.seed is not None else int(self._rng.integers(0, 2 ** 31 - 1))
         req = Request(rid=rid or uuid.uuid4().hex, prompt_ids=ids, params=params, sink=sink, seed=int(seed),
-                      group=group)
+                      group=group, priority=priority)
         with self._live_lock:  # an abort names a rid: two requests under one would both be aborted (SGLang refuses)
             if self._stop.is_set():  # nothing would ever answer it (the loop fails what it holds when it stops)
                 raise RuntimeError("the scheduler is shut down: start a new engine / server")
@@ -140,6 +166,17 @@ class Scheduler:
             self._live[req.rid] = req
         self._inbox.put(("req", req))
         return req
+
+    def _priority_of(self, priority) -> int:
+        """A request's priority: the one it gives (an integer; only with priority scheduling on, which otherwise
+        would ignore it), else the policy's default, else 0."""
+        if priority is None:
+            return self.priority.default or 0 if self.priority is not None else 0
+        if self.priority is None:
+            raise RequestError("priority needs a server started with --enable-priority-scheduling", param="priority")
+        if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
+            raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
+        return int(priority)
 
     def abort(self, rid: str) -> None:
         self._inbox.put(("abort", rid))
@@ -175,9 +212,7 @@ class Scheduler:
             raise RequestError(f"pause mode {mode!r} is not one of {list(PAUSE_MODES)}", param="mode")
 
         def do():
-            pending, self._pending = self._pending, None
-            if pending is not None:
-                self._collect(pending)
+            self._collect_pending()
             running = [r for r in self.slots if r is not None]
             if mode == "abort":
                 for req in list(self.waiting) + running:
@@ -306,7 +341,8 @@ class Scheduler:
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
 
     def _admit(self) -> None:
-        if self.admission_paused or not self.waiting or all(s is not None for s in self.slots):
+        full = all(s is not None for s in self.slots)
+        if self.admission_paused or not self.waiting or (full and self.priority is None):
             return
         order = list(self.waiting)
         if self.policy == "lpm" and self.radix.enabled:
@@ -316,28 +352,65 @@ class Scheduler:
             order.sort(key=lambda r: -r.params.max_new_tokens)
         elif self.policy == "random":
             order = [order[i] for i in self._order_rng.permutation(len(order))]
+        if self.priority is not None:  # stable: the policy's order within a priority
+            order.sort(key=lambda r: -self.priority.rank(r.priority))
         for req in order:
-            free = [i for i, s in enumerate(self.slots) if s is None]
-            if not free:
-                return
-            fill = req.fill_ids
-            nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
-            self.radix.lock(nodes)
-            need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
-            if self.pool.num_free < need:
-                self.radix.evict(need - self.pool.num_free)
-            fresh = self.pool.alloc(need)
-            if fresh is None:
-                self.radix.unlock(nodes)
-                return  # wait for running requests to finish (no overtaking: keeps FCFS fair)
-            self.waiting.remove(req)
-            req.nodes = list(nodes)
-            req.pages = [n.page for n in nodes] + fresh
-            req.cached_tokens = req.prefilled = len(nodes) * self.page_size
-            self._dirty = True
-            req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
-            self.slots[req.slot] = req
-            self.totals["cached_tokens"] += req.cached_tokens
+            if not self._admit_one(req) and not (self.priority is not None and self._preempt_for(req)
+                                                 and self._admit_one(req)):
+                return  # wait for running requests to finish (no overtaking: keeps the order fair)
+
+    def _admit_one(self, req: Request) -> bool:
+        """Give ``req`` a slot and the pages its prompt (what the prefix cache lacks) and output need; False when
+        there is no free slot or not enough pages."""
+        free = [i for i, s in enumerate(self.slots) if s is None]
+        if not free:
+            return False
+        fill = req.fill_ids
+        nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
+        self.radix.lock(nodes)
+        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
+        if self.pool.num_free < need:
+            self.radix.evict(need - self.pool.num_free)
+        fresh = self.pool.alloc(need)
+        if fresh is None:
+            self.radix.unlock(nodes)
+            return False
+        self.waiting.remove(req)
+        req.nodes = list(nodes)
+        req.pages = [n.page for n in nodes] + fresh
+        req.cached_tokens = req.prefilled = len(nodes) * self.page_size
+        self._dirty = True
+        req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
+        self.slots[req.slot] = req
+        self.totals["cached_tokens"] += req.cached_tokens
+        return True
+
+    def _preempt_for(self, req: Request) -> bool:
+        """SGLang's priority preemption: running requests whose priority is below ``req``'s by more than the
+        threshold, the lowest first (among equals the latest to arrive), are retracted (``_retract``) when together
+        they free a slot and the pages ``req`` needs; True when some were."""
+        rank, limit = self.priority.rank, self.priority.preemption_threshold
+        cands = sorted((r for r in self.slots if r is not None and not r.finished
+                        and rank(req.priority) - rank(r.priority) > limit), key=lambda r: (rank(r.priority), -r.arrival))
+        fill = req.fill_ids
+        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(
+            self.radix.match(fill, (len(fill) - 1) // self.page_size))
+        room, slot_free, chosen = self.pool.num_free + self.radix.evictable_pages(), None in self.slots, []
+        for r in cands:
+            if slot_free and room >= need:
+                break
+            chosen.append(r)
+            room, slot_free = room + len(r.pages), True
+        if not chosen or not (slot_free and room >= need):
+            return False
+        self._collect_pending()  # the step in flight first: its tokens and sampling state belong to them
+        chosen = [r for r in chosen if r.slot is not None and self.slots[r.slot] is r and not r.finished]
+        for r in chosen:
+            self._retract(r)
+        self.waiting = sorted(chosen, key=lambda r: r.arrival) + self.waiting
+        if chosen:
+            log.info("retracted %d request(s) of a lower priority for request %s", len(chosen), req.rid)
+        return bool(chosen)
 
     def _page_row(self, req: Request) -> np.ndarray:
         row = np.zeros((self.runner.pages_per_seq,), np.int32)  # 0 = scratch page
@@ -430,6 +503,12 @@ class Scheduler:
                 self._pending = launched
             else:
                 self._collect(launched)
+
+    def _collect_pending(self) -> None:
+        """Collect the step in flight now (before requests leave their slots outside a step's collection)."""
+        pending, self._pending = self._pending, None
+        if pending is not None:
+            self._collect(pending)
 
     def _overlappable(self) -> bool:
         """Every running request can take a step while one is in flight without writing past its pages."""

@@ -161,8 +161,8 @@ async def off_loop(fn, *args):
 class Fanout:
     """Requests submitted together (a batch, n > 1) whose output events merge into one asyncio queue."""
 
-    def __init__(self, backend):
-        self.backend = backend
+    def __init__(self, backend, priority: int | None = None):
+        self.backend, self.priority = backend, priority  # SGLang's request priority, for every request added
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue = asyncio.Queue()
         self.reqs: list = []
@@ -180,7 +180,7 @@ class Fanout:
 
         try:
             self.reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink, rid=rid, seed=seed,
-                                                 group=group))
+                                                 group=group, priority=self.priority))
         except Exception:
             self.abort()
             raise

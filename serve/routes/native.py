@@ -38,7 +38,7 @@ async def generate(request: Request):
     for ids, s, sp in zip(prompts, sps, params):
         backend.check_request(ids, sp, "max_new_tokens" in s.model_fields_set and s.max_new_tokens is not None)
     rids = batch_rids(body.rid, len(prompts))
-    fan = Fanout(backend)
+    fan = Fanout(backend, priority=body.priority)
     for k, (ids, sp) in enumerate(zip(prompts, params)):
         for j in range(sp.n):
             rid, group = copy_rid(body.rid, rids, k, j, sp.n, len(prompts))

@@ -52,7 +52,7 @@ async def completions(request: Request):
             backend.check_output_budget(len(ids), body.max_tokens, "max_tokens")
     echo_text = await off_loop(lambda: [(x if isinstance(x, str) else backend.tokenizer.decode(x))
                                         if body.echo else "" for x in prompts])
-    fan = Fanout(backend)
+    fan = Fanout(backend, priority=body.priority)
     for ids in ids_list:
         for j in range(sp.n):
             fan.add(ids, sp, seed=seed_for(sp, j))
@@ -109,7 +109,7 @@ async def chat_completions(request: Request):
                                                 add_special_tokens=False))
     if body.token_limit is not None:
         backend.check_output_budget(len(ids), body.token_limit, body.token_limit_param)
-    fan = Fanout(backend)
+    fan = Fanout(backend, priority=body.priority)
     for j in range(sp.n):
         fan.add(ids, sp, seed=seed_for(sp, j))
     cid, created = f"chatcmpl-{uuid.uuid4().hex}", int(time.time())
