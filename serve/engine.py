@@ -218,8 +218,12 @@ class Engine:
         + query with ``item_first``), in the labels' order; with ``apply_softmax`` normalised over the labels
         (``serve.scoring``)."""
         prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
-        outs = self.generate(input_ids=prompts, sampling_params=[dataclasses.asdict(sp)] * len(prompts))
-        return [scoring.item_scores(o["meta_info"], apply_softmax) for o in outs]
+        scores = [None] * len(prompts)
+        for wave in self._score_waves(prompts):  # a wave that failed raises before the next is submitted
+            for i, o in zip(wave, self.generate(input_ids=[prompts[i] for i in wave],
+                                                sampling_params=[dataclasses.asdict(sp)] * len(wave))):
+                scores[i] = scoring.item_scores(o["meta_info"], apply_softmax, i)
+        return scores
 
     async def async_score(self, query: str | list[int] | None = None,
                           items: str | list[str] | list[list[int]] | None = None,
@@ -227,12 +231,20 @@ class Engine:
                           item_first: bool = False) -> list[list[float]]:
         """``score`` for asyncio code (the event loop is never blocked)."""
         prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
-        outs = await self.async_generate(input_ids=prompts, sampling_params=[dataclasses.asdict(sp)] * len(prompts))
-        return [scoring.item_scores(o["meta_info"], apply_softmax) for o in outs]
+        scores = [None] * len(prompts)
+        for wave in self._score_waves(prompts):
+            for i, o in zip(wave, await self.async_generate(input_ids=[prompts[i] for i in wave],
+                                                            sampling_params=[dataclasses.asdict(sp)] * len(wave))):
+                scores[i] = scoring.item_scores(o["meta_info"], apply_softmax, i)
+        return scores
 
     def _score_requests(self, query, items, label_token_ids, item_first):
         sp = scoring.score_params(label_token_ids, self.backend.cfg.vocab_size)
         return scoring.score_prompts(self.backend.encode, query, items, item_first), sp
+
+    def _score_waves(self, prompts):
+        sched = self.backend.scheduler
+        return scoring.waves(prompts, sched.page_size, sched.radix.enabled)
 
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()

@@ -222,9 +222,12 @@ class Backend:
     def check_request(self, ids: list[int], sp: SamplingParams, max_new_given: bool,
                       param: str = "max_new_tokens") -> None:
         """What a prompt and its parameters must satisfy beyond their own ranges, for every front end: an explicit
-        output limit that fits the context, a logprob_start_len inside the prompt (SGLang refuses it too)."""
+        output limit that fits the context, a logprob_start_len inside the prompt (SGLang refuses it too), and
+        token_ids_logprob only with return_logprob (SGLang ignores it otherwise)."""
         if max_new_given:
             self.check_output_budget(len(ids), sp.max_new_tokens, param)
+        if sp.token_ids_logprob and not sp.return_logprob:  # here: the request's fields may set either
+            raise RequestError("token_ids_logprob needs return_logprob: true", param="token_ids_logprob")
         if sp.return_logprob and sp.logprob_start_len >= len(ids):
             raise RequestError(f"logprob_start_len {sp.logprob_start_len} must be smaller than the prompt's "
                                f"{len(ids)} tokens", param="logprob_start_len")

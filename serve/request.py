@@ -155,8 +155,6 @@ class SamplingParams:
                                "top_logprobs_num")
         if self.logprob_start_len < -1:
             raise RequestError(f"logprob_start_len must be >= -1, got {self.logprob_start_len}", "logprob_start_len")
-        if self.token_ids_logprob and not self.return_logprob:
-            raise RequestError("token_ids_logprob needs return_logprob: true", "token_ids_logprob")
         check_min_tokens(self.min_new_tokens, self.max_new_tokens)
         try:  # temperature, top_k/p, min_p, penalties, logit_bias: the runner row's own ranges
             self.runner_row(0, ()).validate()

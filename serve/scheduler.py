@@ -224,14 +224,14 @@ class Scheduler:
                 self.waiting = sorted(running, key=lambda r: r.arrival) + self.waiting
             self.generation_paused = True
             self._update_snapshot(force=True)
-        self.call(do)
+        self.call(do, timeout=3600.0)  # an iteration may compile or prefill a long chunk first
 
     def continue_generation(self) -> None:
         """Resume after ``pause_generation``: the paused and the waiting requests go on."""
         def do():
             self.generation_paused = False
             self._update_snapshot(force=True)
-        self.call(do)
+        self.call(do, timeout=3600.0)
 
     def set_target_params(self, params, flush_cache: bool = True) -> None:
         """(On this thread, ``call``, with no request running.) The runner's target weights replaced; the cached
@@ -378,11 +378,13 @@ class Scheduler:
         self.waiting.remove(req)
         req.nodes = list(nodes)
         req.pages = [n.page for n in nodes] + fresh
-        req.cached_tokens = req.prefilled = len(nodes) * self.page_size
+        req.prefilled = len(nodes) * self.page_size
+        if not req.resumed:  # a retracted request keeps the count of prompt tokens it found cached at first
+            req.cached_tokens = req.prefilled
+            self.totals["cached_tokens"] += req.cached_tokens
         self._dirty = True
         req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
         self.slots[req.slot] = req
-        self.totals["cached_tokens"] += req.cached_tokens
         return True
 
     def _preempt_for(self, req: Request) -> bool:
@@ -392,6 +394,8 @@ class Scheduler:
         rank, limit = self.priority.rank, self.priority.preemption_threshold
         cands = sorted((r for r in self.slots if r is not None and not r.finished
                         and rank(req.priority) - rank(r.priority) > limit), key=lambda r: (rank(r.priority), -r.arrival))
+        if not cands:  # the common case while the batch is full: no trie walks
+            return False
         fill = req.fill_ids
         need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(
             self.radix.match(fill, (len(fill) - 1) // self.page_size))
@@ -469,7 +473,8 @@ class Scheduler:
                 # logprob; scores follow it (a retracted request has its prompt's already)
                 begin, end = req.score_span()
                 req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None, None)]
-            self.metrics.on_prefill(req.fill_len - req.cached_tokens, req.cached_tokens)
+            if not req.resumed:  # a prompt's prefill (not its output's again, after a retraction)
+                self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
             self._cache_prefix(req)
         return True
 

@@ -3,7 +3,9 @@
 
 Each pair is one prefill-only request (``max_new_tokens: 0``) that asks for the labels' logprobs after its prompt
 (``token_ids_logprob``; the scheduler keeps them for a request that emits nothing), so the pairs batch like any
-prompts and the query's K/V is shared through the prefix cache when the query comes first. Text is joined before it
+prompts. When the prompts share a prefix of a page or more (the query, when it comes first), the first item is
+scored alone and the others after it, so that they find the shared prefix in the prefix cache (``waves``) instead
+of each computing it. Text is joined before it
 is tokenized, as SGLang does (``f"{query}{item}"``); token ids are concatenated. Scores per item, in the labels'
 order: with ``apply_softmax`` the softmax over the labels' logprobs (the next-token distribution restricted to the
 labels, summing to 1), else each label's probability exp(logprob).
@@ -57,10 +59,29 @@ def score_params(label_token_ids, vocab_size: int) -> SamplingParams:
     return sp
 
 
-def item_scores(meta: dict, apply_softmax: bool) -> list[float]:
-    """One item's scores from its request's meta_info (``output_token_ids_logprobs``: the position after the
-    prompt), in the labels' order."""
-    lps = [lp for lp, _, _ in meta["output_token_ids_logprobs"][0]]
+class ItemNotScored(RuntimeError):
+    """A scoring request finished without its logprobs (aborted by a client or a pause, or its prefill failed)."""
+
+
+def waves(prompts: list[list[int]], page_size: int, cache_on: bool) -> list[list[int]]:
+    """The prompts' indices in the order to submit them: the first alone, then the rest, when they share at least
+    a page (which the first one's prefill puts in the prefix cache); else all at once."""
+    first = prompts[0]
+    shared = min((next((i for i, (a, b) in enumerate(zip(first, p)) if a != b), min(len(first), len(p)))
+                  for p in prompts[1:]), default=0)
+    if cache_on and len(prompts) > 1 and shared >= page_size:
+        return [[0], list(range(1, len(prompts)))]
+    return [list(range(len(prompts)))]
+
+
+def item_scores(meta: dict, apply_softmax: bool, index: int = 0) -> list[float]:
+    """Item ``index``'s scores from its request's meta_info (``output_token_ids_logprobs``: the position after the
+    prompt), in the labels' order; ItemNotScored when the request ended without them."""
+    entries = meta.get("output_token_ids_logprobs") or [None]
+    if entries[0] is None:
+        reason = meta.get("finish_reason") or {}
+        raise ItemNotScored(f"item {index} was not scored: {reason.get('message') or reason.get('type')}")
+    lps = [lp for lp, _, _ in entries[0]]
     if not apply_softmax:
         return [math.exp(x) for x in lps]
     top = max(lps)

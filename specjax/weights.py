@@ -333,8 +333,7 @@ def _with_top_tensors(params: target.TargetParams, tops: dict, dtype) -> target.
             embed_panels=cpu_dense.pack_table(embed) if params.embed_panels is not None else None)
     if "lm_head.weight" in tops:
         packed = isinstance(params.lm_head, cpu_dense.PackedWeight)
-        old = params.lm_head.unpack() if packed else params.lm_head
-        head = _placed_like(tops["lm_head.weight"].T, old, dtype)
+        head = _placed_like(tops["lm_head.weight"].T, params.lm_head.panels if packed else params.lm_head, dtype)
         params = dataclasses.replace(params, lm_head=cpu_dense.pack(head) if packed else head)
     return params
 

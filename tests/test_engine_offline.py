@@ -270,8 +270,12 @@ def test_score_and_async_score(engine):
         x = target.forward(params, cfg, jnp.asarray([ids]), jnp.arange(len(ids))[None]).logits[0, -1]
         return np.exp(np.asarray(x, np.float64)[labels] - np.log(np.exp(np.asarray(x, np.float64)).sum()))
 
+    sched = engine.backend.scheduler
+    cached = sched.stats()["cached_tokens"]
     got = engine.score(query=query, items=items, label_token_ids=labels)
     np.testing.assert_allclose(got, [ref(query + x) for x in items], rtol=1e-4, atol=1e-8)
+    # the first item went alone; the others found the query's 4 full pages cached (``scoring.waves``)
+    assert sched.call(lambda: sched.totals["cached_tokens"]) - cached >= 2 * 32
     first = engine.score(query=query, items=items, label_token_ids=labels, apply_softmax=True, item_first=True)
     want = [ref(x + query) for x in items]
     np.testing.assert_allclose(first, [w / w.sum() for w in want], rtol=1e-4)
@@ -281,6 +285,13 @@ def test_score_and_async_score(engine):
         engine.score(query=query, items=items, label_token_ids=[10 ** 7])
     with pytest.raises(RequestError, match="items"):
         engine.score(query="text", items=items, label_token_ids=labels)
+    # SGLang's request-level logprob fields may sit in sampling_params, token_ids_logprob too
+    out = engine.generate(input_ids=query, sampling_params={"max_new_tokens": 1, "token_ids_logprob": [5]},
+                          return_logprob=True)
+    assert [t for _, t, _ in out["meta_info"]["output_token_ids_logprobs"][0]] == [5]
+    with pytest.raises(RequestError, match="return_logprob") as e:
+        engine.generate(input_ids=query, sampling_params={"max_new_tokens": 1}, token_ids_logprob=[5])
+    assert e.value.param == "token_ids_logprob"
 
 
 def test_prompt_logprobs_scored_in_chunks_against_the_pool(engine):

@@ -19,6 +19,7 @@ from starlette.testclient import TestClient
 import specjax
 from specjax.serve.api import create_app
 from specjax.serve.request import RequestError
+from specjax.serve.scoring import ItemNotScored
 
 LONG = {"max_new_tokens": 60, "temperature": 0, "ignore_eos": True}
 
@@ -134,6 +135,22 @@ def test_abort_pause_and_requests_arriving_while_paused(oracle, tmp_path):
             assert r.status_code == 200 and r.json()["status"] == "ok" and _state(engine)[0] is False
             r = client.post("/pause_generation", json={"mode": "retract-all"})
             assert r.status_code == 400 and r.json()["error"]["param"] == "mode", r.text
+        # a scoring call whose requests an abort-mode pause ends gets a clear error, not a missing-key crash
+        engine.pause_generation("in_place")
+        failed: dict = {}
+
+        def score():
+            try:
+                engine.score(query=prompts[1], items=[[7], [8]], label_token_ids=[3])
+            except ItemNotScored as e:
+                failed["e"] = e
+        t = threading.Thread(target=score)
+        t.start()
+        _wait_for(lambda: _state(engine)[2] == 1, "the first scoring item to queue")
+        engine.pause_generation("abort")
+        t.join(120)
+        engine.continue_generation()
+        assert "was not scored: aborted by pause_generation" in str(failed["e"])
 
 
 @pytest.mark.parametrize("mode", ["in_place", "retract"])

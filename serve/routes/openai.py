@@ -162,12 +162,19 @@ async def score(request: Request):
     prompts = await off_loop(scoring.score_prompts, backend.encode, body.query, body.items, body.item_first)
     for ids in prompts:
         backend.check_request(ids, sp, max_new_given=False)
-    fan = Fanout(backend)
-    for ids in prompts:
-        fan.add(ids, sp)
-    await fan.wait(request)
+    scores = [None] * len(prompts)
+    for wave in scoring.waves(prompts, backend.scheduler.page_size, backend.scheduler.radix.enabled):
+        fan = Fanout(backend)
+        for i in wave:
+            fan.add(prompts[i], sp)
+        await fan.wait(request)
+        try:  # a wave that failed answers before the next is submitted
+            for i, m in zip(wave, fan.meta):
+                scores[i] = scoring.item_scores(m, body.apply_softmax, i)
+        except scoring.ItemNotScored as e:
+            raise APIError(503, str(e), type_="service_unavailable") from None
     pt = sum(len(ids) for ids in prompts)
-    return P.ScoringResponse(scores=[scoring.item_scores(m, body.apply_softmax) for m in fan.meta], model=served,
+    return P.ScoringResponse(scores=scores, model=served,
                              usage=P.UsageInfo(prompt_tokens=pt, total_tokens=pt)).model_dump()
 
 

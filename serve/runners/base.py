@@ -138,7 +138,8 @@ class RunnerCommon:
         """The slot's sampling row (parameters, random stream, penalty counts) as a one-row batch on the device,
         for ``prefill`` to take when the request is prefilled again (a retraction)."""
         idx = jax.device_put(np.asarray([slot], np.int32))
-        return jax.tree.map(lambda a: jnp.take(a, idx, axis=0), state.sampling)
+        # read back and placed as ``row_batch``'s fresh rows are (a mesh's sharding would compile the prefill again)
+        return jax.tree.map(lambda a: jax.device_put(np.asarray(jnp.take(a, idx, axis=0))), state.sampling)
 
     def prefill_chunks(self, n: int, cached: bool = False) -> list[tuple[int, int]]:
         """``batching.serving_prefill_chunks`` of an n-token prefill (after a cached part: ``cached``) on this
