@@ -261,6 +261,11 @@ class Engine:
         generation is paused); (success, message). The draft head and tokenizer are kept."""
         return self.backend.update_weights_from_tensor(named_tensors, load_format, flush_cache)
 
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's: the served target's tensor ``name`` (a checkpoint name) as float32 nested lists, its first
+        ``truncate_size`` entries along the first axis."""
+        return self.backend.get_weights_by_name(name, truncate_size)
+
     def pause_generation(self, mode: str = "abort") -> None:
         """SGLang's: no request is admitted, prefilled or stepped until ``continue_generation``; ``abort`` aborts
         every running and waiting request first; ``retract`` frees the running ones' slots and K/V, to prefill them

@@ -31,7 +31,8 @@ from specjax.serve.scheduler import PriorityPolicy, Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
-from specjax.weights import load_model, load_tokenizer, resolve_model_path, stop_token_ids, with_hf_tensors
+from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer, resolve_model_path, stop_token_ids,
+                             with_hf_tensors)
 
 from .args import ServerArgs
 from .metrics import Metrics
@@ -304,6 +305,17 @@ class Backend:
             self._update_lock.release()
         log.info("weights updated from tensors")
         return True, "Succeeded to update model weights."
+
+    def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
+        """SGLang's: the served target's tensor of checkpoint name ``name`` as float32 nested lists, its first
+        ``truncate_size`` entries along the first axis (to check a weight update); a RequestError for a name the
+        model does not use."""
+        if truncate_size < 0:
+            raise RequestError(f"truncate_size must be >= 0, got {truncate_size}", param="truncate_size")
+        try:
+            return hf_tensor(self.scheduler.runner.target_params, self.cfg, name)[:truncate_size].tolist()
+        except WeightsError as e:
+            raise RequestError(str(e), param="name") from None
 
     def _shape_mismatch(self, cfg: ModelConfig) -> str:
         """What differs between a checkpoint's config and the served one's that the compiled programs depend on

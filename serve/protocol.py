@@ -384,6 +384,12 @@ class ModelList(BaseModel):
     data: list[ModelCard]
 
 
+class GetWeightsByNameRequest(_Body):
+    """SGLang's ``/get_weights_by_name``."""
+    name: str
+    truncate_size: Int = 100
+
+
 class PauseGenerationRequest(_Body):
     """SGLang's ``/pause_generation``: ``abort``, ``retract`` or ``in_place`` (``Scheduler.pause_generation``)."""
     mode: str = "abort"

@@ -243,15 +243,19 @@ def params_to_hf(params: target.TargetParams, cfg: ModelConfig) -> dict[str, np.
     for suffix, (field, _, hf_shape) in _hf_layer_map(cfg).items():
         stacked = np.asarray(getattr(params.layers, field))
         for i in range(cfg.num_layers):
-            a = stacked[i]
-            if a.ndim == 3 and field in ("wq", "wk", "wv"):
-                a = a.reshape(a.shape[0], -1).T
-            elif field == "wo":
-                a = a.reshape(-1, a.shape[-1]).T
-            elif a.ndim == 2 and field in ("w_gate", "w_up", "w_down"):
-                a = a.T
-            out[f"model.layers.{i}.{suffix}"] = np.ascontiguousarray(a.reshape(hf_shape))
+            out[f"model.layers.{i}.{suffix}"] = _to_hf(field, stacked[i], hf_shape)
     return out
+
+
+def _to_hf(field: str, a: np.ndarray, hf_shape: tuple) -> np.ndarray:
+    """One layer's LayerParams field as the checkpoint holds it (the inverse of ``_hf_layer_map``'s transform)."""
+    if a.ndim == 3 and field in ("wq", "wk", "wv"):
+        a = a.reshape(a.shape[0], -1).T
+    elif field == "wo":
+        a = a.reshape(-1, a.shape[-1]).T
+    elif a.ndim == 2 and field in ("w_gate", "w_up", "w_down"):
+        a = a.T
+    return np.ascontiguousarray(a.reshape(hf_shape))
 
 
 def host_tensor(x, name: str) -> np.ndarray:
@@ -280,33 +284,61 @@ def with_hf_tensors(params: target.TargetParams, cfg: ModelConfig, named) -> tar
     ``update_weights_from_tensor``)."""
     if not target.is_unstacked(params):
         raise ValueError("with_hf_tensors takes the decode layout (target.unstack_layers)")
-    layer_map, dtype = _hf_layer_map(cfg), jnp.dtype(cfg.dtype)
-    v, d = cfg.vocab_size, cfg.hidden_size
-    top = {"embed_tokens.weight": (v, d), "norm.weight": (d,), "lm_head.weight": (v, d)}
+    dtype = jnp.dtype(cfg.dtype)
     layers: dict[int, dict[str, np.ndarray]] = {}
     tops: dict[str, np.ndarray] = {}
     for name, x in named:
-        key = name[len("model."):] if name.startswith("model.") else name
-        m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
-        if m and int(m.group(1)) < cfg.num_layers and m.group(2) in layer_map:
-            field, fn, shape = layer_map[m.group(2)]
-        elif key in top and not (key == "lm_head.weight" and cfg.tie_word_embeddings):
-            field, fn, shape = key, None, top[key]
-        elif any(p.match(name) for p in IGNORED) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+        where = _hf_name(cfg, name)
+        if where is None:
             continue  # the loader skips these too (a tied model's lm_head copy: the embedding is authoritative)
-        else:
-            raise WeightsError(f"{name!r} does not name a tensor of {cfg.architecture} ({cfg.num_layers} layers)")
+        layer, field, fn, shape = where
         host = host_tensor(x, name)
         if tuple(host.shape) != tuple(shape):
             raise WeightsError(f"tensor {name!r} has shape {tuple(host.shape)}, expected {tuple(shape)}")
-        if fn is None:
+        if layer is None:
             tops[field] = host
         else:
-            layers.setdefault(int(m.group(1)), {})[field] = fn(host)
+            layers.setdefault(layer, {})[field] = fn(host)
     new_layers = list(params.layers)
     for i, fields in layers.items():
         new_layers[i] = _relaid_layer(params.layers[i], fields, dtype)
     return _with_top_tensors(dataclasses.replace(params, layers=tuple(new_layers)), tops, dtype)
+
+
+def _hf_name(cfg: ModelConfig, name: str):
+    """Where a checkpoint tensor name (``model.`` prefix optional) lives: (layer index or None for the top-level
+    ones, LayerParams field or the HF key, transform, HF shape); None for names the loader skips (a tied model's
+    lm_head, rotary buffers); a WeightsError for a name the model does not use."""
+    key = name[len("model."):] if name.startswith("model.") else name
+    layer_map, v, d = _hf_layer_map(cfg), cfg.vocab_size, cfg.hidden_size
+    top = {"embed_tokens.weight": (v, d), "norm.weight": (d,), "lm_head.weight": (v, d)}
+    m = re.fullmatch(r"layers\.(\d+)\.(.+)", key)
+    if m and int(m.group(1)) < cfg.num_layers and m.group(2) in layer_map:
+        return (int(m.group(1)),) + layer_map[m.group(2)]
+    if key in top and not (key == "lm_head.weight" and cfg.tie_word_embeddings):
+        return None, key, None, top[key]
+    if any(p.match(name) for p in IGNORED) or (key == "lm_head.weight" and cfg.tie_word_embeddings):
+        return None
+    raise WeightsError(f"{name!r} does not name a tensor of {cfg.architecture} ({cfg.num_layers} layers)")
+
+
+def hf_tensor(params: target.TargetParams, cfg: ModelConfig, name: str) -> np.ndarray:
+    """The decode-layout ``params``' tensor that checkpoint name ``name`` holds, in the checkpoint's shape, as
+    float32 (SGLang's ``get_weights_by_name``; a tied model's ``lm_head.weight`` is its embedding)."""
+    key = name[len("model."):] if name.startswith("model.") else name
+    if key == "lm_head.weight" and cfg.tie_word_embeddings:
+        key = "embed_tokens.weight"
+    where = _hf_name(cfg, key)
+    if where is None:
+        raise WeightsError(f"{name!r} is not among the served weights")
+    layer, field, _, shape = where
+    if layer is not None:
+        lp = target.unfuse_layer(target.unpack_layer(params.layers[layer]))
+        return _to_hf(field, np.asarray(getattr(lp, field), np.float32), shape)
+    if field == "lm_head.weight":
+        head = params.lm_head.unpack() if isinstance(params.lm_head, cpu_dense.PackedWeight) else params.lm_head
+        return np.ascontiguousarray(np.asarray(head, np.float32).T)
+    return np.asarray(params.embed if field == "embed_tokens.weight" else params.final_norm, np.float32)
 
 
 def _relaid_layer(old: target.LayerParams, fields: dict, dtype) -> target.LayerParams:
@@ -339,7 +371,7 @@ def _with_top_tensors(params: target.TargetParams, tops: dict, dtype) -> target.
 
 
 __all__ = ["load_model", "load_target_params", "param_shardings", "shard_params", "resolve_model_path",
-           "WeightsError", "params_to_hf", "with_hf_tensors"]
+           "WeightsError", "params_to_hf", "with_hf_tensors", "hf_tensor"]
 
 
 # ---- eos ids of a model folder -----------------------------------------------------------------------------------

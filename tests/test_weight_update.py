@@ -176,6 +176,15 @@ def test_update_weights_from_tensor(oracle, tmp_path):
         named = [(k, k_proj if "k_proj" in k else jnp.asarray(v) if "up_proj" in k else v) for k, v in some.items()]
         assert engine.update_weights_from_tensor(named) == (True, "Succeeded to update model weights.")
         assert _greedy(engine, prompts) == want_mixed != before
+        for name, want in [("model.layers.0.self_attn.k_proj.weight", some["model.layers.0.self_attn.k_proj.weight"]),
+                           ("lm_head.weight", hf_a["lm_head.weight"]), ("norm.weight", some["model.norm.weight"]),
+                           ("model.layers.1.self_attn.o_proj.weight", hf_a["model.layers.1.self_attn.o_proj.weight"])]:
+            np.testing.assert_array_equal(engine.get_weights_by_name(name, truncate_size=3), want[:3])  # SGLang's
+        with TestClient(create_app(engine.backend)) as client:
+            r = client.post("/get_weights_by_name", json={"name": "model.norm.weight", "truncate_size": 5})
+            assert r.status_code == 200 and r.json() == pytest.approx(some["model.norm.weight"][:5].tolist())
+            r = client.post("/get_weights_by_name", json={"name": "model.layers.9.mlp.up_proj.weight"})
+            assert r.status_code == 400 and r.json()["error"]["param"] == "name", r.text
         assert engine.update_weights_from_tensor(list(hf_b.items()))[0]
         assert _greedy(engine, prompts) == want_b
 
@@ -191,4 +200,6 @@ def test_update_weights_from_tensor_keeps_the_shardings(oracle):
         old = engine.backend.scheduler.runner.target_params.layers[0].wq.sharding
         assert engine.update_weights_from_tensor(params_to_hf(params_b, cfg).items())[0]
         assert engine.backend.scheduler.runner.target_params.layers[0].wq.sharding == old
+        np.testing.assert_array_equal(engine.get_weights_by_name("model.layers.1.self_attn.q_proj.weight", 4),
+                                      params_to_hf(params_b, cfg)["model.layers.1.self_attn.q_proj.weight"][:4])
         assert _greedy(engine, prompts) == oracle(b, prompts)

@@ -1,5 +1,5 @@
 """Server administration routes (SGLang's names): liveness, model and server info, cache flush, aborts, pausing
-and continuing generation, weight updates from disk, Prometheus metrics."""
+and continuing generation, weight updates from disk and reading weights by name, Prometheus metrics."""
 
 from __future__ import annotations
 
@@ -62,6 +62,15 @@ async def update_weights_from_disk(request: Request):
                                              body.abort_all_requests, body.weight_version, body.flush_cache)
     return JSONResponse({"success": ok, "message": message, "num_paused_requests": paused},
                         status_code=200 if ok else 400)
+
+
+@router.api_route("/get_weights_by_name", methods=["GET", "POST"])
+async def get_weights_by_name(request: Request):
+    """SGLang's: a served weight by its checkpoint name, as float32 nested lists (its first ``truncate_size`` rows),
+    to check what a weight update loaded."""
+    backend = backend_of(request)
+    body = await parse(request, P.GetWeightsByNameRequest)
+    return await off_loop(backend.get_weights_by_name, body.name, body.truncate_size)
 
 
 @router.get("/get_server_info")
