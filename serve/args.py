@@ -101,7 +101,10 @@ class ServerArgs:
                                                            "request's priority must be than a running one's to "
                                                            "retract it")
     default_priority_value: int | None = option(None, group=_MEM, help="the priority of requests that give none "
-                                                "(default 0)")
+                                                "(default: the lowest)")
+    abort_on_priority_when_disabled: bool = option(False, group=_MEM, help="without --enable-priority-scheduling, "
+                                                   "refuse a request that gives a priority (by default it is "
+                                                   "ignored)")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
     disable_overlap_schedule: bool = option(False, group=_MEM, help="collect each decode step before launching the "
                                             "next (by default the host emits step N's tokens while the device runs "

@@ -19,6 +19,7 @@ import dataclasses
 import logging
 import numbers
 import queue
+import sys
 import threading
 import time
 import uuid
@@ -40,7 +41,7 @@ class PriorityPolicy:
     """SGLang's priority scheduling (``--enable-priority-scheduling``): waiting requests are admitted by priority
     (larger values first, or smaller with ``low_values_first``), then by the schedule policy; one that finds no
     room retracts running requests whose priority is lower by more than ``preemption_threshold``. Requests that
-    give no priority get ``default`` (0 when None)."""
+    give no priority get ``default``, else the lowest priority there is (as SGLang)."""
     low_values_first: bool = False
     preemption_threshold: int = 10
     default: int | None = None
@@ -56,6 +57,13 @@ class PriorityPolicy:
     def rank(self, priority: int) -> int:
         """Larger ranks are admitted first."""
         return -priority if self.low_values_first else priority
+
+    def unset(self) -> int:
+        """The priority of a request that gives none."""
+        if self.default is not None:
+            return self.default
+        return sys.maxsize if self.low_values_first else -sys.maxsize - 1
+
 
 log = logging.getLogger("specjax.serve")
 
@@ -73,12 +81,13 @@ class Scheduler:
                  chunked_prefill_size: int | None = 512, enable_radix_cache: bool = True,
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
                  metrics: Metrics | None = None, overlap_schedule: bool = True,
-                 priority: PriorityPolicy | None = None):
+                 priority: PriorityPolicy | None = None, refuse_priority: bool = False):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
+        self.refuse_priority = refuse_priority
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -168,12 +177,16 @@ class Scheduler:
         return req
 
     def _priority_of(self, priority) -> int:
-        """A request's priority: the one it gives (an integer; only with priority scheduling on, which otherwise
-        would ignore it), else the policy's default, else 0."""
-        if priority is None:
-            return self.priority.default or 0 if self.priority is not None else 0
+        """A request's priority: the one it gives (an integer), else the policy's ``unset``. Without priority
+        scheduling a given one is ignored, as SGLang does, or refused with ``refuse_priority``
+        (``--abort-on-priority-when-disabled``)."""
         if self.priority is None:
-            raise RequestError("priority needs a server started with --enable-priority-scheduling", param="priority")
+            if priority is not None and self.refuse_priority:
+                raise RequestError("this server does not schedule by priority (it was started without "
+                                   "--enable-priority-scheduling): send the request without one", param="priority")
+            return 0
+        if priority is None:
+            return self.priority.unset()
         if isinstance(priority, (bool, np.bool_)) or not isinstance(priority, numbers.Integral):
             raise RequestError(f"priority must be an integer, got {priority!r}", param="priority")
         return int(priority)

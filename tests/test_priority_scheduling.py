@@ -1,8 +1,9 @@
 """SGLang's priority scheduling (``--enable-priority-scheduling``): waiting requests are admitted by priority (larger
-values first, or smaller with ``--schedule-low-priority-values-first``), then in arrival order; a request that finds
-no room retracts running ones whose priority is lower by more than the threshold, which then finish with the tokens
-they would have given unpreempted (specjax.generate, the independent plain decoder); a priority without the flag, and
-the flag with a policy other than fcfs / lof, are refused."""
+values first, or smaller with ``--schedule-low-priority-values-first``; one without a priority last), then in
+arrival order; a request that finds no room retracts running ones whose priority is lower by more than the threshold,
+which then finish with the tokens they would have given unpreempted (specjax.generate, the independent plain
+decoder); without the flag a priority is ignored (or refused with ``--abort-on-priority-when-disabled``), and the
+flag with a policy other than fcfs / lof is refused."""
 
 from __future__ import annotations
 
@@ -55,19 +56,21 @@ def _queued(engine, n):
 
 @pytest.mark.parametrize("low_first", [False, True])
 def test_waiting_requests_are_admitted_by_priority(oracle, low_first):
-    prompts = _prompts(4)
+    prompts = _prompts(5)
     want = oracle(prompts, SP["max_new_tokens"])
     with specjax.Engine(model_path=tiny_model_dir(0), schedule_low_priority_values_first=low_first,
                         **ONE_SLOT) as engine:
         engine.pause_generation("in_place")  # nothing is admitted while the queue fills
         done, outs = [], {}
-        threads = [_run(engine, prompts[i], SP, p, done, outs, i) for i, p in enumerate((0, 5, 3, 5))]
-        _queued(engine, 4)
+        threads = []
+        for i, p in enumerate((None, 0, 5, 3, 5)):
+            threads.append(_run(engine, prompts[i], SP, p, done, outs, i))
+            _queued(engine, i + 1)  # arrival order is submission order
         engine.continue_generation()
         for t in threads:
             t.join(120)
-    assert done == ([0, 2, 1, 3] if low_first else [1, 3, 2, 0])  # equal priorities: arrival order
-    assert [outs[i] for i in range(4)] == want
+    assert done == ([1, 3, 2, 4, 0] if low_first else [2, 4, 3, 1, 0])  # equal priorities: arrival order
+    assert [outs[i] for i in range(5)] == want
 
 
 def test_a_higher_priority_request_retracts_a_running_one(oracle):
@@ -93,10 +96,13 @@ def test_a_higher_priority_request_retracts_a_running_one(oracle):
     assert done == ["high", "near"]
 
 
-def test_priority_needs_the_flag_and_fcfs_or_lof():
+def test_priority_without_the_flag_and_the_flag_with_fcfs_or_lof():
     with pytest.raises(ArgsError, match="fcfs"):
         ServerArgs.from_kwargs(model_path="x", enable_priority_scheduling=True, schedule_policy="lpm").validate()
     with specjax.Engine(model_path=tiny_model_dir(0), skip_server_warmup=True, **ENGINE_KW) as engine:
+        assert len(engine.generate(input_ids=[5, 6, 7], sampling_params=SP, priority=3)["output_ids"]) == 24
+    with specjax.Engine(model_path=tiny_model_dir(0), skip_server_warmup=True, abort_on_priority_when_disabled=True,
+                        **ENGINE_KW) as engine:
         with pytest.raises(RequestError, match="enable-priority-scheduling") as e:
             engine.generate(input_ids=[5, 6, 7], sampling_params=SP, priority=3)
         assert e.value.param == "priority"
