@@ -82,6 +82,10 @@ class ServerArgs:
                                           help="KV pool size in tokens (overrides the fraction)")
     max_running_requests: int | None = option(None, group=_MEM, help="slots in the running batch (default: 32, "
                                                                      "fewer if the KV pool is small)")
+    max_queued_requests: int | None = option(None, group=_MEM, help="most requests waiting for a slot; one more is "
+                                             "refused with a 503 (with priority scheduling: the least preferred "
+                                             "waiting one, when the newcomer's priority is higher) (default: no "
+                                             "limit)")
     chunked_prefill_size: int = option(512, group=_MEM, help="max prompt tokens computed per scheduler iteration, "
                                                              "so long prompts interleave with decoding (-1: whole "
                                                              "prompt at once)")
@@ -230,6 +234,8 @@ class ServerArgs:
             raise ArgsError("--tp-size and --dp-size must be >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ArgsError(f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})")
+        if self.max_queued_requests is not None and self.max_queued_requests < 1:
+            raise ArgsError("--max-queued-requests must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:
             raise ArgsError("--max-running-requests must be >= 1")
         if self.page_size is not None and self.page_size < 1:

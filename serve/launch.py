@@ -444,7 +444,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                           enable_radix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy,
                           random_seed=args.random_seed, spec=spec, metrics=metrics,
                           overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
-                          refuse_priority=args.abort_on_priority_when_disabled)
+                          refuse_priority=args.abort_on_priority_when_disabled,
+                          max_queued=args.max_queued_requests)
     scheduler.start()
     log.info("loaded %s (%s, %d layers, dtype %s) in %.1fs; KV pool %d pages x %d tokens, %d slots, context %d%s",
              folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,

@@ -81,13 +81,14 @@ class Scheduler:
                  chunked_prefill_size: int | None = 512, enable_radix_cache: bool = True,
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
                  metrics: Metrics | None = None, overlap_schedule: bool = True,
-                 priority: PriorityPolicy | None = None, refuse_priority: bool = False):
+                 priority: PriorityPolicy | None = None, refuse_priority: bool = False,
+                 max_queued: int | None = None):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
-        self.refuse_priority = refuse_priority
+        self.refuse_priority, self.max_queued = refuse_priority, max_queued
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -329,6 +330,8 @@ class Scheduler:
                 log.exception("request %s could not be queued", req.rid)
                 self._finish(req, {"type": "abort", "message": f"{type(e).__name__}: {e}"})
                 return
+            if self._queue_full_for(req):
+                return
             self.waiting.append(req)
         elif kind == "abort":
             rid = item[1]
@@ -346,6 +349,22 @@ class Scheduler:
                 fut.set_result(fn())
             except Exception as e:  # noqa: BLE001
                 fut.set_exception(e)
+
+    def _queue_full_for(self, req: Request) -> bool:
+        """SGLang's ``--max-queued-requests``: with the queue full, the newcomer is refused (503), or with priority
+        scheduling the least preferred waiting request (the lowest priority, the latest among equals) when the
+        newcomer's priority is higher. True when the newcomer was refused."""
+        if self.max_queued is None or len(self.waiting) < self.max_queued:
+            return False
+        victim = req
+        if self.priority is not None:
+            rank = self.priority.rank
+            worst = min(self.waiting, key=lambda r: (rank(r.priority), -r.arrival))
+            if rank(req.priority) > rank(worst.priority):
+                victim = worst
+                self.waiting.remove(worst)
+        self._finish(victim, {"type": "abort", "message": "The request queue is full.", "status_code": 503})
+        return victim is req
 
     # ---- admission -----------------------------------------------------------------------------------------------
     def _pages_needed(self, prompt_len: int, max_new: int) -> int:

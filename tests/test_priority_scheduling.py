@@ -115,3 +115,33 @@ def test_priority_without_the_flag_and_the_flag_with_fcfs_or_lof():
         with TestClient(create_app(engine.backend)) as client:
             r = client.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 2, "priority": 7})
             assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2, r.text
+
+
+def test_a_full_queue_refuses_the_newcomer_or_a_lower_priority_one(oracle):
+    """``--max-queued-requests``: with two waiting, a third is refused (HTTP 503, SGLang's message); with priority
+    scheduling a higher-priority newcomer displaces the least preferred waiting request instead."""
+    prompts = _prompts(4)
+    want = oracle(prompts, SP["max_new_tokens"])
+    with specjax.Engine(model_path=tiny_model_dir(0), max_queued_requests=2, **ONE_SLOT) as engine:
+        engine.pause_generation("in_place")
+        done, outs = [], {}
+        threads = []
+        for i, p in enumerate((5, 1)):
+            threads.append(_run(engine, prompts[i], SP, p, done, outs, i))
+            _queued(engine, i + 1)
+        late = engine.generate(input_ids=prompts[2], sampling_params=SP, priority=1, stream=True)
+        last = list(late)[-1]["meta_info"]["finish_reason"]  # not above the lowest waiting: refused
+        assert last == {"type": "abort", "message": "The request queue is full.", "status_code": 503}
+        with TestClient(create_app(engine.backend)) as client:
+            r = client.post("/generate", json={"input_ids": prompts[2], "sampling_params": SP})
+            assert r.status_code == 503 and r.json()["error"]["message"] == "The request queue is full.", r.text
+        threads.append(_run(engine, prompts[3], SP, 9, done, outs, 3))  # displaces the waiting priority-1 one
+        deadline = time.monotonic() + 60
+        while 1 not in outs:
+            assert time.monotonic() < deadline
+            time.sleep(0.01)
+        assert outs[1] == [] and done == [1]
+        engine.continue_generation()
+        for t in threads:
+            t.join(120)
+    assert done == [1, 3, 0] and outs[3] == want[3] and outs[0] == want[0]

@@ -225,6 +225,10 @@ class Fanout:
             pass
         if len(self.done) < len(self.reqs):
             raise APIError(499, "client closed the request")
+        refused = next((m["finish_reason"] for m in self.meta if (m.get("finish_reason") or {}).get("status_code")),
+                       None)
+        if refused is not None:  # the scheduler refused one (a full queue): the whole call answers so, as SGLang
+            raise APIError(refused["status_code"], refused["message"], type_="service_unavailable")
 
 
 def sse(obj: Any) -> str:
