@@ -25,8 +25,8 @@ TREE_FIELDS = ("speculative_num_steps", "speculative_eagle_topk", "speculative_n
 # SGLang flags that only mean something on CUDA: accepted (so a copied SGLang command still starts), then ignored.
 GPU_ONLY_FLAGS = ("cuda_graph_max_bs", "disable_cuda_graph", "disable_cuda_graph_padding", "enable_torch_compile",
                   "torch_compile_max_bs", "attention_backend")
-# SGLang's admission orders that specjax implements (SGLang also has dfs-weight; priority: --enable-priority-scheduling)
-SCHEDULE_POLICIES = ("fcfs", "lpm", "lof", "random")
+# SGLang's admission orders (priority: --enable-priority-scheduling)
+SCHEDULE_POLICIES = ("fcfs", "lpm", "dfs-weight", "lof", "random")
 # --help sections (argument groups), in the order of the fields.
 _MEM, _SPEC, _GPU = "memory and scheduling", "speculative decoding", "CUDA-only SGLang flags (accepted, no effect)"
 
@@ -93,8 +93,9 @@ class ServerArgs:
                                    "a TPU the smallest page that packs the pool's small head dims into 128-lane "
                                    "rows: 32 for bf16 at head dim 64)")
     schedule_policy: str = option("fcfs", group=_MEM, choices=list(SCHEDULE_POLICIES), help="order of admission: "
-                                  "first come first served, longest cached prefix first, longest output "
-                                  "(max_new_tokens) first, or a random order (--random-seed)")
+                                  "first come first served, longest cached prefix first, cached prefixes shared by "
+                                  "the most waiting requests first (depth first), longest output (max_new_tokens) "
+                                  "first, or a random order (--random-seed)")
     enable_priority_scheduling: bool = option(False, group=_MEM, help="admit waiting requests by their `priority` "
                                               "(larger first), then by --schedule-policy (fcfs or lof); a request "
                                               "that cannot be admitted retracts running ones of a priority lower "
@@ -249,8 +250,7 @@ class ServerArgs:
             raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ArgsError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)} (got "
-                            f"{self.schedule_policy!r}; SGLang's dfs-weight is not implemented, and priority is "
-                            f"--enable-priority-scheduling)")
+                            f"{self.schedule_policy!r}; priority is --enable-priority-scheduling)")
         if self.enable_priority_scheduling and self.schedule_policy not in ("fcfs", "lof"):
             raise ArgsError(f"--enable-priority-scheduling orders requests by priority, then by --schedule-policy fcfs "
                             f"or lof (got {self.schedule_policy!r}), as SGLang")

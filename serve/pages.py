@@ -8,6 +8,7 @@ of token ids; a node owns its page while it is in the trie. Requests hold refere
 
 from __future__ import annotations
 
+import collections
 import heapq
 import itertools
 import time
@@ -106,6 +107,31 @@ class RadixCache:
             node = child
         self.lock(new)
         return new
+
+    def dfs_weight_order(self, last_nodes: list[Node | None]) -> list[int]:
+        """SGLang's dfs-weight order of requests whose longest cached prefixes end at ``last_nodes`` (None: none
+        cached): a depth-first walk of the trie that enters the subtrees holding more of these requests first and
+        takes a node's own requests after its subtree's, so requests sharing a prefix run together. Returns indices
+        into ``last_nodes``. (Iterative: a long prompt's path is thousands of nodes deep.)"""
+        here: dict[Node, list[int]] = collections.defaultdict(list)
+        weight: dict[Node, int] = collections.defaultdict(int)
+        for i, node in enumerate(last_nodes):
+            node = node or self.root
+            here[node].append(i)
+            while node is not None:
+                weight[node] += 1
+                node = node.parent
+        order: list[int] = []
+        stack = [(self.root, False)]
+        while stack:
+            node, done = stack.pop()
+            if done:
+                order.extend(here[node])
+                continue
+            stack.append((node, True))
+            kids = sorted((c for c in node.children.values() if weight[c]), key=lambda c: -weight[c])
+            stack.extend((c, False) for c in reversed(kids))  # the heaviest is popped first
+        return order
 
     def owns(self, node: Node, page: int) -> bool:
         return node.page == page

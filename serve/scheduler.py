@@ -380,6 +380,10 @@ class Scheduler:
         if self.policy == "lpm" and self.radix.enabled:
             z = self.page_size
             order.sort(key=lambda r: -len(self.radix.match(r.fill_ids, (r.fill_len - 1) // z)))
+        elif self.policy == "dfs-weight" and self.radix.enabled:
+            z = self.page_size
+            last = [(self.radix.match(r.fill_ids, (r.fill_len - 1) // z) or [None])[-1] for r in order]
+            order = [order[i] for i in self.radix.dfs_weight_order(last)]
         elif self.policy == "lof":  # longest output first: the largest token budget, then arrival
             order.sort(key=lambda r: -r.params.max_new_tokens)
         elif self.policy == "random":

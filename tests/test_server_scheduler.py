@@ -11,6 +11,7 @@ import threading
 import numpy as np
 import pytest
 
+from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import RequestError, SamplingParams
 from specjax.serve.runners.base import Launched
 from specjax.serve.scheduler import Scheduler
@@ -361,3 +362,20 @@ def test_admission_orders_of_the_schedule_policies():
     shuffled = {s: _finish_order("random", seed=s) for s in range(4)}
     assert all(sorted(o) == [0, 1, 2, 3] for o in shuffled.values())
     assert len(set(map(tuple, shuffled.values()))) > 1 and _finish_order("random", seed=2) == shuffled[2]
+
+
+def test_dfs_weight_order_walks_the_heaviest_shared_prefixes_first():
+    """SGLang's dfs-weight: depth first through the cached prefixes, the subtree holding more waiting requests first
+    (ties in the trie's order), a node's own requests after its subtree's, requests with nothing cached last."""
+    pool = PagePool(16)
+    radix = RadixCache(pool, page_size=2)
+    paths = {"A": [1, 2, 3, 4, 5, 6], "B": [1, 2, 3, 4, 7, 8], "C": [1, 2, 9, 10], "D": [11, 12]}
+    for tokens in paths.values():
+        held = radix.match(tokens, len(tokens) // 2)
+        radix.unlock(radix.insert(tokens, [0] * len(held) + pool.alloc(len(tokens) // 2 - len(held)), held))
+    last = lambda tokens: (radix.match(tokens, len(tokens) // 2) or [None])[-1]  # noqa: E731
+    nodes = [last(paths["D"] + [0, 0]), last(paths["C"]), last(paths["A"] + [5]), last(paths["B"]),
+             last([1, 2, 3, 4, 0, 0]), last([99, 98])]
+    assert nodes[5] is None and nodes[4] is last([1, 2, 3, 4])
+    assert radix.dfs_weight_order(nodes) == [2, 3, 4, 1, 0, 5]
+    assert _finish_order("dfs-weight") == [0, 1, 2, 3]  # nothing cached: arrival order
