@@ -193,6 +193,15 @@ BAD = [
     ("/generate", {"text": ["a", "b"], "rid": ["same", "same"]}, 400, "rid"),
     ("/generate", {"text": ["a", "b"], "rid": ["x"]}, 400, "rid"),
     ("/generate", {"input_ids": [[5, 6], [7, 8]], "rid": ["a", "b", "c"]}, 400, "rid"),
+    ("/generate", {"text": "x", "token_ids_logprob": [-1], "return_logprob": True}, 400, "token_ids_logprob"),
+    ("/generate", {"text": "x", "token_ids_logprob": [[1], [2]], "return_logprob": True}, 400, "token_ids_logprob"),
+    ("/v1/score", {"query": "x", "items": ["y"], "label_token_ids": []}, 400, "label_token_ids"),
+    ("/v1/score", {"query": "x", "items": ["y"], "label_token_ids": [10 ** 9]}, 400, "label_token_ids"),
+    ("/v1/score", {"query": [1, 2], "items": ["y"], "label_token_ids": [1]}, 400, "items"),
+    ("/v1/score", {"items": ["y"], "label_token_ids": [1]}, 400, "query"),
+    ("/pause_generation", {"mode": "later"}, 400, "mode"),
+    ("/get_weights_by_name", {"name": "model.nope.weight"}, 400, "name"),
+    ("/get_weights_by_name", {"name": "model.norm.weight", "truncate_size": -1}, 400, "truncate_size"),
     ("/abort_request", {}, 400, "rid"),
     ("/abort_request", {"rid": 5}, 400, "rid"),
     ("/abort_request", {"abort_all": "maybe"}, 400, "abort_all"),
@@ -216,9 +225,13 @@ def _every_field():
     from specjax.serve import protocol as P
     bad = [[{"x": 1}]]
     base = {"/generate": {"text": "x"}, "/v1/completions": {"model": "tiny", "prompt": "x"},
-            "/v1/chat/completions": {"model": "tiny", "messages": MSG}, "/abort_request": {"rid": "x"}}
+            "/v1/chat/completions": {"model": "tiny", "messages": MSG}, "/abort_request": {"rid": "x"},
+            "/v1/score": {"model": "tiny", "query": "x", "items": ["y"], "label_token_ids": [1]},
+            "/pause_generation": {}, "/get_weights_by_name": {"name": "model.norm.weight"}}
     models = {"/generate": P.GenerateRequest, "/v1/completions": P.CompletionRequest,
-              "/v1/chat/completions": P.ChatCompletionRequest, "/abort_request": P.AbortRequest}
+              "/v1/chat/completions": P.ChatCompletionRequest, "/abort_request": P.AbortRequest,
+              "/v1/score": P.ScoringRequest, "/pause_generation": P.PauseGenerationRequest,
+              "/get_weights_by_name": P.GetWeightsByNameRequest}
     out = []
     for path, model in models.items():
         for f in sorted(set(model.model_fields) | set(model.UNSUPPORTED)):
