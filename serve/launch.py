@@ -361,6 +361,14 @@ class Backend:
         self.scheduler.shutdown()
 
 
+def _scheduler_options(args: ServerArgs) -> dict:
+    """The Scheduler's options that come straight from the server arguments."""
+    return dict(chunked_prefill_size=args.chunked_prefill_size, enable_radix_cache=not args.disable_radix_cache,
+                schedule_policy=args.schedule_policy, random_seed=args.random_seed,
+                overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
+                refuse_priority=args.abort_on_priority_when_disabled, max_queued=args.max_queued_requests)
+
+
 def make_mesh_for(args: ServerArgs):
     if args.tp_size * args.dp_size == 1:
         return None
@@ -440,12 +448,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     eos = stop_token_ids(folder, cfg, tokenizer)
     metrics = Metrics(enabled=args.enable_metrics, model_name=args.model_name)
     scheduler = Scheduler(runner, tokenizer, context_length=context_length, vocab_size=cfg.vocab_size, eos_ids=eos,
-                          chunked_prefill_size=args.chunked_prefill_size,
-                          enable_radix_cache=not args.disable_radix_cache, schedule_policy=args.schedule_policy,
-                          random_seed=args.random_seed, spec=spec, metrics=metrics,
-                          overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
-                          refuse_priority=args.abort_on_priority_when_disabled,
-                          max_queued=args.max_queued_requests)
+                          spec=spec, metrics=metrics, **_scheduler_options(args))
     scheduler.start()
     log.info("loaded %s (%s, %d layers, dtype %s) in %.1fs; KV pool %d pages x %d tokens, %d slots, context %d%s",
              folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,

@@ -429,7 +429,8 @@ class Scheduler:
         they free a slot and the pages ``req`` needs; True when some were."""
         rank, limit = self.priority.rank, self.priority.preemption_threshold
         cands = sorted((r for r in self.slots if r is not None and not r.finished
-                        and rank(req.priority) - rank(r.priority) > limit), key=lambda r: (rank(r.priority), -r.arrival))
+                        and rank(req.priority) - rank(r.priority) > limit),
+                       key=lambda r: (rank(r.priority), -r.arrival))
         if not cands:  # the common case while the batch is full: no trie walks
             return False
         fill = req.fill_ids
