@@ -111,6 +111,8 @@ class ServerArgs:
                                                    "refuse a request that gives a priority (by default it is "
                                                    "ignored)")
     disable_radix_cache: bool = option(False, group=_MEM, help="turn off prefix reuse between requests")
+    enable_cache_report: bool = option(False, group=_MEM, help="report the prompt tokens found in the prefix cache in "
+                                       "the OpenAI responses' usage.prompt_tokens_details.cached_tokens")
     disable_overlap_schedule: bool = option(False, group=_MEM, help="collect each decode step before launching the "
                                             "next (by default the host emits step N's tokens while the device runs "
                                             "step N+1)")

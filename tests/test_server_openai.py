@@ -213,3 +213,22 @@ def test_bench_serve_interleaved_levels_alternate(server, monkeypatch, capsys):
                      ("eagle3", 1), ("plain", 1), ("plain", 2), ("eagle3", 2)]
     out = capsys.readouterr().out
     assert "of 2 rounds" in out and re.search(r"\d\.\d\dx \(\d\.\d\d-\d\.\d\d\)", out)
+
+
+def test_cache_report_only_with_the_flag(client):
+    """SGLang's --enable-cache-report: usage.prompt_tokens_details.cached_tokens with it (a repeated prompt's cached
+    pages), absent without it."""
+    from starlette.testclient import TestClient
+
+    import specjax
+    from server_helpers import ENGINE_KW, tiny_model_dir
+    from specjax.serve.api import create_app
+    msgs = [{"role": "user", "content": "Tell me about the weather in a long sentence, please, in detail."}]
+    r = client.chat.completions.create(model=SHARED_NAME, messages=msgs, max_tokens=2)
+    assert r.usage.prompt_tokens_details is None
+    with specjax.Engine(model_path=tiny_model_dir(), skip_server_warmup=True, enable_cache_report=True,
+                        **ENGINE_KW) as engine, TestClient(create_app(engine.backend)) as http:
+        usage = [http.post("/v1/chat/completions", json={"messages": msgs, "max_tokens": 2}).json()["usage"]
+                 for _ in range(2)]
+    assert usage[0]["prompt_tokens_details"] == {"cached_tokens": 0}
+    assert usage[1]["prompt_tokens_details"]["cached_tokens"] >= 8  # page-aligned reuse of the same prompt

@@ -24,6 +24,11 @@ async def openai_request(request: Request, model):
     return backend, backend.args.model_name, body
 
 
+def cache_report(backend, cached: int) -> dict | None:
+    """``usage.prompt_tokens_details``: the prompt tokens found cached, with ``--enable-cache-report`` (SGLang's)."""
+    return {"cached_tokens": cached} if backend.args.enable_cache_report else None
+
+
 @router.get("/v1/models")
 async def models(request: Request):
     backend = backend_of(request)
@@ -63,7 +68,7 @@ async def completions(request: Request):
         ct = sum(m.get("completion_tokens", 0) for m in fan.meta)
         cached = sum(fan.meta[k * sp.n].get("cached_tokens", 0) for k in range(len(ids_list)))
         return P.UsageInfo(prompt_tokens=pt, completion_tokens=ct, total_tokens=pt + ct,
-                           prompt_tokens_details={"cached_tokens": cached})
+                           prompt_tokens_details=cache_report(backend, cached))
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
@@ -117,7 +122,7 @@ async def chat_completions(request: Request):
     def usage():
         ct = sum(m.get("completion_tokens", 0) for m in fan.meta)
         return P.UsageInfo(prompt_tokens=len(ids), completion_tokens=ct, total_tokens=len(ids) + ct,
-                           prompt_tokens_details={"cached_tokens": fan.meta[0].get("cached_tokens", 0)})
+                           prompt_tokens_details=cache_report(backend, fan.meta[0].get("cached_tokens", 0)))
 
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
