@@ -65,6 +65,8 @@ class ServerArgs:
     incremental_streaming_output: bool = option(
         False, group="http", help="streamed /generate and Engine chunks carry only their new text and token ids "
                                   "(SGLang's flag); by default each chunk carries the whole output so far")
+    stream_interval: int = option(1, group="http", help="stream a request's output every this many tokens (its first "
+                                  "token at once); larger values cost the host less per token (SGLang's flag)")
     max_request_bytes: int = option(8 << 20, group="http",
                                     help="largest request body accepted; a larger one gets 413 before it is read")
     http_header_timeout: float = option(10.0, group="http", help="seconds a client has to send a request's line and "
@@ -237,6 +239,8 @@ class ServerArgs:
             raise ArgsError("--tp-size and --dp-size must be >= 1")
         if not 0.0 < self.mem_fraction_static <= 1.0:
             raise ArgsError(f"--mem-fraction-static must be in (0, 1] (got {self.mem_fraction_static})")
+        if self.stream_interval < 1:
+            raise ArgsError("--stream-interval must be >= 1")
         if self.max_queued_requests is not None and self.max_queued_requests < 1:
             raise ArgsError("--max-queued-requests must be >= 1")
         if self.max_running_requests is not None and self.max_running_requests < 1:

@@ -366,7 +366,8 @@ def _scheduler_options(args: ServerArgs) -> dict:
     return dict(chunked_prefill_size=args.chunked_prefill_size, enable_radix_cache=not args.disable_radix_cache,
                 schedule_policy=args.schedule_policy, random_seed=args.random_seed,
                 overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
-                refuse_priority=args.abort_on_priority_when_disabled, max_queued=args.max_queued_requests)
+                refuse_priority=args.abort_on_priority_when_disabled, max_queued=args.max_queued_requests,
+                stream_interval=args.stream_interval)
 
 
 def make_mesh_for(args: ServerArgs):

@@ -82,13 +82,13 @@ class Scheduler:
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
                  metrics: Metrics | None = None, overlap_schedule: bool = True,
                  priority: PriorityPolicy | None = None, refuse_priority: bool = False,
-                 max_queued: int | None = None):
+                 max_queued: int | None = None, stream_interval: int = 1):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
-        self.refuse_priority, self.max_queued = refuse_priority, max_queued
+        self.refuse_priority, self.max_queued, self.stream_interval = refuse_priority, max_queued, stream_interval
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -640,8 +640,8 @@ class Scheduler:
             self.metrics.on_generated(len(req.output_ids) - before)
             if req.finished:
                 self._finish(req)
-            else:
-                text, ids = req.stream_delta()
+            elif req.sent_ids == 0 or len(req.output_ids) - req.sent_ids >= self.stream_interval:
+                text, ids = req.stream_delta()  # the first token at once, then every stream_interval tokens
                 if text or ids:
                     self._send(req, {"text": text, "token_ids": ids, "finished": False,
                                      "meta_info": req.meta_info(self.spec, self.tokenizer)})

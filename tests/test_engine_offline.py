@@ -360,3 +360,16 @@ def test_a_seeded_request_waiting_for_its_prompt_scores_draws_its_own_stream(eng
     # the other request stepped all through this one's prefill and scoring rounds (8 at 32 tokens a round)
     assert sum(t0 < t < t1 for t in chunks) >= 12 or chunks[-1] > t1, "the other request did not run alongside"
     assert got["output_ids"] == alone
+
+
+def test_stream_interval(oracle):
+    """SGLang's --stream-interval: the first token at once, then chunks of at least that many tokens; the same
+    output as streaming every token."""
+    from server_helpers import ENGINE_KW
+
+    import specjax
+    prompt, sp = [5, 6, 7, 8, 9], {"max_new_tokens": 17, "temperature": 0, "ignore_eos": True}
+    with specjax.Engine(model_path=tiny_model_dir(), skip_server_warmup=True, stream_interval=4,
+                        incremental_streaming_output=True, **ENGINE_KW) as engine:
+        chunks = [c["output_ids"] for c in engine.generate(input_ids=prompt, sampling_params=sp, stream=True)]
+    assert [len(c) for c in chunks] == [1, 4, 4, 4, 4] and sum(chunks, []) == oracle([prompt], 17)[0]
