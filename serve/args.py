@@ -61,6 +61,10 @@ class ServerArgs:
     log_level: str = option("info", group="http", choices=["debug", "info", "warning", "error", "critical"],
                             type=str.lower, help="server and access log verbosity (any case, as SGLang takes it)")
     enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
+    log_requests: bool = option(False, group="http", help="log every request when it finishes (SGLang's flag)")
+    log_requests_level: int = option(2, group="http", choices=[0, 1, 2, 3], help="with --log-requests: 0 its "
+                                     "metadata, 1 and its sampling parameters, 2 and its prompt and output text "
+                                     "(2048 characters of each), 3 all of them")
     skip_server_warmup: bool = option(False, group="http", help="start without compiling the common shapes")
     incremental_streaming_output: bool = option(
         False, group="http", help="streamed /generate and Engine chunks carry only their new text and token ids "

@@ -367,7 +367,8 @@ def _scheduler_options(args: ServerArgs) -> dict:
                 schedule_policy=args.schedule_policy, random_seed=args.random_seed,
                 overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
                 refuse_priority=args.abort_on_priority_when_disabled, max_queued=args.max_queued_requests,
-                stream_interval=args.stream_interval)
+                stream_interval=args.stream_interval,
+                log_requests=args.log_requests_level if args.log_requests else None)
 
 
 def make_mesh_for(args: ServerArgs):

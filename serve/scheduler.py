@@ -82,13 +82,14 @@ class Scheduler:
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
                  metrics: Metrics | None = None, overlap_schedule: bool = True,
                  priority: PriorityPolicy | None = None, refuse_priority: bool = False,
-                 max_queued: int | None = None, stream_interval: int = 1):
+                 max_queued: int | None = None, stream_interval: int = 1, log_requests: int | None = None):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
         self.refuse_priority, self.max_queued, self.stream_interval = refuse_priority, max_queued, stream_interval
+        self.log_requests = log_requests  # SGLang's --log-requests-level when --log-requests, else None
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -684,7 +685,25 @@ class Scheduler:
         if req.finish_reason.get("type") == "abort":
             self.totals["aborted"] += 1
         self.metrics.on_finish(req, meta)
+        if self.log_requests is not None:
+            self._log_request(req, meta)
         self._send(req, {"text": text, "token_ids": ids, "finished": True, "meta_info": meta})
+
+    def _log_request(self, req: Request, meta: dict) -> None:
+        """SGLang's --log-requests at a finish: level 0 the request's metadata, 1 its sampling parameters too, 2 its
+        prompt and output text too (2048 characters of each), 3 all of them."""
+        level, cut = self.log_requests, (lambda t: t if self.log_requests >= 3 else t[:2048])
+        keep = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency")
+        parts = [f"{k}={meta[k]!r}" for k in keep if k in meta]
+        if level >= 1:
+            parts.append(f"sampling_params={dataclasses.asdict(req.params)!r}")
+        if level >= 2:
+            try:
+                parts.append(f"prompt={cut(self.tokenizer.decode(req.prompt_ids))!r}")
+            except Exception:  # noqa: BLE001 - a log line never fails a request
+                parts.append(f"prompt_ids={cut(str(req.prompt_ids))}")
+            parts.append(f"output={cut(req.text)!r}")
+        log.info("Finish: %s", ", ".join(parts))
 
     def _free_slot(self, req: Request, cache_ok: bool = True) -> None:
         """The request leaves its slot: its full pages of K/V go to the prefix cache (``cache_ok``), the rest back

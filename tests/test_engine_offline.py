@@ -373,3 +373,21 @@ def test_stream_interval(oracle):
                         incremental_streaming_output=True, **ENGINE_KW) as engine:
         chunks = [c["output_ids"] for c in engine.generate(input_ids=prompt, sampling_params=sp, stream=True)]
     assert [len(c) for c in chunks] == [1, 4, 4, 4, 4] and sum(chunks, []) == oracle([prompt], 17)[0]
+
+
+def test_log_requests(caplog):
+    """SGLang's --log-requests: a line per finished request, its metadata, parameters and text by level."""
+    import logging
+
+    from server_helpers import ENGINE_KW
+
+    import specjax
+    sp = {"max_new_tokens": 3, "temperature": 0, "ignore_eos": True}
+    for level, has, lacks in ((0, "completion_tokens=3", "sampling_params"), (2, "output=", "prompt_ids")):
+        with specjax.Engine(model_path=tiny_model_dir(), skip_server_warmup=True, log_requests=True,
+                            log_requests_level=level, **ENGINE_KW) as engine:
+            caplog.clear()
+            with caplog.at_level(logging.INFO, logger="specjax.serve"):
+                engine.generate("Hello there", sp, rid="logged")
+        lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finish:")]
+        assert len(lines) == 1 and "id='logged'" in lines[0] and has in lines[0] and lacks not in lines[0]
