@@ -42,6 +42,10 @@ class ServerArgs:
                                   "speculative flag: the default pair, SmolLM2-135M-Instruct with the packaged "
                                   "EAGLE3 head)")
     tokenizer_path: str | None = option(None, group="model", help="tokenizer folder (default: the model folder)")
+    revision: str | None = option(None, group="model", help="the hub revision (branch, tag or commit) of a model "
+                                  "or tokenizer given as a hub id (default: the main branch)")
+    download_dir: str | None = option(None, group="model", help="where hub models are downloaded (default: the "
+                                      "Hugging Face cache)")
     served_model_name: str | None = option(None, group="model",
                                            help="name reported by /v1/models (default: model path)")
     chat_template: str | None = option(None, group="model",

@@ -397,10 +397,11 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
         log.info("first use of the default model: fetching and converting SmolLM2-135M-Instruct into %s",
                  args.model_path)
         fetch_smollm2(args.model_path)
-    folder = resolve_model_path(args.model_path)
+    hub = dict(revision=args.revision, cache_dir=args.download_dir)
+    folder = resolve_model_path(args.model_path, **hub)
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
         check_context_length(args, ModelConfig.from_pretrained(folder))
-    tok_folder = resolve_model_path(args.tokenizer_path) if args.tokenizer_path else folder
+    tok_folder = resolve_model_path(args.tokenizer_path, **hub) if args.tokenizer_path else folder
     tokenizer = load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)
     if model is not None:

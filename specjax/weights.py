@@ -38,28 +38,31 @@ def is_hub_id(path: str) -> bool:
             and not os.path.exists(os.path.expanduser(path)))
 
 
-def hub_snapshot(repo: str, allow_patterns) -> str:
-    """The local folder of Hugging Face hub repo ``repo`` (its files matching ``allow_patterns``, downloaded into the
-    hub cache); a WeightsError saying only why the hub could not provide it."""
+def hub_snapshot(repo: str, allow_patterns, revision: str | None = None, cache_dir: str | None = None) -> str:
+    """The local folder of Hugging Face hub repo ``repo`` at ``revision`` (a branch, tag or commit; None: the
+    default branch), its files matching ``allow_patterns`` downloaded into the hub cache (or ``cache_dir``); a
+    WeightsError saying only why the hub could not provide it."""
     try:
         from huggingface_hub import snapshot_download
         # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
-        return snapshot_download(repo, allow_patterns=list(allow_patterns),
+        return snapshot_download(repo, allow_patterns=list(allow_patterns), revision=revision, cache_dir=cache_dir,
                                  ignore_patterns=["consolidated*.safetensors"])
     except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
         raise WeightsError(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
 
 
 def resolve_model_path(path: str, allow_patterns=("*.json", "*.safetensors", "tokenizer*", "*.model",
-                                                  "*.txt", "*.jinja")) -> str:
-    """A local folder is returned as is; anything else is treated as a hub id and downloaded (cached)."""
+                                                  "*.txt", "*.jinja"), *, revision: str | None = None,
+                       cache_dir: str | None = None) -> str:
+    """A local folder is returned as is; anything else is treated as a hub id and downloaded (cached; at
+    ``revision``, into ``cache_dir``, as ``hub_snapshot``)."""
     path = os.path.expanduser(path)
     if os.path.isdir(path):
         return path
     if os.path.exists(path):
         raise WeightsError(f"{path} is a file; pass the folder that holds config.json and *.safetensors")
     try:
-        return hub_snapshot(path, allow_patterns)
+        return hub_snapshot(path, allow_patterns, revision=revision, cache_dir=cache_dir)
     except WeightsError as e:
         raise WeightsError(
             f"{path!r} is not a local folder and the Hugging Face hub could not provide it ({e}). Pass a local "

@@ -391,3 +391,22 @@ def test_log_requests(caplog):
                 engine.generate("Hello there", sp, rid="logged")
         lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("Finish:")]
         assert len(lines) == 1 and "id='logged'" in lines[0] and has in lines[0] and lacks not in lines[0]
+
+
+def test_revision_and_download_dir_reach_the_hub(monkeypatch):
+    """SGLang's --revision and --download-dir: a hub id is fetched at that revision into that folder (the hub
+    stands in with a local folder here), model and tokenizer alike."""
+    import huggingface_hub
+    from server_helpers import ENGINE_KW
+
+    import specjax
+    calls = []
+
+    def fake_snapshot(repo, **kw):
+        calls.append((repo, kw["revision"], kw["cache_dir"]))
+        return tiny_model_dir()
+    monkeypatch.setattr(huggingface_hub, "snapshot_download", fake_snapshot)
+    with specjax.Engine(model_path="someone/tiny", tokenizer_path="someone/tok", revision="v2", download_dir="/d",
+                        skip_server_warmup=True, **ENGINE_KW) as engine:
+        assert len(engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
+    assert ("someone/tiny", "v2", "/d") in calls and ("someone/tok", "v2", "/d") in calls
