@@ -46,6 +46,9 @@ class ServerArgs:
                                   "or tokenizer given as a hub id (default: the main branch)")
     download_dir: str | None = option(None, group="model", help="where hub models are downloaded (default: the "
                                       "Hugging Face cache)")
+    load_format: str = option("auto", group="model", choices=["auto", "safetensors", "dummy"], help="the target's "
+                              "weights: its safetensors (auto), or dummy: random weights of its config.json "
+                              "(profiling; the output is noise)")
     served_model_name: str | None = option(None, group="model",
                                            help="name reported by /v1/models (default: model path)")
     chat_template: str | None = option(None, group="model",

@@ -25,18 +25,21 @@ import numpy as np
 from specjax.config import ModelConfig
 from specjax.head_weights import load_draft
 from specjax.hub import default_smollm2_path, fetch_smollm2
+from specjax.models import target
 from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import PriorityPolicy, Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
-from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer, resolve_model_path, stop_token_ids,
-                             with_hf_tensors)
+from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer, resolve_model_path, shard_params,
+                             stop_token_ids, with_hf_tensors)
 
 from .args import ServerArgs
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
+
+CONFIG_FILES = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")  # a hub model's files but its weights
 
 log = logging.getLogger("specjax.serve")
 
@@ -361,6 +364,17 @@ class Backend:
         self.scheduler.shutdown()
 
 
+def load_target(args: ServerArgs, folder: str, mesh):
+    """The served target's (config, decode-layout params): the folder's checkpoint, or with ``--load-format dummy``
+    random weights of its config (SGLang's: profiling and benchmarks without downloading weights)."""
+    dtype = None if args.dtype == "auto" else args.dtype
+    if args.load_format != "dummy":
+        return load_model(folder, dtype=dtype, mesh=mesh, layout="decode")
+    cfg = ModelConfig.from_pretrained(folder, dtype=dtype)
+    params = target.init_params(cfg, jax.random.PRNGKey(args.random_seed))
+    return cfg, target.unstack_layers(shard_params(params, cfg, mesh) if mesh is not None else params)
+
+
 def _scheduler_options(args: ServerArgs) -> dict:
     """The Scheduler's options that come straight from the server arguments."""
     return dict(chunked_prefill_size=args.chunked_prefill_size, enable_radix_cache=not args.disable_radix_cache,
@@ -398,16 +412,14 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                  args.model_path)
         fetch_smollm2(args.model_path)
     hub = dict(revision=args.revision, cache_dir=args.download_dir)
-    folder = resolve_model_path(args.model_path, **hub)
+    folder = resolve_model_path(args.model_path, **hub, **({"allow_patterns": CONFIG_FILES}
+                                                            if args.load_format == "dummy" else {}))
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
         check_context_length(args, ModelConfig.from_pretrained(folder))
     tok_folder = resolve_model_path(args.tokenizer_path, **hub) if args.tokenizer_path else folder
     tokenizer = load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)
-    if model is not None:
-        cfg, params = model
-    else:
-        cfg, params = load_model(folder, dtype=None if args.dtype == "auto" else args.dtype, mesh=mesh, layout="decode")
+    cfg, params = model if model is not None else load_target(args, folder, mesh)
     spec = args.speculative_algorithm is not None and not args.speculation_off_reason
     if args.speculative_algorithm and not spec:
         log.warning("serving plain decoding: %s; give --speculative-num-steps/-eagle-topk/-num-draft-tokens to "

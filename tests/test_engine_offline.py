@@ -410,3 +410,24 @@ def test_revision_and_download_dir_reach_the_hub(monkeypatch):
                         skip_server_warmup=True, **ENGINE_KW) as engine:
         assert len(engine.generate(input_ids=[5, 6], sampling_params={"max_new_tokens": 2})["output_ids"]) == 2
     assert ("someone/tiny", "v2", "/d") in calls and ("someone/tok", "v2", "/d") in calls
+
+
+def test_dummy_load_format(tmp_path):
+    """SGLang's --load-format dummy: random weights of the folder's config.json (no safetensors needed), the same
+    ones for the same --random-seed; without it a folder without weights is refused by name."""
+    import shutil
+
+    from server_helpers import ENGINE_KW
+
+    import specjax
+    folder = tmp_path / "config-only"
+    shutil.copytree(tiny_model_dir(), folder, ignore=shutil.ignore_patterns("*.safetensors"))
+    sp = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+    outs = []
+    for _ in range(2):
+        with specjax.Engine(model_path=str(folder), load_format="dummy", random_seed=3, skip_server_warmup=True,
+                            **ENGINE_KW) as engine:
+            outs.append(engine.generate(input_ids=[5, 6, 7], sampling_params=sp)["output_ids"])
+    assert len(outs[0]) == 6 and outs[0] == outs[1]
+    with pytest.raises(Exception, match="safetensors"):
+        specjax.Engine(model_path=str(folder), skip_server_warmup=True, **ENGINE_KW)
