@@ -32,8 +32,8 @@ from specjax.serve.scheduler import PriorityPolicy, Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
-from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer, resolve_model_path, shard_params,
-                             stop_token_ids, with_hf_tensors)
+from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer, param_shardings,
+                             resolve_model_path, stop_token_ids, with_hf_tensors)
 
 from .args import ServerArgs
 from .metrics import Metrics
@@ -268,7 +268,7 @@ class Backend:
         if not self._update_lock.acquire(blocking=False):
             return False, "another weight update is in progress", 0
         try:
-            folder = resolve_model_path(model_path)
+            folder = resolve_model_path(model_path, cache_dir=self.args.download_dir)
             why = self._shape_mismatch(ModelConfig.from_pretrained(folder, dtype=self.cfg.dtype))
             if why:  # said before the weights load
                 return False, f"{model_path} is not the served model's shape: {why}", 0
@@ -316,7 +316,7 @@ class Backend:
         if truncate_size < 0:
             raise RequestError(f"truncate_size must be >= 0, got {truncate_size}", param="truncate_size")
         try:
-            return hf_tensor(self.scheduler.runner.target_params, self.cfg, name)[:truncate_size].tolist()
+            return hf_tensor(self.scheduler.runner.target_params, self.cfg, name, rows=truncate_size).tolist()
         except WeightsError as e:
             raise RequestError(str(e), param="name") from None
 
@@ -371,8 +371,9 @@ def load_target(args: ServerArgs, folder: str, mesh):
     if args.load_format != "dummy":
         return load_model(folder, dtype=dtype, mesh=mesh, layout="decode")
     cfg = ModelConfig.from_pretrained(folder, dtype=dtype)
-    params = target.init_params(cfg, jax.random.PRNGKey(args.random_seed))
-    return cfg, target.unstack_layers(shard_params(params, cfg, mesh) if mesh is not None else params)
+    init = jax.jit(lambda key: target.init_params(cfg, key),  # drawn where they live: no whole copy on one device
+                   out_shardings=param_shardings(cfg, mesh) if mesh is not None else None)
+    return cfg, target.unstack_layers(init(jax.random.PRNGKey(args.random_seed)))
 
 
 def _scheduler_options(args: ServerArgs) -> dict:

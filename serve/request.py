@@ -321,6 +321,8 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     prefilled: int = 0  # prompt tokens in the KV cache
     first_token: int | None = None  # the prefill's token, held while the prompt is scored
+    admitted: bool = False  # it has held a slot (a retracted request waits again)
+    prompt_counted: bool = False  # its prompt's prefill is in the metrics
     resumed: int = 0  # output tokens prefilled again with the prompt after a retraction (``fill_ids``)
     saved_row: Any = None  # a retracted request's slot sampling row (its random stream, penalty state)
     decoding: bool = False  # the first token is out: the request takes decode steps

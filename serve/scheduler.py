@@ -364,7 +364,9 @@ class Scheduler:
             if rank(req.priority) > rank(worst.priority):
                 victim = worst
                 self.waiting.remove(worst)
-        self._finish(victim, {"type": "abort", "message": "The request queue is full.", "status_code": 503})
+        message = "The request queue is full." if victim is req else \
+            "The request is aborted by a higher priority request."  # SGLang's messages
+        self._finish(victim, {"type": "abort", "message": message, "status_code": 503})
         return victim is req
 
     # ---- admission -----------------------------------------------------------------------------------------------
@@ -375,7 +377,7 @@ class Scheduler:
 
     def _admit(self) -> None:
         full = all(s is not None for s in self.slots)
-        if self.admission_paused or not self.waiting or (full and self.priority is None):
+        if self.admission_paused or not self.waiting or (full and not self._may_preempt()):
             return
         order = list(self.waiting)
         if self.policy == "lpm" and self.radix.enabled:
@@ -392,9 +394,21 @@ class Scheduler:
         if self.priority is not None:  # stable: the policy's order within a priority
             order.sort(key=lambda r: -self.priority.rank(r.priority))
         for req in order:
-            if not self._admit_one(req) and not (self.priority is not None and self._preempt_for(req)
-                                                 and self._admit_one(req)):
-                return  # wait for running requests to finish (no overtaking: keeps the order fair)
+            if self._admit_one(req):
+                continue
+            if self.priority is not None and self._preempt_for(req):
+                self._admit_one(req)  # then stop: the retracted requests rank above the rest of ``order``
+            return  # wait for running requests to finish (no overtaking: keeps the order fair)
+
+    def _may_preempt(self) -> bool:
+        """With priority scheduling, whether a waiting request outranks a running one by more than the threshold
+        (else a full batch admits nothing: no sorting or trie walks every step)."""
+        if self.priority is None:
+            return False
+        rank = self.priority.rank
+        low = min((rank(r.priority) for r in self.slots if r is not None), default=None)
+        best = max(rank(r.priority) for r in self.waiting)
+        return low is not None and best - low > self.priority.preemption_threshold
 
     def _admit_one(self, req: Request) -> bool:
         """Give ``req`` a slot and the pages its prompt (what the prefix cache lacks) and output need; False when
@@ -416,8 +430,8 @@ class Scheduler:
         req.nodes = list(nodes)
         req.pages = [n.page for n in nodes] + fresh
         req.prefilled = len(nodes) * self.page_size
-        if not req.resumed:  # a retracted request keeps the count of prompt tokens it found cached at first
-            req.cached_tokens = req.prefilled
+        if not req.admitted:  # a retracted request keeps the count of prompt tokens it found cached at first
+            req.cached_tokens, req.admitted = req.prefilled, True
             self.totals["cached_tokens"] += req.cached_tokens
         self._dirty = True
         req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
@@ -435,14 +449,16 @@ class Scheduler:
         if not cands:  # the common case while the batch is full: no trie walks
             return False
         fill = req.fill_ids
-        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(
-            self.radix.match(fill, (len(fill) - 1) // self.page_size))
-        room, slot_free, chosen = self.pool.num_free + self.radix.evictable_pages(), None in self.slots, []
+        matched = self.radix.match(fill, (len(fill) - 1) // self.page_size)
+        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(matched)
+        # the room: free pages, evictable ones but the newcomer's own prefix, and what each victim alone holds
+        room = self.pool.num_free + self.radix.evictable_pages() - sum(n.ref == 0 for n in matched)
+        slot_free, chosen = None in self.slots, []
         for r in cands:
             if slot_free and room >= need:
                 break
             chosen.append(r)
-            room, slot_free = room + len(r.pages), True
+            room, slot_free = room + len(r.pages) - sum(n.ref > 1 for n in r.nodes), True
         if not chosen or not (slot_free and room >= need):
             return False
         self._collect_pending()  # the step in flight first: its tokens and sampling state belong to them
@@ -511,7 +527,8 @@ class Scheduler:
                 # logprob; scores follow it (a retracted request has its prompt's already)
                 begin, end = req.score_span()
                 req.input_logprobs = [(None, req.prompt_ids[begin if end > begin else -1], None, None)]
-            if not req.resumed:  # a prompt's prefill (not its output's again, after a retraction)
+            if not req.prompt_counted:  # a prompt's prefill once (not again after a retraction)
+                req.prompt_counted = True
                 self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
             self._cache_prefix(req)
         return True
@@ -685,9 +702,12 @@ class Scheduler:
         if req.finish_reason.get("type") == "abort":
             self.totals["aborted"] += 1
         self.metrics.on_finish(req, meta)
-        if self.log_requests is not None:
-            self._log_request(req, meta)
         self._send(req, {"text": text, "token_ids": ids, "finished": True, "meta_info": meta})
+        if self.log_requests is not None:
+            try:
+                self._log_request(req, meta)
+            except Exception:  # noqa: BLE001 - a log line never fails the scheduler
+                log.exception("logging request %s failed", req.rid)
 
     def _log_request(self, req: Request, meta: dict) -> None:
         """SGLang's --log-requests at a finish: level 0 the request's metadata, 1 its sampling parameters too, 2 its

@@ -66,10 +66,9 @@ class ItemNotScored(RuntimeError):
 def waves(prompts: list[list[int]], page_size: int, cache_on: bool) -> list[list[int]]:
     """The prompts' indices in the order to submit them: the first alone, then the rest, when they share at least
     a page (which the first one's prefill puts in the prefix cache); else all at once."""
-    first = prompts[0]
-    shared = min((next((i for i, (a, b) in enumerate(zip(first, p)) if a != b), min(len(first), len(p)))
-                  for p in prompts[1:]), default=0)
-    if cache_on and len(prompts) > 1 and shared >= page_size:
+    head = prompts[0][:page_size]  # one page in common is what the cache shares: compare that much only
+    shared = len(head) == page_size and all(p[:page_size] == head for p in prompts[1:])
+    if cache_on and len(prompts) > 1 and shared:
         return [[0], list(range(1, len(prompts)))]
     return [list(range(len(prompts)))]
 

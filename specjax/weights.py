@@ -325,9 +325,10 @@ def _hf_name(cfg: ModelConfig, name: str):
     raise WeightsError(f"{name!r} does not name a tensor of {cfg.architecture} ({cfg.num_layers} layers)")
 
 
-def hf_tensor(params: target.TargetParams, cfg: ModelConfig, name: str) -> np.ndarray:
-    """The decode-layout ``params``' tensor that checkpoint name ``name`` holds, in the checkpoint's shape, as
-    float32 (SGLang's ``get_weights_by_name``; a tied model's ``lm_head.weight`` is its embedding)."""
+def hf_tensor(params: target.TargetParams, cfg: ModelConfig, name: str, rows: int | None = None) -> np.ndarray:
+    """The decode-layout ``params``' tensor that checkpoint name ``name`` holds, in the checkpoint's shape (its
+    first ``rows`` rows), as float32 (SGLang's ``get_weights_by_name``; a tied model's ``lm_head.weight`` is its
+    embedding). The vocabulary tables are sliced before they are copied."""
     key = name[len("model."):] if name.startswith("model.") else name
     if key == "lm_head.weight" and cfg.tie_word_embeddings:
         key = "embed_tokens.weight"
@@ -337,11 +338,11 @@ def hf_tensor(params: target.TargetParams, cfg: ModelConfig, name: str) -> np.nd
     layer, field, _, shape = where
     if layer is not None:
         lp = target.unfuse_layer(target.unpack_layer(params.layers[layer]))
-        return _to_hf(field, np.asarray(getattr(lp, field), np.float32), shape)
+        return _to_hf(field, np.asarray(getattr(lp, field), np.float32), shape)[:rows]
     if field == "lm_head.weight":
         head = params.lm_head.unpack() if isinstance(params.lm_head, cpu_dense.PackedWeight) else params.lm_head
-        return np.ascontiguousarray(np.asarray(head, np.float32).T)
-    return np.asarray(params.embed if field == "embed_tokens.weight" else params.final_norm, np.float32)
+        return np.ascontiguousarray(np.asarray(head[:, :rows], np.float32).T)
+    return np.asarray((params.embed if field == "embed_tokens.weight" else params.final_norm)[:rows], np.float32)
 
 
 def _relaid_layer(old: target.LayerParams, fields: dict, dtype) -> target.LayerParams:

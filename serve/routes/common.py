@@ -221,14 +221,15 @@ class Fanout:
             self.abort()
 
     async def wait(self, request: Request) -> None:
-        async for _ in self.events(request):
-            pass
+        """Until every request finished; a request the scheduler refused (a full queue) answers the whole call
+        with its status, as SGLang, and the others are aborted at once rather than run for nothing."""
+        async for _, ev in self.events(request):
+            refused = (ev["meta_info"].get("finish_reason") or {}) if ev["finished"] else {}
+            if refused.get("status_code"):
+                self.abort()
+                raise APIError(refused["status_code"], refused["message"], type_="service_unavailable")
         if len(self.done) < len(self.reqs):
             raise APIError(499, "client closed the request")
-        refused = next((m["finish_reason"] for m in self.meta if (m.get("finish_reason") or {}).get("status_code")),
-                       None)
-        if refused is not None:  # the scheduler refused one (a full queue): the whole call answers so, as SGLang
-            raise APIError(refused["status_code"], refused["message"], type_="service_unavailable")
 
 
 def sse(obj: Any) -> str:
