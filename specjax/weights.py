@@ -45,7 +45,8 @@ def hub_snapshot(repo: str, allow_patterns, revision: str | None = None, cache_d
     try:
         from huggingface_hub import snapshot_download
         # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
-        return snapshot_download(repo, allow_patterns=list(allow_patterns), revision=revision, cache_dir=cache_dir,
+        where = {k: v for k, v in (("revision", revision), ("cache_dir", cache_dir)) if v is not None}
+        return snapshot_download(repo, allow_patterns=list(allow_patterns), **where,
                                  ignore_patterns=["consolidated*.safetensors"])
     except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
         raise WeightsError(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None
