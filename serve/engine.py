@@ -27,7 +27,6 @@ import numpy as np
 from specjax.hub import enable_compilation_cache
 from specjax.serve.launch import build, setup_logging
 
-from . import scoring
 from .args import ServerArgs
 from .protocol import GenerateRequest
 from .request import (RequestError, SamplingParams, batch_rids, check_text, copy_rid, refuse_unsupported,
@@ -217,34 +216,26 @@ class Engine:
         """SGLang's: per item, the probabilities of ``label_token_ids`` as the next token after query + item (item
         + query with ``item_first``), in the labels' order; with ``apply_softmax`` normalised over the labels
         (``serve.scoring``)."""
-        prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
-        scores = [None] * len(prompts)
-        for wave in self._score_waves(prompts):  # a wave that failed raises before the next is submitted
-            for i, o in zip(wave, self.generate(input_ids=[prompts[i] for i in wave],
-                                                sampling_params=[dataclasses.asdict(sp)] * len(wave))):
-                scores[i] = scoring.item_scores(o["meta_info"], apply_softmax, i)
-        return scores
+        job = self.backend.score_job(query, items, label_token_ids, apply_softmax, item_first)
+        for wave in job.waves:  # a wave that failed raises before the next is submitted
+            job.record(wave, [o["meta_info"] for o in self.generate(**self._wave_inputs(job, wave))])
+        return job.scores
 
     async def async_score(self, query: str | list[int] | None = None,
                           items: str | list[str] | list[list[int]] | None = None,
                           label_token_ids: list[int] | None = None, apply_softmax: bool = False,
                           item_first: bool = False) -> list[list[float]]:
         """``score`` for asyncio code (the event loop is never blocked)."""
-        prompts, sp = self._score_requests(query, items, label_token_ids, item_first)
-        scores = [None] * len(prompts)
-        for wave in self._score_waves(prompts):
-            for i, o in zip(wave, await self.async_generate(input_ids=[prompts[i] for i in wave],
-                                                            sampling_params=[dataclasses.asdict(sp)] * len(wave))):
-                scores[i] = scoring.item_scores(o["meta_info"], apply_softmax, i)
-        return scores
+        job = self.backend.score_job(query, items, label_token_ids, apply_softmax, item_first)
+        for wave in job.waves:
+            job.record(wave, [o["meta_info"] for o in await self.async_generate(**self._wave_inputs(job, wave))])
+        return job.scores
 
-    def _score_requests(self, query, items, label_token_ids, item_first):
-        sp = scoring.score_params(label_token_ids, self.backend.cfg.vocab_size)
-        return scoring.score_prompts(self.backend.encode, query, items, item_first), sp
-
-    def _score_waves(self, prompts):
-        sched = self.backend.scheduler
-        return scoring.waves(prompts, sched.page_size, sched.radix.enabled)
+    @staticmethod
+    def _wave_inputs(job, wave) -> dict:
+        """``generate``'s arguments for a scoring wave's items."""
+        return dict(input_ids=[job.prompts[i] for i in wave],
+                    sampling_params=[dataclasses.asdict(job.params)] * len(wave))
 
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()

@@ -38,6 +38,7 @@ from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer
 from .args import ServerArgs
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
+from .scoring import ScoreJob
 
 CONFIG_FILES = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")  # a hub model's files but its weights
 
@@ -308,6 +309,13 @@ class Backend:
             self._update_lock.release()
         log.info("weights updated from tensors")
         return True, "Succeeded to update model weights."
+
+    def score_job(self, query, items, label_token_ids, apply_softmax: bool = False,
+                  item_first: bool = False) -> ScoreJob:
+        """SGLang's scoring arguments as a ``scoring.ScoreJob`` of this model and scheduler."""
+        sched = self.scheduler
+        return ScoreJob.make(self.encode, self.cfg.vocab_size, sched.page_size, sched.radix.enabled, query, items,
+                             label_token_ids, apply_softmax, item_first)
 
     def get_weights_by_name(self, name: str, truncate_size: int = 100) -> list:
         """SGLang's: the served target's tensor of checkpoint name ``name`` as float32 nested lists, its first

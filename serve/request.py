@@ -323,7 +323,6 @@ class Request:
     first_token: int | None = None  # the prefill's token, held while the prompt is scored
     admitted: bool = False  # it has held a slot (a retracted request waits again)
     prompt_counted: bool = False  # its prompt's prefill is in the metrics
-    resumed: int = 0  # output tokens prefilled again with the prompt after a retraction (``fill_ids``)
     saved_row: Any = None  # a retracted request's slot sampling row (its random stream, penalty state)
     decoding: bool = False  # the first token is out: the request takes decode steps
     output_ids: list[int] = dataclasses.field(default_factory=list)
@@ -354,6 +353,12 @@ class Request:
         return self.finish_reason is not None
 
     @property
+    def resumed(self) -> int:
+        """Output tokens a prefill runs again with the prompt (``fill_ids``): all of them while a retracted request
+        waits or is prefilled again (its output does not change meanwhile), none once it decodes."""
+        return 0 if self.decoding else len(self.output_ids)
+
+    @property
     def fill_len(self) -> int:
         return len(self.prompt_ids) + self.resumed
 
@@ -364,7 +369,7 @@ class Request:
 
     @property
     def prefill_done(self) -> bool:
-        return self.prefilled >= self.fill_len
+        return self.decoding or self.prefilled >= self.fill_len
 
     @property
     def scored(self) -> int:

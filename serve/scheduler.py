@@ -68,6 +68,11 @@ class PriorityPolicy:
 log = logging.getLogger("specjax.serve")
 
 
+def _row(logprobs, b: int):
+    """Slot ``b``'s part of a runner's ``logprobs`` (None stays None, and so does an array not read)."""
+    return None if logprobs is None else tuple(None if a is None else a[b] for a in logprobs)
+
+
 @dataclasses.dataclass
 class _Inflight:
     """A launched step: the runner's handle, the request each slot held at launch (None: not in the step), when."""
@@ -230,13 +235,9 @@ class Scheduler:
             self._collect_pending()
             running = [r for r in self.slots if r is not None]
             if mode == "abort":
-                for req in list(self.waiting) + running:
-                    self.waiting = [r for r in self.waiting if r is not req]
-                    self._finish(req, {"type": "abort", "message": "aborted by pause_generation"})
-            elif mode == "retract":  # back to the queue ahead of what arrived later, in arrival order
-                for req in running:
-                    self._retract(req)
-                self.waiting = sorted(running, key=lambda r: r.arrival) + self.waiting
+                self._abort_all(self.waiting + running, "aborted by pause_generation")
+            elif mode == "retract":
+                self._retract_all(running)
             self.generation_paused = True
             self._update_snapshot(force=True)
         self.call(do, timeout=3600.0)  # an iteration may compile or prefill a long chunk first
@@ -298,12 +299,17 @@ class Scheduler:
                     break
                 if item[0] == "call":
                     item[2].set_exception(RuntimeError("the scheduler is shut down: start a new engine / server"))
-        for req in live:
+        self._abort_all(live, message)
+
+    def _abort_all(self, reqs, message: str) -> None:
+        """Finish each of ``reqs`` (waiting or running) with an abort; one that fails does not stop the others."""
+        gone = {id(r) for r in reqs}
+        self.waiting = [r for r in self.waiting if id(r) not in gone]
+        for req in reqs:
             try:
-                self.waiting = [r for r in self.waiting if r is not req]
                 self._finish(req, {"type": "abort", "message": message})
             except Exception:  # noqa: BLE001 - the others must still hear it
-                log.exception("while failing request %s at shutdown", req.rid)
+                log.exception("while aborting request %s", req.rid)
 
     def _drain(self, block: bool) -> None:
         try:
@@ -416,10 +422,8 @@ class Scheduler:
         free = [i for i, s in enumerate(self.slots) if s is None]
         if not free:
             return False
-        fill = req.fill_ids
-        nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
+        nodes, need = self._prefix_and_need(req)
         self.radix.lock(nodes)
-        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
         if self.pool.num_free < need:
             self.radix.evict(need - self.pool.num_free)
         fresh = self.pool.alloc(need)
@@ -438,6 +442,12 @@ class Scheduler:
         self.slots[req.slot] = req
         return True
 
+    def _prefix_and_need(self, req: Request) -> tuple[list, int]:
+        """(the cached prefix's radix nodes, the further pages ``req`` needs for the rest of its fill and output)."""
+        fill = req.fill_ids
+        nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
+        return nodes, self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
+
     def _preempt_for(self, req: Request) -> bool:
         """SGLang's priority preemption: running requests whose priority is below ``req``'s by more than the
         threshold, the lowest first (among equals the latest to arrive), are retracted (``_retract``) when together
@@ -448,9 +458,7 @@ class Scheduler:
                        key=lambda r: (rank(r.priority), -r.arrival))
         if not cands:  # the common case while the batch is full: no trie walks
             return False
-        fill = req.fill_ids
-        matched = self.radix.match(fill, (len(fill) - 1) // self.page_size)
-        need = self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(matched)
+        matched, need = self._prefix_and_need(req)
         # the room: free pages, evictable ones but the newcomer's own prefix, and what each victim alone holds
         room = self.pool.num_free + self.radix.evictable_pages() - sum(n.ref == 0 for n in matched)
         slot_free, chosen = None in self.slots, []
@@ -463,9 +471,7 @@ class Scheduler:
             return False
         self._collect_pending()  # the step in flight first: its tokens and sampling state belong to them
         chosen = [r for r in chosen if r.slot is not None and self.slots[r.slot] is r and not r.finished]
-        for r in chosen:
-            self._retract(r)
-        self.waiting = sorted(chosen, key=lambda r: r.arrival) + self.waiting
+        self._retract_all(chosen)
         if chosen:
             log.info("retracted %d request(s) of a lower priority for request %s", len(chosen), req.rid)
         return bool(chosen)
@@ -522,7 +528,7 @@ class Scheduler:
         req.prefilled += n
         self.totals["prompt_tokens"] += n
         if req.prefill_done:
-            req.first_token = tok
+            req.first_token, req.saved_row = tok, None  # the row lives in the slot again
             if req.params.return_logprob and not req.resumed:  # the first prompt token asked for, without a
                 # logprob; scores follow it (a retracted request has its prompt's already)
                 begin, end = req.score_span()
@@ -617,7 +623,7 @@ class Scheduler:
                 self.totals["spec_tokens"] += c
                 req.spec_draft_tokens += inflight.launched.drafts
                 req.spec_accepted += max(c - 1, 0)  # a step gives its accepted drafts and one token of its own
-            n_out += self._emit_tokens(req, tokens[b, :c].tolist(), None if lps is None else tuple(a[b] for a in lps))
+            n_out += self._emit_tokens(req, tokens[b, :c].tolist(), _row(lps, b))
         now = time.perf_counter()
         self.metrics.on_step(n_out, len(rows), now - max(inflight.t0, self._last_collect))
         self._last_collect = now
@@ -639,14 +645,16 @@ class Scheduler:
             self._finish(req, {"type": "abort", "message": f"logprobs failed: {type(e).__name__}: {e}"})
             return
         if req.params.max_new_tokens == 0:
-            req.record_ids_logprobs(None if lps is None else tuple(a[req.slot] for a in lps), 0)
+            req.record_ids_logprobs(_row(lps, req.slot), 0)
             self._finish(req, {"type": "length", "length": 0})
             return
-        self._emit_tokens(req, [tok], None if lps is None else tuple(a[req.slot] for a in lps))
+        self._emit_tokens(req, [tok], _row(lps, req.slot))
 
     def _logprobs(self, reqs):
         """The runner's logprobs of the latest step (host arrays), fetched only when one of ``reqs`` wants them."""
-        return self.runner.logprobs(self.state) if any(r.params.return_logprob for r in reqs) else None
+        if not any(r.params.return_logprob for r in reqs):
+            return None
+        return self.runner.logprobs(self.state, ids=any(r.params.token_ids_logprob for r in reqs))
 
     def _emit_tokens(self, req: Request, tokens, logprobs=None) -> int:
         """Append a step's tokens to ``req`` (up to a stop), stream or finish it. Returns how many it took."""
@@ -712,6 +720,8 @@ class Scheduler:
     def _log_request(self, req: Request, meta: dict) -> None:
         """SGLang's --log-requests at a finish: level 0 the request's metadata, 1 its sampling parameters too, 2 its
         prompt and output text too (2048 characters of each), 3 all of them."""
+        if not log.isEnabledFor(logging.INFO):
+            return
         level, cut = self.log_requests, (lambda t: t if self.log_requests >= 3 else t[:2048])
         keep = ("id", "finish_reason", "prompt_tokens", "completion_tokens", "cached_tokens", "e2e_latency")
         parts = [f"{k}={meta[k]!r}" for k in keep if k in meta]
@@ -719,7 +729,10 @@ class Scheduler:
             parts.append(f"sampling_params={dataclasses.asdict(req.params)!r}")
         if level >= 2:
             try:
-                parts.append(f"prompt={cut(self.tokenizer.decode(req.prompt_ids))!r}")
+                prompt = self.tokenizer.decode(req.prompt_ids if level >= 3 else req.prompt_ids[:2048])
+                if level < 3 and len(prompt) < 2048 < len(req.prompt_ids):  # tokens shorter than a character
+                    prompt = self.tokenizer.decode(req.prompt_ids)
+                parts.append(f"prompt={cut(prompt)!r}")
             except Exception:  # noqa: BLE001 - a log line never fails a request
                 parts.append(f"prompt_ids={cut(str(req.prompt_ids))}")
             parts.append(f"output={cut(req.text)!r}")
@@ -740,14 +753,20 @@ class Scheduler:
         self.slots[req.slot] = None
         req.slot, req.nodes, req.pages = None, [], []
 
+    def _retract_all(self, reqs) -> None:
+        """Retract ``reqs`` (running; ``_retract``) back to the queue, ahead of what arrived later, in arrival
+        order."""
+        for req in reqs:
+            self._retract(req)
+        self.waiting = sorted(reqs, key=lambda r: r.arrival) + self.waiting
+
     def _retract(self, req: Request) -> None:
         """SGLang's retraction: the request leaves its slot (its K/V pages to the prefix cache, where its next
         prefill finds what was not evicted meanwhile) and waits to be prefilled again over its prompt and the output
         it emitted, its sampling row kept (the same random stream and penalty state go on). One that has emitted
         nothing starts over as it arrived."""
-        if req.decoding:
+        if req.decoding:  # its output so far is prefilled again with the prompt (``Request.resumed``)
             req.saved_row = self.runner.slot_row(self.state, req.slot)
-            req.resumed = len(req.output_ids)
         self._free_slot(req)
         req.prefilled, req.decoding, req.first_token = 0, False, None
 

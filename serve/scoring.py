@@ -13,6 +13,7 @@ labels, summing to 1), else each label's probability exp(logprob).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 from specjax import sampling
@@ -87,3 +88,28 @@ def item_scores(meta: dict, apply_softmax: bool, index: int = 0) -> list[float]:
     e = [math.exp(x - top) for x in lps]
     total = sum(e)
     return [x / total for x in e]
+
+
+@dataclasses.dataclass
+class ScoreJob:
+    """One scoring call: a prompt per item, the parameters of their requests, the waves to submit them in
+    (``waves``), and the scores of the waves recorded so far (``record``). Its callers submit and wait."""
+    prompts: list[list[int]]
+    params: SamplingParams
+    apply_softmax: bool
+    waves: list[list[int]]
+    scores: list
+
+    @classmethod
+    def make(cls, encode, vocab_size: int, page_size: int, cache_on: bool, query, items, label_token_ids,
+             apply_softmax: bool = False, item_first: bool = False) -> "ScoreJob":
+        """The job of SGLang's arguments (``score_params`` and ``score_prompts`` check them, in that order)."""
+        params = score_params(label_token_ids, vocab_size)
+        prompts = score_prompts(encode, query, items, item_first)
+        return cls(prompts, params, apply_softmax, waves(prompts, page_size, cache_on), [None] * len(prompts))
+
+    def record(self, wave: list[int], metas) -> None:
+        """The scores of a finished wave's items from their meta_info, in its order (ItemNotScored for one that
+        ended without them: the caller stops before the next wave)."""
+        for i, meta in zip(wave, metas):
+            self.scores[i] = item_scores(meta, self.apply_softmax, i)

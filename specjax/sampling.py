@@ -93,18 +93,21 @@ class SamplingRow:
         for t, b in self.logit_bias:
             if not (math.isfinite(b) and -100.0 <= b <= 100.0):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {b} for token {t}")
-            if t < 0 or (vocab_size is not None and t >= vocab_size):
-                where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
-                raise ValueError(f"logit_bias token id {t} is outside {where}")
+        _check_ids("logit_bias", [t for t, _ in self.logit_bias], vocab_size)
         if len(self.logprob_ids) > MAX_TOKEN_IDS_LOGPROB:
             raise ValueError(f"token_ids_logprob has {len(self.logprob_ids)} ids; at most {MAX_TOKEN_IDS_LOGPROB}")
-        bad = [t for t in self.logprob_ids if t < 0 or (vocab_size is not None and t >= vocab_size)]
-        if bad:
-            where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
-            raise ValueError(f"token_ids_logprob id {bad[0]} is outside {where}")
+        _check_ids("token_ids_logprob", self.logprob_ids, vocab_size)
         if self.min_new_tokens > 0 and len(set(self.stop_ids)) > MAX_STOP_IDS:
             raise ValueError(f"min_new_tokens can hold back at most {MAX_STOP_IDS} stop token ids, got "
                              f"{len(set(self.stop_ids))}")
+
+
+def _check_ids(name: str, ids, vocab_size: int | None) -> None:
+    """ValueError naming ``name`` for the first id outside [0, vocab_size) (or below 0 when the size is unknown)."""
+    bad = next((t for t in ids if t < 0 or (vocab_size is not None and t >= vocab_size)), None)
+    if bad is not None:
+        where = f"the vocabulary [0, {vocab_size})" if vocab_size is not None else "[0, vocab size)"
+        raise ValueError(f"{name} token id {bad} is outside {where}")
 
 
 class Seeds:
@@ -440,8 +443,9 @@ def sample_next(logits, sb: SamplingBatch, active=None):
     return tok, sb
 
 
-def read_logprobs(sb: SamplingBatch):
+def read_logprobs(sb: SamplingBatch, ids: bool = True):
     """Host copies (f32[B, W], i32[B, W, TOP_LOGPROBS], f32[B, W, TOP_LOGPROBS], f32[B, W, MAX_TOKEN_IDS_LOGPROB])
     of the logprobs of the tokens each row emitted in its latest step (prefill: column 0), its top tokens' and its
-    ``logprob_ids``'."""
-    return np.asarray(sb.logprob), np.asarray(sb.top_ids), np.asarray(sb.top_logprobs), np.asarray(sb.ids_logprobs)
+    ``logprob_ids``' (None without ``ids``: no row asks for them)."""
+    return (np.asarray(sb.logprob), np.asarray(sb.top_ids), np.asarray(sb.top_logprobs),
+            np.asarray(sb.ids_logprobs) if ids else None)

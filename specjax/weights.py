@@ -45,8 +45,7 @@ def hub_snapshot(repo: str, allow_patterns, revision: str | None = None, cache_d
     try:
         from huggingface_hub import snapshot_download
         # Mistral repos hold their weights twice: HF shards and a Mistral-format consolidated.safetensors
-        where = {k: v for k, v in (("revision", revision), ("cache_dir", cache_dir)) if v is not None}
-        return snapshot_download(repo, allow_patterns=list(allow_patterns), **where,
+        return snapshot_download(repo, allow_patterns=list(allow_patterns), revision=revision, cache_dir=cache_dir,
                                  ignore_patterns=["consolidated*.safetensors"])
     except Exception as e:  # noqa: BLE001 - any hub failure gets the same advice
         raise WeightsError(f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}") from None

@@ -144,7 +144,7 @@ def test_hub_download_skips_mistral_consolidated_weights(monkeypatch, tmp_path):
     (consolidated.safetensors, as large as the shards)."""
     seen = {}
 
-    def fake_download(repo_id, allow_patterns=None, ignore_patterns=None):
+    def fake_download(repo_id, allow_patterns=None, ignore_patterns=None, **_):
         seen.update(repo=repo_id, allow=allow_patterns, ignore=ignore_patterns)
         return str(tmp_path)
 

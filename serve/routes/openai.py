@@ -163,23 +163,19 @@ async def score(request: Request):
     """SGLang's decoder-only scoring: per item, the probabilities of ``label_token_ids`` as the next token after
     query + item (``serve.scoring``); each pair is a prefill-only request."""
     backend, served, body = await openai_request(request, P.ScoringRequest)
-    sp = scoring.score_params(body.label_token_ids, backend.cfg.vocab_size)
-    prompts = await off_loop(scoring.score_prompts, backend.encode, body.query, body.items, body.item_first)
-    for ids in prompts:
-        backend.check_request(ids, sp, max_new_given=False)
-    scores = [None] * len(prompts)
-    for wave in scoring.waves(prompts, backend.scheduler.page_size, backend.scheduler.radix.enabled):
+    job = await off_loop(backend.score_job, body.query, body.items, body.label_token_ids, body.apply_softmax,
+                         body.item_first)
+    for wave in job.waves:
         fan = Fanout(backend)
         for i in wave:
-            fan.add(prompts[i], sp)
+            fan.add(job.prompts[i], job.params)
         await fan.wait(request)
         try:  # a wave that failed answers before the next is submitted
-            for i, m in zip(wave, fan.meta):
-                scores[i] = scoring.item_scores(m, body.apply_softmax, i)
+            job.record(wave, fan.meta)
         except scoring.ItemNotScored as e:
             raise APIError(503, str(e), type_="service_unavailable") from None
-    pt = sum(len(ids) for ids in prompts)
-    return P.ScoringResponse(scores=scores, model=served,
+    pt = sum(len(ids) for ids in job.prompts)
+    return P.ScoringResponse(scores=job.scores, model=served,
                              usage=P.UsageInfo(prompt_tokens=pt, total_tokens=pt)).model_dump()
 
 

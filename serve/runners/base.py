@@ -156,9 +156,10 @@ class RunnerCommon:
             state = self.release(state, 0)
         return state
 
-    def logprobs(self, state):
-        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step."""
-        return sampling.read_logprobs(state.sampling)
+    def logprobs(self, state, ids: bool = True):
+        """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step (and of
+        the ids the rows name, with ``ids``)."""
+        return sampling.read_logprobs(state.sampling, ids)
 
     def score_prompt(self, state, page_row, tokens, begin: int, count: int, temperature: float,
                      logprob_ids=()) -> list:
