@@ -18,6 +18,8 @@ from specjax.speculative.tree import validate as validate_tree
 from specjax.speculative.tune import TuneError, load_tune, load_tune_costs, shape_for, table_path
 from specjax.speculative.verify import Thresholds
 
+from .budget import TokenRatio
+
 log = logging.getLogger("specjax.serve")
 
 SPEC_ALGORITHMS = ("EAGLE", "EAGLE3")
@@ -68,6 +70,10 @@ class ServerArgs:
     log_level: str = option("info", group="http", choices=["debug", "info", "warning", "error", "critical"],
                             type=str.lower, help="server and access log verbosity (any case, as SGLang takes it)")
     enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
+    decode_log_interval: int = option(40, group="http", help="log a \"Decode batch.\" line (running and waiting "
+                                      "requests, KV tokens held, throughput) every N decode steps at --log-level "
+                                      "info, as SGLang; 0: none (a \"Prefill batch.\" line follows every prefill "
+                                      "round)")
     log_requests: bool = option(False, group="http", help="log every request when it finishes (SGLang's flag)")
     log_requests_level: int = option(2, group="http", choices=[0, 1, 2, 3], help="with --log-requests: 0 its "
                                      "metadata, 1 and its sampling parameters, 2 and its prompt and output text "
@@ -102,6 +108,10 @@ class ServerArgs:
     chunked_prefill_size: int = option(512, group=_MEM, help="max prompt tokens computed per scheduler iteration, "
                                                              "so long prompts interleave with decoding (-1: whole "
                                                              "prompt at once)")
+    max_prefill_tokens: int | None = option(None, group=_MEM, help="most prompt tokens prefilled per scheduler "
+                                            "iteration over all requests, each request's chunk still at most "
+                                            "--chunked-prefill-size (default: --chunked-prefill-size; SGLang's "
+                                            "is 16384)")
     page_size: int | None = option(None, group=_MEM, help="tokens per KV page (radix cache granularity; default 16, on "
                                    "a TPU the smallest page that packs the pool's small head dims into 128-lane "
                                    "rows: 32 for bf16 at head dim 64)")
@@ -109,6 +119,12 @@ class ServerArgs:
                                   "first come first served, longest cached prefix first, cached prefixes shared by "
                                   "the most waiting requests first (depth first), longest output (max_new_tokens) "
                                   "first, or a random order (--random-seed)")
+    schedule_conservativeness: float = option(1.0, group=_MEM, help="how much of their remaining token budgets "
+                                              "admission expects running requests to still emit, as a factor of "
+                                              "SGLang's starting ratio 0.7 (their pages are handed out as they "
+                                              "grow; when the pool runs dry, requests are retracted and prefilled "
+                                              "again later): raise it if requests are retracted often, lower it "
+                                              "to admit more at once")
     enable_priority_scheduling: bool = option(False, group=_MEM, help="admit waiting requests by their `priority` "
                                               "(larger first), then by --schedule-policy (fcfs or lof); a request "
                                               "that cannot be admitted retracts running ones of a priority lower "
@@ -263,8 +279,18 @@ class ServerArgs:
             raise ArgsError(f"--max-total-tokens must hold at least one page ({page} tokens)")
         if self.context_length is not None and self.context_length < 2:
             raise ArgsError("--context-length must be >= 2")
+        if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
+            raise ArgsError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
+        if self.decode_log_interval < 0:
+            raise ArgsError(f"--decode-log-interval must be >= 0 (got {self.decode_log_interval})")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:
             raise ArgsError("--chunked-prefill-size must be positive, or -1 to disable chunking")
+        if not self.schedule_conservativeness > 0:  # NaN too
+            raise ArgsError(f"--schedule-conservativeness must be > 0 (got {self.schedule_conservativeness})")
+        try:
+            TokenRatio.of(self.schedule_conservativeness)  # SGLang's environment variables too
+        except ValueError as e:
+            raise ArgsError(str(e)) from None
         if self.schedule_policy not in SCHEDULE_POLICIES:
             raise ArgsError(f"--schedule-policy must be one of {', '.join(SCHEDULE_POLICIES)} (got "
                             f"{self.schedule_policy!r}; priority is --enable-priority-scheduling)")

@@ -36,6 +36,7 @@ from specjax.weights import (WeightsError, hf_tensor, load_model, load_tokenizer
                              resolve_model_path, stop_token_ids, with_hf_tensors)
 
 from .args import ServerArgs
+from .budget import TokenRatio
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
 from .scoring import ScoreJob
@@ -391,7 +392,9 @@ def _scheduler_options(args: ServerArgs) -> dict:
                 overlap_schedule=not args.disable_overlap_schedule, priority=PriorityPolicy.of(args),
                 refuse_priority=args.abort_on_priority_when_disabled, max_queued=args.max_queued_requests,
                 stream_interval=args.stream_interval,
-                log_requests=args.log_requests_level if args.log_requests else None)
+                log_requests=args.log_requests_level if args.log_requests else None,
+                token_ratio=TokenRatio.of(args.schedule_conservativeness), max_prefill_tokens=args.max_prefill_tokens,
+                decode_log_interval=args.decode_log_interval)
 
 
 def make_mesh_for(args: ServerArgs):

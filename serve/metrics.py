@@ -36,6 +36,10 @@ class Metrics:
         self.kv_cached = Gauge("specjax:cached_pages", "KV pages held by the radix cache", **lab)
         self.gen_throughput = Gauge("specjax:gen_throughput", "generated tokens/s over the last 10 s", **lab)
         self.accept = Gauge("specjax:spec_accept_length", "mean tokens per speculative verify step", **lab)
+        self.retracted = Counter("specjax:num_retracted_requests", "running requests retracted to the queue when "
+                                 "the KV pool ran out of pages", **lab)
+        self.token_ratio = Gauge("specjax:new_token_ratio", "the share of their remaining token budgets that "
+                                 "admission expects running requests to still emit", **lab)
         buckets = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, float("inf"))
         self.ttft = Histogram("specjax:time_to_first_token_seconds", "time to first token", buckets=buckets, **lab)
         self.e2e = Histogram("specjax:e2e_request_latency_seconds", "end-to-end latency", buckets=buckets, **lab)
@@ -69,6 +73,10 @@ class Metrics:
         if self.enabled and tokens:
             self._l(self.itl).observe(seconds * batch / tokens)
 
+    def on_retract(self, n: int) -> None:
+        if self.enabled and n:
+            self._l(self.retracted).inc(n)
+
     def on_finish(self, req, meta: dict) -> None:
         if not self.enabled:
             return
@@ -100,6 +108,7 @@ class Metrics:
         self._l(self.kv_usage).set(snap["kv_usage"])
         self._l(self.kv_cached).set(snap["kv_pages_cached"])
         self._l(self.gen_throughput).set(snap["gen_throughput"])
+        self._l(self.token_ratio).set(snap["new_token_ratio"])
         if "avg_spec_accept_length" in snap:
             self._l(self.accept).set(snap["avg_spec_accept_length"])
 

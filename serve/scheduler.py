@@ -1,15 +1,16 @@
 """The scheduler: one thread that owns the model runner, the KV pages and the radix cache.
 
 Every iteration it (1) takes new requests, aborts and control calls from its inbox, (2) admits waiting requests into
-free slots when their KV pages can be reserved (evicting unreferenced cached prefixes if needed), (3) spends up to
-``chunked_prefill_size`` prompt tokens on prefill, and (4) runs one decode step (plain or speculative) for every
-slot that has finished its prefill. Requests join and leave between steps (continuous batching). Output events go
-to each request's sink as they are produced. With the overlap schedule (the default, as SGLang's) step (4) launches
-this iteration's step and only then collects the previous one, so emitting tokens, detokenizing and finishing
-requests run while the device computes; a request that finished in the collected step has run one more step, whose
-tokens are dropped (its pages cover two steps past its budget). Nothing here raises out of the loop: a failing
-request is finished with an abort reason, and a failing batch step fails the running batch and resets the device
-state.
+free slots when their prompt's KV pages and their output (4,096 tokens of it at most) fit beside what the running
+requests are expected to emit (SGLang's new-token ratio, ``budget.TokenRatio``; unreferenced cached prefixes are evicted
+if needed), (3) spends up to ``chunked_prefill_size`` prompt tokens on prefill, and (4) gives every slot that has
+finished its prefill the pages of its next step (retracting requests to the queue when the pool runs dry) and runs one
+decode step (plain or speculative) for them. Requests join and leave between steps (continuous batching). Output events
+go to each request's sink as they are produced. With the overlap schedule (the default, as SGLang's) step (4) launches
+this iteration's step and only then collects the previous one, so emitting tokens, detokenizing and finishing requests
+run while the device computes; a request that finished in the collected step has run one more step, whose tokens are
+dropped (its pages cover two steps past what the host has collected). Nothing here raises out of the loop: a failing
+request is finished with an abort reason, and a failing batch step fails the running batch and resets the device state.
 """
 
 from __future__ import annotations
@@ -28,12 +29,14 @@ from typing import Any, Callable
 import jax
 import numpy as np
 
+from .budget import TokenRatio
 from .metrics import Metrics
 from .pages import PagePool, RadixCache
 from .request import Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
+GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
 
 
 @dataclasses.dataclass(frozen=True)
@@ -87,14 +90,20 @@ class Scheduler:
                  schedule_policy: str = "fcfs", random_seed: int = 0, spec: bool = False,
                  metrics: Metrics | None = None, overlap_schedule: bool = True,
                  priority: PriorityPolicy | None = None, refuse_priority: bool = False,
-                 max_queued: int | None = None, stream_interval: int = 1, log_requests: int | None = None):
+                 max_queued: int | None = None, stream_interval: int = 1, log_requests: int | None = None,
+                 token_ratio: TokenRatio | None = None, max_prefill_tokens: int | None = None,
+                 decode_log_interval: int = 40):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
+        self.round_budget = max_prefill_tokens or self.chunk  # prompt tokens per prefill round, all requests
+        self.decode_log_interval = decode_log_interval  # SGLang's: a "Decode batch." line every N steps (0: none)
+        self._decode_steps = 0
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
         self.refuse_priority, self.max_queued, self.stream_interval = refuse_priority, max_queued, stream_interval
         self.log_requests = log_requests  # SGLang's --log-requests-level when --log-requests, else None
+        self.ratio = token_ratio or TokenRatio.of()  # the running requests' expected growth, for admission
         self.page_size = runner.page_size
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
@@ -116,8 +125,8 @@ class Scheduler:
         self._live_lock = threading.Lock()
         self._evictable = 0
         self._dirty = True  # page ownership changed since the last snapshot
-        self.totals = {"requests": 0, "finished": 0, "aborted": 0, "prompt_tokens": 0, "generated_tokens": 0,
-                       "cached_tokens": 0, "spec_verify_ct": 0, "spec_tokens": 0}
+        self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0, "prompt_tokens": 0,
+                       "generated_tokens": 0, "cached_tokens": 0, "spec_verify_ct": 0, "spec_tokens": 0}
         self._update_snapshot(force=True)
 
     # ---- thread-safe API -----------------------------------------------------------------------------------------
@@ -163,7 +172,7 @@ class Scheduler:
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
         params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
-        need = self._pages_needed(len(ids), params.max_new_tokens)
+        need = self._pages_for(len(ids) + params.max_new_tokens)
         if need > self.pool.capacity:
             raise RequestError(f"the request needs {need} KV pages ({need * self.page_size} tokens: prompt "
                                f"{len(ids)} + max_new_tokens {params.max_new_tokens}) but the KV pool holds "
@@ -273,6 +282,8 @@ class Scheduler:
         while not self._stop.is_set():
             try:
                 idle = self.generation_paused or ((not self.waiting or self.admission_paused) and self.drained())
+                if not self.waiting and self.drained():
+                    self.ratio.reset()  # as SGLang: an idle server admits the next requests from the initial ratio
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break
@@ -376,10 +387,42 @@ class Scheduler:
         return victim is req
 
     # ---- admission -----------------------------------------------------------------------------------------------
-    def _pages_needed(self, prompt_len: int, max_new: int) -> int:
-        # a step writes up to tokens_per_step positions past the length; overlapped, one more step may run
-        tokens = prompt_len + max_new + self.runner.tokens_per_step * (2 if self.overlap else 1)
+    def _pages_for(self, length: int) -> int:
+        """The pages a request of ``length`` tokens holds: a step writes up to tokens_per_step positions past the
+        length and, overlapped, one more step may run."""
+        tokens = length + self.runner.tokens_per_step * (2 if self.overlap else 1)
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
+
+    def _evictable_pages(self) -> int:
+        """The radix cache's evictable pages (the trie walked only when pages changed hands since the last count)."""
+        if self._dirty:
+            self._evictable, self._dirty = self.radix.evictable_pages(), False
+        return self._evictable
+
+    def _room(self, matched, without=()) -> float:
+        """The KV tokens a newcomer whose cached prefix is ``matched`` may count on: free pages, evictable ones but
+        its own prefix's, and the pages only ``without`` (running requests to be retracted) hold, less what the
+        other running requests are expected to still write past the pages they hold (``budget.TokenRatio``)."""
+        pages = self.pool.num_free + self._evictable_pages() - sum(n.ref == 0 for n in matched)
+        pages += sum(len(r.pages) - sum(n.ref > 1 for n in r.nodes) for r in without)
+        gone = {id(r) for r in without}
+        growth = sum(max(self._expected(r) - self._headroom(r), 0.0)
+                     for r in self.slots if r is not None and id(r) not in gone)
+        return pages * self.page_size - growth
+
+    def _cost(self, req: Request, need: int) -> int:
+        """The KV tokens a newcomer takes in SGLang's admission: the ``need`` pages of its prompt and its whole
+        remaining output (at most ``clip`` tokens of it; only the running requests' outputs are scaled by the
+        ratio)."""
+        return need * self.page_size + min(max(req.params.max_new_tokens - len(req.output_ids), 0), self.ratio.clip)
+
+    def _expected(self, req: Request) -> float:
+        """The output tokens ``req`` is expected to still emit (``budget.TokenRatio``)."""
+        return self.ratio.expected(req.params.max_new_tokens - len(req.output_ids))
+
+    def _headroom(self, req: Request) -> int:
+        """Positions past its tokens that the pages ``req`` holds cover."""
+        return len(req.pages) * self.page_size - len(req.prompt_ids) - len(req.output_ids)
 
     def _admit(self) -> None:
         full = all(s is not None for s in self.slots)
@@ -417,12 +460,15 @@ class Scheduler:
         return low is not None and best - low > self.priority.preemption_threshold
 
     def _admit_one(self, req: Request) -> bool:
-        """Give ``req`` a slot and the pages its prompt (what the prefix cache lacks) and output need; False when
-        there is no free slot or not enough pages."""
+        """Give ``req`` a slot and the pages its prompt needs (what the prefix cache lacks; its output's pages come
+        as it grows, ``_grow``); False when there is no free slot, or no room for the prompt and its output
+        (``_cost``) beside what the running requests are expected to emit (``_room``)."""
         free = [i for i, s in enumerate(self.slots) if s is None]
         if not free:
             return False
         nodes, need = self._prefix_and_need(req)
+        if any(self.slots) and self._cost(req, need) > self._room(nodes):
+            return False  # beside the running requests' expected growth (alone, it always fits: ``submit``)
         self.radix.lock(nodes)
         if self.pool.num_free < need:
             self.radix.evict(need - self.pool.num_free)
@@ -443,10 +489,10 @@ class Scheduler:
         return True
 
     def _prefix_and_need(self, req: Request) -> tuple[list, int]:
-        """(the cached prefix's radix nodes, the further pages ``req`` needs for the rest of its fill and output)."""
+        """(the cached prefix's radix nodes, the further pages ``req`` needs for the rest of its fill)."""
         fill = req.fill_ids
         nodes = self.radix.match(fill, (len(fill) - 1) // self.page_size)
-        return nodes, self._pages_needed(len(fill), req.params.max_new_tokens - req.resumed) - len(nodes)
+        return nodes, self._pages_for(len(fill)) - len(nodes)
 
     def _preempt_for(self, req: Request) -> bool:
         """SGLang's priority preemption: running requests whose priority is below ``req``'s by more than the
@@ -459,15 +505,14 @@ class Scheduler:
         if not cands:  # the common case while the batch is full: no trie walks
             return False
         matched, need = self._prefix_and_need(req)
-        # the room: free pages, evictable ones but the newcomer's own prefix, and what each victim alone holds
-        room = self.pool.num_free + self.radix.evictable_pages() - sum(n.ref == 0 for n in matched)
+        cost = self._cost(req, need)
         slot_free, chosen = None in self.slots, []
         for r in cands:
-            if slot_free and room >= need:
+            if slot_free and cost <= self._room(matched, chosen):
                 break
             chosen.append(r)
-            room, slot_free = room + len(r.pages) - sum(n.ref > 1 for n in r.nodes), True
-        if not chosen or not (slot_free and room >= need):
+            slot_free = True
+        if not chosen or cost > self._room(matched, chosen):
             return False
         self._collect_pending()  # the step in flight first: its tokens and sampling state belong to them
         chosen = [r for r in chosen if r.slot is not None and self.slots[r.slot] is r and not r.finished]
@@ -483,32 +528,39 @@ class Scheduler:
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def _prefill_round(self) -> None:
-        """Within the round's token budget (``--chunked-prefill-size``), prefill the admitted prompts' next chunks,
-        then score the chunks of those that ask for prompt logprobs; a request whose prompt is through both emits
-        its first token and joins the decode steps."""
-        budget = self.chunk if self.chunk else float("inf")
+        """Within the round's token budget (``--max-prefill-tokens``, by default ``--chunked-prefill-size``),
+        prefill the admitted prompts' next chunks (at most ``--chunked-prefill-size`` tokens each), then score the
+        chunks of those that ask for prompt logprobs; a request whose prompt is through both emits its first token
+        and joins the decode steps."""
+        total = budget = self.round_budget or float("inf")
+        chunk = self.chunk or float("inf")
+        fresh = cached = 0  # SGLang's "Prefill batch." line: the requests whose prefill began, their cached tokens
         for req in [r for r in self.slots if r is not None and not r.decoding]:
             if budget <= 0:
-                return
+                break
             if req.finished or req.slot is None:  # failed with the batch (``_recover``) earlier in this round
                 continue
             if not req.prefill_done:
-                n = int(min(req.fill_len - req.prefilled, budget))
+                n = int(min(req.fill_len - req.prefilled, budget, chunk))
+                began = req.prefilled == len(req.nodes) * self.page_size
                 if not self._prefill_chunk(req, n):
                     continue
-                budget -= n
+                fresh, cached, budget = fresh + began, cached + began * len(req.nodes) * self.page_size, budget - n
                 if not req.prefill_done:
                     continue
             begin, end = req.score_span()
             left = end - begin - req.scored
             if left > 0:
-                c = int(min(left, budget))
+                c = int(min(left, budget, chunk))
                 if c <= 0 or not self._score_chunk(req, begin + req.scored, c):
                     continue
                 budget -= c
                 if c < left:
                     continue
             self._first_token(req, req.first_token)
+        if budget < total and log.isEnabledFor(logging.INFO):
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, %s", fresh, total - budget,
+                     cached, self._usage_line())
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:
         """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when
@@ -554,13 +606,20 @@ class Scheduler:
 
     # ---- decode --------------------------------------------------------------------------------------------------
     def _decode_round(self) -> None:
-        """Launch this iteration's step, then collect the one launched last iteration. A step is collected before
-        the next launch when a running request could outrun its pages (a context-capped one near its end), and at
-        once when one of its requests asks for logprobs (they are read from the state it leaves)."""
+        """Give the running requests the pages the next step may write (``_grow``), launch it, then collect the one
+        launched last iteration. A step is collected before the next launch when the pages for both are not there
+        (the pool short, or a context-capped request near its end), and then requests are retracted
+        (``_retract_for_pages``) if the pool is still short; a step is collected at once when one of its requests
+        asks for logprobs (they are read from the state it leaves)."""
         pending, self._pending = self._pending, None
-        if pending is not None and not self._overlappable():
+        w = self.runner.tokens_per_step
+        if pending is not None and not self._grow(2 * w, may_pass_cap=False):
             self._collect(pending)
             pending = None
+        if pending is None and not self._grow(w):
+            self._retract_for_pages()
+        elif any(r is not None and r.decoding for r in self.slots):
+            self.ratio.step()
         ok, launched = self._launch(pending)
         if not ok or (pending is not None and not self._collect(pending)):
             return  # the state was reset: the running batch failed, steps in flight with it
@@ -576,11 +635,68 @@ class Scheduler:
         if pending is not None:
             self._collect(pending)
 
-    def _overlappable(self) -> bool:
-        """Every running request can take a step while one is in flight without writing past its pages."""
-        reach = 2 * self.runner.tokens_per_step
-        return all(len(r.prompt_ids) + len(r.output_ids) + reach <= len(r.pages) * self.page_size
-                   for r in self.slots if r is not None and r.decoding and not r.finished)
+    def _grow(self, reach: int, may_pass_cap: bool = True) -> bool:
+        """Give every decoding request the pages for ``reach`` positions past its tokens (a few more, within the
+        output expected of it, when the pool has them free: page tables change every few pages, not every page),
+        evicting cached prefixes if needed; False, with nothing handed out, when the pool cannot. A request's pages
+        stop at the page table's width: False where ``reach`` passes it, unless ``may_pass_cap`` (a step writes
+        nothing there)."""
+        z, cap, short = self.page_size, self.runner.pages_per_seq, []
+        for r in self.slots:
+            if r is None or not r.decoding or r.finished:
+                continue
+            length = len(r.prompt_ids) + len(r.output_ids)
+            need = -(-(length + reach) // z)
+            if need > cap and not may_pass_cap:
+                return False
+            if min(need, cap) > len(r.pages):  # and beyond it, up to GROW_PAGES more within its expected growth
+                most = min(self._pages_for(length + int(self._expected(r))), need + GROW_PAGES, cap)
+                short.append((r, min(need, cap) - len(r.pages), max(most - len(r.pages), 0)))
+        if not short:
+            return True
+        must, nice = sum(s[1] for s in short), sum(s[2] for s in short)
+        if self.pool.num_free < must:
+            self.radix.evict(must - self.pool.num_free)
+            self._dirty = True
+        if self.pool.num_free < must:
+            return False
+        roomy = self.pool.num_free >= nice
+        for r, n_must, n_nice in short:
+            r.pages += self.pool.alloc(max(n_nice, n_must) if roomy else n_must)
+        self.state = self.runner.set_page_rows(self.state, {r.slot: self._page_row(r) for r, _, _ in short})
+        return True
+
+    def _retract_for_pages(self) -> None:
+        """SGLang's retract_decode: the pool cannot give every decoding request the pages of its next step, so
+        decoding requests are retracted (``_retract``: back to the queue, ahead of later arrivals; their K/V to the
+        prefix cache) until it can: the one with the fewest output tokens first, among equals the longest prompt
+        (with priority scheduling the lowest priority before all); requests still prefilling (the latest admitted
+        first) only when one decoding request is left. The token ratio then becomes what the remaining requests have
+        shown (``budget.TokenRatio.after_retraction``)."""
+        rank = self.priority.rank if self.priority is not None else (lambda p: 0)
+        running = [r for r in self.slots if r is not None and not r.finished]
+        decoding = sorted((r for r in running if r.decoding), reverse=True,
+                          key=lambda r: (rank(r.priority), len(r.output_ids), -len(r.prompt_ids)))
+        prefilling = sorted((r for r in running if not r.decoding), key=lambda r: r.arrival)
+        retracted = []
+        try:
+            while not self._grow(self.runner.tokens_per_step):
+                if len(decoding) <= 1 and not prefilling:  # never: ``submit`` refuses what the pool cannot hold
+                    self._abort_all(decoding, "the KV pool cannot hold this request")
+                    break
+                victim = decoding.pop() if len(decoding) > 1 else prefilling.pop()
+                self._retract(victim)
+                retracted.append(victim)
+        finally:  # requeued whatever failed after them (``_recover`` fails only what holds a slot)
+            self._requeue(retracted)
+        left = [r for r in self.slots if r is not None]
+        before = self.ratio.value
+        self.ratio.after_retraction(sum(len(r.output_ids) for r in left),
+                                    sum(r.params.max_new_tokens for r in left), len(left))
+        self.totals["retracted"] += len(retracted)
+        self.metrics.on_retract(len(retracted))
+        log.info("KV pool full: retracted %d request(s), %d running; new token ratio %.4f -> %.4f", len(retracted),
+                 len(left), before, self.ratio.value)
 
     def _launch(self, pending: _Inflight | None = None) -> tuple[bool, _Inflight | None]:
         """Launch a step of every running request, except one that the step in flight (``pending``) finishes for
@@ -629,7 +745,22 @@ class Scheduler:
         self._last_collect = now
         if self.spec:
             self.totals["spec_verify_ct"] += len(rows)
+        self._decode_steps += 1
+        if self.decode_log_interval and self._decode_steps % self.decode_log_interval == 0 and \
+                log.isEnabledFor(logging.INFO):
+            spec = self.totals["spec_tokens"] / max(self.totals["spec_verify_ct"], 1) if self.spec else None
+            log.info("Decode batch. %s, gen throughput (token/s): %.2f%s", self._usage_line(),
+                     self.metrics.throughput(), "" if spec is None else f", accept len: {spec:.2f}")
         return True
+
+    def _usage_line(self) -> str:
+        """SGLang's batch-log fields: the running requests, the KV tokens they hold and that share of the pool,
+        the waiting requests (and the new-token ratio admission uses)."""
+        held = self.pool.capacity - self.pool.num_free - self._evictable_pages()
+        running = sum(r is not None for r in self.slots)
+        return (f"#running-req: {running}, #token: {held * self.page_size}, token usage: "
+                f"{held / max(self.pool.capacity, 1):.2f}, #queue-req: {len(self.waiting)}, new token ratio: "
+                f"{self.ratio.value:.4f}")
 
     def _first_token(self, req: Request, tok: int) -> None:
         """Emit the prefill's token (with the prompt's logprobs when asked for). As SGLang: prompt tokens from
@@ -756,8 +887,16 @@ class Scheduler:
     def _retract_all(self, reqs) -> None:
         """Retract ``reqs`` (running; ``_retract``) back to the queue, ahead of what arrived later, in arrival
         order."""
-        for req in reqs:
-            self._retract(req)
+        done = []
+        try:
+            for req in reqs:
+                self._retract(req)
+                done.append(req)
+        finally:  # requeued whatever failed after them (``_recover`` fails only what holds a slot)
+            self._requeue(done)
+
+    def _requeue(self, reqs) -> None:
+        """Retracted ``reqs`` wait again, ahead of what arrived later, in arrival order."""
         self.waiting = sorted(reqs, key=lambda r: r.arrival) + self.waiting
 
     def _retract(self, req: Request) -> None:
@@ -807,10 +946,8 @@ class Scheduler:
 
     # ---- stats ---------------------------------------------------------------------------------------------------
     def _update_snapshot(self, force: bool = False) -> None:
-        if self._dirty or force:  # the trie walk only when pages changed hands
-            self._evictable = self.radix.evictable_pages()
-            self._dirty = False
-        evictable = self._evictable
+        self._dirty |= force
+        evictable = self._evictable_pages()  # the trie walk only when pages changed hands
         cap = self.pool.capacity
         held = cap - self.pool.num_free - evictable
         running = [r for r in self.slots if r is not None]
@@ -820,7 +957,7 @@ class Scheduler:
             "kv_pages_total": cap, "kv_pages_used": held, "kv_pages_cached": self.radix.cached_pages(),
             "kv_pages_free": self.pool.num_free, "kv_usage": held / cap if cap else 0.0,
             "page_size": self.page_size, "max_running_requests": self.runner.max_batch,
-            "generation_paused": self.generation_paused, **t,
+            "generation_paused": self.generation_paused, "new_token_ratio": self.ratio.value, **t,
         }
         if self.spec:
             snap["avg_spec_accept_length"] = t["spec_tokens"] / t["spec_verify_ct"] if t["spec_verify_ct"] else 0.0

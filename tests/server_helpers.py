@@ -186,3 +186,17 @@ def model_dir():
 @pytest.fixture(scope="module")
 def server(model_dir):
     return shared_server()
+
+
+def random_eagle3_kw(folder: str, out: str, topk: int = 2) -> dict:
+    """Engine options that serve a random EAGLE3 head for the tiny model ``folder``, exported to ``out``: 3 draft
+    steps, ``topk``, 4 draft tokens."""
+    from spec_models import random_models
+
+    from specjax.convert.head import export_head
+    from specjax.weights import load_model
+    cfg, _ = load_model(folder, dtype="float32")
+    _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3, draft_vocab=200)
+    export_head(hparams, hcfg, vmap, out, cfg)
+    return dict(speculative_algorithm="EAGLE3", speculative_draft_model_path=out, speculative_num_steps=3,
+                speculative_eagle_topk=topk, speculative_num_draft_tokens=4)

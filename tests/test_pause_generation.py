@@ -13,7 +13,7 @@ import time
 
 import numpy as np
 import pytest
-from server_helpers import ENGINE_KW, tiny_model_dir
+from server_helpers import ENGINE_KW, random_eagle3_kw, tiny_model_dir
 from starlette.testclient import TestClient
 
 import specjax
@@ -63,14 +63,7 @@ def _in_background(engine, prompts, sp):
 def _engine(algorithm, tmp_path):
     kw = dict(ENGINE_KW)
     if algorithm == "EAGLE3":
-        from spec_models import random_models
-        from specjax.convert.head import export_head
-        from specjax.weights import load_model
-        cfg, _ = load_model(tiny_model_dir(0), dtype="float32")
-        _, (hcfg, hparams, vmap), _ = random_models(cfg, seed=3, draft_vocab=200)
-        export_head(hparams, hcfg, vmap, str(tmp_path / "head"), cfg)
-        kw.update(speculative_algorithm="EAGLE3", speculative_draft_model_path=str(tmp_path / "head"),
-                  speculative_num_steps=3, speculative_eagle_topk=2, speculative_num_draft_tokens=4)
+        kw.update(random_eagle3_kw(tiny_model_dir(0), str(tmp_path / "head")))
     return specjax.Engine(model_path=tiny_model_dir(0), skip_server_warmup=True, **kw)
 
 

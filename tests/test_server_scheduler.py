@@ -5,15 +5,19 @@ fail only what they must while the scheduler keeps serving."""
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 
 import numpy as np
 import pytest
 
+from specjax.serve.budget import TokenRatio
 from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import RequestError, SamplingParams
 from specjax.serve.runners.base import Launched
+from specjax.serve import scheduler as scheduler_lib
 from specjax.serve.scheduler import Scheduler
 
 V = 50
@@ -91,6 +95,16 @@ class FakeRunner:
         state["rows"].pop(slot, None)
         return state
 
+    def set_page_rows(self, state, rows):
+        for slot, row in rows.items():
+            old = state["rows"][slot]
+            assert all(row[i] == p for i, p in enumerate(old) if p), "a running slot's pages changed"
+            state["rows"][slot] = list(row)
+        return state
+
+    def slot_row(self, state, slot):
+        return None  # no sampling state: the next token is the previous + 1
+
 
 def expected(prompt, n):
     out, t = [], prompt[-1]
@@ -117,8 +131,23 @@ def run(sched, prompt, n, **sp):
             return ids, ev["meta_info"]
 
 
+def run_together(sched, prompts, n, **sp):
+    """``run`` of every prompt at once: all wait (a pause) until the last is queued, then the scheduler goes on."""
+    results = [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(sched, prompts[i], n, **sp)))
+               for i in range(len(prompts))]
+    sched.pause_generation("in_place")
+    for t in threads:
+        t.start()
+    while sched.stats()["num_waiting_reqs"] < len(prompts):
+        time.sleep(0.005)
+    sched.continue_generation()
+    for t in threads:
+        t.join(60)
+    return results
+
+
 def wait_idle(sched):
-    import time
     for _ in range(200):
         st = sched.stats()
         if st["num_running_reqs"] == 0 and st["num_waiting_reqs"] == 0:
@@ -183,11 +212,12 @@ def test_overlap_falls_back_where_a_step_could_outrun_the_pages():
     sched.shutdown()
 
 
-def test_overlap_reserves_pages_for_the_step_after_the_last():
+def test_overlap_reserves_pages_for_the_step_after_the_last(monkeypatch):
     """The step launched before the finishing one is collected writes up to two steps past the budget: with one-token
-    pages the reservation is exact, and a request whose last step overshoots its budget needs it (n = 11: three
+    pages and no pages beyond the next steps' (GROW_PAGES 0) the pages are exact, and a request whose last step overshoots its budget needs it (n = 11: three
     steps give 13 tokens, the fourth writes positions 14-17 of a row of 2 + 11 + 8). No step is launched after one
     that finishes a request for certain (n = 10: one token left when the third step is in flight)."""
+    monkeypatch.setattr(scheduler_lib, "GROW_PAGES", 0)
     runner = FakeRunner(tokens_per_step=4, page_size=1, pages_per_seq=40, num_pages=60)
     sched = make(runner)
     for n, launches in ((9, 3), (10, 3), (11, 4), (12, 4)):
@@ -379,3 +409,82 @@ def test_dfs_weight_order_walks_the_heaviest_shared_prefixes_first():
     assert nodes[5] is None and nodes[4] is last([1, 2, 3, 4])
     assert radix.dfs_weight_order(nodes) == [2, 3, 4, 1, 0, 5]
     assert _finish_order("dfs-weight") == [0, 1, 2, 3]  # nothing cached: arrival order
+
+
+@pytest.mark.parametrize("w,overlap,grow", [(1, True, 4), (3, True, 4), (3, False, 4), (1, True, 0), (3, True, 0),
+                                             (3, False, 0)])
+def test_pages_come_as_requests_grow_and_retraction_frees_them(w, overlap, grow, monkeypatch):
+    """Pages are handed out as requests grow: two requests of 20 tokens each run at once in 11 (12 at three tokens a
+    step) pages of 4 tokens, where reserving their budgets at admission (7-8 pages each) ran one at a time; when the pool runs dry the one
+    with the fewest output tokens is retracted, prefilled again later over its prompt and output, and every
+    request still gets its tokens (the fake runner fails on a write outside a slot's pages: with ``grow`` 0 no
+    request holds a page beyond what its next steps write, so a short reach fails)."""
+    monkeypatch.setattr(scheduler_lib, "GROW_PAGES", grow)
+    runner = FakeRunner(tokens_per_step=w, num_pages=12 if w == 1 else 13)
+    peak = []
+    launch = runner.launch
+    runner.launch = lambda state, active: (peak.append(int(np.sum(active))), launch(state, active))[1]
+    sched = make(runner, overlap_schedule=overlap)
+    prompts = [[1, 2, 3], [7, 8], [11, 12, 13, 14], [20]]
+    results = run_together(sched, prompts, 20, ignore_eos=True)
+    for p, (ids, meta) in zip(prompts, results):
+        assert ids == expected(p, 20) and meta["finish_reason"]["type"] == "length"
+    st = wait_idle(sched)
+    assert max(peak) >= 2 and st["retracted"] >= 1
+    assert 0.0 < st["new_token_ratio"] <= 1.0
+    assert st["kv_pages_used"] == 0 and st["kv_pages_free"] + st["kv_pages_cached"] == st["kv_pages_total"]
+    sched.shutdown()
+
+
+def test_token_ratio_follows_sglangs_constants_and_variables():
+    r = TokenRatio.of()
+    assert (r.init, r.floor, r.retract_steps, r.clip) == (0.7, pytest.approx(0.7 * 0.14), 20, 4096)
+    assert r.expected(10_000) == pytest.approx(0.7 * 4096) and r.expected(-3) == 0
+    for _ in range(600):
+        r.step()
+    assert r.value == pytest.approx(r.floor)
+    r.step()
+    assert r.value == r.floor
+    r.after_retraction(emitted=100, budgets=1000, running=3)  # (100 + 20 x 3) / 1000
+    assert r.value == pytest.approx(0.16)
+    r.after_retraction(emitted=900, budgets=1000, running=5)
+    assert r.value == 1.0
+    assert TokenRatio.of(2.0).init == 1.0 and TokenRatio.of(0.5).init == pytest.approx(0.35)
+    e = TokenRatio.of(env={"SGLANG_INIT_NEW_TOKEN_RATIO": "0.5", "SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "100",
+                           "SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "10", "SGLANG_RETRACT_DECODE_STEPS": "3"})
+    assert (e.init, e.clip, e.retract_steps, e.expected(1000)) == (0.5, 100, 3, 50.0)
+    assert e.decay == pytest.approx((0.5 - 0.5 * 0.14) / 10)
+    for env, said in (({"SGLANG_INIT_NEW_TOKEN_RATIO": "x"}, "is not a number"),
+                      ({"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "-1"}, "must be >= 0"),
+                      ({"SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "0"}, "must be >= 1")):
+        with pytest.raises(ValueError, match=said):
+            TokenRatio.of(env=env)
+
+
+def test_max_prefill_tokens_bounds_a_round_and_batch_logs_follow_sglang(caplog):
+    """``--max-prefill-tokens`` caps the prompt tokens of one prefill round over all requests while each request's
+    chunk stays within ``--chunked-prefill-size``; SGLang's "Prefill batch." and "Decode batch." lines are logged."""
+    runner = FakeRunner()
+    events = []
+    prefill = runner.prefill
+    runner.prefill = lambda state, slot, tokens, *a, cached=0: (events.append(len(tokens) - cached),
+                                                                 prefill(state, slot, tokens, *a, cached=cached))[1]
+    sched = make(runner, chunked_prefill_size=5, max_prefill_tokens=12, decode_log_interval=2)
+    prefill_round = sched._prefill_round
+    sched._prefill_round = lambda: (events.append("round"), prefill_round())[1]
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18]]
+    with caplog.at_level(logging.INFO, logger="specjax.serve"):
+        results = run_together(sched, prompts, 4)
+    assert [r[0] for r in results] == [expected(p, 4) for p in prompts]
+    rounds, current = [], 0
+    for e in events + ["round"]:
+        if e == "round":
+            rounds, current = rounds + [current] * (current > 0), 0
+        else:
+            assert e <= 5  # one request's chunk
+            current += e
+    assert max(rounds) <= 12 and max(rounds) > 5 and sum(rounds) == sum(map(len, prompts))
+    text = caplog.text
+    assert "Prefill batch. #new-seq: " in text and "#cached-token: " in text
+    assert "Decode batch. #running-req: " in text and "gen throughput (token/s): " in text
+    sched.shutdown()

@@ -91,6 +91,10 @@ def test_cli_every_spec_flag_parses():
      "tree flags .--speculative-num-steps, --speculative-num-draft-tokens. need"),
     (["--speculative-accept-threshold-single", "7"], "--speculative-accept-threshold-single must be in .0, 1. .got 7"),
     (["--speculative-accept-threshold-acc", "-0.5"], "--speculative-accept-threshold-acc must be in .0, 1. .got -0.5"),
+    (["--schedule-conservativeness", "0"], "--schedule-conservativeness must be > 0 .got 0.0."),
+    (["--schedule-conservativeness", "nan"], "--schedule-conservativeness must be > 0 .got nan."),
+    (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1 .got 0."),
+    (["--decode-log-interval", "-1"], "--decode-log-interval must be >= 0 .got -1."),
 ])
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
@@ -430,7 +434,7 @@ def _nobody_url() -> str:
 @pytest.mark.parametrize("argv, said", [
     (["--concurrency", "4", "0"], "--concurrency must be at least 1"),
     (["--num-prompts", "0"], "--num-prompts must be at least 1"),  # was a ZeroDivisionError
-    (["--max-tokens", "0"], "--max-tokens must be at least 1"),
+    (["--max-tokens", "-1"], "--max-tokens must be at least 0"),
     (["--request-timeout", "0"], "--request-timeout must be more than 0 seconds"),  # every request then failed
     (["--launch-timeout", "-1"], "--launch-timeout must be more than 0 seconds"),
 ])

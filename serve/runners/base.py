@@ -15,6 +15,7 @@ Implementations:
 from __future__ import annotations
 
 import dataclasses
+import functools
 from typing import Any, Protocol
 
 import jax
@@ -26,6 +27,7 @@ from specjax.batching import (PREFILL_PRICE, PREFILL_PRICE_ACCELERATOR, serving_
                               serving_prefill_chunks)
 from specjax.kernels import cpu_dense
 from specjax.sampling import SamplingRow
+from specjax.sharding import use_mesh
 
 
 class Runner(Protocol):
@@ -62,6 +64,10 @@ class Runner(Protocol):
     def release(self, state: Any, slot: int) -> Any:
         """Mark the slot free (its pages are returned by the scheduler)."""
 
+    def set_page_rows(self, state: Any, rows: dict[int, np.ndarray]) -> Any:
+        """Give running slots longer page-table rows (``rows``: slot -> i32[pps]): the scheduler hands a request
+        pages as it grows, before a step writes past the ones it has."""
+
     def set_target_params(self, params) -> None:
         """Serve new target weights of the same shapes (a weight update, with no request running)."""
 
@@ -94,6 +100,11 @@ class Launched:
         return tokens, counts
 
 
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _set_rows(page_table, slots, rows):
+    return page_table.at[slots].set(rows)
+
+
 def _platform(mesh) -> str:
     return mesh.devices.flat[0].platform if mesh is not None else jax.default_backend()
 
@@ -124,6 +135,18 @@ class RunnerCommon:
         lengths = jnp.where(jax.device_put(active), 0, state.cache.lengths)
         return dataclasses.replace(state, cache=dataclasses.replace(state.cache, lengths=lengths))
 
+    def set_page_rows(self, state, rows: dict[int, np.ndarray]):
+        """The ``Runner`` protocol's: the rows written in one compiled program for any number of slots (the
+        update padded to ``max_batch`` rows with repeats of the first)."""
+        slots = np.full((self.max_batch,), next(iter(rows)), np.int32)
+        table = np.empty((self.max_batch, self.pages_per_seq), np.int32)
+        table[:] = rows[int(slots[0])]
+        for i, (slot, row) in enumerate(rows.items()):
+            slots[i], table[i] = slot, row
+        with use_mesh(self.mesh):
+            page_table = _set_rows(state.cache.page_table, slots, table)
+        return dataclasses.replace(state, cache=dataclasses.replace(state.cache, page_table=page_table))
+
     def row_batch(self, row, tokens, width: int = 1) -> sampling.SamplingBatch:
         """A prefill's one-row SamplingBatch: a saved slot row (``slot_row``: a retracted request's random stream
         and penalty state go on) as it is, else a fresh row for the request's SamplingRow (or mapping) and prompt
@@ -148,13 +171,14 @@ class RunnerCommon:
         return serving_prefill_chunks(n, self.prefill_buckets, price, cached)
 
     def warm_prefills(self, state):
-        """Compile every prefill bucket (slot 0 over the scratch page 0, released after); returns the state."""
+        """Compile every prefill bucket (slot 0 over the scratch page 0, released after) and the page-table update;
+        returns the state."""
         row = np.zeros((self.pages_per_seq,), np.int32)  # page 0 is the scheduler's scratch page
         greedy = SamplingRow(temperature=0.0)
         for t in self.prefill_buckets:
             state, _ = self.prefill(state, 0, np.zeros((t,), np.int32), row, greedy)
             state = self.release(state, 0)
-        return state
+        return self.set_page_rows(state, {0: row})  # compiled too: requests' pages grow while they run
 
     def logprobs(self, state, ids: bool = True):
         """``sampling.read_logprobs`` of the slots: the logprobs of the tokens of the latest prefill / step (and of

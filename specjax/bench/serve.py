@@ -66,8 +66,10 @@ def load_prompts(spec: str, n: int) -> list[str]:
 
 async def one_request(client, url: str, model: str, prompt: str, max_tokens: int, temperature: float,
                       ignore_eos: bool, headers: dict) -> dict:
-    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
-            "temperature": temperature, "stream": True, "stream_options": {"include_usage": True}}
+    body = {"model": model, "messages": [{"role": "user", "content": prompt}], "temperature": temperature,
+            "stream": True, "stream_options": {"include_usage": True}}
+    if max_tokens:
+        body["max_tokens"] = max_tokens
     if ignore_eos:
         body["ignore_eos"] = True
     t0 = time.perf_counter()
@@ -351,7 +353,8 @@ class ServeBenchOptions:
     url: str = option("http://127.0.0.1:30000", help="server to load (ignored with --launch)")
     concurrency: tuple[int, ...] = option((1, 4, 16), help="concurrent clients per level")
     num_prompts: int = option(32, help="requests per concurrency level")
-    max_tokens: int = option(128, help="max_tokens per request")
+    max_tokens: int = option(128, help="max_tokens per request (0: none sent, as chat clients that set none do; the "
+                                       "server's limit, the context, applies)")
     prompts: str = option("mtbench", help="mtbench | builtin | FILE (JSONL or one prompt per line)")
     temperature: float = option(0.0, help="sampling temperature of every request (0 = greedy)")
     ignore_eos: bool = option(False, help="always generate max_tokens tokens")
@@ -383,9 +386,11 @@ def main(argv=None) -> int:
                         formatter_class=argparse.ArgumentDefaultsHelpFormatter)
     args = parse_into(ServeBenchOptions, ap, argv)
     for flag, value in (("rounds", args.rounds), ("concurrency", min(args.concurrency)),
-                        ("num-prompts", args.num_prompts), ("max-tokens", args.max_tokens)):
+                        ("num-prompts", args.num_prompts)):
         if value < 1:
             ap.error(f"--{flag} must be at least 1")
+    if args.max_tokens < 0:
+        ap.error("--max-tokens must be at least 0 (0: none sent)")
     if args.warmup_requests < 0:
         ap.error("--warmup-requests must be at least 0")
     for flag, value in (("request-timeout", args.request_timeout), ("launch-timeout", args.launch_timeout)):
