@@ -18,7 +18,7 @@ from specjax.serve.pages import PagePool, RadixCache
 from specjax.serve.request import RequestError, SamplingParams
 from specjax.serve.runners.base import Launched
 from specjax.serve import scheduler as scheduler_lib
-from specjax.serve.scheduler import Scheduler
+from specjax.serve.scheduler import PriorityPolicy, Scheduler
 
 V = 50
 BAD_TOKEN = 49  # the fake tokenizer fails on it; random prompts stay below 30
@@ -120,9 +120,9 @@ def make(runner=None, **kw):
     return s
 
 
-def run(sched, prompt, n, **sp):
+def run(sched, prompt, n, priority=None, **sp):
     q: queue.Queue = queue.Queue()
-    sched.submit(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, **sp), q.put)
+    sched.submit(prompt, SamplingParams(max_new_tokens=n, temperature=0.0, **sp), q.put, priority=priority)
     ids = []
     while True:
         ev = q.get(timeout=30)
@@ -131,10 +131,12 @@ def run(sched, prompt, n, **sp):
             return ids, ev["meta_info"]
 
 
-def run_together(sched, prompts, n, **sp):
+def run_together(sched, prompts, n, priorities=None, **sp):
     """``run`` of every prompt at once: all wait (a pause) until the last is queued, then the scheduler goes on."""
     results = [None] * len(prompts)
-    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(sched, prompts[i], n, **sp)))
+    priorities = priorities or [None] * len(prompts)
+    threads = [threading.Thread(target=lambda i=i: results.__setitem__(i, run(sched, prompts[i], n, priorities[i],
+                                                                               **sp)))
                for i in range(len(prompts))]
     sched.pause_generation("in_place")
     for t in threads:
@@ -487,4 +489,27 @@ def test_max_prefill_tokens_bounds_a_round_and_batch_logs_follow_sglang(caplog):
     text = caplog.text
     assert "Prefill batch. #new-seq: " in text and "#cached-token: " in text
     assert "Decode batch. #running-req: " in text and "gen throughput (token/s): " in text
+    sched.shutdown()
+
+
+def test_a_dry_pool_retracts_the_lowest_priority_first():
+    """With priority scheduling the request retracted when the pool runs dry is the lowest-priority one, though
+    SGLang's order alone (the fewest outputs first) would pick the other, which joined later (admission counts one
+    token of each budget, SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION=1, so it joins at once). Both get their tokens."""
+    runner = FakeRunner(num_pages=11)
+    launch = runner.launch
+    runner.launch = lambda state, active: (time.sleep(0.002), launch(state, active))[1]  # a step takes a while
+    sched = make(runner, chunked_prefill_size=2, priority=PriorityPolicy(preemption_threshold=1000),
+                 token_ratio=TokenRatio.of(env={"SGLANG_CLIP_MAX_NEW_TOKENS_ESTIMATION": "1"}))
+    retract, victims = sched._retract, []
+    sched._retract = lambda req: (victims.append(req.priority), retract(req))[1]
+    results = {}
+    low = threading.Thread(target=lambda: results.__setitem__(0, run(sched, [7, 8], 22, 0, ignore_eos=True)))
+    low.start()
+    while sched.call(lambda: sum(len(r.output_ids) for r in sched.slots if r is not None)) < 4:
+        time.sleep(0.001)
+    results[1] = run(sched, [1, 2, 3], 22, 5, ignore_eos=True)
+    low.join(60)
+    assert results[0][0] == expected([7, 8], 22) and results[1][0] == expected([1, 2, 3], 22)
+    assert victims and victims[0] == 0
     sched.shutdown()
