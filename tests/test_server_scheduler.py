@@ -216,9 +216,10 @@ def test_overlap_falls_back_where_a_step_could_outrun_the_pages():
 
 def test_overlap_reserves_pages_for_the_step_after_the_last(monkeypatch):
     """The step launched before the finishing one is collected writes up to two steps past the budget: with one-token
-    pages and no pages beyond the next steps' (GROW_PAGES 0) the pages are exact, and a request whose last step overshoots its budget needs it (n = 11: three
-    steps give 13 tokens, the fourth writes positions 14-17 of a row of 2 + 11 + 8). No step is launched after one
-    that finishes a request for certain (n = 10: one token left when the third step is in flight)."""
+    pages and no pages beyond the next steps' (GROW_PAGES 0) the pages are exact, and a request whose last step
+    overshoots its budget needs it (n = 11: three steps give 13 tokens, the fourth writes positions 14-17, past
+    what the host has collected by two steps). No step is launched after one that finishes a request for certain
+    (n = 10: one token left when the third step is in flight)."""
     monkeypatch.setattr(scheduler_lib, "GROW_PAGES", 0)
     runner = FakeRunner(tokens_per_step=4, page_size=1, pages_per_seq=40, num_pages=60)
     sched = make(runner)
@@ -417,9 +418,9 @@ def test_dfs_weight_order_walks_the_heaviest_shared_prefixes_first():
                                              (3, False, 0)])
 def test_pages_come_as_requests_grow_and_retraction_frees_them(w, overlap, grow, monkeypatch):
     """Pages are handed out as requests grow: two requests of 20 tokens each run at once in 11 (12 at three tokens a
-    step) pages of 4 tokens, where reserving their budgets at admission (7-8 pages each) ran one at a time; when the pool runs dry the one
-    with the fewest output tokens is retracted, prefilled again later over its prompt and output, and every
-    request still gets its tokens (the fake runner fails on a write outside a slot's pages: with ``grow`` 0 no
+    step) pages of 4 tokens, where reserving their budgets at admission (7-8 pages each) ran one at a time; when the
+    pool runs dry the one with the fewest output tokens is retracted, prefilled again later over its prompt and output,
+    and every request still gets its tokens (the fake runner fails on a write outside a slot's pages: with ``grow`` 0 no
     request holds a page beyond what its next steps write, so a short reach fails)."""
     monkeypatch.setattr(scheduler_lib, "GROW_PAGES", grow)
     runner = FakeRunner(tokens_per_step=w, num_pages=12 if w == 1 else 13)
