@@ -70,6 +70,10 @@ class ServerArgs:
     log_level: str = option("info", group="http", choices=["debug", "info", "warning", "error", "critical"],
                             type=str.lower, help="server and access log verbosity (any case, as SGLang takes it)")
     enable_metrics: bool = option(False, group="http", help="serve Prometheus metrics at /metrics")
+    watchdog_timeout: float = option(300.0, group="http", help="end the server (exit code 1, every thread's stack "
+                                     "printed) when one scheduler iteration (admission, prefill, a decode step) runs "
+                                     "longer than this many seconds: a hung device, which a supervisor then "
+                                     "restarts; warmup and weight loads are not timed; 0: off")
     decode_log_interval: int = option(40, group="http", help="log a \"Decode batch.\" line (running and waiting "
                                       "requests, KV tokens held, throughput) every N decode steps at --log-level "
                                       "info, as SGLang; 0: none (a \"Prefill batch.\" line follows every prefill "
@@ -108,10 +112,10 @@ class ServerArgs:
     chunked_prefill_size: int = option(512, group=_MEM, help="max prompt tokens computed per scheduler iteration, "
                                                              "so long prompts interleave with decoding (-1: whole "
                                                              "prompt at once)")
-    max_prefill_tokens: int | None = option(None, group=_MEM, help="most prompt tokens prefilled per scheduler "
-                                            "iteration over all requests, each request's chunk still at most "
-                                            "--chunked-prefill-size (default: --chunked-prefill-size; SGLang's "
-                                            "is 16384)")
+    max_prefill_tokens: int | None = option(None, group=_MEM, help="most prompt tokens one prefill round spends over "
+                                            "all requests: a round takes the smaller of this and "
+                                            "--chunked-prefill-size, as in SGLang (default: no limit beyond "
+                                            "--chunked-prefill-size)")
     page_size: int | None = option(None, group=_MEM, help="tokens per KV page (radix cache granularity; default 16, on "
                                    "a TPU the smallest page that packs the pool's small head dims into 128-lane "
                                    "rows: 32 for bf16 at head dim 64)")
@@ -119,12 +123,12 @@ class ServerArgs:
                                   "first come first served, longest cached prefix first, cached prefixes shared by "
                                   "the most waiting requests first (depth first), longest output (max_new_tokens) "
                                   "first, or a random order (--random-seed)")
-    schedule_conservativeness: float = option(1.0, group=_MEM, help="how much of their remaining token budgets "
-                                              "admission expects running requests to still emit, as a factor of "
-                                              "SGLang's starting ratio 0.7 (their pages are handed out as they "
-                                              "grow; when the pool runs dry, requests are retracted and prefilled "
-                                              "again later): raise it if requests are retracted often, lower it "
-                                              "to admit more at once")
+    schedule_conservativeness: float = option(1.0, group=_MEM, help="KV pages are handed out as requests grow, and "
+                                              "admission assumes each running request still emits 0.7 x this x its "
+                                              "remaining max_new_tokens (falling to 14%% of that over 600 decode "
+                                              "steps); when the pool runs dry anyway, requests are retracted and "
+                                              "prefilled again later: raise it if that happens often (above ~1.43 "
+                                              "it changes nothing more), lower it to admit more requests at once")
     enable_priority_scheduling: bool = option(False, group=_MEM, help="admit waiting requests by their `priority` "
                                               "(larger first), then by --schedule-policy (fcfs or lof); a request "
                                               "that cannot be admitted retracts running ones of a priority lower "
@@ -281,6 +285,8 @@ class ServerArgs:
             raise ArgsError("--context-length must be >= 2")
         if self.max_prefill_tokens is not None and self.max_prefill_tokens < 1:
             raise ArgsError(f"--max-prefill-tokens must be >= 1 (got {self.max_prefill_tokens})")
+        if not self.watchdog_timeout >= 0:  # NaN too
+            raise ArgsError(f"--watchdog-timeout must be >= 0 seconds, 0 for none (got {self.watchdog_timeout})")
         if self.decode_log_interval < 0:
             raise ArgsError(f"--decode-log-interval must be >= 0 (got {self.decode_log_interval})")
         if self.chunked_prefill_size is not None and self.chunked_prefill_size == 0:

@@ -33,8 +33,9 @@ def _env(key: str, env) -> float:
         value = float(raw)
     except ValueError:
         raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value < 0 or (key in ("decay_steps", "clip") and value < 1):
-        raise ValueError(f"{name}={raw!r} must be {'>= 1' if key in ('decay_steps', 'clip') else '>= 0'}")
+    if value < 0 or (key in ("decay_steps", "clip") and value < 1) or (key == "floor_factor" and value > 1):
+        bound = {"decay_steps": ">= 1", "clip": ">= 1", "floor_factor": "in [0, 1]"}.get(key, ">= 0")
+        raise ValueError(f"{name}={raw!r} must be {bound}")
     return value
 
 
@@ -57,9 +58,13 @@ class TokenRatio:
         return cls(init=init, floor=floor, decay=(init - floor) / _env("decay_steps", env),
                    retract_steps=int(_env("retract_steps", env)), clip=int(_env("clip", env)), value=init)
 
+    def counted(self, left: int) -> int:
+        """The part of a remaining budget of ``left`` tokens that admission counts."""
+        return min(max(left, 0), self.clip)
+
     def expected(self, left: int) -> float:
         """The tokens a request with ``left`` tokens of budget is expected to still emit."""
-        return self.value * min(max(left, 0), self.clip)
+        return self.value * self.counted(left)
 
     def reset(self) -> None:
         """Nothing runs or waits: the next requests start from the initial ratio."""

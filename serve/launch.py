@@ -40,6 +40,7 @@ from .budget import TokenRatio
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
 from .scoring import ScoreJob
+from .watchdog import Watchdog
 
 CONFIG_FILES = ("*.json", "tokenizer*", "*.model", "*.txt", "*.jinja")  # a hub model's files but its weights
 
@@ -394,7 +395,8 @@ def _scheduler_options(args: ServerArgs) -> dict:
                 stream_interval=args.stream_interval,
                 log_requests=args.log_requests_level if args.log_requests else None,
                 token_ratio=TokenRatio.of(args.schedule_conservativeness), max_prefill_tokens=args.max_prefill_tokens,
-                decode_log_interval=args.decode_log_interval)
+                decode_log_interval=args.decode_log_interval,
+                watchdog=Watchdog(args.watchdog_timeout) if args.watchdog_timeout > 0 else None)
 
 
 def make_mesh_for(args: ServerArgs):

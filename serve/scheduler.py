@@ -34,6 +34,7 @@ from .metrics import Metrics
 from .pages import PagePool, RadixCache
 from .request import Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
+from .watchdog import Watchdog
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
 GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
@@ -92,14 +93,16 @@ class Scheduler:
                  priority: PriorityPolicy | None = None, refuse_priority: bool = False,
                  max_queued: int | None = None, stream_interval: int = 1, log_requests: int | None = None,
                  token_ratio: TokenRatio | None = None, max_prefill_tokens: int | None = None,
-                 decode_log_interval: int = 40):
+                 decode_log_interval: int = 40, watchdog: Watchdog | None = None):
         self.runner, self.tokenizer = runner, tokenizer
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
-        self.round_budget = max_prefill_tokens or self.chunk  # prompt tokens per prefill round, all requests
+        # the prompt tokens of one prefill round over all requests: the smaller of the two limits, as SGLang
+        self.round_budget = min(self.chunk or float("inf"), max_prefill_tokens or float("inf"))
         self.decode_log_interval = decode_log_interval  # SGLang's: a "Decode batch." line every N steps (0: none)
         self._decode_steps = 0
+        self.watchdog = watchdog  # SGLang's --watchdog-timeout: times each iteration's work
         self.policy, self.spec, self.overlap, self.priority = schedule_policy, spec, overlap_schedule, priority
         self.refuse_priority, self.max_queued, self.stream_interval = refuse_priority, max_queued, stream_interval
         self.log_requests = log_requests  # SGLang's --log-requests-level when --log-requests, else None
@@ -133,8 +136,12 @@ class Scheduler:
     def start(self) -> None:
         self._thread = threading.Thread(target=self._loop, name="specjax-scheduler", daemon=True)
         self._thread.start()
+        if self.watchdog is not None:
+            self.watchdog.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
+        if self.watchdog is not None:
+            self.watchdog.stop()
         self._stop.set()
         self._inbox.put(("wake",))
         if self._thread is not None:
@@ -289,6 +296,8 @@ class Scheduler:
                     break
                 if self.generation_paused:
                     continue
+                if self.watchdog is not None:
+                    self.watchdog.begin()
                 self._admit()
                 self._prefill_round()
                 self._decode_round()
@@ -296,6 +305,9 @@ class Scheduler:
             except Exception:  # noqa: BLE001 - the scheduler must never die
                 log.exception("scheduler iteration failed; failing the running batch and resetting device state")
                 self._recover("internal error in the scheduler")
+            finally:
+                if self.watchdog is not None:
+                    self.watchdog.end()
         self._fail_live("the scheduler shut down")
 
     def _fail_live(self, message: str) -> None:
@@ -414,7 +426,7 @@ class Scheduler:
         """The KV tokens a newcomer takes in SGLang's admission: the ``need`` pages of its prompt and its whole
         remaining output (at most ``clip`` tokens of it; only the running requests' outputs are scaled by the
         ratio)."""
-        return need * self.page_size + min(max(req.params.max_new_tokens - len(req.output_ids), 0), self.ratio.clip)
+        return need * self.page_size + self.ratio.counted(req.params.max_new_tokens - len(req.output_ids))
 
     def _expected(self, req: Request) -> float:
         """The output tokens ``req`` is expected to still emit (``budget.TokenRatio``)."""
@@ -472,6 +484,7 @@ class Scheduler:
         self.radix.lock(nodes)
         if self.pool.num_free < need:
             self.radix.evict(need - self.pool.num_free)
+            self._dirty = True
         fresh = self.pool.alloc(need)
         if fresh is None:
             self.radix.unlock(nodes)
@@ -528,39 +541,38 @@ class Scheduler:
 
     # ---- prefill -------------------------------------------------------------------------------------------------
     def _prefill_round(self) -> None:
-        """Within the round's token budget (``--max-prefill-tokens``, by default ``--chunked-prefill-size``),
-        prefill the admitted prompts' next chunks (at most ``--chunked-prefill-size`` tokens each), then score the
-        chunks of those that ask for prompt logprobs; a request whose prompt is through both emits its first token
-        and joins the decode steps."""
-        total = budget = self.round_budget or float("inf")
-        chunk = self.chunk or float("inf")
-        fresh = cached = 0  # SGLang's "Prefill batch." line: the requests whose prefill began, their cached tokens
+        """Within the round's token budget (the smaller of ``--chunked-prefill-size`` and ``--max-prefill-tokens``,
+        over all requests), prefill the admitted prompts' next chunks, then score the chunks of those that ask for
+        prompt logprobs; a request whose prompt is through both emits its first token and joins the decode steps."""
+        budget = self.round_budget
+        fresh = cached = spent = 0  # SGLang's "Prefill batch." line: requests whose prefill began, cached tokens
         for req in [r for r in self.slots if r is not None and not r.decoding]:
             if budget <= 0:
                 break
             if req.finished or req.slot is None:  # failed with the batch (``_recover``) earlier in this round
                 continue
             if not req.prefill_done:
-                n = int(min(req.fill_len - req.prefilled, budget, chunk))
-                began = req.prefilled == len(req.nodes) * self.page_size
+                n = int(min(req.fill_len - req.prefilled, budget))
+                hit = len(req.nodes) * self.page_size  # before the prefill adds its own pages to the prefix cache
                 if not self._prefill_chunk(req, n):
                     continue
-                fresh, cached, budget = fresh + began, cached + began * len(req.nodes) * self.page_size, budget - n
+                began = req.prefilled - n == hit
+                fresh, cached, spent, budget = fresh + began, cached + began * hit, spent + n, budget - n
                 if not req.prefill_done:
                     continue
             begin, end = req.score_span()
             left = end - begin - req.scored
             if left > 0:
-                c = int(min(left, budget, chunk))
+                c = int(min(left, budget))
                 if c <= 0 or not self._score_chunk(req, begin + req.scored, c):
                     continue
                 budget -= c
                 if c < left:
                     continue
             self._first_token(req, req.first_token)
-        if budget < total and log.isEnabledFor(logging.INFO):
-            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, %s", fresh, total - budget,
-                     cached, self._usage_line())
+        if spent and log.isEnabledFor(logging.INFO):
+            log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, %s", fresh, spent, cached,
+                     self._usage_line())
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:
         """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when
@@ -654,7 +666,7 @@ class Scheduler:
                 short.append((r, min(need, cap) - len(r.pages), max(most - len(r.pages), 0)))
         if not short:
             return True
-        must, nice = sum(s[1] for s in short), sum(s[2] for s in short)
+        must, nice = sum(s[1] for s in short), sum(max(s[1], s[2]) for s in short)
         if self.pool.num_free < must:
             self.radix.evict(must - self.pool.num_free)
             self._dirty = True
@@ -668,28 +680,24 @@ class Scheduler:
 
     def _retract_for_pages(self) -> None:
         """SGLang's retract_decode: the pool cannot give every decoding request the pages of its next step, so
-        decoding requests are retracted (``_retract``: back to the queue, ahead of later arrivals; their K/V to the
-        prefix cache) until it can: the one with the fewest output tokens first, among equals the longest prompt
-        (with priority scheduling the lowest priority before all); requests still prefilling (the latest admitted
-        first) only when one decoding request is left. The token ratio then becomes what the remaining requests have
-        shown (``budget.TokenRatio.after_retraction``)."""
+        decoding requests are retracted (``_retract_all``) until it can: the one with the fewest output tokens
+        first, among equals the longest prompt (with priority scheduling the lowest priority before all); requests
+        still prefilling (the latest admitted first) only when one decoding request is left. The token ratio then
+        becomes what the remaining decoding requests have shown (``budget.TokenRatio.after_retraction``)."""
         rank = self.priority.rank if self.priority is not None else (lambda p: 0)
         running = [r for r in self.slots if r is not None and not r.finished]
         decoding = sorted((r for r in running if r.decoding), reverse=True,
                           key=lambda r: (rank(r.priority), len(r.output_ids), -len(r.prompt_ids)))
         prefilling = sorted((r for r in running if not r.decoding), key=lambda r: r.arrival)
-        retracted = []
-        try:
+
+        def victims():
             while not self._grow(self.runner.tokens_per_step):
                 if len(decoding) <= 1 and not prefilling:  # never: ``submit`` refuses what the pool cannot hold
                     self._abort_all(decoding, "the KV pool cannot hold this request")
-                    break
-                victim = decoding.pop() if len(decoding) > 1 else prefilling.pop()
-                self._retract(victim)
-                retracted.append(victim)
-        finally:  # requeued whatever failed after them (``_recover`` fails only what holds a slot)
-            self._requeue(retracted)
-        left = [r for r in self.slots if r is not None]
+                    return
+                yield decoding.pop() if len(decoding) > 1 else prefilling.pop()
+        retracted = self._retract_all(victims())
+        left = [r for r in self.slots if r is not None and r.decoding]
         before = self.ratio.value
         self.ratio.after_retraction(sum(len(r.output_ids) for r in left),
                                     sum(r.params.max_new_tokens for r in left), len(left))
@@ -753,10 +761,14 @@ class Scheduler:
                      self.metrics.throughput(), "" if spec is None else f", accept len: {spec:.2f}")
         return True
 
+    def _held_pages(self, evictable: int) -> int:
+        """Pages held by running requests (neither free nor evictable)."""
+        return self.pool.capacity - self.pool.num_free - evictable
+
     def _usage_line(self) -> str:
         """SGLang's batch-log fields: the running requests, the KV tokens they hold and that share of the pool,
         the waiting requests (and the new-token ratio admission uses)."""
-        held = self.pool.capacity - self.pool.num_free - self._evictable_pages()
+        held = self._held_pages(self._evictable)  # the last count: no trie walk for a log line
         running = sum(r is not None for r in self.slots)
         return (f"#running-req: {running}, #token: {held * self.page_size}, token usage: "
                 f"{held / max(self.pool.capacity, 1):.2f}, #queue-req: {len(self.waiting)}, new token ratio: "
@@ -884,20 +896,17 @@ class Scheduler:
         self.slots[req.slot] = None
         req.slot, req.nodes, req.pages = None, [], []
 
-    def _retract_all(self, reqs) -> None:
-        """Retract ``reqs`` (running; ``_retract``) back to the queue, ahead of what arrived later, in arrival
-        order."""
+    def _retract_all(self, reqs) -> list[Request]:
+        """Retract ``reqs`` (running; ``_retract``; an iterable, taken one at a time) back to the queue, ahead of
+        what arrived later, in arrival order; returns them."""
         done = []
         try:
             for req in reqs:
                 self._retract(req)
                 done.append(req)
         finally:  # requeued whatever failed after them (``_recover`` fails only what holds a slot)
-            self._requeue(done)
-
-    def _requeue(self, reqs) -> None:
-        """Retracted ``reqs`` wait again, ahead of what arrived later, in arrival order."""
-        self.waiting = sorted(reqs, key=lambda r: r.arrival) + self.waiting
+            self.waiting = sorted(done, key=lambda r: r.arrival) + self.waiting
+        return done
 
     def _retract(self, req: Request) -> None:
         """SGLang's retraction: the request leaves its slot (its K/V pages to the prefix cache, where its next
@@ -947,9 +956,8 @@ class Scheduler:
     # ---- stats ---------------------------------------------------------------------------------------------------
     def _update_snapshot(self, force: bool = False) -> None:
         self._dirty |= force
-        evictable = self._evictable_pages()  # the trie walk only when pages changed hands
         cap = self.pool.capacity
-        held = cap - self.pool.num_free - evictable
+        held = self._held_pages(self._evictable_pages())  # the trie walk only when pages changed hands
         running = [r for r in self.slots if r is not None]
         t = self.totals
         snap = {

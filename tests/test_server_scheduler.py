@@ -19,6 +19,7 @@ from specjax.serve.request import RequestError, SamplingParams
 from specjax.serve.runners.base import Launched
 from specjax.serve import scheduler as scheduler_lib
 from specjax.serve.scheduler import PriorityPolicy, Scheduler
+from specjax.serve.watchdog import Watchdog
 
 V = 50
 BAD_TOKEN = 49  # the fake tokenizer fails on it; random prompts stay below 30
@@ -458,21 +459,23 @@ def test_token_ratio_follows_sglangs_constants_and_variables():
     assert (e.init, e.clip, e.retract_steps, e.expected(1000)) == (0.5, 100, 3, 50.0)
     assert e.decay == pytest.approx((0.5 - 0.5 * 0.14) / 10)
     for env, said in (({"SGLANG_INIT_NEW_TOKEN_RATIO": "x"}, "is not a number"),
-                      ({"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "-1"}, "must be >= 0"),
+                      ({"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "-1"}, r"must be in \[0, 1\]"),
+                      ({"SGLANG_MIN_NEW_TOKEN_RATIO_FACTOR": "2"}, r"must be in \[0, 1\]"),
+                      ({"SGLANG_RETRACT_DECODE_STEPS": "-3"}, "must be >= 0"),
                       ({"SGLANG_NEW_TOKEN_RATIO_DECAY_STEPS": "0"}, "must be >= 1")):
         with pytest.raises(ValueError, match=said):
             TokenRatio.of(env=env)
 
 
 def test_max_prefill_tokens_bounds_a_round_and_batch_logs_follow_sglang(caplog):
-    """``--max-prefill-tokens`` caps the prompt tokens of one prefill round over all requests while each request's
-    chunk stays within ``--chunked-prefill-size``; SGLang's "Prefill batch." and "Decode batch." lines are logged."""
+    """A prefill round spends the smaller of ``--chunked-prefill-size`` and ``--max-prefill-tokens`` over all
+    requests; SGLang's "Prefill batch." (uncached prompts: no cached tokens) and "Decode batch." lines are logged."""
     runner = FakeRunner()
     events = []
     prefill = runner.prefill
     runner.prefill = lambda state, slot, tokens, *a, cached=0: (events.append(len(tokens) - cached),
                                                                  prefill(state, slot, tokens, *a, cached=cached))[1]
-    sched = make(runner, chunked_prefill_size=5, max_prefill_tokens=12, decode_log_interval=2)
+    sched = make(runner, chunked_prefill_size=12, max_prefill_tokens=5, decode_log_interval=2)
     prefill_round = sched._prefill_round
     sched._prefill_round = lambda: (events.append("round"), prefill_round())[1]
     prompts = [[1, 2, 3, 4, 5, 6, 7], [8, 9, 10], [11, 12, 13, 14, 15, 16], [17, 18]]
@@ -484,11 +487,10 @@ def test_max_prefill_tokens_bounds_a_round_and_batch_logs_follow_sglang(caplog):
         if e == "round":
             rounds, current = rounds + [current] * (current > 0), 0
         else:
-            assert e <= 5  # one request's chunk
             current += e
-    assert max(rounds) <= 12 and max(rounds) > 5 and sum(rounds) == sum(map(len, prompts))
+    assert max(rounds) == 5 and sum(rounds) == sum(map(len, prompts))  # 18 tokens, 12 a round without the cap
     text = caplog.text
-    assert "Prefill batch. #new-seq: " in text and "#cached-token: " in text
+    assert "Prefill batch. #new-seq: 1, #new-token: 5, #cached-token: 0, #running-req: " in text
     assert "Decode batch. #running-req: " in text and "gen throughput (token/s): " in text
     sched.shutdown()
 
@@ -514,3 +516,36 @@ def test_a_dry_pool_retracts_the_lowest_priority_first():
     assert results[0][0] == expected([7, 8], 22) and results[1][0] == expected([1, 2, 3], 22)
     assert victims and victims[0] == 0
     sched.shutdown()
+
+
+def test_the_watchdog_ends_a_hung_iteration_but_not_an_idle_or_paused_server():
+    """SGLang's --watchdog-timeout: an iteration stuck in a device call past the timeout fires the watchdog (which
+    ends a real server's process); an idle server, a paused one and control calls between iterations do not."""
+    release, fired = threading.Event(), threading.Event()
+    runner = FakeRunner()
+    launch = runner.launch
+    runner.launch = lambda state, active: (release.wait(30), launch(state, active))[1]  # a hung step
+    sched = make(runner, watchdog=Watchdog(0.3, on_hang=fired.set))
+    time.sleep(0.8)  # idle
+    sched.call(lambda: time.sleep(0.8))  # a control call (warmup, a weight load) runs between iterations
+    sched.pause_generation("in_place")
+    time.sleep(0.8)
+    sched.continue_generation()
+    assert not fired.is_set()
+    q: queue.Queue = queue.Queue()
+    sched.submit([1, 2, 3], SamplingParams(max_new_tokens=3, temperature=0.0), q.put)
+    assert fired.wait(10)
+    release.set()
+    while not (ev := q.get(timeout=30))["finished"]:
+        pass
+    sched.shutdown()
+
+
+def test_the_watchdog_ends_the_process_with_every_threads_stack():
+    import subprocess
+    import sys
+    code = ("import logging, time; logging.basicConfig(); from specjax.serve.watchdog import Watchdog; "
+            "w = Watchdog(0.2); w.start(); w.begin(); time.sleep(30)")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 1
+    assert "--watchdog-timeout" in r.stderr and "most recent call first" in r.stderr  # the log line, the stacks

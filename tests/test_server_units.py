@@ -95,6 +95,7 @@ def test_cli_every_spec_flag_parses():
     (["--schedule-conservativeness", "nan"], "--schedule-conservativeness must be > 0 .got nan."),
     (["--max-prefill-tokens", "0"], "--max-prefill-tokens must be >= 1 .got 0."),
     (["--decode-log-interval", "-1"], "--decode-log-interval must be >= 0 .got -1."),
+    (["--watchdog-timeout", "nan"], "--watchdog-timeout must be >= 0 seconds, 0 for none .got nan."),
 ])
 def test_cli_validation(argv, message):
     with pytest.raises(ArgsError, match=message.replace("+", r"\+")):
