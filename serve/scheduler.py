@@ -649,8 +649,8 @@ class Scheduler:
 
     def _grow(self, reach: int, may_pass_cap: bool = True) -> bool:
         """Give every decoding request the pages for ``reach`` positions past its tokens (a few more, within the
-        output expected of it, when the pool has them free: page tables change every few pages, not every page),
-        evicting cached prefixes if needed; False, with nothing handed out, when the pool cannot. A request's pages
+        output expected of it, when the pool has them free or cached: page tables change and the prefix cache is
+        walked every few pages, not every page), evicting cached prefixes if needed; False, with nothing handed out, when the pool cannot. A request's pages
         stop at the page table's width: False where ``reach`` passes it, unless ``may_pass_cap`` (a step writes
         nothing there)."""
         z, cap, short = self.page_size, self.runner.pages_per_seq, []
@@ -667,8 +667,8 @@ class Scheduler:
         if not short:
             return True
         must, nice = sum(s[1] for s in short), sum(max(s[1], s[2]) for s in short)
-        if self.pool.num_free < must:
-            self.radix.evict(must - self.pool.num_free)
+        if self.pool.num_free < nice:  # cached prefixes make way for the slack too: one trie walk per few pages
+            self.radix.evict(nice - self.pool.num_free)
             self._dirty = True
         if self.pool.num_free < must:
             return False
