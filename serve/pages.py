@@ -3,7 +3,9 @@
 Page 0 is a scratch page that is never handed out: unused page-table entries point at it, so a stray write (a
 padded token, a rejected draft) lands somewhere harmless. The radix cache is a trie whose edges are whole pages
 of token ids; a node owns its page while it is in the trie. Requests hold references on the nodes of their prefix
-(ref counts); only unreferenced leaves are evicted, least recently used first.
+(ref counts); only unreferenced leaves are evicted, least recently used first. The count of unreferenced nodes and
+a heap of unreferenced leaves are kept current as nodes are locked, unlocked, inserted and evicted, so counting
+what may be evicted costs nothing and evicting k pages costs O(k log n), never a walk of the trie.
 """
 
 from __future__ import annotations
@@ -54,9 +56,8 @@ class RadixCache:
 
     def __init__(self, pool: PagePool, page_size: int, enabled: bool = True):
         self.pool, self.page_size, self.enabled = pool, page_size, enabled
-        self.root = Node((), -1, None)
-        self.num_nodes = 0
         self._tick = itertools.count()
+        self.reset()
 
     def _keys(self, tokens, num_pages):
         z = self.page_size
@@ -77,6 +78,7 @@ class RadixCache:
     def lock(self, nodes) -> None:
         now = time.monotonic()
         for n in nodes:
+            self._evictable -= n.ref == 0
             n.ref += 1
             n.last_used = now
 
@@ -86,6 +88,18 @@ class RadixCache:
             n.ref -= 1
             n.last_used = now
             assert n.ref >= 0, "radix node unlocked more often than locked"
+            if n.ref == 0:
+                self._evictable += 1
+                if not n.children:
+                    self._push_leaf(n)
+
+    def _push_leaf(self, n: Node) -> None:
+        """``n`` became an unreferenced leaf (an evictable page). Entries are checked when popped (the node may have
+        been locked, touched or evicted since), and the heap is rebuilt when stale entries outnumber the trie."""
+        heapq.heappush(self._leaves, (n.last_used, next(self._tick), n))
+        if len(self._leaves) > 2 * self.num_nodes + 64:
+            self._leaves = [(m.last_used, next(self._tick), m) for m in self._walk() if m.ref == 0 and not m.children]
+            heapq.heapify(self._leaves)
 
     def insert(self, tokens, pages, held: list[Node]) -> list[Node]:
         """Insert the full pages of ``tokens`` (KV in ``pages``) below the path ``held`` that the caller already holds.
@@ -103,6 +117,7 @@ class RadixCache:
                 child = Node(keys[i], pages[i], node)
                 node.children[keys[i]] = child
                 self.num_nodes += 1
+                self._evictable += 1  # unreferenced until ``lock`` below
             new.append(child)
             node = child
         self.lock(new)
@@ -137,7 +152,9 @@ class RadixCache:
         return node.page == page
 
     def evictable_pages(self) -> int:
-        return sum(1 for n in self._walk() if n.ref == 0)
+        """Pages of unreferenced nodes: all of them can be evicted (a request holds its whole prefix path, so an
+        unreferenced node's subtree is unreferenced too)."""
+        return self._evictable
 
     def cached_pages(self) -> int:
         return self.num_nodes
@@ -151,23 +168,25 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> int:
         """Free up to ``num_pages`` pages from unreferenced leaves, least recently used first. Returns pages freed."""
-        if num_pages <= 0:
-            return 0
-        heap = [(n.last_used, next(self._tick), n) for n in self._walk() if n.ref == 0 and not n.children]
-        heapq.heapify(heap)
         freed = 0
-        while heap and freed < num_pages:
-            _, _, n = heapq.heappop(heap)
+        while self._leaves and freed < num_pages:
+            used, _, n = heapq.heappop(self._leaves)
+            if n.parent is None or n.ref or n.children or n.last_used != used:
+                continue  # evicted, locked, grown or touched since it was pushed: a stale entry
             parent = n.parent
             del parent.children[n.key]
+            n.parent = None
             self.num_nodes -= 1
+            self._evictable -= 1
             self.pool.release([n.page])
             freed += 1
             if parent is not self.root and parent.ref == 0 and not parent.children:
-                heapq.heappush(heap, (parent.last_used, next(self._tick), parent))
+                self._push_leaf(parent)
         return freed
 
     def reset(self) -> None:
         """Forget every node (their pages are returned by the caller resetting the pool)."""
         self.root = Node((), -1, None)
         self.num_nodes = 0
+        self._evictable = 0  # nodes with ref 0
+        self._leaves: list[tuple[float, int, Node]] = []  # (last_used when pushed, tie-break, node), lazily pruned

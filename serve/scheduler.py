@@ -126,11 +126,9 @@ class Scheduler:
         self._snapshot: dict[str, Any] = {}
         self._live: dict[str, Request] = {}  # rid -> its request, from submit until finished (any thread reads it)
         self._live_lock = threading.Lock()
-        self._evictable = 0
-        self._dirty = True  # page ownership changed since the last snapshot
         self.totals = {"requests": 0, "finished": 0, "aborted": 0, "retracted": 0, "prompt_tokens": 0,
                        "generated_tokens": 0, "cached_tokens": 0, "spec_verify_ct": 0, "spec_tokens": 0}
-        self._update_snapshot(force=True)
+        self._update_snapshot()
 
     # ---- thread-safe API -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -233,7 +231,7 @@ class Scheduler:
             if any(self.slots) or (self.waiting and not self.generation_paused):
                 return False
             self.radix.evict(self.pool.capacity)
-            self._update_snapshot(force=True)
+            self._update_snapshot()
             return True
         return self.call(do)
 
@@ -255,14 +253,14 @@ class Scheduler:
             elif mode == "retract":
                 self._retract_all(running)
             self.generation_paused = True
-            self._update_snapshot(force=True)
+            self._update_snapshot()
         self.call(do, timeout=3600.0)  # an iteration may compile or prefill a long chunk first
 
     def continue_generation(self) -> None:
         """Resume after ``pause_generation``: the paused and the waiting requests go on."""
         def do():
             self.generation_paused = False
-            self._update_snapshot(force=True)
+            self._update_snapshot()
         self.call(do, timeout=3600.0)
 
     def set_target_params(self, params, flush_cache: bool = True) -> None:
@@ -271,7 +269,7 @@ class Scheduler:
         self.runner.set_target_params(params)
         if flush_cache:
             self.radix.evict(self.pool.capacity)
-        self._update_snapshot(force=True)
+        self._update_snapshot()
 
     def drained(self) -> bool:
         """(On this thread, ``call``.) No request holds a slot and no step is in flight."""
@@ -339,7 +337,7 @@ class Scheduler:
             item = self._inbox.get(timeout=0.1) if block else self._inbox.get_nowait()
         except queue.Empty:
             if block:
-                self._update_snapshot(force=True)
+                self._update_snapshot()
             return
         while True:
             self._handle(item)
@@ -405,17 +403,11 @@ class Scheduler:
         tokens = length + self.runner.tokens_per_step * (2 if self.overlap else 1)
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
 
-    def _evictable_pages(self) -> int:
-        """The radix cache's evictable pages (the trie walked only when pages changed hands since the last count)."""
-        if self._dirty:
-            self._evictable, self._dirty = self.radix.evictable_pages(), False
-        return self._evictable
-
     def _room(self, matched, without=()) -> float:
         """The KV tokens a newcomer whose cached prefix is ``matched`` may count on: free pages, evictable ones but
         its own prefix's, and the pages only ``without`` (running requests to be retracted) hold, less what the
         other running requests are expected to still write past the pages they hold (``budget.TokenRatio``)."""
-        pages = self.pool.num_free + self._evictable_pages() - sum(n.ref == 0 for n in matched)
+        pages = self.pool.num_free + self.radix.evictable_pages() - sum(n.ref == 0 for n in matched)
         pages += sum(len(r.pages) - sum(n.ref > 1 for n in r.nodes) for r in without)
         gone = {id(r) for r in without}
         growth = sum(max(self._expected(r) - self._headroom(r), 0.0)
@@ -484,7 +476,6 @@ class Scheduler:
         self.radix.lock(nodes)
         if self.pool.num_free < need:
             self.radix.evict(need - self.pool.num_free)
-            self._dirty = True
         fresh = self.pool.alloc(need)
         if fresh is None:
             self.radix.unlock(nodes)
@@ -496,7 +487,6 @@ class Scheduler:
         if not req.admitted:  # a retracted request keeps the count of prompt tokens it found cached at first
             req.cached_tokens, req.admitted = req.prefilled, True
             self.totals["cached_tokens"] += req.cached_tokens
-        self._dirty = True
         req.slot = free[0]  # lowest free slot: keeps the running batch packed for bucketed decode
         self.slots[req.slot] = req
         return True
@@ -649,10 +639,10 @@ class Scheduler:
 
     def _grow(self, reach: int, may_pass_cap: bool = True) -> bool:
         """Give every decoding request the pages for ``reach`` positions past its tokens (a few more, within the
-        output expected of it, when the pool has them free or cached: page tables change and the prefix cache is
-        walked every few pages, not every page), evicting cached prefixes if needed; False, with nothing handed out, when the pool cannot. A request's pages
-        stop at the page table's width: False where ``reach`` passes it, unless ``may_pass_cap`` (a step writes
-        nothing there)."""
+        output expected of it, when the pool has them free or cached: page tables change every few pages, not every
+        page), evicting cached prefixes if needed; False, with nothing handed out, when the pool cannot. A
+        request's pages stop at the page table's width: False where ``reach`` passes it, unless ``may_pass_cap`` (a
+        step writes nothing there)."""
         z, cap, short = self.page_size, self.runner.pages_per_seq, []
         for r in self.slots:
             if r is None or not r.decoding or r.finished:
@@ -667,9 +657,8 @@ class Scheduler:
         if not short:
             return True
         must, nice = sum(s[1] for s in short), sum(max(s[1], s[2]) for s in short)
-        if self.pool.num_free < nice:  # cached prefixes make way for the slack too: one trie walk per few pages
+        if self.pool.num_free < nice:  # cached prefixes make way for the slack too
             self.radix.evict(nice - self.pool.num_free)
-            self._dirty = True
         if self.pool.num_free < must:
             return False
         roomy = self.pool.num_free >= nice
@@ -690,12 +679,14 @@ class Scheduler:
                           key=lambda r: (rank(r.priority), len(r.output_ids), -len(r.prompt_ids)))
         prefilling = sorted((r for r in running if not r.decoding), key=lambda r: r.arrival)
 
-        def victims():
-            while not self._grow(self.runner.tokens_per_step):
+        def victims():  # the caller's ``_grow`` has just failed
+            while True:
                 if len(decoding) <= 1 and not prefilling:  # never: ``submit`` refuses what the pool cannot hold
                     self._abort_all(decoding, "the KV pool cannot hold this request")
                     return
                 yield decoding.pop() if len(decoding) > 1 else prefilling.pop()
+                if self._grow(self.runner.tokens_per_step):
+                    return
         retracted = self._retract_all(victims())
         left = [r for r in self.slots if r is not None and r.decoding]
         before = self.ratio.value
@@ -761,14 +752,14 @@ class Scheduler:
                      self.metrics.throughput(), "" if spec is None else f", accept len: {spec:.2f}")
         return True
 
-    def _held_pages(self, evictable: int) -> int:
+    def _held_pages(self) -> int:
         """Pages held by running requests (neither free nor evictable)."""
-        return self.pool.capacity - self.pool.num_free - evictable
+        return self.pool.capacity - self.pool.num_free - self.radix.evictable_pages()
 
     def _usage_line(self) -> str:
         """SGLang's batch-log fields: the running requests, the KV tokens they hold and that share of the pool,
         the waiting requests (and the new-token ratio admission uses)."""
-        held = self._held_pages(self._evictable)  # the last count: no trie walk for a log line
+        held = self._held_pages()
         running = sum(r is not None for r in self.slots)
         return (f"#running-req: {running}, #token: {held * self.page_size}, token usage: "
                 f"{held / max(self.pool.capacity, 1):.2f}, #queue-req: {len(self.waiting)}, new token ratio: "
@@ -826,7 +817,6 @@ class Scheduler:
         if self.spec:
             tokens = tokens[:-1]  # the last position's draft KV depends on the token after it
         full = len(tokens) // self.page_size
-        self._dirty = True
         if full > len(req.nodes):
             req.nodes += self.radix.insert(tokens[:full * self.page_size], req.pages, req.nodes)
 
@@ -884,7 +874,6 @@ class Scheduler:
     def _free_slot(self, req: Request, cache_ok: bool = True) -> None:
         """The request leaves its slot: its full pages of K/V go to the prefix cache (``cache_ok``), the rest back
         to the pool."""
-        self._dirty = True
         if req.slot is None:
             return
         if cache_ok:
@@ -951,13 +940,12 @@ class Scheduler:
             self.state = self.runner.init_state()
         except Exception:  # noqa: BLE001
             log.exception("re-initialising the device state failed")
-        self._update_snapshot(force=True)
+        self._update_snapshot()
 
     # ---- stats ---------------------------------------------------------------------------------------------------
-    def _update_snapshot(self, force: bool = False) -> None:
-        self._dirty |= force
+    def _update_snapshot(self) -> None:
         cap = self.pool.capacity
-        held = self._held_pages(self._evictable_pages())  # the trie walk only when pages changed hands
+        held = self._held_pages()
         running = [r for r in self.slots if r is not None]
         t = self.totals
         snap = {

@@ -335,6 +335,63 @@ def test_radix_cache_disabled_and_match_limit():
     assert len(rc.match([1, 2, 3], max_pages=5)) == 1  # only full pages of the query count
 
 
+@pytest.mark.parametrize("seed", range(6))
+def test_radix_cache_counts_and_evicts_as_a_trie_walk_would(monkeypatch, seed):
+    """The kept-current evictable count and leaf heap against the definition, over random requests that match,
+    lock, insert, unlock and evict: the count is the trie's unreferenced nodes, and ``evict(k)`` frees the k least
+    recently used unreferenced leaves, one after another (a freed leaf's parent may be next)."""
+    from specjax.serve import pages as pages_lib
+    clock = iter(range(1, 10**6))
+    monkeypatch.setattr(pages_lib.time, "monotonic", lambda: float(next(clock)))
+    rng = np.random.default_rng(seed)
+    pool = PagePool(40)
+    rc = RadixCache(pool, page_size=2)
+    held: list[tuple[list, list]] = []  # (nodes, private pages) per running request
+
+    def walk():
+        stack, out = list(rc.root.children.values()), []
+        while stack:
+            out.append(stack.pop())
+            stack.extend(out[-1].children.values())
+        return out
+
+    for _ in range(300):
+        op = rng.integers(3)
+        if op == 0 and len(held) < 6:  # a request arrives over a prompt of a few shared-alphabet pages
+            toks = [int(t) for t in rng.integers(0, 2, size=2 * int(rng.integers(1, 6)))]
+            nodes = rc.match(toks, len(toks) // 2)
+            rc.lock(nodes)
+            need = len(toks) // 2 - len(nodes)
+            if pool.num_free < need:
+                rc.evict(need - pool.num_free)
+            fresh = pool.alloc(need)
+            if fresh is None:
+                rc.unlock(nodes)
+                continue
+            new = rc.insert(toks, [n.page for n in nodes] + fresh, nodes)
+            taken = {n.page for n in new}
+            held.append((nodes + new, [p for p in fresh if p not in taken]))
+        elif op == 1 and held:  # a request finishes
+            nodes, private = held.pop(int(rng.integers(len(held))))
+            rc.unlock(nodes)
+            pool.release(private)
+        else:  # pages wanted elsewhere: the definition's victims, one by one
+            k = int(rng.integers(1, 4))
+            gone = set()
+            for _ in range(k):
+                leaves = [n for n in walk() if n not in gone and n.ref == 0
+                          and all(c in gone for c in n.children.values())]
+                if not leaves:
+                    break
+                gone.add(min(leaves, key=lambda n: n.last_used))
+            free_before = set(pool._free)
+            assert rc.evict(k) == len(gone)
+            assert set(pool._free) - free_before == {n.page for n in gone}
+        nodes = walk()
+        assert rc.evictable_pages() == sum(n.ref == 0 for n in nodes) and rc.cached_pages() == len(nodes)
+        assert pool.num_free + len(nodes) + sum(len(p) for _, p in held) == pool.capacity
+
+
 def test_throughput_window_counts_the_last_ten_seconds(monkeypatch):
     """/get_server_info's gen_throughput: tokens of the decode steps in the last THROUGHPUT_WINDOW_S seconds over the
     time since the oldest of them (steps that fell out of the window no longer count)."""
