@@ -54,9 +54,13 @@ def main(argv=None) -> int:
         log.info("speculative decoding: %s, head %s, tree (steps %d, topk %d, draft tokens %d)",
                  args.speculative_algorithm, args.speculative_draft_model_path, args.speculative_num_steps,
                  args.speculative_eagle_topk, args.speculative_num_draft_tokens)
-    log.info("try:  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d "
-             "'{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital of "
-             "France?\"}]}'", args.host, args.port, args.model_name)
+    if args.skip_tokenizer_init:  # token ids in and out
+        log.info("try:  curl http://%s:%d/generate -H 'Content-Type: application/json' -d "
+                 "'{\"input_ids\": [1, 2, 3], \"sampling_params\": {\"max_new_tokens\": 8}}'", args.host, args.port)
+    else:
+        log.info("try:  curl http://%s:%d/v1/chat/completions -H 'Content-Type: application/json' -d "
+                 "'{\"model\": \"%s\", \"messages\": [{\"role\": \"user\", \"content\": \"What is the capital "
+                 "of France?\"}]}'", args.host, args.port, args.model_name)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level.lower(),
                                            http=http_protocol(args.http_header_timeout),
                                            timeout_keep_alive=args.http_idle_timeout))

@@ -57,6 +57,9 @@ class ServerArgs:
                                        help="Jinja chat template file, or a built-in name (chatml, llama-3-instruct);"
                                             " default: the tokenizer's own template")
     trust_remote_code: bool = option(False, group="model", help="allow custom tokenizer code from the hub")
+    skip_tokenizer_init: bool = option(False, group="model", help="load no tokenizer (SGLang's flag): requests give "
+                                       "input_ids and get output_ids, no text; text prompts, chat, stop strings "
+                                       "and the OpenAI routes are refused with a 400")
     dtype: str = option("auto", group="model", choices=["auto", "bfloat16", "float16", "float32"],
                         help="parameter/compute dtype; auto = the checkpoint's torch_dtype")
     context_length: int | None = option(None, group="model", help="max tokens per sequence (prompt + output); "
@@ -95,6 +98,13 @@ class ServerArgs:
     http_idle_timeout: float = option(30.0, group="http", help="seconds of silence allowed on a kept-alive "
                                                                "connection between requests, and inside a request "
                                                                "body (then 408)")
+    allow_auto_truncate: bool = option(False, group="http", help="a prompt longer than the server takes is cut to "
+                                       "its first max_req_input_len tokens, and a max_new_tokens past the context "
+                                       "or the KV pool is lowered to fit, with a warning (SGLang's flag); by "
+                                       "default both are refused with a 400")
+    device: str | None = option(None, group="parallelism", choices=["cpu", "cuda", "gpu", "tpu"],
+                                help="the JAX platform to run on (SGLang's flag; default: JAX's own choice, an "
+                                     "accelerator when one is installed, else the CPU)")
     tp_size: int = option(1, flags=("--tp",), group="parallelism", help="tensor-parallel devices")
     dp_size: int = option(1, flags=("--dp",), group="parallelism",
                           help="data-parallel devices (the running batch is split over them)")

@@ -92,7 +92,7 @@ class Engine:
             prompts = [token_ids(input_ids)] if single else [token_ids(x) for x in input_ids]
         if not prompts:
             raise RequestError("empty batch: no prompt given", "prompt")
-        return prompts, single
+        return [self.backend.fit_prompt(ids) for ids in prompts], single
 
     def _params(self, sampling_params, prompts, logprobs: dict) -> list[SamplingParams]:
         """One SamplingParams per prompt, with SGLang's request-level logprob fields (``logprobs``) applied; an

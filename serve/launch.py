@@ -26,6 +26,7 @@ from specjax.config import ModelConfig
 from specjax.head_weights import load_draft
 from specjax.hub import default_smollm2_path, fetch_smollm2
 from specjax.models import target
+from specjax.platforms import use_device
 from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
 from specjax.serve.scheduler import PriorityPolicy, Scheduler
@@ -201,24 +202,48 @@ class Backend:
         pool_tokens = self.scheduler.pool.capacity * self.scheduler.page_size
         info.update(version=version(), context_length=self.context_length,
                     max_total_num_tokens=pool_tokens,  # SGLang's two limits: the KV pool, the longest prompt
-                    max_req_input_len=min(self.context_length - 1, pool_tokens - 1),
+                    max_req_input_len=self.scheduler.max_prompt_len(),
                     internal_states=[self.scheduler.stats()], startup_seconds=round(self.startup_s, 2))
         return info
 
+    def text_tokenizer(self, param: str | None = "text"):
+        """The tokenizer, or a RequestError (400) for a request that needs text on a server without one
+        (``--skip-tokenizer-init``, as SGLang refuses it)."""
+        if self.tokenizer is None:
+            raise RequestError("this server was started with --skip-tokenizer-init: it has no tokenizer, so it takes "
+                               "token ids (input_ids) and answers with output_ids, never text; start it without the "
+                               "flag to send text", param=param)
+        return self.tokenizer
+
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=add_special_tokens)["input_ids"])
+        return list(self.text_tokenizer()(text, add_special_tokens=add_special_tokens)["input_ids"])
 
     def render_chat(self, messages: list[dict], template_kwargs: dict | None = None) -> str:
+        tokenizer = self.text_tokenizer("messages")
         try:
-            return self.tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
-                                                      add_generation_prompt=True, **(template_kwargs or {}))
+            return tokenizer.apply_chat_template(messages, chat_template=self.chat_template, tokenize=False,
+                                                 add_generation_prompt=True, **(template_kwargs or {}))
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, etc.)
             raise RequestError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                                param="messages") from None
 
+    def fit_prompt(self, ids: list[int]) -> list[int]:
+        """``ids``, or with ``--allow-auto-truncate`` their first ``max_req_input_len`` when longer (SGLang keeps the
+        start too, with a warning); a longer prompt without the flag is the scheduler's error."""
+        limit = self.scheduler.max_prompt_len()
+        if not self.args.allow_auto_truncate or len(ids) <= limit:
+            return ids
+        log.warning("the prompt (%d tokens) is longer than the server takes (%d tokens: context %d, KV pool %d); "
+                    "keeping its first %d tokens (--allow-auto-truncate)", len(ids), limit, self.context_length,
+                    self.scheduler.pool.capacity * self.scheduler.page_size, limit)
+        return list(ids[:limit])
+
     def check_output_budget(self, prompt_tokens: int, max_new_tokens: int, param: str) -> None:
         """An explicit output limit that cannot fit the context is a 400 naming the limit (as SGLang, vLLM and the
-        OpenAI API answer), not silently clamped. A prompt that alone fills the context is the scheduler's error."""
+        OpenAI API answer), not silently clamped; with ``--allow-auto-truncate`` it is lowered to fit (by the
+        scheduler), as SGLang does. A prompt that alone fills the context is the scheduler's error."""
+        if self.args.allow_auto_truncate:
+            return
         if prompt_tokens < self.context_length < prompt_tokens + max_new_tokens:
             raise RequestError(f"this model's maximum context length is {self.context_length} tokens, but "
                                f"{prompt_tokens + max_new_tokens} were requested ({prompt_tokens} in the prompt, "
@@ -233,6 +258,8 @@ class Backend:
         token_ids_logprob only with return_logprob (SGLang ignores it otherwise)."""
         if max_new_given:
             self.check_output_budget(len(ids), sp.max_new_tokens, param)
+        if sp.stop and self.tokenizer is None:  # SGLang refuses stop strings without a tokenizer too
+            self.text_tokenizer("stop")
         if sp.token_ids_logprob and not sp.return_logprob:  # here: the request's fields may set either
             raise RequestError("token_ids_logprob needs return_logprob: true", param="token_ids_logprob")
         if sp.return_logprob and sp.logprob_start_len >= len(ids):
@@ -251,7 +278,8 @@ class Backend:
                                 timeout=3600)
         done = threading.Event()
         sp = SamplingParams(max_new_tokens=4, temperature=0.0, ignore_eos=True)
-        self.submit(self.encode("Hello, warm up.")[:8] or [0], sp,
+        ids = self.encode("Hello, warm up.")[:8] if self.tokenizer is not None else [0]
+        self.submit(ids or [0], sp,
                     lambda ev: done.set() if ev["finished"] else None, rid="warmup")
         done.wait(3600)
         self.scheduler.flush_cache()
@@ -395,6 +423,7 @@ def _scheduler_options(args: ServerArgs) -> dict:
                 stream_interval=args.stream_interval,
                 log_requests=args.log_requests_level if args.log_requests else None,
                 token_ratio=TokenRatio.of(args.schedule_conservativeness), max_prefill_tokens=args.max_prefill_tokens,
+                auto_truncate=args.allow_auto_truncate,
                 decode_log_interval=args.decode_log_interval,
                 watchdog=Watchdog(args.watchdog_timeout) if args.watchdog_timeout > 0 else None)
 
@@ -414,6 +443,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     """Load everything and start the scheduler thread (no warmup). ``model`` = (cfg, params) and ``draft`` =
     (draft_cfg, draft_params, vocab map) skip loading from the paths (tests, in-memory heads)."""
     t0 = time.perf_counter()
+    use_device(args.device)
     chat_template = _given_chat_template(args)
     for line in args.notices():
         log.warning(line)
@@ -431,7 +461,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
         check_context_length(args, ModelConfig.from_pretrained(folder))
     tok_folder = resolve_model_path(args.tokenizer_path, **hub) if args.tokenizer_path else folder
-    tokenizer = load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
+    tokenizer = None if args.skip_tokenizer_init else \
+        load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)
     cfg, params = model if model is not None else load_target(args, folder, mesh)
     spec = args.speculative_algorithm is not None and not args.speculation_off_reason
@@ -483,6 +514,7 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
              folder, cfg.architecture, cfg.num_layers, cfg.dtype, time.perf_counter() - t0, num_pages - 1, z,
              max_running, context_length, f", {args.speculative_algorithm}" if spec else "")
     return Backend(args=args, model_folder=folder, tokenizer_folder=tok_folder, tokenizer=tokenizer, cfg=cfg,
-                   scheduler=scheduler, chat_template=_resolve_chat_template(chat_template, tokenizer),
+                   scheduler=scheduler,
+                   chat_template="" if tokenizer is None else _resolve_chat_template(chat_template, tokenizer),
                    context_length=context_length, spec=spec, metrics=metrics,
                    startup_s=time.perf_counter() - t0)

@@ -397,7 +397,10 @@ class Request:
         self._prefix_offset, self._read_offset = 0, len(ctx)
 
     def _decode_delta(self, tokenizer, final: bool) -> str:
-        """vLLM-style incremental decode: emit text only once it no longer ends in a partial UTF-8 character."""
+        """vLLM-style incremental decode: emit text only once it no longer ends in a partial UTF-8 character (no
+        text without a tokenizer: ``--skip-tokenizer-init``)."""
+        if tokenizer is None:
+            return ""
         skip = self.params.skip_special_tokens
         prefix = tokenizer.decode(self._detok_ids[self._prefix_offset:self._read_offset], skip_special_tokens=skip)
         full = tokenizer.decode(self._detok_ids[self._prefix_offset:], skip_special_tokens=skip)

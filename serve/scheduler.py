@@ -93,8 +93,9 @@ class Scheduler:
                  priority: PriorityPolicy | None = None, refuse_priority: bool = False,
                  max_queued: int | None = None, stream_interval: int = 1, log_requests: int | None = None,
                  token_ratio: TokenRatio | None = None, max_prefill_tokens: int | None = None,
-                 decode_log_interval: int = 40, watchdog: Watchdog | None = None):
+                 decode_log_interval: int = 40, watchdog: Watchdog | None = None, auto_truncate: bool = False):
         self.runner, self.tokenizer = runner, tokenizer
+        self.auto_truncate = auto_truncate  # SGLang's --allow-auto-truncate: max_new_tokens lowered to fit the pool
         self.context_length, self.vocab_size = context_length, vocab_size
         self.eos_ids = frozenset(int(e) for e in eos_ids)
         self.chunk = chunked_prefill_size if chunked_prefill_size and chunked_prefill_size > 0 else None
@@ -152,6 +153,17 @@ class Scheduler:
     def max_new_tokens_cap(self, prompt_len: int) -> int:
         return self.context_length - prompt_len
 
+    def max_prompt_len(self) -> int:
+        """SGLang's max_req_input_len: the longest prompt served, with room for one output token in the context and
+        in the KV pool (with the pages a step in flight may write)."""
+        return min(self.context_length, self._most_tokens_in_pool()) - 1
+
+    def _most_tokens_in_pool(self) -> int:
+        """The longest sequence whose pages (``_pages_for``) the whole pool holds."""
+        if self._pages_for(self.context_length) <= self.pool.capacity:
+            return self.context_length
+        return self.pool.capacity * self.page_size - self.runner.tokens_per_step * (2 if self.overlap else 1)
+
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
                seed: int | None = None, group: str | None = None, priority: int | None = None) -> Request:
         """Validate and queue a request; raises RequestError when it can never be served as asked, or when ``rid``
@@ -177,6 +189,8 @@ class Scheduler:
         except ValueError as e:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
         params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
+        if self.auto_truncate:  # lowered to what the pool holds, as SGLang caps it at max_req_len
+            params.max_new_tokens = min(params.max_new_tokens, max(self._most_tokens_in_pool() - len(ids), 1))
         need = self._pages_for(len(ids) + params.max_new_tokens)
         if need > self.pool.capacity:
             raise RequestError(f"the request needs {need} KV pages ({need * self.page_size} tokens: prompt "
@@ -868,7 +882,8 @@ class Scheduler:
                 parts.append(f"prompt={cut(prompt)!r}")
             except Exception:  # noqa: BLE001 - a log line never fails a request
                 parts.append(f"prompt_ids={cut(str(req.prompt_ids))}")
-            parts.append(f"output={cut(req.text)!r}")
+            parts.append(f"output={cut(req.text)!r}" if self.tokenizer is not None else
+                         f"output_ids={cut(str(req.output_ids))}")
         log.info("Finish: %s", ", ".join(parts))
 
     def _free_slot(self, req: Request, cache_ok: bool = True) -> None:

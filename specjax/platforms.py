@@ -16,10 +16,37 @@ import contextlib
 from typing import Any, Callable
 
 import jax
+from jax._src import xla_bridge
 
 # The platform programs are lowered for, when it is not the default backend's (``lowering_for``).
 _LOWERING = jax.make_user_context(default_value=None)
 _KNOWN = frozenset({"cpu", "tpu"})  # default backends whose branch name is the backend name
+# SGLang's --device names -> (the JAX platform to ask for, the name jax.default_backend() then gives)
+_DEVICES = {"cpu": ("cpu", "cpu"), "cuda": ("cuda", "gpu"), "gpu": ("cuda", "gpu"), "tpu": ("tpu", "tpu")}
+
+
+def use_device(device: str | None) -> None:
+    """Run this process's JAX programs on ``device`` (SGLang's ``--device``: cpu, cuda / gpu, tpu; None: JAX's own
+    choice). Before JAX has started a backend this selects the platform; after it, the device must be the one
+    already in use. A ValueError says what is missing."""
+    if device is None:
+        return
+    if device not in _DEVICES:
+        raise ValueError(f"unknown device {device!r}; choose one of {', '.join(_DEVICES)}")
+    platform, backend = _DEVICES[device]
+    if xla_bridge.backends_are_initialized():
+        if jax.default_backend() != backend:
+            raise ValueError(f"device {device!r} asked for, but this process already runs JAX on "
+                             f"{jax.default_backend()!r}; choose the device before anything runs on another")
+        return
+    jax.config.update("jax_platforms", platform)
+    try:
+        jax.devices()
+    except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError, or AssertionError when no backend starts
+        jax.config.update("jax_platforms", None)  # leave JAX free to start the backend it finds
+        hint = {"cuda": " (install jax[cuda12])", "tpu": " (install jax[tpu] on a TPU host)"}.get(platform, "")
+        raise ValueError(f"device {device!r}: JAX has no {platform} backend here{hint}"
+                         + (f": {e}" if str(e) else "")) from None
 
 
 @contextlib.contextmanager

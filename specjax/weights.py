@@ -392,9 +392,9 @@ def generation_eos_ids(folder: str) -> tuple[int, ...]:
 
 
 def stop_token_ids(folder: str, cfg: ModelConfig, tokenizer) -> tuple[int, ...]:
-    """The ids that end a turn: the eos ids of config.json, generation_config.json and the tokenizer (generation and
-    the server stop on these)."""
+    """The ids that end a turn: the eos ids of config.json, generation_config.json and the tokenizer (None: a server
+    without one, ``--skip-tokenizer-init``) (generation and the server stop on these)."""
     stop = list(cfg.eos_token_ids) + list(generation_eos_ids(folder))
-    if tokenizer.eos_token_id is not None:
+    if tokenizer is not None and tokenizer.eos_token_id is not None:
         stop.append(int(tokenizer.eos_token_id))
     return tuple(dict.fromkeys(stop))

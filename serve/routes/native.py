@@ -28,6 +28,7 @@ async def generate(request: Request):
         prompts = body.input_ids if batch else [body.input_ids]
     if not prompts:
         raise APIError(400, "empty batch", param="text")
+    prompts = [backend.fit_prompt(ids) for ids in prompts]
     sps = body.sampling_params
     if isinstance(sps, list):
         if len(sps) != len(prompts):

@@ -16,11 +16,14 @@ from .common import SSE_DONE, APIError, Fanout, backend_of, check_model, off_loo
 router = APIRouter()
 
 
-async def openai_request(request: Request, model):
-    """(backend, served model name, body) of a /v1 request, refused with 404 when it names another model."""
+async def openai_request(request: Request, model, text: bool = True):
+    """(backend, served model name, body) of a /v1 request, refused with 404 when it names another model, and with
+    400 when the route answers in ``text`` and the server has no tokenizer (``--skip-tokenizer-init``)."""
     backend = backend_of(request)
     body = await parse(request, model)
     check_model(backend, body.model)
+    if text:
+        backend.text_tokenizer(None)
     return backend, backend.args.model_name, body
 
 
@@ -51,7 +54,8 @@ async def completions(request: Request):
         prompts = list(p)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
-    ids_list = await off_loop(lambda: [backend.encode(x) if isinstance(x, str) else list(x) for x in prompts])
+    ids_list = await off_loop(lambda: [backend.fit_prompt(backend.encode(x) if isinstance(x, str) else list(x))
+                                       for x in prompts])
     if body.max_tokens is not None:
         for ids in ids_list:
             backend.check_output_budget(len(ids), body.max_tokens, "max_tokens")
@@ -110,8 +114,8 @@ async def chat_completions(request: Request):
     backend, served, body = await openai_request(request, P.ChatCompletionRequest)
     sp = body.sampling(body.token_limit, body.token_limit_param)
     messages = [m.template_dict() for m in body.messages]
-    ids = await off_loop(lambda: backend.encode(backend.render_chat(messages, body.chat_template_kwargs),
-                                                add_special_tokens=False))
+    ids = await off_loop(lambda: backend.fit_prompt(backend.encode(
+        backend.render_chat(messages, body.chat_template_kwargs), add_special_tokens=False)))
     if body.token_limit is not None:
         backend.check_output_budget(len(ids), body.token_limit, body.token_limit_param)
     fan = Fanout(backend, priority=body.priority)
@@ -162,7 +166,7 @@ async def chat_completions(request: Request):
 async def score(request: Request):
     """SGLang's decoder-only scoring: per item, the probabilities of ``label_token_ids`` as the next token after
     query + item (``serve.scoring``); each pair is a prefill-only request."""
-    backend, served, body = await openai_request(request, P.ScoringRequest)
+    backend, served, body = await openai_request(request, P.ScoringRequest, text=False)
     job = await off_loop(backend.score_job, body.query, body.items, body.label_token_ids, body.apply_softmax,
                          body.item_first)
     for wave in job.waves:
