@@ -92,7 +92,7 @@ class Engine:
             prompts = [token_ids(input_ids)] if single else [token_ids(x) for x in input_ids]
         if not prompts:
             raise RequestError("empty batch: no prompt given", "prompt")
-        return [self.backend.fit_prompt(ids) for ids in prompts], single
+        return prompts, single
 
     def _params(self, sampling_params, prompts, logprobs: dict) -> list[SamplingParams]:
         """One SamplingParams per prompt, with SGLang's request-level logprob fields (``logprobs``) applied; an
@@ -113,11 +113,13 @@ class Engine:
         logprobs = {name: extra.pop(name) for name in LOGPROB_ARGS if name in extra}
         given_rid = extra.pop("rid", None)
         priority = extra.pop("priority", None)
+        session_params = extra.pop("session_params", None)
         for name, value in extra.items():  # the features specjax lacks: accepted when they ask for nothing
             if name not in GenerateRequest.UNSUPPORTED:
                 raise TypeError(f"Engine.generate() got an unexpected keyword argument {name!r}")
             refuse_unsupported(name, value, GenerateRequest.UNSUPPORTED)
         prompts, single = self._prompts(prompt, input_ids)
+        prompts, recorders = self.backend.prepare_prompts(prompts, session_params)
         sps = self._params(sampling_params, prompts, logprobs)
         rids = batch_rids(given_rid, len(prompts))
         reqs = []
@@ -128,6 +130,8 @@ class Engine:
                     rid, group = copy_rid(given_rid, rids, k, j, sp.n, len(prompts))
                     reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), rid=rid,
                                                     seed=seed, group=group, priority=priority))
+                    if recorders[k] is not None:
+                        recorders[k](reqs[-1])
         except Exception:
             self._abort(reqs)
             raise
@@ -144,7 +148,8 @@ class Engine:
         (a string, or one per prompt: the ids ``meta_info.id`` carries; copies of a prompt under one rid get
         ``{rid}-{k}-{j}``), ``return_logprob``, ``logprob_start_len``, ``top_logprobs_num``,
         ``return_text_in_logprobs``, ``token_ids_logprob`` (a value, or one per prompt; they may also sit in
-        ``sampling_params``), ``priority`` (with ``enable_priority_scheduling``), and its
+        ``sampling_params``), ``priority`` (with ``enable_priority_scheduling``), ``session_params`` (a mapping, or
+        one per prompt: continue a request of a session, ``open_session``), and its
         arguments for features specjax lacks (``image_data``, ``lora_path``, ...), accepted only when they ask for
         nothing."""
         q: queue.Queue = queue.Queue()
@@ -239,6 +244,15 @@ class Engine:
 
     def flush_cache(self) -> bool:
         return self.backend.scheduler.flush_cache()
+
+    def open_session(self, capacity_of_str_len: int, session_id: str | None = None) -> str | None:
+        """SGLang's: a new session (``serve.sessions``) and its id, ``session_id`` if given; None when a session
+        of that id is open. ``generate(..., session_params={"id": ..., "rid": ...})`` continues its requests."""
+        return self.backend.sessions.open(capacity_of_str_len, session_id)
+
+    def close_session(self, session_id: str) -> None:
+        """SGLang's: forget the session (its running requests run on); a RequestError if none of that id is open."""
+        self.backend.sessions.close(session_id)
 
     def update_weights_from_disk(self, model_path: str, load_format: str | None = None) -> tuple[bool, str, int]:
         """SGLang's: the target's weights from ``model_path`` (same architecture and shapes) without a restart, once

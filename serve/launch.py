@@ -40,6 +40,7 @@ from .args import ServerArgs
 from .budget import TokenRatio
 from .metrics import Metrics
 from .request import RequestError, SamplingParams
+from .sessions import SessionParams, Sessions
 from .scoring import ScoreJob
 from .watchdog import Watchdog
 
@@ -194,6 +195,7 @@ class Backend:
     startup_s: float = 0.0
     weight_version: str = "default"  # SGLang's label of the weights served (``update_weights_from_disk``)
     _update_lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+    sessions: Sessions = dataclasses.field(default_factory=Sessions)  # SGLang's open sessions (``serve.sessions``)
 
     def server_info(self) -> dict:
         """/get_server_info and ``Engine.get_server_info``: the effective arguments (no api key), the version and
@@ -226,6 +228,33 @@ class Backend:
         except Exception as e:  # noqa: BLE001 - a template error is the request's fault (bad roles, etc.)
             raise RequestError(f"the chat template could not render these messages: {type(e).__name__}: {e}",
                                param="messages") from None
+
+    def session_prompt(self, session_params, ids: list[int]):
+        """(the prompt, a function recording the submitted request in its session) of a request with SGLang's
+        ``session_params`` (``serve.sessions``); (``ids``, None) without. A request appended to a session starts
+        without the BOS its tokenizer puts before every text (SGLang trims it too), and only then."""
+        if session_params is None:
+            return ids, None
+        sp = SessionParams.of(session_params)
+        session = self.sessions.get(sp.id)
+        tok = self.tokenizer
+        bos = tok.bos_token_id if tok is not None and tok("")["input_ids"][:1] == [tok.bos_token_id] else None
+        full, parent = session.prompt(sp, ids, self.scheduler.abort, bos)
+        return full, (lambda req: session.add(req, parent))
+
+    def prepare_prompts(self, prompts: list[list[int]], session_params=None) -> tuple[list[list[int]], list]:
+        """The prompts of a generate call as served: each continued in its session (``session_params``: one mapping
+        for every prompt, or a list of one per prompt; ``session_prompt``) and cut to fit (``fit_prompt``); and per
+        prompt the function that records its submitted request in the session (or None)."""
+        per = session_params if isinstance(session_params, list) else [session_params] * len(prompts)
+        if len(per) != len(prompts):
+            raise RequestError(f"{len(per)} session_params for {len(prompts)} prompts", "session_params")
+        served, recorders = [], []
+        for s, ids in zip(per, prompts):
+            full, record = self.session_prompt(s, ids)
+            served.append(self.fit_prompt(full))
+            recorders.append(record)
+        return served, recorders
 
     def fit_prompt(self, ids: list[int]) -> list[int]:
         """``ids``, or with ``--allow-auto-truncate`` their first ``max_req_input_len`` when longer (SGLang keeps the

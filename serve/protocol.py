@@ -120,7 +120,7 @@ class GenerateRequest(_Body):
     UNSUPPORTED: ClassVar[dict[str, tuple]] = {
         "image_data": (), "audio_data": (), "video_data": (), "input_embeds": (), "lora_path": (), "lora_id": (),
         "return_hidden_states": (False,), "custom_logit_processor": (),
-        "session_params": (), "modalities": (), "data_parallel_rank": (), "log_metrics": (True, False),
+        "modalities": (), "data_parallel_rank": (), "log_metrics": (True, False),
         "bootstrap_host": (), "bootstrap_port": (), "bootstrap_room": ()}
     text: str | list[str] | None = None
     input_ids: list[int] | list[list[int]] | None = None
@@ -133,6 +133,7 @@ class GenerateRequest(_Body):
     return_text_in_logprobs: bool = False
     token_ids_logprob: list[Int] | list[list[Int]] | None = None
     priority: Int | None = None  # with --enable-priority-scheduling (``scheduler.PriorityPolicy``)
+    session_params: dict | list[dict] | None = None  # SGLang's: continue a request of a session (``serve.sessions``)
 
     def with_logprobs(self, params: list[SamplingParams]) -> list[SamplingParams]:
         """``params`` (one per prompt) with this request's logprob fields (scalars or one per prompt) applied."""
@@ -455,6 +456,16 @@ class UpdateWeightsFromDiskRequest(_Body):
 class AbortRequest(_Body):
     rid: str = ""
     abort_all: bool = False
+
+
+class OpenSessionRequest(_Body):
+    """SGLang's ``/open_session`` (``serve.sessions``); ``capacity_of_str_len`` is recorded, as SGLang's."""
+    capacity_of_str_len: Int
+    session_id: str | None = None
+
+
+class CloseSessionRequest(_Body):
+    session_id: str
 
 
 def finish_reason_openai(reason: dict | None) -> str | None:

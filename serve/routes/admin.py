@@ -104,6 +104,26 @@ async def abort_request(request: Request):
     return Response(status_code=200)
 
 
+@router.api_route("/open_session", methods=["GET", "POST"])
+async def open_session(request: Request):
+    """SGLang's: open a session (``serve.sessions``); the answer is its id, a JSON string."""
+    backend = backend_of(request)
+    body = await parse(request, P.OpenSessionRequest)
+    sid = backend.sessions.open(body.capacity_of_str_len, body.session_id)
+    if sid is None:
+        raise APIError(400, "Failed to open the session. Check if a session with the same id is still open.",
+                       param="session_id")
+    return sid
+
+
+@router.api_route("/close_session", methods=["GET", "POST"])
+async def close_session(request: Request):
+    backend = backend_of(request)
+    body = await parse(request, P.CloseSessionRequest)
+    backend.sessions.close(body.session_id)
+    return Response(status_code=200)
+
+
 @router.post("/pause_generation")
 async def pause_generation(request: Request):
     """SGLang's: no request is admitted, prefilled or stepped until ``/continue_generation``; ``mode`` ``abort``

@@ -28,7 +28,7 @@ async def generate(request: Request):
         prompts = body.input_ids if batch else [body.input_ids]
     if not prompts:
         raise APIError(400, "empty batch", param="text")
-    prompts = [backend.fit_prompt(ids) for ids in prompts]
+    prompts, recorders = backend.prepare_prompts(prompts, body.session_params)
     sps = body.sampling_params
     if isinstance(sps, list):
         if len(sps) != len(prompts):
@@ -44,6 +44,8 @@ async def generate(request: Request):
         for j in range(sp.n):
             rid, group = copy_rid(body.rid, rids, k, j, sp.n, len(prompts))
             fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j), group=group)
+            if recorders[k] is not None:
+                recorders[k](fan.reqs[-1])
     single = not batch and len(fan.reqs) == 1
 
     def item(i):
