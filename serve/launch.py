@@ -230,17 +230,18 @@ class Backend:
                                param="messages") from None
 
     def session_prompt(self, session_params, ids: list[int]):
-        """(the prompt, a function recording the submitted request in its session) of a request with SGLang's
-        ``session_params`` (``serve.sessions``); (``ids``, None) without. A request appended to a session starts
-        without the BOS its tokenizer puts before every text (SGLang trims it too), and only then."""
+        """(the prompt, a function recording each submitted request in its session, where ``replace`` takes effect)
+        of a request with SGLang's ``session_params`` (``serve.sessions``); (``ids``, None) without. A request
+        appended to a session starts without the BOS its tokenizer puts before every text (SGLang trims it too),
+        and only then."""
         if session_params is None:
             return ids, None
         sp = SessionParams.of(session_params)
         session = self.sessions.get(sp.id)
         tok = self.tokenizer
         bos = tok.bos_token_id if tok is not None and tok("")["input_ids"][:1] == [tok.bos_token_id] else None
-        full, parent = session.prompt(sp, ids, self.scheduler.abort, bos)
-        return full, (lambda req: session.add(req, parent))
+        full, parent = session.prompt(sp, ids, bos)
+        return full, session.recorder(sp, parent, self.scheduler.abort)
 
     def prepare_prompts(self, prompts: list[list[int]], session_params=None) -> tuple[list[list[int]], list]:
         """The prompts of a generate call as served: each continued in its session (``session_params``: one mapping
@@ -271,9 +272,11 @@ class Backend:
         """An explicit output limit that cannot fit the context is a 400 naming the limit (as SGLang, vLLM and the
         OpenAI API answer), not silently clamped; with ``--allow-auto-truncate`` it is lowered to fit (by the
         scheduler), as SGLang does. A prompt that alone fills the context is the scheduler's error."""
-        if self.args.allow_auto_truncate:
-            return
         if prompt_tokens < self.context_length < prompt_tokens + max_new_tokens:
+            if self.args.allow_auto_truncate:
+                log.warning("max_new_tokens %d lowered to %d: the context is %d tokens (--allow-auto-truncate)",
+                            max_new_tokens, self.context_length - prompt_tokens, self.context_length)
+                return
             raise RequestError(f"this model's maximum context length is {self.context_length} tokens, but "
                                f"{prompt_tokens + max_new_tokens} were requested ({prompt_tokens} in the prompt, "
                                f"{max_new_tokens} for the output); lower {param} to at most "
@@ -489,7 +492,8 @@ def build(args: ServerArgs, *, model=None, draft=None) -> Backend:
                                                             if args.load_format == "dummy" else {}))
     if model is None:  # a folder that is no supported model (a draft head, say) is said so before its tokenizer
         check_context_length(args, ModelConfig.from_pretrained(folder))
-    tok_folder = resolve_model_path(args.tokenizer_path, **hub) if args.tokenizer_path else folder
+    tok_folder = resolve_model_path(args.tokenizer_path, **hub) \
+        if args.tokenizer_path and not args.skip_tokenizer_init else folder
     tokenizer = None if args.skip_tokenizer_init else \
         load_tokenizer(tok_folder, trust_remote_code=args.trust_remote_code)
     mesh = make_mesh_for(args)

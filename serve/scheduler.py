@@ -32,7 +32,7 @@ import numpy as np
 from .budget import TokenRatio
 from .metrics import Metrics
 from .pages import PagePool, RadixCache
-from .request import Request, RequestError, SamplingParams, token_ids
+from .request import NO_LIMIT, Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
 from .watchdog import Watchdog
 
@@ -190,7 +190,11 @@ class Scheduler:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
         params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
         if self.auto_truncate:  # lowered to what the pool holds, as SGLang caps it at max_req_len
-            params.max_new_tokens = min(params.max_new_tokens, max(self._most_tokens_in_pool() - len(ids), 1))
+            fits = max(self._most_tokens_in_pool() - len(ids), 1)
+            if params.max_new_tokens > fits and params.max_new_tokens != NO_LIMIT:
+                log.warning("max_new_tokens %d lowered to %d: the KV pool holds %d tokens of this request "
+                            "(--allow-auto-truncate)", params.max_new_tokens, fits, self._most_tokens_in_pool())
+            params.max_new_tokens = min(params.max_new_tokens, fits)
         need = self._pages_for(len(ids) + params.max_new_tokens)
         if need > self.pool.capacity:
             raise RequestError(f"the request needs {need} KV pages ({need * self.page_size} tokens: prompt "

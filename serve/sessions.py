@@ -7,7 +7,10 @@ whole session without a rid), so a branch can be regenerated. The requests of a 
 holds its requests' tokens until it is closed.
 
 Unlike SGLang, a ``session_params.id`` that names no open session, a ``rid`` the session does not hold, and an
-append to a request still running are a 400 (SGLang serves the first as a plain request and aborts the others).
+append to a request still running are a 400 (SGLang serves the first as a plain request and aborts the others), and
+an appended prompt loses a leading BOS only where the tokenizer puts one before every text (SGLang trims the BOS id
+always, which would cut the ``<|im_start|>`` of a ChatML turn whose tokenizer calls it BOS, as SmolLM2's does).
+A request's effects on its session (``replace``) happen when it is submitted, after every check has passed.
 """
 
 from __future__ import annotations
@@ -62,39 +65,31 @@ class _Node:
 class Session:
     def __init__(self, session_id: str, capacity_of_str_len: int):
         self.id, self.capacity_of_str_len = session_id, capacity_of_str_len
-        self.nodes: dict[str, _Node] = {}
+        self.nodes: dict[str, _Node] = {}  # rid -> its node (a reused rid names the latest request)
+        self._lock = threading.Lock()  # Engine callers on several threads, the HTTP loop
 
-    def _drop_below(self, node: _Node, abort) -> None:
-        """Forget ``node``'s continuations (aborting the running ones)."""
-        stack = list(node.children)
-        node.children = []
+    def _drop(self, nodes: list[_Node], abort) -> None:
+        """Forget ``nodes`` and their continuations, aborting the running ones."""
+        stack = list(nodes)
         while stack:
             n = stack.pop()
             if not n.req.finished:
                 abort(n.req.rid)
-            self.nodes.pop(n.req.rid, None)
+            if self.nodes.get(n.req.rid) is n:
+                del self.nodes[n.req.rid]
             stack.extend(n.children)
+            n.children = []
 
-    def prompt(self, sp: SessionParams, ids: list[int], abort, bos: int | None) -> tuple[list[int], _Node | None]:
+    def prompt(self, sp: SessionParams, ids: list[int], bos: int | None) -> tuple[list[int], _Node | None]:
         """The prompt of a request continuing ``sp.rid`` with ``ids`` (``ids`` alone without a rid), and the node
-        it continues. ``abort(rid)`` stops a running request that ``replace`` drops."""
-        if sp.replace and sp.rid is None:
-            for node in [n for n in self.nodes.values() if n.parent is None]:
-                self._drop_below(node, abort)
-                if not node.req.finished:
-                    abort(node.req.rid)
-                self.nodes.pop(node.req.rid, None)
-            return list(ids), None
+        it continues; nothing changes in the session (``add`` does it)."""
         if sp.rid is None:
             return list(ids), None
-        last = self.nodes.get(sp.rid)
+        with self._lock:
+            last = self.nodes.get(sp.rid)
         if last is None:
             raise RequestError(f"session {self.id!r} holds no request {sp.rid!r}", "session_params")
-        if sp.replace:
-            if not last.req.finished:
-                abort(last.req.rid)
-            self._drop_below(last, abort)
-        elif not last.req.finished:
+        if not sp.replace and not last.req.finished:
             raise RequestError(f"request {sp.rid!r} of session {self.id!r} has not finished: a request can "
                                f"continue it once it has (or replace it with replace: true)", "session_params")
         before = list(last.req.prompt_ids)
@@ -106,11 +101,30 @@ class Session:
             ids = ids[1:]
         return before + list(ids), last
 
-    def add(self, req: Request, parent: _Node | None) -> None:
-        node = _Node(req, parent)
-        if parent is not None:
-            parent.children.append(node)
-        self.nodes[req.rid] = node
+    def recorder(self, sp: SessionParams, parent: _Node | None, abort):
+        """A function adding each submitted request of a prompt (its n copies) to the session under ``parent``,
+        the first call applying ``replace``: ``parent`` aborted if still running and its continuations dropped
+        (without a rid: every request of the session). ``abort(rid)`` stops a running request."""
+        first = [True]
+
+        def add(req: Request) -> None:
+            with self._lock:
+                if sp.replace and first[0]:
+                    first[0] = False
+                    if parent is None:
+                        self._drop([n for n in self.nodes.values() if n.parent is None], abort)
+                    else:
+                        if not parent.req.finished:
+                            abort(parent.req.rid)
+                        self._drop(parent.children, abort)
+                        parent.children = []
+                if parent is not None and self.nodes.get(parent.req.rid) is not parent:
+                    return  # its parent left the session meanwhile (replaced by another request)
+                node = _Node(req, parent)
+                if parent is not None:
+                    parent.children.append(node)
+                self.nodes[req.rid] = node
+        return add
 
 
 class Sessions:

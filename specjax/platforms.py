@@ -39,11 +39,12 @@ def use_device(device: str | None) -> None:
             raise ValueError(f"device {device!r} asked for, but this process already runs JAX on "
                              f"{jax.default_backend()!r}; choose the device before anything runs on another")
         return
+    before = jax.config.jax_platforms
     jax.config.update("jax_platforms", platform)
     try:
         jax.devices()
     except Exception as e:  # noqa: BLE001 - JAX raises RuntimeError, or AssertionError when no backend starts
-        jax.config.update("jax_platforms", None)  # leave JAX free to start the backend it finds
+        jax.config.update("jax_platforms", before)  # as it was (JAX_PLATFORMS, or JAX's own choice)
         hint = {"cuda": " (install jax[cuda12])", "tpu": " (install jax[tpu] on a TPU host)"}.get(platform, "")
         raise ValueError(f"device {device!r}: JAX has no {platform} backend here{hint}"
                          + (f": {e}" if str(e) else "")) from None

@@ -4,6 +4,7 @@ limits are cut to fit instead of refused; the JAX platform is chosen, or the cho
 
 from __future__ import annotations
 
+import importlib.util
 import os
 import shutil
 import subprocess
@@ -87,9 +88,11 @@ def test_device_choice():
     use_device("cpu")
     with pytest.raises(ValueError, match="already runs JAX on 'cpu'"):
         use_device("tpu")
+    cuda = any(importlib.util.find_spec(m) for m in ("jax_cuda12_plugin", "jax_cuda13_plugin"))
     code = ("import jax; from specjax.platforms import use_device\n"
-            "try:\n    use_device('cuda')\nexcept ValueError as e:\n    print('refused:', e)\n"
-            "use_device('cpu'); print('backend:', jax.default_backend())")
+            + ("" if cuda else "try:\n    use_device('cuda')\nexcept ValueError as e:\n    print('refused:', e)\n")
+            + "use_device('cpu'); print('backend:', jax.default_backend())")
     env = {k: v for k, v in os.environ.items() if k not in ("JAX_PLATFORMS", "XLA_FLAGS")}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120).stdout
-    assert "refused: device 'cuda': JAX has no cuda backend here" in out and "backend: cpu" in out, out
+    assert "backend: cpu" in out, out
+    assert cuda or "refused: device 'cuda': JAX has no cuda backend here" in out, out

@@ -549,3 +549,26 @@ def test_the_watchdog_ends_the_process_with_every_threads_stack():
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert r.returncode == 1
     assert "--watchdog-timeout" in r.stderr and "most recent call first" in r.stderr  # the log line, the stacks
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_auto_truncate_limits_where_the_pool_is_smaller_than_the_context(overlap):
+    """A 5-page pool of 4-token pages (20 tokens) under a 28-token context: the longest prompt served leaves one
+    output token and the pages a step in flight may write (two steps overlapped, one without); with
+    --allow-auto-truncate an output limit past the pool is lowered to fit, without it refused."""
+    limit = 20 - (2 if overlap else 1) - 1
+    for auto in (True, False):
+        s = make(FakeRunner(num_pages=6), auto_truncate=auto, overlap_schedule=overlap)
+        try:
+            assert s.max_prompt_len() == limit
+            prompt = list(range(1, limit + 1))
+            assert run(s, prompt, 1)[0] == expected(prompt, 1)
+            if auto:
+                assert run(s, prompt, 10)[0] == expected(prompt, 1)
+            else:
+                with pytest.raises(RequestError, match="KV pool"):
+                    run(s, prompt, 10)
+            with pytest.raises(RequestError, match="KV pool"):
+                run(s, prompt + [5], 1)
+        finally:
+            s.shutdown()

@@ -341,8 +341,8 @@ def test_radix_cache_counts_and_evicts_as_a_trie_walk_would(monkeypatch, seed):
     lock, insert, unlock and evict: the count is the trie's unreferenced nodes, and ``evict(k)`` frees the k least
     recently used unreferenced leaves, one after another (a freed leaf's parent may be next)."""
     from specjax.serve import pages as pages_lib
-    clock = iter(range(1, 10**6))
-    monkeypatch.setattr(pages_lib.time, "monotonic", lambda: float(next(clock)))
+    clock = iter(range(1, 10**6))  # distinct use times (this module's clock only)
+    monkeypatch.setattr(pages_lib, "time", SimpleNamespace(monotonic=lambda: float(next(clock))))
     rng = np.random.default_rng(seed)
     pool = PagePool(40)
     rc = RadixCache(pool, page_size=2)

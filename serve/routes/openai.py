@@ -54,13 +54,14 @@ async def completions(request: Request):
         prompts = list(p)
     if not prompts:
         raise APIError(400, "prompt is empty", param="prompt")
-    ids_list = await off_loop(lambda: [backend.fit_prompt(backend.encode(x) if isinstance(x, str) else list(x))
-                                       for x in prompts])
+    given = await off_loop(lambda: [backend.encode(x) if isinstance(x, str) else list(x) for x in prompts])
+    ids_list = [backend.fit_prompt(ids) for ids in given]  # (--allow-auto-truncate cuts a long one)
     if body.max_tokens is not None:
         for ids in ids_list:
             backend.check_output_budget(len(ids), body.max_tokens, "max_tokens")
-    echo_text = await off_loop(lambda: [(x if isinstance(x, str) else backend.tokenizer.decode(x))
-                                        if body.echo else "" for x in prompts])
+    echo_text = await off_loop(lambda: [(x if isinstance(x, str) and len(ids) == len(g) else
+                                         backend.tokenizer.decode(ids)) if body.echo else ""
+                                        for x, g, ids in zip(prompts, given, ids_list)])
     fan = Fanout(backend, priority=body.priority)
     for ids in ids_list:
         for j in range(sp.n):
