@@ -250,6 +250,14 @@ class Engine:
         of that id is open. ``generate(..., session_params={"id": ..., "rid": ...})`` continues its requests."""
         return self.backend.sessions.open(capacity_of_str_len, session_id)
 
+    def start_profile(self, **kwargs) -> None:
+        """SGLang's: a ``jax.profiler`` trace of the forward steps (``serve.profiler``: ``output_dir``,
+        ``start_step``, ``num_steps``, ``activities``, ``with_stack``, ...); a RequestError for a bad argument."""
+        self.backend.scheduler.profiler.start(**kwargs)
+
+    def stop_profile(self) -> None:
+        self.backend.scheduler.profiler.stop()
+
     def close_session(self, session_id: str) -> None:
         """SGLang's: forget the session (its running requests run on); a RequestError if none of that id is open."""
         self.backend.sessions.close(session_id)

@@ -468,6 +468,19 @@ class CloseSessionRequest(_Body):
     session_id: str
 
 
+class ProfileRequest(_Body):
+    """SGLang's ``/start_profile`` (``serve.profiler``)."""
+    output_dir: str | None = None
+    start_step: Int | None = None
+    num_steps: Int | None = None
+    activities: list[str] | None = None
+    with_stack: bool | None = None
+    record_shapes: bool | None = None
+    profile_by_stage: bool = False
+    merge_profiles: bool = False
+    profile_prefix: str | None = None
+
+
 def finish_reason_openai(reason: dict | None) -> str | None:
     """SGLang meta_info finish_reason -> OpenAI's finish_reason."""
     if reason is None:

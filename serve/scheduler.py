@@ -32,6 +32,7 @@ import numpy as np
 from .budget import TokenRatio
 from .metrics import Metrics
 from .pages import PagePool, RadixCache
+from .profiler import Profiler
 from .request import NO_LIMIT, Request, RequestError, SamplingParams, token_ids
 from .runners.base import Launched
 from .watchdog import Watchdog
@@ -112,6 +113,7 @@ class Scheduler:
         self.pool = PagePool(runner.num_pages)
         self.radix = RadixCache(self.pool, self.page_size, enabled=enable_radix_cache)
         self.metrics = metrics or Metrics(enabled=False)
+        self.profiler = Profiler()  # SGLang's /start_profile: a jax.profiler trace over forward steps
         self._rng = np.random.default_rng(random_seed)
         self._order_rng = np.random.default_rng(random_seed)  # --schedule-policy random (apart from the seeds')
         self.admission_paused = False  # set on this thread (``call``): waiting requests wait (a weight update)
@@ -315,8 +317,11 @@ class Scheduler:
                 if self.watchdog is not None:
                     self.watchdog.begin()
                 self._admit()
-                self._prefill_round()
+                steps = self._decode_steps
+                prefilled = self._prefill_round()
                 self._decode_round()
+                if prefilled or self._decode_steps != steps:
+                    self.profiler.on_step()  # SGLang's forward steps, for /start_profile's start_step / num_steps
                 self._update_snapshot()
             except Exception:  # noqa: BLE001 - the scheduler must never die
                 log.exception("scheduler iteration failed; failing the running batch and resetting device state")
@@ -548,10 +553,11 @@ class Scheduler:
         return row
 
     # ---- prefill -------------------------------------------------------------------------------------------------
-    def _prefill_round(self) -> None:
+    def _prefill_round(self) -> bool:
         """Within the round's token budget (the smaller of ``--chunked-prefill-size`` and ``--max-prefill-tokens``,
         over all requests), prefill the admitted prompts' next chunks, then score the chunks of those that ask for
-        prompt logprobs; a request whose prompt is through both emits its first token and joins the decode steps."""
+        prompt logprobs; a request whose prompt is through both emits its first token and joins the decode steps.
+        True when some prompt tokens were prefilled."""
         budget = self.round_budget
         fresh = cached = spent = 0  # SGLang's "Prefill batch." line: requests whose prefill began, cached tokens
         for req in [r for r in self.slots if r is not None and not r.decoding]:
@@ -581,6 +587,7 @@ class Scheduler:
         if spent and log.isEnabledFor(logging.INFO):
             log.info("Prefill batch. #new-seq: %d, #new-token: %d, #cached-token: %d, %s", fresh, spent, cached,
                      self._usage_line())
+        return spent > 0
 
     def _prefill_chunk(self, req: Request, n: int) -> bool:
         """Prefill the request's next ``n`` prompt tokens; False when that failed (the request, or the batch when

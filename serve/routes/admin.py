@@ -124,6 +124,22 @@ async def close_session(request: Request):
     return Response(status_code=200)
 
 
+@router.api_route("/start_profile", methods=["GET", "POST"])
+async def start_profile(request: Request):
+    """SGLang's: a ``jax.profiler`` trace of the server's forward steps (``serve.profiler``)."""
+    backend = backend_of(request)
+    body = await parse(request, P.ProfileRequest)
+    message = await off_loop(lambda: backend.scheduler.profiler.start(**body.model_dump()))
+    return PlainTextResponse(message)
+
+
+@router.api_route("/stop_profile", methods=["GET", "POST"])
+async def stop_profile(request: Request):
+    backend = backend_of(request)
+    await parse(request, P.ProfileRequest)  # (no fields used; the body's limits and JSON checked all the same)
+    return PlainTextResponse(await off_loop(backend.scheduler.profiler.stop))
+
+
 @router.post("/pause_generation")
 async def pause_generation(request: Request):
     """SGLang's: no request is admitted, prefilled or stepped until ``/continue_generation``; ``mode`` ``abort``

@@ -128,7 +128,7 @@ async def parse_body(request: Request, model: type[P._Body], limit: int, idle_ti
         raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})",
                        code="invalid_utf8") from None
     try:
-        data = json.loads(text)
+        data = json.loads(text) if text.strip() else {}  # no body: the defaults (a GET /start_profile, say)
     except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON in the request body: {e.msg} (line {e.lineno} column {e.colno})",
                        code="invalid_json") from None
