@@ -458,6 +458,13 @@ class AbortRequest(_Body):
     abort_all: bool = False
 
 
+class UpdateWeightVersionRequest(_Body):
+    """SGLang's ``/update_weight_version``: relabel the weights served (every running request aborted first unless
+    ``abort_all_requests`` is false)."""
+    new_version: str
+    abort_all_requests: bool = True
+
+
 class OpenSessionRequest(_Body):
     """SGLang's ``/open_session`` (``serve.sessions``); ``capacity_of_str_len`` is recorded, as SGLang's."""
     capacity_of_str_len: Int

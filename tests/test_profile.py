@@ -1,5 +1,6 @@
-"""SGLang's /start_profile and /stop_profile: a jax.profiler trace of the server's forward steps, stopped by itself
-after num_steps or by /stop_profile, written where XProf and Perfetto read it; misuse is a clear 400."""
+"""SGLang's admin routes for profiling and weight labels: /start_profile and /stop_profile (a jax.profiler trace of
+the server's forward steps, stopped by itself after num_steps or by /stop_profile, written where XProf and Perfetto
+read it; misuse is a clear 400), /update_weight_version and /get_weight_version."""
 
 from __future__ import annotations
 
@@ -55,3 +56,17 @@ def test_profile_over_http(engine, tmp_path):
         assert r.status_code == 200 and str(tmp_path) in r.text and all(traces(str(tmp_path)))
         r = client.post("/stop_profile")
         assert r.status_code == 400 and "not in progress" in r.text
+
+
+def test_weight_version_labels(engine):
+    """SGLang's /update_weight_version relabels the weights /get_model_info and /get_weight_version report."""
+    with TestClient(create_app(engine.backend)) as client:
+        before = client.get("/get_weight_version").json()["weight_version"]
+        try:
+            r = client.post("/update_weight_version", json={"new_version": "step-7", "abort_all_requests": False})
+            assert r.json() == {"success": True, "message": "Weight version updated to step-7",
+                                "new_version": "step-7"}
+            assert client.get("/get_model_info").json()["weight_version"] == "step-7"
+            assert client.post("/update_weight_version", json={}).status_code == 400  # new_version is required
+        finally:
+            engine.backend.weight_version = before

@@ -87,21 +87,44 @@ async def flush_cache(request: Request):
     return PlainTextResponse("Cache flushed.\n")
 
 
+async def _abort_all(backend) -> None:
+    """Abort every waiting and running request."""
+    sched = backend.scheduler
+    rids = await asyncio.get_running_loop().run_in_executor(None, lambda: sched.call(lambda: [
+        r.rid for r in sched.waiting] + [r.rid for r in sched.slots if r is not None]))
+    for rid in rids:
+        sched.abort(rid)
+
+
 @router.post("/abort_request")
 async def abort_request(request: Request):
     backend = backend_of(request)
     body = await parse(request, P.AbortRequest)
     if body.abort_all:
-        sched = backend.scheduler
-        rids = await asyncio.get_running_loop().run_in_executor(None, lambda: sched.call(lambda: [
-            r.rid for r in sched.waiting] + [r.rid for r in sched.slots if r is not None]))
-        for rid in rids:
-            backend.scheduler.abort(rid)
+        await _abort_all(backend)
     elif body.rid:
         backend.scheduler.abort(body.rid)
     else:
         raise APIError(400, "give 'rid' or 'abort_all': true", param="rid")
     return Response(status_code=200)
+
+
+@router.post("/update_weight_version")
+async def update_weight_version(request: Request):
+    """SGLang's: the label ``/get_model_info`` and ``/get_weight_version`` report for the weights served (a trainer
+    that updates the weights by other means names them so)."""
+    backend = backend_of(request)
+    body = await parse(request, P.UpdateWeightVersionRequest)
+    if body.abort_all_requests:
+        await _abort_all(backend)
+    backend.weight_version = body.new_version
+    return {"success": True, "message": f"Weight version updated to {body.new_version}",
+            "new_version": body.new_version}
+
+
+@router.get("/get_weight_version")
+async def get_weight_version(request: Request):
+    return {"weight_version": backend_of(request).weight_version}
 
 
 @router.api_route("/open_session", methods=["GET", "POST"])
