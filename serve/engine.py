@@ -250,6 +250,16 @@ class Engine:
         of that id is open. ``generate(..., session_params={"id": ..., "rid": ...})`` continues its requests."""
         return self.backend.sessions.open(capacity_of_str_len, session_id)
 
+    def release_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's: free the device memory of the weights (kept in host memory) and / or the KV pool (``tags``:
+        ``weights``, ``kv_cache``; default all) while no request runs, e.g. for a trainer in this process;
+        requests wait until ``resume_memory_occupation``."""
+        self.backend.scheduler.release_memory_occupation(tags)
+
+    def resume_memory_occupation(self, tags: list[str] | None = None) -> None:
+        """SGLang's: the released weights back as they were and a fresh KV pool; waiting requests go on."""
+        self.backend.scheduler.resume_memory_occupation(tags)
+
     def start_profile(self, **kwargs) -> None:
         """SGLang's: a ``jax.profiler`` trace of the forward steps (``serve.profiler``: ``output_dir``,
         ``start_step``, ``num_steps``, ``activities``, ``with_stack``, ...); a RequestError for a bad argument."""

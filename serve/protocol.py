@@ -465,6 +465,12 @@ class UpdateWeightVersionRequest(_Body):
     abort_all_requests: bool = True
 
 
+class MemoryOccupationRequest(_Body):
+    """SGLang's ``/release_memory_occupation`` and ``/resume_memory_occupation``: ``weights``, ``kv_cache``,
+    ``cuda_graph`` (nothing to do here); none: all."""
+    tags: list[str] | None = None
+
+
 class OpenSessionRequest(_Body):
     """SGLang's ``/open_session`` (``serve.sessions``); ``capacity_of_str_len`` is recorded, as SGLang's."""
     capacity_of_str_len: Int

@@ -38,6 +38,7 @@ from .runners.base import Launched
 from .watchdog import Watchdog
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
+MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's release_memory_occupation tags (no CUDA graphs here)
 GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
 
 
@@ -118,6 +119,7 @@ class Scheduler:
         self._order_rng = np.random.default_rng(random_seed)  # --schedule-policy random (apart from the seeds')
         self.admission_paused = False  # set on this thread (``call``): waiting requests wait (a weight update)
         self.generation_paused = False  # SGLang's pause_generation: no admission, prefill or step until continued
+        self.memory_released: set[str] = set()  # SGLang's release_memory_occupation tags now released
         self._inbox: queue.Queue = queue.Queue()
         self.waiting: list[Request] = []
         self.slots: list[Request | None] = [None] * runner.max_batch
@@ -283,9 +285,66 @@ class Scheduler:
             self._update_snapshot()
         self.call(do, timeout=3600.0)
 
+    def release_memory_occupation(self, tags=None) -> None:
+        """SGLang's: free the device memory of the weights (kept in host memory) and / or the KV pool (``tags``,
+        default all) while the server is idle, for a trainer sharing the device; requests wait until
+        ``resume_memory_occupation``. A RequestError while requests run or wait, or for a tag already released."""
+        tags = self._memory_tags(tags)
+
+        def do():
+            if any(self.slots) or self._pending is not None or self.waiting:
+                raise RequestError("release_memory_occupation needs an idle server: requests are running or "
+                                   "waiting (finish or abort them first, e.g. /pause_generation)", "tags")
+            again = sorted((tags & self.memory_released) - {"cuda_graph"})
+            if again:
+                raise RequestError(f"{', '.join(again)} already released", "tags")
+            if "kv_cache" in tags:
+                self.radix.reset()
+                self.pool.reset()
+                for x in jax.tree.leaves(self.state):
+                    if isinstance(x, jax.Array):
+                        x.delete()
+                self.state = None
+            if "weights" in tags:
+                self.runner.release_weights()
+            self.memory_released |= tags
+            self._update_snapshot()
+        self.call(do, timeout=3600.0)
+
+    def resume_memory_occupation(self, tags=None) -> None:
+        """SGLang's: the released weights back on the device as they were, a fresh KV pool (the prefix cache
+        starts empty); waiting requests go on once nothing is released. A RequestError for a tag not released."""
+        tags = self._memory_tags(tags)
+
+        def do():
+            missing = sorted((tags - self.memory_released) - {"cuda_graph"})
+            if missing:
+                raise RequestError(f"{', '.join(missing)} not released", "tags")
+            if "weights" in tags and "weights" in self.memory_released:
+                self.runner.resume_weights()
+            if "kv_cache" in tags and "kv_cache" in self.memory_released:
+                self.state = self.runner.init_state()
+            self.memory_released -= tags
+            self._update_snapshot()
+        self.call(do, timeout=3600.0)
+
+    def _held(self) -> bool:
+        """Nothing runs: generation paused, or weights or KV pool released."""
+        return self.generation_paused or bool(self.memory_released - {"cuda_graph"})
+
+    @staticmethod
+    def _memory_tags(tags) -> set[str]:
+        tags = set(MEMORY_TAGS if tags is None else tags)
+        bad = sorted(tags - set(MEMORY_TAGS))
+        if bad:
+            raise RequestError(f"unknown memory tag {bad[0]!r}; choose from {', '.join(MEMORY_TAGS)}", "tags")
+        return tags
+
     def set_target_params(self, params, flush_cache: bool = True) -> None:
         """(On this thread, ``call``, with no request running.) The runner's target weights replaced; the cached
         prefixes, K/V of the old weights, dropped unless ``flush_cache`` is False."""
+        if "weights" in self.memory_released:
+            raise RuntimeError("the weights are released (release_memory_occupation): resume them first")
         self.runner.set_target_params(params)
         if flush_cache:
             self.radix.evict(self.pool.capacity)
@@ -306,13 +365,13 @@ class Scheduler:
     def _loop(self) -> None:
         while not self._stop.is_set():
             try:
-                idle = self.generation_paused or ((not self.waiting or self.admission_paused) and self.drained())
+                idle = self._held() or ((not self.waiting or self.admission_paused) and self.drained())
                 if not self.waiting and self.drained():
                     self.ratio.reset()  # as SGLang: an idle server admits the next requests from the initial ratio
                 self._drain(block=idle)
                 if self._stop.is_set():
                     break
-                if self.generation_paused:
+                if self._held():  # (a call just drained may have paused or released)
                     continue
                 if self.watchdog is not None:
                     self.watchdog.begin()
@@ -979,7 +1038,8 @@ class Scheduler:
             "kv_pages_total": cap, "kv_pages_used": held, "kv_pages_cached": self.radix.cached_pages(),
             "kv_pages_free": self.pool.num_free, "kv_usage": held / cap if cap else 0.0,
             "page_size": self.page_size, "max_running_requests": self.runner.max_batch,
-            "generation_paused": self.generation_paused, "new_token_ratio": self.ratio.value, **t,
+            "generation_paused": self.generation_paused, "memory_released": sorted(self.memory_released),
+            "new_token_ratio": self.ratio.value, **t,
         }
         if self.spec:
             snap["avg_spec_accept_length"] = t["spec_tokens"] / t["spec_verify_ct"] if t["spec_verify_ct"] else 0.0

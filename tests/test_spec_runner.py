@@ -307,3 +307,28 @@ def test_bf16_matrix_head_prefills_widened_and_decodes_plain_greedy(setup):
             out[r] += toks[r, :counts[r]].tolist()
     ref = generate(tp, cfg, prompts, max_new_tokens=MAX_NEW, stop_token_ids=())
     assert [o[:MAX_NEW] for o in out] == ref
+
+
+def test_weights_released_and_resumed_as_they_were(setup):
+    """release_memory_occupation's weights: every device array of the target, the head and its prefill form
+    freed, then back with the same values and shardings, arrays the two forms share shared again."""
+    import jax
+    cfg, _, _ = setup
+    tp, _, e3, _ = bigram_models(cfg, seed=3)
+    runner = SpecRunner(cfg, tp, "EAGLE3", *e3, num_steps=3, topk=2, num_draft_tokens=5, max_batch=3,
+                        pages_per_seq=PPS, page_size=PAGE, num_pages=PAGES, attention_impl="xla", prefill_chunk=16)
+
+    def arrays():
+        return [x for f in SpecRunner.WEIGHT_FIELDS for x in jax.tree.leaves(vars(runner).get(f))
+                if isinstance(x, jax.Array)]
+    old = arrays()
+    values = [np.asarray(x).copy() for x in old]
+    firsts = [next(j for j, y in enumerate(old) if y is x) for x in old]  # where each array appears first
+    assert len(set(firsts)) < len(old)  # the head's prefill form shares arrays with the head
+    runner.release_weights()
+    assert all(x.is_deleted() for x in old)
+    runner.resume_weights()
+    new = arrays()
+    assert all(np.array_equal(np.asarray(x), v) for x, v in zip(new, values))
+    assert [next(j for j, y in enumerate(new) if y is x) for x in new] == firsts
+    assert [x.sharding for x in new] == [x.sharding for x in old]

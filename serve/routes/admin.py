@@ -127,6 +127,24 @@ async def get_weight_version(request: Request):
     return {"weight_version": backend_of(request).weight_version}
 
 
+@router.api_route("/release_memory_occupation", methods=["GET", "POST"])
+async def release_memory_occupation(request: Request):
+    """SGLang's: the device memory of the weights (kept in host memory) and / or the KV pool freed while the server
+    is idle, for a trainer on the same device; requests wait until ``/resume_memory_occupation``."""
+    backend = backend_of(request)
+    body = await parse(request, P.MemoryOccupationRequest)
+    await off_loop(backend.scheduler.release_memory_occupation, body.tags)
+    return Response(status_code=200)
+
+
+@router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
+async def resume_memory_occupation(request: Request):
+    backend = backend_of(request)
+    body = await parse(request, P.MemoryOccupationRequest)
+    await off_loop(backend.scheduler.resume_memory_occupation, body.tags)
+    return Response(status_code=200)
+
+
 @router.api_route("/open_session", methods=["GET", "POST"])
 async def open_session(request: Request):
     """SGLang's: open a session (``serve.sessions``); the answer is its id, a JSON string."""

@@ -164,6 +164,28 @@ class RunnerCommon:
         # read back and placed as ``row_batch``'s fresh rows are (a mesh's sharding would compile the prefill again)
         return jax.tree.map(lambda a: jax.device_put(np.asarray(jnp.take(a, idx, axis=0))), state.sampling)
 
+    WEIGHT_FIELDS = ("params", "target_params", "draft", "prefill_draft")  # the runners' attributes of weights
+
+    def release_weights(self) -> None:
+        """SGLang's release_memory_occupation of the weights: each device array of the runner's weights (shared
+        ones once) copied to host memory, then freed on the device (``resume_weights`` puts them back)."""
+        arrays = {id(x): x for f in self.WEIGHT_FIELDS for x in jax.tree.leaves(vars(self).get(f))
+                  if isinstance(x, jax.Array)}
+        # (host copy, sharding, the freed array: kept referenced, so no other object takes its id meanwhile)
+        self._host_weights = {i: (np.array(x, copy=True), x.sharding, x) for i, x in arrays.items()}
+        for x in arrays.values():
+            x.delete()
+
+    def resume_weights(self) -> None:
+        """The weights ``release_weights`` freed, back on the device with their shardings (shared arrays shared
+        again); the compiled programs take them as they took the old."""
+        back = {i: jax.device_put(h, s) for i, (h, s, _) in self._host_weights.items()}
+        for f in self.WEIGHT_FIELDS:
+            if f in vars(self):  # (an attribute, not a property naming another)
+                setattr(self, f, jax.tree.map(lambda x: back.get(id(x), x) if isinstance(x, jax.Array) else x,
+                                              vars(self)[f]))
+        self._host_weights = None
+
     def prefill_chunks(self, n: int, cached: bool = False) -> list[tuple[int, int]]:
         """``batching.serving_prefill_chunks`` of an n-token prefill (after a cached part: ``cached``) on this
         runner's platform and buckets."""

@@ -1,0 +1,63 @@
+"""SGLang's release / resume of memory occupation: the weights' and the KV pool's device arrays are really freed,
+requests wait meanwhile, and after the resume the server answers as before with the same weights; misuse is a
+clear error."""
+
+from __future__ import annotations
+
+import threading
+
+import jax
+import pytest
+from server_helpers import offline_engine, tiny_model_dir
+from starlette.testclient import TestClient
+
+from specjax.serve.api import create_app
+from specjax.serve.request import RequestError
+
+SP = {"max_new_tokens": 6, "temperature": 0, "ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def engine():
+    return offline_engine(tiny_model_dir())
+
+
+def test_release_then_resume_serves_as_before(engine):
+    sched = engine.backend.scheduler
+    want = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SP)["output_ids"]
+    weights = engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", 4)
+    engine.release_memory_occupation()
+    assert engine.get_server_info()["internal_states"][0]["memory_released"] == ["cuda_graph", "kv_cache", "weights"]
+    params = [x for x in jax.tree.leaves(sched.runner.params) if isinstance(x, jax.Array)]
+    assert params and all(x.is_deleted() for x in params) and sched.state is None
+    with pytest.raises(RequestError, match="already released"):
+        engine.release_memory_occupation(["weights"])
+    ok, message = engine.update_weights_from_tensor([])
+    assert not ok and "released" in message
+    out = {}
+    waiting = threading.Thread(target=lambda: out.update(engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SP)))
+    waiting.start()
+    waiting.join(1.0)
+    assert waiting.is_alive()  # a request waits while memory is released
+    engine.resume_memory_occupation()
+    waiting.join(60)
+    assert out["output_ids"] == want
+    assert engine.get_weights_by_name("model.layers.0.mlp.down_proj.weight", 4) == weights
+    with pytest.raises(RequestError, match="not released"):
+        engine.resume_memory_occupation(["kv_cache"])
+
+
+def test_release_over_http(engine):
+    with TestClient(create_app(engine.backend)) as client:
+        r = client.post("/release_memory_occupation", json={"tags": ["gpu_memory"]})
+        assert r.status_code == 400 and "unknown memory tag" in r.text
+        stream = engine.generate(input_ids=[5, 6, 7], sampling_params={**SP, "max_new_tokens": 250}, stream=True)
+        next(stream)
+        r = client.post("/release_memory_occupation", json={})
+        assert r.status_code == 400 and "idle" in r.text
+        stream.close()
+        engine.generate(input_ids=[1], sampling_params=SP)  # the aborted stream has left its slot
+        assert client.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        got = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": SP}).json()
+        assert got["output_ids"] == engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SP)["output_ids"]
