@@ -326,6 +326,8 @@ class Backend:
         (``flush_cache``), and admission resumes. The draft head and the tokenizer are kept; the served name
         becomes ``model_path``, as SGLang's does. Returns (success, message, requests paused: 0, as nothing is
         retracted); on failure the old weights keep serving."""
+        if "weights" in self.scheduler.memory_released:
+            return False, "the weights are released (release_memory_occupation): resume them first", 0
         if load_format not in (None, "auto", "safetensors"):
             return False, f"load_format {load_format!r} is not supported (auto / safetensors)", 0
         if not self._update_lock.acquire(blocking=False):
@@ -358,6 +360,8 @@ class Backend:
         checkpoint's names (any subset; numpy, jax or torch tensors) replace what they name in the served target
         (``weights.with_hf_tensors``), then swap as ``update_weights_from_disk`` does. Returns (success, message);
         on failure the old weights keep serving."""
+        if "weights" in self.scheduler.memory_released:
+            return False, "the weights are released (release_memory_occupation): resume them first"
         if load_format not in (None, "direct"):
             return False, f"load_format {load_format!r} is not supported (None or 'direct': (name, tensor) pairs)"
         if not self._update_lock.acquire(blocking=False):
@@ -383,6 +387,8 @@ class Backend:
         """SGLang's: the served target's tensor of checkpoint name ``name`` as float32 nested lists, its first
         ``truncate_size`` entries along the first axis (to check a weight update); a RequestError for a name the
         model does not use."""
+        if "weights" in self.scheduler.memory_released:
+            raise RequestError("the weights are released (release_memory_occupation): resume them first", param="name")
         if truncate_size < 0:
             raise RequestError(f"truncate_size must be >= 0, got {truncate_size}", param="truncate_size")
         try:

@@ -19,6 +19,7 @@ import threading
 import time
 
 import jax
+import jax._src.profiler  # noqa: F401 - its state is reset after a failed write
 
 from .request import RequestError
 
@@ -52,6 +53,10 @@ class Profiler:
             if v is not None and (isinstance(v, bool) or not isinstance(v, int) or v < (0 if name[0] == "s" else 1)):
                 raise RequestError(f"{name} must be an integer >= {0 if name[0] == 's' else 1}", name)
         folder = output_dir or os.environ.get("SGLANG_TORCH_PROFILER_DIR", "/tmp")
+        try:
+            os.makedirs(folder, exist_ok=True)
+        except OSError as e:
+            raise RequestError(f"cannot write a trace into {folder}: {e}", "output_dir") from None
         trace = {"dir": folder, "left": num_steps, "mem": "MEM" in acts, "host": "CPU" in acts,
                  "stack": with_stack is not False, "id": f"{profile_prefix + '-' if profile_prefix else ''}"
                                                          f"{time.time():.0f}"}
@@ -65,7 +70,6 @@ class Profiler:
         return f"Start profiling into {folder}.\n"
 
     def _begin(self, trace: dict) -> None:
-        os.makedirs(trace["dir"], exist_ok=True)
         options = jax.profiler.ProfileOptions()
         options.host_tracer_level = 2 if trace["host"] else 0
         options.python_tracer_level = 1 if trace["stack"] and trace["host"] else 0
@@ -89,27 +93,38 @@ class Profiler:
         return f"Stop profiling. The trace is under {folder}/plugins/profile.\n"
 
     def _end(self) -> str:
+        """Stop the trace and write it (and the memory profile); a RequestError saying what failed, the profiler
+        left free for the next trace."""
         trace, self._running = self._running, None
-        jax.profiler.stop_trace()
-        if trace["mem"]:
-            jax.profiler.save_device_memory_profile(os.path.join(trace["dir"], f"memory_profile-{trace['id']}.prof"))
+        try:
+            jax.profiler.stop_trace()
+            if trace["mem"]:
+                jax.profiler.save_device_memory_profile(
+                    os.path.join(trace["dir"], f"memory_profile-{trace['id']}.prof"))
+        except Exception as e:  # noqa: BLE001 - a full disk, a folder removed meanwhile
+            state = getattr(jax._src.profiler, "_profile_state", None)  # JAX leaves it started when writing fails
+            if state is not None and hasattr(state, "reset"):
+                state.reset()
+            raise RequestError(f"the trace could not be written under {trace['dir']}: {type(e).__name__}: {e}",
+                               "output_dir") from None
         log.info("profile written under %s", trace["dir"])
         return trace["dir"]
 
     def on_step(self) -> None:
-        """The scheduler ran a forward step: start an armed trace at its step, stop a trace whose steps are done."""
+        """The scheduler ran a forward step: start an armed trace at its step, stop a trace whose steps are done.
+        Never raises (a profiler failure is logged; serving goes on)."""
         if self._armed is None and self._running is None:
             self.steps += 1
             return
         with self._lock:
             self.steps += 1
-            if self._running is not None and self._running["left"] is not None:
-                self._running["left"] -= 1
-                if self._running["left"] <= 0:
-                    self._end()
-            if self._armed is not None and self.steps >= self._armed["at"]:
-                trace, self._armed = self._armed, None
-                try:
+            try:
+                if self._running is not None and self._running["left"] is not None:
+                    self._running["left"] -= 1
+                    if self._running["left"] <= 0:
+                        self._end()
+                if self._armed is not None and self.steps >= self._armed["at"]:
+                    trace, self._armed = self._armed, None
                     self._begin(trace)
-                except RequestError as e:
-                    log.error("%s", e)
+            except Exception:  # noqa: BLE001 - the profiler never stops the server
+                log.exception("profiling failed")

@@ -292,39 +292,46 @@ class Scheduler:
         tags = self._memory_tags(tags)
 
         def do():
-            if any(self.slots) or self._pending is not None or self.waiting:
+            self._collect_pending()  # a step launched before the last request finished
+            if any(self.slots) or self.waiting:
                 raise RequestError("release_memory_occupation needs an idle server: requests are running or "
-                                   "waiting (finish or abort them first, e.g. /pause_generation)", "tags")
+                                   "waiting (let them finish, or /pause_generation with mode abort)", "tags")
             again = sorted((tags & self.memory_released) - {"cuda_graph"})
             if again:
                 raise RequestError(f"{', '.join(again)} already released", "tags")
+            if "weights" in tags:  # first: a failure here (host memory) leaves the KV pool as it was
+                self.runner.release_weights()
+                self.memory_released.add("weights")
             if "kv_cache" in tags:
                 self.radix.reset()
                 self.pool.reset()
-                for x in jax.tree.leaves(self.state):
+                state, self.state = self.state, None
+                self.memory_released.add("kv_cache")
+                for x in jax.tree.leaves(state):
                     if isinstance(x, jax.Array):
                         x.delete()
-                self.state = None
-            if "weights" in tags:
-                self.runner.release_weights()
-            self.memory_released |= tags
+            self.memory_released |= tags & {"cuda_graph"}
             self._update_snapshot()
         self.call(do, timeout=3600.0)
 
     def resume_memory_occupation(self, tags=None) -> None:
         """SGLang's: the released weights back on the device as they were, a fresh KV pool (the prefix cache
-        starts empty); waiting requests go on once nothing is released. A RequestError for a tag not released."""
-        tags = self._memory_tags(tags)
+        starts empty); waiting requests go on once nothing is released. ``tags`` None: whatever is released. A
+        RequestError for a tag not released."""
+        given = None if tags is None else self._memory_tags(tags)
 
         def do():
-            missing = sorted((tags - self.memory_released) - {"cuda_graph"})
+            want = set(self.memory_released) if given is None else given
+            missing = sorted((want - self.memory_released) - {"cuda_graph"})
             if missing:
                 raise RequestError(f"{', '.join(missing)} not released", "tags")
-            if "weights" in tags and "weights" in self.memory_released:
+            if "weights" in want and "weights" in self.memory_released:
                 self.runner.resume_weights()
-            if "kv_cache" in tags and "kv_cache" in self.memory_released:
+                self.memory_released.discard("weights")
+            if "kv_cache" in want and "kv_cache" in self.memory_released:
                 self.state = self.runner.init_state()
-            self.memory_released -= tags
+                self.memory_released.discard("kv_cache")
+            self.memory_released -= want
             self._update_snapshot()
         self.call(do, timeout=3600.0)
 
@@ -334,7 +341,7 @@ class Scheduler:
 
     @staticmethod
     def _memory_tags(tags) -> set[str]:
-        tags = set(MEMORY_TAGS if tags is None else tags)
+        tags = set(MEMORY_TAGS if tags is None else [tags] if isinstance(tags, str) else tags)
         bad = sorted(tags - set(MEMORY_TAGS))
         if bad:
             raise RequestError(f"unknown memory tag {bad[0]!r}; choose from {', '.join(MEMORY_TAGS)}", "tags")
@@ -364,6 +371,7 @@ class Scheduler:
     # ---- the loop ------------------------------------------------------------------------------------------------
     def _loop(self) -> None:
         while not self._stop.is_set():
+            ran = False  # a forward step (SGLang's count, for /start_profile's start_step and num_steps)
             try:
                 idle = self._held() or ((not self.waiting or self.admission_paused) and self.drained())
                 if not self.waiting and self.drained():
@@ -377,10 +385,9 @@ class Scheduler:
                     self.watchdog.begin()
                 self._admit()
                 steps = self._decode_steps
-                prefilled = self._prefill_round()
+                ran = self._prefill_round()
                 self._decode_round()
-                if prefilled or self._decode_steps != steps:
-                    self.profiler.on_step()  # SGLang's forward steps, for /start_profile's start_step / num_steps
+                ran = ran or self._decode_steps != steps
                 self._update_snapshot()
             except Exception:  # noqa: BLE001 - the scheduler must never die
                 log.exception("scheduler iteration failed; failing the running batch and resetting device state")
@@ -388,6 +395,8 @@ class Scheduler:
             finally:
                 if self.watchdog is not None:
                     self.watchdog.end()
+            if ran:  # outside the watchdog's time: stopping a trace writes it (never raises)
+                self.profiler.on_step()
         self._fail_live("the scheduler shut down")
 
     def _fail_live(self, message: str) -> None:
@@ -1021,6 +1030,9 @@ class Scheduler:
         self._pending = None
         self.radix.reset()
         self.pool.reset()
+        if "kv_cache" in self.memory_released:  # the pool stays freed (resume_memory_occupation makes a new one)
+            self._update_snapshot()
+            return
         try:
             self.state = self.runner.init_state()
         except Exception:  # noqa: BLE001

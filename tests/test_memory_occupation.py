@@ -22,6 +22,14 @@ def engine():
     return offline_engine(tiny_model_dir())
 
 
+@pytest.fixture(autouse=True)
+def resumed(engine):
+    """The shared engine is left with its memory back whatever a test did (else later tests would wait)."""
+    yield
+    if engine.backend.scheduler.memory_released:
+        engine.resume_memory_occupation()
+
+
 def test_release_then_resume_serves_as_before(engine):
     sched = engine.backend.scheduler
     want = engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SP)["output_ids"]
@@ -53,10 +61,16 @@ def test_release_over_http(engine):
         assert r.status_code == 400 and "unknown memory tag" in r.text
         stream = engine.generate(input_ids=[5, 6, 7], sampling_params={**SP, "max_new_tokens": 250}, stream=True)
         next(stream)
-        r = client.post("/release_memory_occupation", json={})
-        assert r.status_code == 400 and "idle" in r.text
-        stream.close()
+        engine.pause_generation("in_place")  # the request holds its slot for certain
+        try:
+            r = client.post("/release_memory_occupation", json={})
+            assert r.status_code == 400 and "idle" in r.text
+        finally:
+            engine.continue_generation()
+            stream.close()
         engine.generate(input_ids=[1], sampling_params=SP)  # the aborted stream has left its slot
+        assert client.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
+        assert client.post("/resume_memory_occupation", json={}).status_code == 200  # none: what is released
         assert client.post("/release_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
         assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
         got = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": SP}).json()

@@ -48,6 +48,8 @@ def test_profile_over_http(engine, tmp_path):
         assert client.post("/stop_profile").text.startswith("Profiling disarmed")
         r = client.post("/start_profile", json={"activities": ["RPD"]})
         assert r.status_code == 400 and "'RPD'" in r.text
+        r = client.post("/start_profile", json={"output_dir": "/proc/specjax-trace", "start_step": 10**9})
+        assert r.status_code == 400 and "cannot write a trace" in r.text  # said now, not at the armed step
         r = client.post("/start_profile", json={"profile_by_stage": True})
         assert r.status_code == 400 and "profile_by_stage" in r.text
         assert client.post("/start_profile", json={"output_dir": str(tmp_path)}).status_code == 200

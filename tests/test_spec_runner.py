@@ -323,6 +323,7 @@ def test_weights_released_and_resumed_as_they_were(setup):
                 if isinstance(x, jax.Array)]
     old = arrays()
     values = [np.asarray(x).copy() for x in old]
+    committed = [x.committed for x in old]
     firsts = [next(j for j, y in enumerate(old) if y is x) for x in old]  # where each array appears first
     assert len(set(firsts)) < len(old)  # the head's prefill form shares arrays with the head
     runner.release_weights()
@@ -332,3 +333,4 @@ def test_weights_released_and_resumed_as_they_were(setup):
     assert all(np.array_equal(np.asarray(x), v) for x, v in zip(new, values))
     assert [next(j for j, y in enumerate(new) if y is x) for x in new] == firsts
     assert [x.sharding for x in new] == [x.sharding for x in old]
+    assert [x.committed for x in new] == committed  # else every program would compile again

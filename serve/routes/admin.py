@@ -169,7 +169,7 @@ async def close_session(request: Request):
 async def start_profile(request: Request):
     """SGLang's: a ``jax.profiler`` trace of the server's forward steps (``serve.profiler``)."""
     backend = backend_of(request)
-    body = await parse(request, P.ProfileRequest)
+    body = await parse(request, P.ProfileRequest, empty_ok=True)
     message = await off_loop(lambda: backend.scheduler.profiler.start(**body.model_dump()))
     return PlainTextResponse(message)
 
@@ -177,7 +177,7 @@ async def start_profile(request: Request):
 @router.api_route("/stop_profile", methods=["GET", "POST"])
 async def stop_profile(request: Request):
     backend = backend_of(request)
-    await parse(request, P.ProfileRequest)  # (no fields used; the body's limits and JSON checked all the same)
+    await parse(request, P.ProfileRequest, empty_ok=True)  # (no fields used; limits and JSON checked the same)
     return PlainTextResponse(await off_loop(backend.scheduler.profiler.stop))
 
 

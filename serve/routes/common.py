@@ -31,10 +31,11 @@ def backend_of(request: Request):
     return request.app.state.backend
 
 
-async def parse(request: Request, model):
-    """The request's body as ``model``, within the server's body-size and idle limits."""
+async def parse(request: Request, model, empty_ok: bool = False):
+    """The request's body as ``model``, within the server's body-size and idle limits; with ``empty_ok`` no body
+    means the defaults (SGLang's routes whose body is optional)."""
     args = backend_of(request).args
-    return await parse_body(request, model, args.max_request_bytes, args.http_idle_timeout)
+    return await parse_body(request, model, args.max_request_bytes, args.http_idle_timeout, empty_ok)
 
 
 def check_model(backend, name: str | None) -> None:
@@ -120,7 +121,8 @@ def lone_surrogate(data) -> tuple[str, str | None] | None:
     return None
 
 
-async def parse_body(request: Request, model: type[P._Body], limit: int, idle_timeout: float):
+async def parse_body(request: Request, model: type[P._Body], limit: int, idle_timeout: float,
+                     empty_ok: bool = False):
     raw = await read_body(request, limit, idle_timeout)
     try:
         text = raw.decode("utf-8")
@@ -128,7 +130,7 @@ async def parse_body(request: Request, model: type[P._Body], limit: int, idle_ti
         raise APIError(400, f"the request body is not valid UTF-8 ({e.reason} at byte {e.start})",
                        code="invalid_utf8") from None
     try:
-        data = json.loads(text) if text.strip() else {}  # no body: the defaults (a GET /start_profile, say)
+        data = {} if empty_ok and not text.strip() else json.loads(text)
     except json.JSONDecodeError as e:
         raise APIError(400, f"malformed JSON in the request body: {e.msg} (line {e.lineno} column {e.colno})",
                        code="invalid_json") from None

@@ -171,14 +171,18 @@ class RunnerCommon:
         ones once) copied to host memory, then freed on the device (``resume_weights`` puts them back)."""
         arrays = {id(x): x for f in self.WEIGHT_FIELDS for x in jax.tree.leaves(vars(self).get(f))
                   if isinstance(x, jax.Array)}
-        # (host copy, sharding, the freed array: kept referenced, so no other object takes its id meanwhile)
-        self._host_weights = {i: (np.array(x, copy=True), x.sharding, x) for i, x in arrays.items()}
+        # (host copy, sharding or None for an uncommitted array (loaded so that programs do not pin a device), the
+        # freed array: kept referenced, so that no other object takes its id meanwhile)
+        self._host_weights = {i: (np.array(x, copy=True), x.sharding if x.committed else None, x)
+                              for i, x in arrays.items()}
         for x in arrays.values():
             x.delete()
 
     def resume_weights(self) -> None:
-        """The weights ``release_weights`` freed, back on the device with their shardings (shared arrays shared
-        again); the compiled programs take them as they took the old."""
+        """The weights ``release_weights`` freed, back on the device with their shardings, committed or not as they
+        were (shared arrays shared again): the compiled programs take them as they took the old."""
+        if getattr(self, "_host_weights", None) is None:
+            return
         back = {i: jax.device_put(h, s) for i, (h, s, _) in self._host_weights.items()}
         for f in self.WEIGHT_FIELDS:
             if f in vars(self):  # (an attribute, not a property naming another)
