@@ -128,20 +128,15 @@ async def get_weight_version(request: Request):
 
 
 @router.api_route("/release_memory_occupation", methods=["GET", "POST"])
-async def release_memory_occupation(request: Request):
-    """SGLang's: the device memory of the weights (kept in host memory) and / or the KV pool freed while the server
-    is idle, for a trainer on the same device; requests wait until ``/resume_memory_occupation``."""
-    backend = backend_of(request)
-    body = await parse(request, P.MemoryOccupationRequest)
-    await off_loop(backend.scheduler.release_memory_occupation, body.tags)
-    return Response(status_code=200)
-
-
 @router.api_route("/resume_memory_occupation", methods=["GET", "POST"])
-async def resume_memory_occupation(request: Request):
+async def memory_occupation(request: Request):
+    """SGLang's pair: the device memory of the weights (kept in host memory) and / or the KV pool freed while the
+    server is idle, for a trainer on the same device (requests wait meanwhile), then taken back
+    (``Scheduler.release_memory_occupation`` / ``resume_memory_occupation``)."""
     backend = backend_of(request)
     body = await parse(request, P.MemoryOccupationRequest)
-    await off_loop(backend.scheduler.resume_memory_occupation, body.tags)
+    action = request.url.path.rsplit("/", 1)[-1]  # release_memory_occupation or resume_memory_occupation
+    await off_loop(getattr(backend.scheduler, action), body.tags)
     return Response(status_code=200)
 
 
