@@ -7,6 +7,7 @@ from __future__ import annotations
 import threading
 
 import jax
+import numpy as np
 import pytest
 from server_helpers import offline_engine, tiny_model_dir
 from starlette.testclient import TestClient
@@ -75,3 +76,20 @@ def test_release_over_http(engine):
         assert client.post("/resume_memory_occupation", json={"tags": ["kv_cache"]}).status_code == 200
         got = client.post("/generate", json={"input_ids": [5, 6, 7, 8], "sampling_params": SP}).json()
         assert got["output_ids"] == engine.generate(input_ids=[5, 6, 7, 8], sampling_params=SP)["output_ids"]
+
+
+def test_bf16_table_bits_stay_a_view_after_resume():
+    """On a CPU a bf16 embedding table's uint16 bits share its memory; after a resume they share the restored
+    table's again (a copy would double the table's memory)."""
+    from specjax.serve.runners.plain import PlainRunner
+    from specjax.weights import load_model
+    cfg, params = load_model(tiny_model_dir(), dtype="bfloat16", layout="decode")
+    runner = PlainRunner(cfg, params, max_batch=1, pages_per_seq=4, page_size=8, num_pages=8)
+    if runner.params.embed_bits is None:
+        pytest.skip("no CPU bits view of the table here")
+    table = np.asarray(runner.params.embed).copy()
+    runner.release_weights()
+    runner.resume_weights()
+    p = runner.params
+    assert p.embed_bits.unsafe_buffer_pointer() == p.embed.unsafe_buffer_pointer()
+    assert np.array_equal(np.asarray(p.embed), table)

@@ -26,6 +26,7 @@ from specjax import prompt_logprobs as prompt_logprobs_lib, sampling
 from specjax.batching import (PREFILL_PRICE, PREFILL_PRICE_ACCELERATOR, serving_prefill_buckets,
                               serving_prefill_chunks)
 from specjax.kernels import cpu_dense
+from specjax.models import target
 from specjax.sampling import SamplingRow
 from specjax.sharding import use_mesh
 
@@ -186,8 +187,10 @@ class RunnerCommon:
         back = {i: jax.device_put(h, s) for i, (h, s, _) in self._host_weights.items()}
         for f in self.WEIGHT_FIELDS:
             if f in vars(self):  # (an attribute, not a property naming another)
-                setattr(self, f, jax.tree.map(lambda x: back.get(id(x), x) if isinstance(x, jax.Array) else x,
-                                              vars(self)[f]))
+                tree = jax.tree.map(lambda x: back.get(id(x), x) if isinstance(x, jax.Array) else x, vars(self)[f])
+                if isinstance(tree, target.TargetParams) and tree.embed_bits is not None:  # a view of the table
+                    tree = dataclasses.replace(tree, embed_bits=target.embed_bits(tree.embed))  # again, not a copy
+                setattr(self, f, tree)
         self._host_weights = None
 
     def prefill_chunks(self, n: int, cached: bool = False) -> list[tuple[int, int]]:
