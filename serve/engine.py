@@ -130,8 +130,7 @@ class Engine:
                     rid, group = copy_rid(given_rid, rids, k, j, sp.n, len(prompts))
                     reqs.append(self.backend.submit(ids, dataclasses.replace(sp), sink_for(len(reqs)), rid=rid,
                                                     seed=seed, group=group, priority=priority))
-                    if recorders[k] is not None:
-                        recorders[k](reqs[-1])
+                    recorders[k](reqs[-1])
         except Exception:
             self._abort(reqs)
             raise

@@ -12,6 +12,7 @@ KV budget (pages of ``--page-size`` tokens; one extra scratch page):
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -29,7 +30,7 @@ from specjax.models import target
 from specjax.platforms import use_device
 from specjax.serve.runners.plain import PlainRunner
 from specjax.serve.runners.spec import SpecRunner
-from specjax.serve.scheduler import PriorityPolicy, Scheduler
+from specjax.serve.scheduler import WEIGHTS_RELEASED, PriorityPolicy, Scheduler
 from specjax.sharding import make_mesh
 from specjax.host import device_bytes_limit
 from specjax.speculative.tune import TreeChoice, this_machine, tuned_elsewhere
@@ -231,22 +232,26 @@ class Backend:
 
     def session_prompt(self, session_params, ids: list[int]):
         """(the prompt, a function recording each submitted request in its session, where ``replace`` takes effect)
-        of a request with SGLang's ``session_params`` (``serve.sessions``); (``ids``, None) without. A request
+        of a request with SGLang's ``session_params`` (``serve.sessions``); (``ids``, a no-op) without. A request
         appended to a session starts without the BOS its tokenizer puts before every text (SGLang trims it too),
         and only then."""
         if session_params is None:
-            return ids, None
+            return ids, lambda req: None
         sp = SessionParams.of(session_params)
         session = self.sessions.get(sp.id)
-        tok = self.tokenizer
-        bos = tok.bos_token_id if tok is not None and tok("")["input_ids"][:1] == [tok.bos_token_id] else None
-        full, parent = session.prompt(sp, ids, bos)
+        full, parent = session.prompt(sp, ids, self._leading_bos)
         return full, session.recorder(sp, parent, self.scheduler.abort)
+
+    @functools.cached_property
+    def _leading_bos(self) -> int | None:
+        """The BOS id the tokenizer puts before every text, else None (the tokenizer never changes)."""
+        tok = self.tokenizer
+        return tok.bos_token_id if tok is not None and tok("")["input_ids"][:1] == [tok.bos_token_id] else None
 
     def prepare_prompts(self, prompts: list[list[int]], session_params=None) -> tuple[list[list[int]], list]:
         """The prompts of a generate call as served: each continued in its session (``session_params``: one mapping
         for every prompt, or a list of one per prompt; ``session_prompt``) and cut to fit (``fit_prompt``); and per
-        prompt the function that records its submitted request in the session (or None)."""
+        prompt the function that records its submitted request in the session (a no-op without one)."""
         per = session_params if isinstance(session_params, list) else [session_params] * len(prompts)
         if len(per) != len(prompts):
             raise RequestError(f"{len(per)} session_params for {len(prompts)} prompts", "session_params")
@@ -290,7 +295,7 @@ class Backend:
         token_ids_logprob only with return_logprob (SGLang ignores it otherwise)."""
         if max_new_given:
             self.check_output_budget(len(ids), sp.max_new_tokens, param)
-        if sp.stop and self.tokenizer is None:  # SGLang refuses stop strings without a tokenizer too
+        if sp.stop:  # SGLang refuses stop strings without a tokenizer too
             self.text_tokenizer("stop")
         if sp.token_ids_logprob and not sp.return_logprob:  # here: the request's fields may set either
             raise RequestError("token_ids_logprob needs return_logprob: true", param="token_ids_logprob")
@@ -326,8 +331,8 @@ class Backend:
         (``flush_cache``), and admission resumes. The draft head and the tokenizer are kept; the served name
         becomes ``model_path``, as SGLang's does. Returns (success, message, requests paused: 0, as nothing is
         retracted); on failure the old weights keep serving."""
-        if "weights" in self.scheduler.memory_released:
-            return False, "the weights are released (release_memory_occupation): resume them first", 0
+        if self.scheduler.weights_released:
+            return False, WEIGHTS_RELEASED, 0
         if load_format not in (None, "auto", "safetensors"):
             return False, f"load_format {load_format!r} is not supported (auto / safetensors)", 0
         if not self._update_lock.acquire(blocking=False):
@@ -360,8 +365,8 @@ class Backend:
         checkpoint's names (any subset; numpy, jax or torch tensors) replace what they name in the served target
         (``weights.with_hf_tensors``), then swap as ``update_weights_from_disk`` does. Returns (success, message);
         on failure the old weights keep serving."""
-        if "weights" in self.scheduler.memory_released:
-            return False, "the weights are released (release_memory_occupation): resume them first"
+        if self.scheduler.weights_released:
+            return False, WEIGHTS_RELEASED
         if load_format not in (None, "direct"):
             return False, f"load_format {load_format!r} is not supported (None or 'direct': (name, tensor) pairs)"
         if not self._update_lock.acquire(blocking=False):
@@ -387,8 +392,8 @@ class Backend:
         """SGLang's: the served target's tensor of checkpoint name ``name`` as float32 nested lists, its first
         ``truncate_size`` entries along the first axis (to check a weight update); a RequestError for a name the
         model does not use."""
-        if "weights" in self.scheduler.memory_released:
-            raise RequestError("the weights are released (release_memory_occupation): resume them first", param="name")
+        if self.scheduler.weights_released:
+            raise RequestError(WEIGHTS_RELEASED, param="name")
         if truncate_size < 0:
             raise RequestError(f"truncate_size must be >= 0, got {truncate_size}", param="truncate_size")
         try:

@@ -39,6 +39,7 @@ from .watchdog import Watchdog
 
 PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation modes
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's release_memory_occupation tags (no CUDA graphs here)
+WEIGHTS_RELEASED = "the weights are released (release_memory_occupation): resume them first"
 GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
 
 
@@ -166,7 +167,7 @@ class Scheduler:
         """The longest sequence whose pages (``_pages_for``) the whole pool holds."""
         if self._pages_for(self.context_length) <= self.pool.capacity:
             return self.context_length
-        return self.pool.capacity * self.page_size - self.runner.tokens_per_step * (2 if self.overlap else 1)
+        return self.pool.capacity * self.page_size - self._step_reach()
 
     def submit(self, prompt_ids, params: SamplingParams, sink: Callable[[dict], None], rid: str | None = None,
                seed: int | None = None, group: str | None = None, priority: int | None = None) -> Request:
@@ -194,10 +195,11 @@ class Scheduler:
             raise RequestError(str(e), param=str(e).split(" ")[0]) from None
         params.max_new_tokens = min(params.max_new_tokens, self.max_new_tokens_cap(len(ids)))
         if self.auto_truncate:  # lowered to what the pool holds, as SGLang caps it at max_req_len
-            fits = max(self._most_tokens_in_pool() - len(ids), 1)
+            most = self._most_tokens_in_pool()
+            fits = max(most - len(ids), 1)
             if params.max_new_tokens > fits and params.max_new_tokens != NO_LIMIT:
                 log.warning("max_new_tokens %d lowered to %d: the KV pool holds %d tokens of this request "
-                            "(--allow-auto-truncate)", params.max_new_tokens, fits, self._most_tokens_in_pool())
+                            "(--allow-auto-truncate)", params.max_new_tokens, fits, most)
             params.max_new_tokens = min(params.max_new_tokens, fits)
         need = self._pages_for(len(ids) + params.max_new_tokens)
         if need > self.pool.capacity:
@@ -335,6 +337,10 @@ class Scheduler:
             self._update_snapshot()
         self.call(do, timeout=3600.0)
 
+    @property
+    def weights_released(self) -> bool:
+        return "weights" in self.memory_released
+
     def _held(self) -> bool:
         """Nothing runs: generation paused, or weights or KV pool released."""
         return self.generation_paused or bool(self.memory_released - {"cuda_graph"})
@@ -350,8 +356,8 @@ class Scheduler:
     def set_target_params(self, params, flush_cache: bool = True) -> None:
         """(On this thread, ``call``, with no request running.) The runner's target weights replaced; the cached
         prefixes, K/V of the old weights, dropped unless ``flush_cache`` is False."""
-        if "weights" in self.memory_released:
-            raise RuntimeError("the weights are released (release_memory_occupation): resume them first")
+        if self.weights_released:
+            raise RuntimeError(WEIGHTS_RELEASED)
         self.runner.set_target_params(params)
         if flush_cache:
             self.radix.evict(self.pool.capacity)
@@ -373,8 +379,9 @@ class Scheduler:
         while not self._stop.is_set():
             ran = False  # a forward step (SGLang's count, for /start_profile's start_step and num_steps)
             try:
-                idle = self._held() or ((not self.waiting or self.admission_paused) and self.drained())
-                if not self.waiting and self.drained():
+                drained = self.drained()
+                idle = self._held() or ((not self.waiting or self.admission_paused) and drained)
+                if not self.waiting and drained:
                     self.ratio.reset()  # as SGLang: an idle server admits the next requests from the initial ratio
                 self._drain(block=idle)
                 if self._stop.is_set():
@@ -488,10 +495,15 @@ class Scheduler:
         return victim is req
 
     # ---- admission -----------------------------------------------------------------------------------------------
+    def _step_reach(self) -> int:
+        """Positions past a request's tokens that steps may write before the host sees them: a step's
+        tokens_per_step and, overlapped, one more step's."""
+        return self.runner.tokens_per_step * (2 if self.overlap else 1)
+
     def _pages_for(self, length: int) -> int:
-        """The pages a request of ``length`` tokens holds: a step writes up to tokens_per_step positions past the
-        length and, overlapped, one more step may run."""
-        tokens = length + self.runner.tokens_per_step * (2 if self.overlap else 1)
+        """The pages a request of ``length`` tokens holds, with the positions steps in flight may write
+        (``_step_reach``)."""
+        tokens = length + self._step_reach()
         return min(-(-tokens // self.page_size), self.runner.pages_per_seq)
 
     def _room(self, matched, without=()) -> float:
@@ -499,11 +511,16 @@ class Scheduler:
         its own prefix's, and the pages only ``without`` (running requests to be retracted) hold, less what the
         other running requests are expected to still write past the pages they hold (``budget.TokenRatio``)."""
         pages = self.pool.num_free + self.radix.evictable_pages() - sum(n.ref == 0 for n in matched)
-        pages += sum(len(r.pages) - sum(n.ref > 1 for n in r.nodes) for r in without)
-        gone = {id(r) for r in without}
-        growth = sum(max(self._expected(r) - self._headroom(r), 0.0)
-                     for r in self.slots if r is not None and id(r) not in gone)
-        return pages * self.page_size - growth
+        growth = sum(self._growth(r) for r in self.slots if r is not None)
+        return pages * self.page_size - growth + sum(self._freed_by(r) for r in without)
+
+    def _growth(self, req: Request) -> float:
+        """KV tokens ``req`` is expected to write past the pages it holds."""
+        return max(self._expected(req) - self._headroom(req), 0.0)
+
+    def _freed_by(self, req: Request) -> float:
+        """What retracting running ``req`` adds to ``_room``: its pages no other request shares, and its growth."""
+        return (len(req.pages) - sum(n.ref > 1 for n in req.nodes)) * self.page_size + self._growth(req)
 
     def _cost(self, req: Request, need: int) -> int:
         """The KV tokens a newcomer takes in SGLang's admission: the ``need`` pages of its prompt and its whole
@@ -600,13 +617,14 @@ class Scheduler:
             return False
         matched, need = self._prefix_and_need(req)
         cost = self._cost(req, need)
-        slot_free, chosen = None in self.slots, []
+        slot_free, chosen, room = None in self.slots, [], self._room(matched)
         for r in cands:
-            if slot_free and cost <= self._room(matched, chosen):
+            if slot_free and cost <= room:
                 break
             chosen.append(r)
+            room += self._freed_by(r)
             slot_free = True
-        if not chosen or cost > self._room(matched, chosen):
+        if not chosen or cost > room:
             return False
         self._collect_pending()  # the step in flight first: its tokens and sampling state belong to them
         chosen = [r for r in chosen if r.slot is not None and self.slots[r.slot] is r and not r.finished]

@@ -85,8 +85,7 @@ def test_bf16_table_bits_stay_a_view_after_resume():
     from specjax.weights import load_model
     cfg, params = load_model(tiny_model_dir(), dtype="bfloat16", layout="decode")
     runner = PlainRunner(cfg, params, max_batch=1, pages_per_seq=4, page_size=8, num_pages=8)
-    if runner.params.embed_bits is None:
-        pytest.skip("no CPU bits view of the table here")
+    assert runner.params.embed_bits is not None  # a bf16 table on one CPU device (the tests' platform)
     table = np.asarray(runner.params.embed).copy()
     runner.release_weights()
     runner.resume_weights()

@@ -44,8 +44,7 @@ async def generate(request: Request):
         for j in range(sp.n):
             rid, group = copy_rid(body.rid, rids, k, j, sp.n, len(prompts))
             fan.add(list(ids), sp, rid=rid, seed=seed_for(sp, j), group=group)
-            if recorders[k] is not None:
-                recorders[k](fan.reqs[-1])
+            recorders[k](fan.reqs[-1])
     single = not batch and len(fan.reqs) == 1
 
     def item(i):
