@@ -35,6 +35,7 @@ class Profiler:
         self.steps = 0  # forward steps the server has run
         self._armed: dict | None = None  # a trace asked for, waiting for its start step
         self._running: dict | None = None  # the trace being recorded: its folder, steps left, memory profile
+        self._done: str | Exception | None = None  # how a trace that stopped by itself ended, until stop() asks
 
     def start(self, output_dir: str | None = None, start_step: int | None = None, num_steps: int | None = None,
               activities: list[str] | None = None, with_stack: bool | None = None, record_shapes: bool | None = None,
@@ -63,6 +64,7 @@ class Profiler:
         with self._lock:
             if self._armed is not None or self._running is not None:
                 raise RequestError("Profiling is already in progress. Call /stop_profile first.", "output_dir")
+            self._done = None
             if start_step is not None and start_step > self.steps:
                 self._armed = dict(trace, at=start_step)
                 return f"Profiling armed: it starts at forward step {start_step} (now {self.steps}), into {folder}.\n"
@@ -82,13 +84,19 @@ class Profiler:
                  f" for {trace['left']} forward steps" if trace["left"] is not None else " until /stop_profile")
 
     def stop(self) -> str:
-        """Stop the trace (or disarm one waiting for its step) and write it; the answer's message."""
+        """Stop the trace (or disarm one waiting for its step) and write it; the answer's message. A stop that
+        comes just after a trace's ``num_steps`` stopped it (the two race) reports that trace, once."""
         with self._lock:
             if self._armed is not None:
                 self._armed = None
                 return "Profiling disarmed before its start step.\n"
             if self._running is None:
-                raise RequestError("Profiling is not in progress. Call /start_profile first.", None)
+                done, self._done = self._done, None
+                if isinstance(done, Exception):
+                    raise done
+                if done is None:
+                    raise RequestError("Profiling is not in progress. Call /start_profile first.", None)
+                return f"The trace had already stopped after its num_steps; it is under {done}/plugins/profile.\n"
             folder = self._end()
         return f"Stop profiling. The trace is under {folder}/plugins/profile.\n"
 
@@ -122,7 +130,11 @@ class Profiler:
                 if self._running is not None and self._running["left"] is not None:
                     self._running["left"] -= 1
                     if self._running["left"] <= 0:
-                        self._end()
+                        try:
+                            self._done = self._end()
+                        except RequestError as e:
+                            self._done = e
+                            raise
                 if self._armed is not None and self.steps >= self._armed["at"]:
                     trace, self._armed = self._armed, None
                     self._begin(trace)
