@@ -130,11 +130,12 @@ def from_namespace(cls, ns: argparse.Namespace):
     return cls(**kw)
 
 
-def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[str], Any]) -> argparse.ArgumentParser:
+def add_dotted_options(parser: argparse.ArgumentParser, cls,
+                       value: Callable[[str, Any], Any]) -> argparse.ArgumentParser:
     """``--section.key VALUE`` (also ``--section.key=VALUE`` and ``--section.some-key``) for every key of every
     section of the nested dataclass ``cls``; one argument group per section, titled by its docstring. A bare flag
-    means ``true`` for a bool key (any other key needs its value). Values go through ``value`` (e.g. a YAML scalar
-    parser) and are typed later by the config loader; only the flags given appear in the namespace (read them with
+    means ``true`` for a bool key (any other key needs its value). Values go through ``value(raw, the key's type)``
+    (e.g. a YAML scalar parser) and are typed later by the config loader; only the flags given appear in the namespace (read them with
     :func:`dotted_values`)."""
     if parser.usage is None:  # the usage line names the parser's own options, then the overrides in one
         parser.usage = parser.format_usage().strip().removeprefix("usage: ") + " [--section.key VALUE ...]"
@@ -151,9 +152,11 @@ def add_dotted_options(parser: argparse.ArgumentParser, cls, value: Callable[[st
             default = field_default(f)
             shown = list(default) if isinstance(default, tuple) else default
             help_text = field_help(f)
-            flag = dict(nargs="?", const="true") if strip_optional(typing.get_type_hints(sec_cls)[f.name])[0] is bool \
+            tp = typing.get_type_hints(sec_cls)[f.name]
+            flag = dict(nargs="?", const="true") if strip_optional(tp)[0] is bool \
                 else {}  # a bare flag means true for a yes/no key; any other key needs its value
-            g.add_argument(*names, dest=f"{sec.name}.{f.name}", default=argparse.SUPPRESS, type=value, metavar="VALUE",
+            g.add_argument(*names, dest=f"{sec.name}.{f.name}", default=argparse.SUPPRESS, metavar="VALUE",
+                           type=lambda raw, tp=tp: value(raw, tp),
                            help=(help_text + " " if help_text else "") + f"(default: {shown!r})", **flag)
     return parser
 

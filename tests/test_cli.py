@@ -87,7 +87,8 @@ def test_dotted_overrides():
     assert "The inner section." in text and "step size (default: 0.1)" in text and "[--section.key VALUE ...]" in text
 
 
-def float_or_true(raw: str):
+def float_or_true(raw: str, tp):
+    assert tp in (float, bool)  # the key's type comes with its value
     return True if raw == "true" else float(raw)
 
 

@@ -130,6 +130,18 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
         assert msg in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("typed, want", [
+    ("### Assistant:", "### Assistant:"), ("Assistant: ", "Assistant: "), ("[/INST]", "[/INST]"), ("3", "3"),
+    ('"<|im_start|>assistant\\n"', "<|im_start|>assistant\n"), ("null", None)])
+def test_text_keys_keep_what_was_typed(typed, want):
+    """A text key's value is what was typed where YAML would read it as a comment, a mapping, a list or a number (a
+    preformatted chat layout's header is all of those); a YAML double-quoted string still writes escapes, null still
+    clears it. The same through the trainer's flags and the overrides the parser does not know."""
+    _, cfg = config_from_command_line(build_parser(), ["--data.assistant-header", typed])
+    assert cfg.data.assistant_header == want
+    assert load_config(None, ["--data.end_of_turn", typed]).data.end_of_turn == want
+
+
 def test_one_config_error():
     assert ConfigError is core_config.ConfigError
 

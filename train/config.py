@@ -69,8 +69,9 @@ class DataConfig:
                                       'with the target\'s chat template, as SpecForge\'s preformatted data; auto reads '
                                       'a record with `text` and no turns as such)')
     assistant_header: str | None = option(None, help='preformatted text: what opens an assistant turn (default: what '
-                                          'the chat template writes there, e.g. "<|im_start|>assistant\\n"; in YAML '
-                                          'double quotes for escapes)')
+                                          'the chat template writes there, e.g. "<|im_start|>assistant\\n"; taken as '
+                                          'typed; for escapes such as a newline write a YAML double-quoted string, in '
+                                          'a YAML file or on the command line as \'"...\\n"\')')
     end_of_turn: str | None = option(None, help='preformatted text: what ends an assistant turn (default: what the '
                                      'chat template writes there, e.g. "<|im_end|>")')
     max_length: int = option(2048, help='tokens per conversation (after rendering)')
@@ -291,7 +292,8 @@ def _set_dotted(d: dict, dotted: str, value: Any) -> None:
 
 def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
     """``--a.b VALUE`` / ``--a.b=VALUE`` pairs; a bare ``--a.b`` (last, or followed by another flag) means true.
-    Values are parsed as YAML scalars/lists (``3e-4`` -> float, ``[128,256]`` -> list, ``null`` -> None)."""
+    Values are parsed as YAML scalars/lists (``3e-4`` -> float, ``[128,256]`` -> list, ``null`` -> None), except
+    that a text key keeps what was typed where YAML would read something else (``parse_value``)."""
     out = []
     i = 0
     argv = list(argv)
@@ -309,19 +311,37 @@ def parse_overrides(argv: Sequence[str]) -> list[tuple[str, Any]]:
         else:
             raw = "true"
             i += 1
-        out.append((key.replace("-", "_"), parse_value(raw)))
+        key = key.replace("-", "_")
+        out.append((key, parse_value(raw, _key_type(key))))
     return out
 
 
-def parse_value(raw: str) -> Any:
+def _key_type(dotted: str) -> Any:
+    """The type of the run-config key ``section.key`` (None for a name that is not one: refused later, by name)."""
+    cls = RunConfig
+    for p in dotted.split("."):
+        if not dataclasses.is_dataclass(cls) or p not in {f.name for f in dataclasses.fields(cls)}:
+            return None
+        cls = typing.get_type_hints(cls)[p]
+    return cls
+
+
+def parse_value(raw: str, tp: Any = None) -> Any:
     """A command-line value as a YAML scalar or list (``3e-4`` -> float, ``[128,256]`` -> list, ``null`` -> None);
-    the config loader types it against the key afterwards."""
+    the config loader types it against the key afterwards. For a text key (``tp`` str) a value YAML reads as
+    something else is kept as typed: ``### Assistant:`` (a YAML comment), ``Assistant: `` (a mapping), ``[/INST]``
+    (a list) stay those strings; ``null`` still clears an optional one, and a double-quoted YAML string
+    (``'"<|im_start|>assistant\\n"'``) is how escapes such as a newline are written."""
     try:
         value = yaml.safe_load(raw) if raw != "" else ""
     except yaml.YAMLError:
         value = raw
     if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
         value = float(value)
+    if tp is not None and strip_optional(tp)[0] is str and not isinstance(value, str):
+        if value is None and raw.strip() in ("null", "Null", "NULL", "~"):
+            return None
+        return raw
     return value
 
 
