@@ -3,6 +3,7 @@ deterministic and resumable order, sharded batches."""
 
 import json
 import os
+import shutil
 
 import jax
 import numpy as np
@@ -206,6 +207,39 @@ def test_input_formats_agree(tok, tmp_path):
     b = D.load_dataset(cfg, tok, log=lambda s: None)
     assert len(os.listdir(tmp_path / "cache")) == 1 and len(a) == 24
     np.testing.assert_array_equal(a.tokens, b.tokens)
+
+
+def test_the_cache_follows_what_a_folder_holds(tok, tmp_path):
+    """A datasets.save_to_disk folder saved again with other conversations is read again, not taken from the
+    tokenized cache (rewriting the files inside leaves the folder's own size and time as they were)."""
+    import datasets
+    folder, cache = str(tmp_path / "ds"), str(tmp_path / "cache")
+    cfg = DataConfig(paths=(folder,), max_length=4096, cache_dir=cache)
+    datasets.Dataset.from_list(tf.make_conversations(4, seed=1)).save_to_disk(folder)
+    a = D.load_dataset(cfg, tok, log=lambda s: None)
+    datasets.Dataset.from_list(tf.make_conversations(4, seed=2)).save_to_disk(folder + ".new")
+    shutil.rmtree(folder)
+    os.rename(folder + ".new", folder)
+    b = D.load_dataset(cfg, tok, log=lambda s: None)
+    assert len(os.listdir(cache)) == 2 and not np.array_equal(a.tokens, b.tokens)
+
+
+def test_mixed_tables_and_one_json_object(tok, tmp_path):
+    """A parquet table mixing preformatted text rows and turns (each row gets every column, None where it has
+    none) keeps both kinds; a .json file holding one pretty-printed object is refused in one line."""
+    import datasets
+    conv, enc = tf.make_conversations(1, seed=4)[0], D.ChatEncoder(tok)
+    datasets.Dataset.from_dict({"conversations": [conv["conversations"], None],
+                                "text": [None, enc.render(D.to_messages(conv), False)]}).to_parquet(
+        str(tmp_path / "mixed.parquet"))
+    out = D.tokenize_records(D.iter_records(DataConfig(paths=(str(tmp_path / "mixed.parquet"),))), enc,
+                             max_length=4096)
+    assert out.stats["kept"] == 2, out.stats
+    np.testing.assert_array_equal(out.tokens[out.offsets[0]:out.offsets[1]], out.tokens[out.offsets[1]:])
+    for body, hint in (({"data": [conv]}, "its records look to be under 'data'"), (conv, "one record over several lines")):
+        (tmp_path / "one.json").write_text(json.dumps(body, indent=2))
+        with pytest.raises(D.NoUsableData, match=f"one JSON object \\({hint}"):
+            list(D.iter_records(DataConfig(paths=(str(tmp_path / "one.json"),))))
 
 
 def test_bad_records_counted(tok, tmp_path):

@@ -120,6 +120,7 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
         if head.startswith(b"["):
             yield from _read_json_array(path, log)
         else:
+            _refuse_one_object(path, head)
             yield from _read_jsonl(path, log)  # JSON lines named .json
     elif low.endswith((".parquet", ".arrow", ".csv")):
         import datasets
@@ -128,6 +129,28 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
     else:
         raise NoUsableData(f"data file {path}: unknown format (use .json, .jsonl (optionally .gz, .bz2 or .xz "
                            f"compressed), .parquet, .arrow or a datasets.save_to_disk folder)")
+
+
+def _refuse_one_object(path: str, head: bytes) -> None:
+    """A .json file whose first line is not a JSON value but whose whole text is one object (pretty-printed, e.g.
+    ``{"data": [...]}``) is refused in one line, not read as JSON lines that each fail to parse."""
+    first = head.split(b"\n", 1)[0].strip()
+    try:
+        json.loads(first.decode("utf-8"))
+        return
+    except (UnicodeDecodeError, json.JSONDecodeError):
+        pass
+    try:
+        with open_binary(path) as f:
+            whole = json.loads(f.read().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, EOFError, OSError):
+        return  # not one object either: read as JSON lines, each bad line counted
+    if isinstance(whole, dict):
+        lists = [k for k, v in whole.items() if isinstance(v, list)]
+        where = " (one record over several lines)" if {"conversations", "messages", "text"} & set(whole) else \
+            f" (its records look to be under {lists[0]!r})" if len(lists) == 1 else ""
+        raise NoUsableData(f"data file {path} is one JSON object{where}, not records: write the records as a "
+                           f"top-level JSON array or as JSON lines (one record per line)")
 
 
 def resolve_paths(paths: Iterable[str]) -> list[str]:
@@ -168,11 +191,11 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
         raise record
     if not isinstance(record, dict):
         raise BadRecord("bad_format", f"record is a {type(record).__name__}")
-    if fmt in ("auto", "sharegpt") and "conversations" in record:
+    if fmt in ("auto", "sharegpt") and _has(record, "conversations"):
         turns, role_key, text_key = record["conversations"], "from", "value"
-    elif fmt in ("auto", "messages") and "messages" in record:
+    elif fmt in ("auto", "messages") and _has(record, "messages"):
         turns, role_key, text_key = record["messages"], "role", "content"
-    elif "text" in record:
+    elif _has(record, "text"):
         raise BadRecord("bad_format", "preformatted text (a `text` field) where turns are needed")
     else:
         wanted = {"sharegpt": "conversations", "messages": "messages"}.get(fmt, "conversations or messages")
@@ -182,16 +205,22 @@ def to_messages(record: Any, fmt: str = "auto", prompts: bool = False) -> list[d
     return _cleaned([_message(t, role_key, text_key) for t in turns], prompts)
 
 
+def _has(record: dict, key: str) -> bool:
+    """Whether the record has ``key`` with a value: a table (parquet, a hub set) that mixes shapes gives every row
+    every column, None where a row has none."""
+    return record.get(key) is not None
+
+
 def record_text(record: Any, fmt: str = "auto") -> str | None:
     """A preformatted record's text (``data.format: text``, SpecForge's ``--is-preformatted``: the conversation
     already rendered with the target's chat template, in ``text``; ``auto`` reads a record with ``text`` and no
     turns as one), else None."""
     if fmt not in ("auto", "text") or isinstance(record, BadRecord):
         return None
-    if fmt == "auto" and not (isinstance(record, dict) and "text" in record
-                              and "conversations" not in record and "messages" not in record):
+    if fmt == "auto" and not (isinstance(record, dict) and _has(record, "text")
+                              and not _has(record, "conversations") and not _has(record, "messages")):
         return None
-    if not isinstance(record, dict) or "text" not in record:
+    if not isinstance(record, dict) or not _has(record, "text"):
         raise BadRecord("bad_format", "no text field")
     text = _checked_text(record["text"], "text")
     if not text.strip():
@@ -584,16 +613,14 @@ def tokenize_records(records: Iterable[Any], encoder: ChatEncoder, *, max_length
 
 
 def fingerprint(cfg: DataConfig, tok) -> str:
-    """Identifies the tokenized dataset (sources, their sizes and times, settings, tokenizer)."""
+    """Identifies the tokenized dataset (sources with every file's size and time, settings, tokenizer)."""
     h = hashlib.sha256()
     srcs = []
     for p in cfg.paths:
-        if p == "sharegpt":
-            srcs.append(p)
-            continue
-        for q in resolve_paths([p]):
-            st = os.stat(q)
-            srcs.append((os.path.abspath(q), st.st_size, int(st.st_mtime)))
+        srcs.extend([p] if p == "sharegpt" else [source_signature(q) for q in resolve_paths([p])])
+    if cfg.hf_datasets:
+        import datasets  # optional; the loaded set's fingerprint follows its content (a hub update, a new revision)
+        srcs.extend((name, datasets.load_dataset(name, split=cfg.split)._fingerprint) for name in cfg.hf_datasets)
     vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
     h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
                          cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig,
@@ -601,6 +628,22 @@ def fingerprint(cfg: DataConfig, tok) -> str:
                          4],  # the reader's version: 2 read reasoning_content and truncated turns, 3 tools, 4 text
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
+
+
+def source_signature(path: str) -> list:
+    """A data source as the cache sees it: its path and, for a file, its size and time in nanoseconds; for a folder
+    (a ``datasets.save_to_disk`` set, a folder of files) those of every file under it, whose rewriting leaves the
+    folder's own entry unchanged."""
+    if not os.path.isdir(path):
+        st = os.stat(path)
+        return [os.path.abspath(path), st.st_size, st.st_mtime_ns]
+    files = []
+    for root, dirs, names in os.walk(path):
+        dirs.sort()
+        for n in sorted(names):
+            st = os.stat(os.path.join(root, n))
+            files.append([os.path.relpath(os.path.join(root, n), path), st.st_size, st.st_mtime_ns])
+    return [os.path.abspath(path), files]
 
 
 def default_cache_dir() -> str:
