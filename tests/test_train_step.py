@@ -13,6 +13,7 @@ from specjax.config import ModelConfig
 from specjax.models import eagle3, target
 from specjax.sharding import make_mesh
 from specjax.train import train_step as S
+from specjax.train.loss import pool_metrics
 
 V, T, TTT = 256, 32, 3
 
@@ -93,6 +94,10 @@ def test_training_learns(setup, train_fns):
     assert after["loss"] < 0.8 * before["loss"], (before["loss"], after["loss"])
     assert after["acc_0"] > before["acc_0"] + 0.2, (before["acc_0"], after["acc_0"])
     assert after["acc_2"] > before["acc_2"] + 0.15
+    # pooled over batches (the trainer's eval, bench heldout): the figures of one batch holding their rows
+    pooled = pool_metrics([jax.device_get(ev(state.params, tparams, vmap, _batch(data, s, 1, 8))) for s in (0, 8)])
+    for k in ("acc_0", "accept_len", "serving_accept_len", "valid_tokens", "rounds"):
+        np.testing.assert_allclose(pooled[k], after[k], rtol=1e-5, err_msg=k)
     # the schedule ran: warmup from 0, cosine to 0 at the end
     assert float(m["lr"]) < 1e-4
     assert jax.tree.leaves(state.params)[0].dtype == jnp.float32

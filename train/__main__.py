@@ -35,7 +35,8 @@ from specjax.hub import enable_compilation_cache
 from specjax.models import eagle3, target as target_lib
 from specjax.models.eagle3 import Eagle3Config, VocabMap
 from specjax.sharding import ShardingError, agree_on_error, make_mesh
-from specjax.train import checkpoint as ckpt_lib, data as data_lib, offline as offline_lib, train_step as step_lib
+from specjax.train import (checkpoint as ckpt_lib, data as data_lib, loss as loss_lib, offline as offline_lib,
+                           train_step as step_lib)
 from specjax.train.config import HeadConfig, RunConfig, add_override_options, config_from_command_line
 from specjax.train.vocab import build_vocab_map, count_tokens, load_vocab_counts, load_vocab_map, widen_vocab_map
 
@@ -357,18 +358,17 @@ class Run:
                        vocab=self.vocab_map, meta=self.meta(), wait=wait)
 
     def evaluate(self) -> dict:
-        """Mean metrics over ``logging.eval_batches`` batches of the held-out split ({} when it is empty)."""
+        """Metrics over ``logging.eval_batches`` batches of the held-out split ({} when it is empty), pooled by
+        their tokens (``loss.pool_metrics``); the batches are a fixed sample across the length buckets, the same at
+        every eval."""
         ev = self.eval_batches()
         if ev is None:
             return {}
-        n = min(self.cfg.logging.eval_batches, ev.steps_per_epoch)
-        sums: dict[str, float] = {}
-        for _ in range(n):
+        batches = []
+        for _ in range(min(self.cfg.logging.eval_batches, ev.steps_per_epoch)):
             batch, _ = next(ev)
-            m = jax.device_get(self.eval_step(self.state.params, self.target_arg, self.vocab_map, batch))
-            for k, v in m.items():
-                sums[k] = sums.get(k, 0.0) + float(v)
-        return {f"eval_{k}": v / n for k, v in sums.items()}
+            batches.append(jax.device_get(self.eval_step(self.state.params, self.target_arg, self.vocab_map, batch)))
+        return {f"eval_{k}": v for k, v in loss_lib.pool_metrics(batches).items()}
 
 
 def main(argv=None) -> int:
@@ -450,7 +450,9 @@ def setup(cfg: RunConfig, log: Logger) -> Run | None:
              f"eval: {len(eval_data)} conversations")
 
     def eval_batches():
-        return data_lib.BatchIterator(eval_data, shuffle=False, features=features, **it_kw) if len(eval_data) else None
+        # shuffled by the run's seed, epoch 0: the first eval_batches batches sample every length bucket (in bucket
+        # order they were the shortest conversations only), and every eval reads the same ones
+        return data_lib.BatchIterator(eval_data, shuffle=True, features=features, **it_kw) if len(eval_data) else None
 
     ckpt = ckpt_lib.Checkpointer(cfg.checkpoint.dir, keep=cfg.checkpoint.keep, async_save=cfg.checkpoint.async_save)
     optimizer = make_optimizer(cfg, total_steps)

@@ -285,6 +285,26 @@ def finalize_metrics(stats, decay: float) -> dict[str, jax.Array]:
     return out
 
 
+def pool_metrics(batches: list[dict]) -> dict[str, float]:
+    """The ``finalize_metrics`` of several batches as one set: each batch weighed by its valid tokens (the loss,
+    acc_k, accept_len: a batch of long conversations counts for its tokens, not as one batch of short ones),
+    ``serving_accept_len`` by its rounds, ``valid_tokens`` and ``rounds`` summed. Batches without a valid token
+    weigh nothing (all of them: their plain mean)."""
+    tokens = sum(float(m["valid_tokens"]) for m in batches)
+    rounds = sum(float(m.get("rounds", 0.0)) for m in batches)
+    out = {}
+    for k in batches[0]:
+        if k in ("valid_tokens", "rounds"):
+            out[k] = sum(float(m[k]) for m in batches)
+        elif k == "serving_accept_len" and rounds > 0:
+            out[k] = sum(float(m[k]) * float(m["rounds"]) for m in batches) / rounds
+        elif tokens > 0:
+            out[k] = sum(float(m[k]) * float(m["valid_tokens"]) for m in batches) / tokens
+        else:
+            out[k] = sum(float(m[k]) for m in batches) / len(batches)
+    return out
+
+
 def ttt_forward(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, input_ids, loss_mask, attention_mask,
                 target_logits, vocab_map: VocabMap, *, ttt_length: int = 7, decay: float = 0.8, position_ids=None):
     """TTT loss of one micro-batch: (loss f32[], metrics). See the module docstring for the exact definition.
@@ -297,5 +317,5 @@ def ttt_forward(head_params: Eagle3Params, head_cfg: Eagle3Config, embed, aux, i
     return loss, finalize_metrics(jax.lax.stop_gradient(stats), decay)
 
 
-__all__ = ["ttt_forward", "ttt_rollout", "finalize_metrics", "target_distribution", "diagonal_attention",
+__all__ = ["ttt_forward", "ttt_rollout", "finalize_metrics", "pool_metrics", "target_distribution", "diagonal_attention",
            "shift_left", "serving_rounds", "STAT_KEYS", "SCALAR_STAT_KEYS"]

@@ -31,7 +31,7 @@ from specjax.models import target
 from specjax.sharding import make_mesh
 from specjax.speculative.draft import make_draft
 from specjax.speculative.spec_generate import speculative_generate
-from specjax.train import data as data_lib, train_step as step_lib
+from specjax.train import data as data_lib, loss as loss_lib, train_step as step_lib
 from specjax.train.config import add_override_options, config_from_command_line
 from specjax.weights import load_model, resolve_model_path, stop_token_ids
 
@@ -54,19 +54,12 @@ def predicted_accept_len(cfg, tcfg, tparams, hcfg, hparams, vmap, eval_data, pad
     step = step_lib.make_eval_step(tcfg, hcfg.replace(dtype="float32"), mesh, ttt_length=cfg.training.ttt_length,
                                    decay=cfg.training.decay)
     params = jax.tree.map(lambda x: x.astype(np.float32), hparams)
-    extra = valid = rounds = round_tokens = 0.0
-    accs = np.zeros(cfg.training.ttt_length)
+    batches = []
     for _ in range(ev.steps_per_epoch):
         batch, _ = next(ev)
-        m = jax.device_get(step(params, tparams, vmap, batch))
-        w = float(m["valid_tokens"])
-        extra += (float(m["accept_len"]) - 1.0) * w
-        accs += w * np.asarray([float(m[f"acc_{k}"]) for k in range(len(accs))])
-        valid += w
-        rounds += float(m["rounds"])
-        round_tokens += float(m["serving_accept_len"]) * float(m["rounds"])
-    return (round_tokens / max(rounds, 1.0), 1.0 + extra / max(valid, 1.0),
-            (accs / max(valid, 1.0)).tolist())
+        batches.append(jax.device_get(step(params, tparams, vmap, batch)))
+    m = loss_lib.pool_metrics(batches)
+    return m["serving_accept_len"], m["accept_len"], [m[f"acc_{k}"] for k in range(cfg.training.ttt_length)]
 
 
 def served_view(eval_data, limit: int, max_new_tokens: int) -> data_lib.TokenizedData:
