@@ -136,7 +136,7 @@ class SamplingBatch:
     top_k: jax.Array  # i32[B]  <= 0 = off
     top_p: jax.Array  # f32[B]  1 = off
     min_p: jax.Array  # f32[B]  0 = off
-    key: jax.Array  # u32[B, 2] per-row PRNG key (a per-request seed gives reproducible output)
+    key: jax.Array  # u32[B, 2] per-row PRNG key, fixed for the request (``token_uniforms``: its n-th token's draw)
     frequency_penalty: jax.Array  # f32[B]  0 = off
     presence_penalty: jax.Array  # f32[B]  0 = off
     repetition_penalty: jax.Array  # f32[B]  1 = off
@@ -354,19 +354,26 @@ def target_probs(logits, temperature, top_k, top_p, min_p):
     return jnp.where(greedy, onehot, p)
 
 
-def split_keys(keys):
-    """Advance per-row keys: u32[B, 2] -> (new keys u32[B, 2], subkeys u32[B, 2])."""
-    both = jax.vmap(lambda k: jax.random.split(jax.random.wrap_key_data(k), 2))(keys)
-    data = jax.vmap(jax.vmap(jax.random.key_data))(both)
-    return data[:, 0], data[:, 1]
+def token_uniforms(keys, index):
+    """f32[B, W, 2]: two uniforms in [0, 1) for the generated tokens at ``index`` i32[B, W] (0 = a request's first
+    token) of each row, from the row's key u32[B, 2] folded with the index. A token's draws depend on the request's
+    seed and on which token it is, nothing else: not on how many tokens each step emitted, the batch or a tree's
+    shape, so plain and speculative decoding draw the same randomness for the same token."""
+    def row(k, ix):
+        key = jax.random.wrap_key_data(k)
+        return jax.vmap(lambda i: jax.random.uniform(jax.random.fold_in(key, i), (2,), jnp.float32))(ix)
+    return jax.vmap(row)(keys, index)
 
 
-def sample_rows(probs, subkeys):
-    """One categorical draw per row from f32[B, V] with u32[B, 2] keys -> i32[B]."""
-    def one(p, k):
-        return jax.random.categorical(jax.random.wrap_key_data(k), jnp.log(jnp.maximum(p, 1e-38)) + jnp.where(
-            p > 0, 0.0, -jnp.inf))
-    return jax.vmap(one)(probs, subkeys).astype(jnp.int32)
+def inverse_cdf(probs, u):
+    """The token t with cdf(t - 1) <= u * total < cdf(t) over the vocabulary in id order (total: the row's mass, so
+    a row that sums to 1 only up to rounding is drawn exactly as a normalised one): i32[...] from f32[..., V] and
+    uniforms f32[...]. Exact categorical sampling from one uniform, and always a token of nonzero probability."""
+    cdf = jnp.cumsum(probs, axis=-1)
+    tok = jnp.sum(cdf <= u[..., None] * cdf[..., -1:], axis=-1)
+    v = probs.shape[-1]
+    last = v - 1 - jnp.argmax(jnp.flip(probs > 0, axis=-1), axis=-1)  # the last token with mass (u * total rounding)
+    return jnp.minimum(tok, last).astype(jnp.int32)
 
 
 def token_logprobs(x, sb: SamplingBatch, tokens, x_rows=None):
@@ -421,25 +428,23 @@ def record(sb: SamplingBatch, tokens, n, x=None, active=None, x_rows=None) -> Sa
 
 
 def sample_next(logits, sb: SamplingBatch, active=None):
-    """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with advanced keys and recorded token).
-    ``active`` bool[B] (default all): rows outside it keep their keys and records (a request waiting in its slot, e.g.
-    while its prompt is scored, draws the same stream whatever steps ran meanwhile). When every active row is greedy
-    only the argmax runs (the sampling path, a softmax, filters and a categorical draw over the vocabulary, costs a
-    small model's decode step on CPU a good part of its time); keys advance either way, so every row's random stream
-    is unchanged."""
-    keys, sub = split_keys(sb.key)
-    if active is not None:
-        keys = jnp.where(_expand(active, keys.ndim), keys, sb.key)
+    """Next token per row from f32[B, V] logits -> (i32[B], SamplingBatch with the token recorded). A sampled row
+    draws its n-th token (n = ``generated``) by ``inverse_cdf`` at the first of ``token_uniforms``' draws for n,
+    as a verified tree does (``verify.accept``), so speculative sampling emits the tokens plain sampling does.
+    ``active`` bool[B] (default all): rows outside it keep their records (a request waiting in its slot, e.g.
+    while its prompt is scored). When every active row is greedy only the argmax runs (the sampling path, a softmax,
+    filters and a draw over the vocabulary, costs a small model's decode step on CPU a good part of its time)."""
     x = process_logits(logits, sb)
     greedy_tok = argmax(x)  # i32[B]
     greedy = sb.greedy if active is None else sb.greedy | ~active
 
     def sampled():
         probs = target_probs(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
-        return jnp.where(sb.greedy, greedy_tok, sample_rows(probs, sub))
+        u = token_uniforms(sb.key, sb.generated[:, None])[:, 0, 0]
+        return jnp.where(sb.greedy, greedy_tok, inverse_cdf(probs, u))
 
     tok = jax.lax.cond(greedy.all(), lambda: greedy_tok, sampled)
-    sb = record(dataclasses.replace(sb, key=keys), tok[:, None], jnp.ones_like(tok), x[:, None], active)
+    sb = record(sb, tok[:, None], jnp.ones_like(tok), x[:, None], active)
     return tok, sb
 
 

@@ -200,7 +200,7 @@ def test_a_step_leaves_inactive_rows_sampling_state_and_counts_the_active_ones(m
         assert grown.sum() == counts[r]
         np.testing.assert_array_equal(grown, np.bincount(toks[r, :counts[r]], minlength=cfg.vocab_size))
     assert (after.generated[[0, 2, 3]] - before.generated[[0, 2, 3]] == counts[[0, 2, 3]]).all()
-    assert not (after.key[[0, 2, 3]] == before.key[[0, 2, 3]]).all()
+    np.testing.assert_array_equal(after.key, before.key)  # a request's key is fixed; its n-th token draws at n
 
 
 def test_a_short_call_given_a_capacity_compiles_the_programs_of_the_long_call(models, caplog):

@@ -114,18 +114,19 @@ def test_speculative_sampling_matches_target(setup, joint, head, alg):
         assert stats["tau"] > 1.3, stats["tau"]  # drafts were accepted often: the rule was really exercised
 
 
-def always_accept_first_child(tree, probs, coins, residual_keys, num_steps):
-    """BROKEN: follow the first child at every level regardless of p; bonus from p at the end."""
-    return verify.sample_accept(tree, probs, jnp.zeros_like(coins) - 1.0, residual_keys, num_steps)
+def always_accept_first_child(tree, probs, uniforms, num_steps):
+    """BROKEN: follow the first child at every level regardless of p (the relaxed rule at single = 0)."""
+    return verify.sample_accept(tree, probs, uniforms, num_steps, verify.Thresholds(single=0.0))
 
 
-def residual_keeps_children(tree, probs, coins, residual_keys, num_steps):
-    """BROKEN: the rejection rule is right but the bonus after rejecting every child is drawn from the full p
-    (rejected tokens not removed), which over-weights drafted tokens."""
-    acc = verify.sample_accept(tree, probs, coins, residual_keys, num_steps)
+def residual_keeps_children(tree, probs, uniforms, num_steps):
+    """BROKEN: the children are accepted rightly, but when none holds the target's token the bonus is drawn again
+    from the full p (the children not removed), which over-weights drafted tokens."""
+    acc = verify.sample_accept(tree, probs, uniforms, num_steps)
     b = probs.shape[0]
     last = acc.path[jnp.arange(b), acc.accept_len]
-    bonus = sampling.sample_rows(probs[jnp.arange(b), last], residual_keys)
+    u = jnp.take_along_axis(uniforms[:, :, 1], acc.accept_len[:, None], axis=1)[:, 0]
+    bonus = sampling.inverse_cdf(probs[jnp.arange(b), last], u)
     j = jnp.arange(num_steps + 1)
     tokens = jnp.where(j[None] == acc.accept_len[:, None], bonus[:, None], acc.tokens)
     return verify.Accepted(path=acc.path, accept_len=acc.accept_len, tokens=tokens, bonus=bonus)
@@ -206,3 +207,24 @@ def test_target_only_steps_sample_the_target(setup, joint):
     pval, tv = chi_square([tuple(int(x) for x in r) for r in zip(*cols)], joint)
     print(f"\ntarget-only steps: chi-square p={pval:.3g} TV={tv:.3f}")
     assert pval > 1e-3, (pval, tv)
+
+
+@pytest.mark.parametrize("head,alg,shape", [("agreeing3", "EAGLE3", CONF), ("agreeing3", "EAGLE3", (3, 1, 4)),
+                                            ("random3", "EAGLE3", (1, 2, 3)), ("agreeing", "EAGLE", (2, 2, 4))])
+def test_seeded_speculative_sampling_emits_plain_samplings_tokens(setup, head, alg, shape):
+    """A sampled row draws its n-th token from the uniform its seed gives token n (``sampling.token_uniforms``),
+    in plain decoding and in a verified tree alike, so speculative sampling emits plain sampling's tokens with the
+    same seed, token for token, whatever the tree (the server's tree shape follows its batch) and with penalties;
+    the drafts were accepted (tau > 1), so the tree's rule, not only its bonus, produced them."""
+    from specjax.generate import generate
+    cfg, tp, heads = setup
+    rows = [sampling.dataclasses.replace(PENALTIES if i % 3 == 0 else sampling.SamplingRow(), temperature=t,
+                                         top_k=TOP_K if i % 2 else -1, top_p=TOP_P, seed=1000 + i)
+            for i, t in enumerate([TEMP, 1.0, 0.5, 0.0] * 3)]
+    prompts = [PROMPT[:3 + i % 4] for i in range(len(rows))]
+    plain = generate(tp, cfg, prompts, max_new_tokens=10, stop_token_ids=(), rows=rows)
+    spec, stats = speculative_generate(tp, cfg, heads[head], prompts, algorithm=alg, num_steps=shape[0],
+                                       topk=shape[1], num_draft_tokens=shape[2], max_new_tokens=10,
+                                       stop_token_ids=(), rows=rows, compiler_options=FAST_COMPILE)
+    assert spec == plain
+    assert stats["tau"] > 1.1, stats["tau"]

@@ -4,13 +4,17 @@ with a ``lax.fori_loop`` over depth.
 Children of a node are tried in index order (= creation order = SGLang's first-child / next-sibling order).
 - Greedy: accept the child whose token equals the target argmax at the parent; the bonus token is the target argmax
   at the last accepted node. Output = plain greedy decoding.
-- Sampling, with target distribution p at the current node (``sampling.target_probs``): accept child c with
-  probability p(c); on rejection set p(c) = 0 and renormalise; if every child is rejected, sample the bonus from
-  what is left of p and stop. Implemented as in SGLang with one uniform coin u per level: child k is accepted when
-  ``cum_{k-1} <= u < cum_k`` (cum = running sum of p over the children), which gives each child exactly p(c) and
-  leaves the residual for the rest; the output distribution is the target's whatever the draft proposed.
+- Sampling, with target distribution p at the current node (``sampling.target_probs``): SGLang's rule accepts
+  child c with probability p(c), on rejection sets p(c) = 0 and renormalises, and if every child is rejected
+  samples the bonus from what is left of p. Here the same law is drawn as plain sampling draws its token: the
+  target's token at the node is drawn from p (``sampling.inverse_cdf`` at the uniform ``sampling.token_uniforms``
+  gives the request's n-th token), the child holding it is accepted, and if no child does, that token is the bonus
+  (p restricted to the other tokens). Each child is accepted with probability p(c), as in SGLang, and the tokens
+  emitted are the ones plain sampling emits with the same seed, whatever tree the step ran (the server's tree
+  shape follows its batch), so a seeded request repeats under speculation as it does without.
 - Relaxed sampling (SGLang's ``--speculative-accept-threshold-single`` / ``-acc``, ``Thresholds``): child k is also
-  accepted when ``p(k) >= single``, and the running sum is read as ``cum_k / acc`` (a child's chance rises from p to
+  accepted when ``p(k) >= single``, and (one uniform coin u per level, child k taken when ``cum_{k-1} <= u <
+  cum_k``, cum the running sum of p over the children) the running sum is read as ``cum_k / acc`` (a child's chance rises from p to
   min(1, p / acc) given the siblings before it); the first child that passes either test wins. More draft tokens are
   accepted and the output no longer follows the target's distribution; (1, 1), the default, is the lossless rule.
   Greedy rows are never relaxed.
@@ -110,35 +114,40 @@ def greedy_accept(tree: Tree, target_argmax, num_steps: int) -> Accepted:
     return _finish(tree, path, n, target_argmax[rows, cur], num_steps)
 
 
-def sample_accept(tree: Tree, probs, coins, residual_keys, num_steps: int,
-                  thresholds: Thresholds = LOSSLESS) -> Accepted:
-    """probs: f32[B, M, V] target distribution after each node; coins: f32[B, S] uniforms in [0, 1);
-    residual_keys: u32[B, 2] keys for the final draw; ``thresholds``: the relaxed rule (module docstring)."""
+def sample_accept(tree: Tree, probs, uniforms, num_steps: int, thresholds: Thresholds = LOSSLESS) -> Accepted:
+    """probs: f32[B, M, V] target distribution after each node; uniforms: f32[B, S+1, 2] the draws of the tokens this
+    step may emit (``sampling.token_uniforms``: [:, d] belongs to the d-th); ``thresholds``: the relaxed rule.
+    Lossless: at depth d the target's token is drawn as plain sampling draws it (``sampling.inverse_cdf`` at
+    uniforms[:, d, 0]) and the child holding it is accepted, else it is the bonus: each child is accepted with
+    probability p(child), the bonus follows p without the children, and the tokens are plain sampling's with the
+    same seed, whatever the tree. Relaxed: the module docstring's coin rule (coin uniforms[:, d, 0]), the bonus
+    drawn at uniforms[:, n, 1] from p without the children tried."""
     b = tree.tokens.shape[0]
     rows = jnp.arange(b)
     first = _first_sibling_occurrence(tree)
 
     def hit(d, cur):
         p_cur = probs[rows, cur]  # f32[B, V]
-        p_tok = jnp.take_along_axis(p_cur, tree.tokens, axis=1)  # f32[B, M] p of each node's token
         child = (tree.parent == cur[:, None]) & first
-        cum = jnp.cumsum(jnp.where(child, p_tok, 0.0), axis=1)  # children in index order
         if thresholds.lossless:
-            return child & (coins[:, d][:, None] < cum)
+            return child & (tree.tokens == sampling_lib.inverse_cdf(p_cur, uniforms[:, d, 0])[:, None])
+        p_tok = jnp.take_along_axis(p_cur, tree.tokens, axis=1)  # f32[B, M] p of each node's token
+        cum = jnp.cumsum(jnp.where(child, p_tok, 0.0), axis=1)  # children in index order
         # SGLang divides by acc floored at 1e-9: acc 0 accepts the first child with any probability
-        passes = (coins[:, d][:, None] < cum / max(thresholds.acc, 1e-9)) | (p_tok >= thresholds.single)
+        passes = (uniforms[:, d, 0][:, None] < cum / max(thresholds.acc, 1e-9)) | (p_tok >= thresholds.single)
         return child & passes
 
     cur, path, n = _walk(hit, b, num_steps)
-    # The bonus: p at the last accepted node with all its children (all tried and rejected) removed.
     p_cur = probs[rows, cur]
+    u = jnp.take_along_axis(uniforms, n[:, None, None], axis=1)[:, 0]  # f32[B, 2]: the draws of the bonus
+    if thresholds.lossless:
+        return _finish(tree, path, n, sampling_lib.inverse_cdf(p_cur, u[:, 0]), num_steps)
+    # The bonus: p at the last accepted node with all its children (all tried and rejected) removed.
     child = tree.parent == cur[:, None]
     killed = jnp.zeros(p_cur.shape, bool).at[rows[:, None], tree.tokens].max(child)
     resid = jnp.where(killed, 0.0, p_cur)
-    mass = resid.sum(-1, keepdims=True)
-    resid = jnp.where(mass > 0, resid / jnp.where(mass > 0, mass, 1.0), p_cur)  # fp round-off guard
-    bonus = sampling_lib.sample_rows(resid, residual_keys)
-    return _finish(tree, path, n, bonus, num_steps)
+    resid = jnp.where(resid.sum(-1, keepdims=True) > 0, resid, p_cur)  # fp round-off guard
+    return _finish(tree, path, n, sampling_lib.inverse_cdf(resid, u[:, 1]), num_steps)
 
 
 def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, sample_accept_fn=None,
@@ -147,28 +156,19 @@ def accept(tree: Tree, logits, sb: sampling_lib.SamplingBatch, num_steps: int, s
     each node; each node's penalties count the tokens drafted on its path (``sampling.process_logits``), so a node's
     distribution is exactly the one plain decoding would use after that prefix. ``may_sample=False`` (static)
     promises that every row is greedy; ``thresholds`` relaxes the sampled rows' acceptance. Returns (Accepted,
-    SamplingBatch with advanced keys, the emitted tokens counted and their logprobs recorded); rows outside
+    SamplingBatch with the emitted tokens counted and their logprobs recorded); rows outside
     ``active`` (bool[B], default all) keep theirs."""
     x = sampling_lib.process_logits(logits, sb, (tree.tokens, tree.mask, tree.depth))
     greedy = greedy_accept(tree, sampling_lib.argmax(x), num_steps)
-    keys, sub = sampling_lib.split_keys(sb.key)
     fn = sample_accept_fn or functools.partial(sample_accept, thresholds=thresholds)
 
     def sampled():
         probs = sampling_lib.target_probs(x, sb.temperature, sb.top_k, sb.top_p, sb.min_p)
-
-        def row_draws(k):
-            kc, kr = jax.random.split(jax.random.wrap_key_data(k))
-            return jax.random.uniform(kc, (num_steps,), jnp.float32), jax.random.key_data(kr)
-
-        coins, rkeys = jax.vmap(row_draws)(sub)
-        s = fn(tree, probs, coins, rkeys, num_steps)
+        index = sb.generated[:, None] + jnp.arange(num_steps + 1, dtype=jnp.int32)[None]  # the tokens it may emit
+        s = fn(tree, probs, sampling_lib.token_uniforms(sb.key, index), num_steps)
         g = sb.greedy
         return jax.tree.map(lambda a, c: jnp.where(g.reshape(g.shape + (1,) * (a.ndim - 1)), a, c), greedy, s)
 
     acc = greedy if not may_sample else jax.lax.cond(jnp.all(sb.greedy), lambda: greedy, sampled)
-    if active is not None:
-        keys = jnp.where(active[:, None], keys, sb.key)
     # The logits of each emitted token are the path's nodes' (gathered only when a row wants logprobs).
-    return acc, sampling_lib.record(dataclasses.replace(sb, key=keys), acc.tokens, acc.accept_len + 1, x, active,
-                                    x_rows=acc.path)
+    return acc, sampling_lib.record(sb, acc.tokens, acc.accept_len + 1, x, active, x_rows=acc.path)
