@@ -9,8 +9,11 @@ of the responses are built here (``chat_logprobs``, ``completion_logprobs``, ``l
 
 from __future__ import annotations
 
+import json
+import re
 import time
 import uuid
+import weakref
 from typing import Annotated, Any, ClassVar, Literal, Union
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field
@@ -502,18 +505,109 @@ def finish_reason_openai(reason: dict | None) -> str | None:
 
 
 # ---- logprob objects -----------------------------------------------------------------------------------------------
-def _token_text(tokenizer, tok: int) -> str:
-    return tokenizer.decode([tok])
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's map of the 256 bytes to the printable characters that byte-level BPE vocabularies spell them with."""
+    keep = [*range(ord("!"), ord("~") + 1), *range(ord("\u00a1"), ord("\u00ac") + 1), *range(ord("\u00ae"), 256)]
+    moved = [b for b in range(256) if b not in keep]
+    return {**{b: chr(b) for b in keep}, **{b: chr(256 + n) for n, b in enumerate(moved)}}
+
+
+BYTE_DECODER = {c: b for b, c in _bytes_to_unicode().items()}  # byte-level BPE character -> its byte
+_BYTE_PIECE = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's byte-fallback pieces
+_SP_SPACE = "\u2581"  # SentencePiece's space marker
+
+
+def _decoder_types(tokenizer) -> set[str]:
+    """The ``type`` names in a fast tokenizer's decoder (a Sequence's included), and "Replace▁" for a Replace of
+    SentencePiece's space marker; empty for a tokenizer without a tokenizers decoder."""
+    try:
+        state = json.loads(tokenizer.backend_tokenizer.decoder.__getstate__())
+    except Exception:  # noqa: BLE001 - a slow tokenizer, no decoder, or an unreadable one: no types
+        return set()
+    types, todo = set(), [state]
+    while todo:
+        d = todo.pop()
+        if isinstance(d, dict):
+            types.add(str(d.get("type")))
+            if d.get("type") == "Replace" and _SP_SPACE in json.dumps(d.get("pattern"), ensure_ascii=False):
+                types.add("Replace" + _SP_SPACE)
+            todo.extend(d.get("decoders") or [])
+    return types
+
+
+class TokenBytes:
+    """A token id's own bytes, read from the vocabulary (cached per id): what OpenAI's logprob ``bytes`` hold, so
+    that the bytes of consecutive tokens joined are the text's even where a token holds part of a character (which
+    ``tokenizer.decode([id])`` turns into U+FFFD). Byte-level BPE vocabularies (GPT-2, Llama 3, Qwen, SmolLM2) spell
+    bytes with GPT-2's ``bytes_to_unicode`` characters; SentencePiece ones (Llama 2, Mistral) have ``▁`` for a space
+    and ``<0xNN>`` byte-fallback pieces; added and special tokens are their text. Any other tokenizer: the UTF-8 of
+    ``decode([id])``."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer, self.cache = tokenizer, {}
+        types = _decoder_types(tokenizer)
+        if "ByteLevel" in types or isinstance(getattr(tokenizer, "byte_decoder", None), dict):
+            self.scheme = "byte_level"
+        elif types & {"ByteFallback", "Metaspace", "Replace" + _SP_SPACE} or hasattr(tokenizer, "sp_model"):
+            self.scheme = "sentencepiece"
+        else:
+            self.scheme = "decode"
+        added = getattr(tokenizer, "added_tokens_decoder", None) or {}
+        self.added = {int(i): str(getattr(t, "content", t)) for i, t in added.items()}
+        self.special = {int(i) for i, t in added.items() if getattr(t, "special", False)}
+        self.special |= {int(i) for i in getattr(tokenizer, "all_special_ids", ()) or ()}
+
+    def __call__(self, tok: int) -> bytes:
+        raw = self.cache.get(tok)
+        if raw is None:
+            raw = self.cache[tok] = self._read(tok)
+        return raw
+
+    def _read(self, tok: int) -> bytes:
+        piece = self.tokenizer.convert_ids_to_tokens(tok) if self.scheme != "decode" else None
+        if not isinstance(piece, str):
+            return self.tokenizer.decode([tok]).encode("utf-8")
+        if self.scheme == "sentencepiece" and (m := _BYTE_PIECE.fullmatch(piece)):
+            return bytes([int(m.group(1), 16)])
+        if tok in self.added:
+            return self.added[tok].encode("utf-8")
+        if self.scheme == "sentencepiece":
+            return piece.replace(_SP_SPACE, " ").encode("utf-8")
+        if all(c in BYTE_DECODER for c in piece):
+            return bytes(BYTE_DECODER[c] for c in piece)
+        return self.tokenizer.decode([tok]).encode("utf-8")  # (not a byte-level piece: what it decodes to)
+
+
+_TOKEN_BYTES: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def token_bytes_of(tokenizer) -> TokenBytes:
+    """The (cached) ``TokenBytes`` of ``tokenizer``."""
+    try:
+        tb = _TOKEN_BYTES.get(tokenizer)
+        if tb is None:
+            tb = _TOKEN_BYTES[tokenizer] = TokenBytes(tokenizer)
+        return tb
+    except TypeError:  # a tokenizer that takes no weak reference: read without the cache of earlier requests
+        return TokenBytes(tokenizer)
+
+
+def token_text(raw: bytes) -> str:
+    """A token's ``token`` string, as OpenAI's: its UTF-8 text, each byte of a partial character written as a
+    backslash escape (the first two bytes of U+1F600 give the 8 characters ``\\xf0\\x9f``)."""
+    return raw.decode("utf-8", "backslashreplace")
 
 
 def chat_logprobs(meta: dict, tokenizer, top_n: int, start: int = 0) -> dict | None:
-    """OpenAI chat ``choices[i].logprobs`` from SGLang meta_info (output tokens from index ``start``)."""
+    """OpenAI chat ``choices[i].logprobs`` from SGLang meta_info (output tokens from index ``start``): per token its
+    text and its own bytes (``TokenBytes``), so that the entries' bytes joined are the content's."""
     if "output_token_logprobs" not in meta:
         return None
+    tb = token_bytes_of(tokenizer)
 
     def entry(lp, tok):
-        text = _token_text(tokenizer, tok)
-        return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8"))}
+        raw = tb(tok)
+        return {"token": token_text(raw), "logprob": lp, "bytes": list(raw)}
 
     toks = meta["output_token_logprobs"]
     tops = meta.get("output_top_logprobs") or [None] * len(toks)  # absent with top_logprobs_num 0, as SGLang
@@ -523,25 +617,39 @@ def chat_logprobs(meta: dict, tokenizer, top_n: int, start: int = 0) -> dict | N
     return {"content": content}
 
 
-def completion_logprobs(meta: dict, tokenizer, top_n: int, echo: bool, start: int = 0,
-                        text_offset: int = 0) -> dict | None:
+def _chars(raw: bytes) -> int:
+    """The characters that start in ``raw`` (its UTF-8 lead bytes and ASCII)."""
+    return sum(1 for b in raw if b & 0xC0 != 0x80)
+
+
+def completion_logprobs(meta: dict, tokenizer, top_n: int, echo: bool, start: int = 0, text_offset: int = 0,
+                        skip_special: bool = True) -> dict | None:
     """OpenAI completions ``choices[i].logprobs`` ({tokens, token_logprobs, top_logprobs, text_offset}) from SGLang
     meta_info; with ``echo`` the prompt's tokens come first (the first one's logprob and top_logprobs None)."""
+    return completion_logprobs_chunk(meta, tokenizer, top_n, echo, start, text_offset, skip_special)[0]
+
+
+def completion_logprobs_chunk(meta: dict, tokenizer, top_n: int, echo: bool, start: int = 0, text_offset: int = 0,
+                              skip_special: bool = True) -> tuple[dict | None, int]:
+    """``completion_logprobs`` of the output tokens from index ``start`` (a stream's next chunk), and the
+    ``text_offset`` the chunk after it starts from. ``text_offset`` counts characters of the returned text: a token
+    starts where its first byte falls (a token that continues a character: at that character), so the offsets never
+    decrease nor run past the text; an output special token that ``skip_special`` leaves out of the text spans none."""
     if "output_token_logprobs" not in meta:
-        return None
+        return None, text_offset
+    tb = token_bytes_of(tokenizer)
     inp, out_ = meta["input_token_logprobs"], meta["output_token_logprobs"]
     in_tops = meta.get("input_top_logprobs") or [None] * len(inp)  # absent with top_logprobs_num 0, as SGLang
     out_tops = meta.get("output_top_logprobs") or [None] * len(out_)
-    pairs = [(lp, t, top) for (lp, t, _), top in zip(inp, in_tops)] if echo and start == 0 else []
-    pairs += [(lp, t, top or []) for (lp, t, _), top in list(zip(out_, out_tops))[start:]]
+    pairs = [(lp, t, top, False) for (lp, t, _), top in zip(inp, in_tops)] if echo and start == 0 else []
+    pairs += [(lp, t, top or [], skip_special) for (lp, t, _), top in list(zip(out_, out_tops))[start:]]
     out = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
     offset = text_offset
-    for lp, t, top in pairs:
-        text = _token_text(tokenizer, t)
-        out["tokens"].append(text)
+    for lp, t, top, skip in pairs:
+        raw = b"" if skip and t in tb.special else tb(t)
+        out["tokens"].append(token_text(tb(t)))
         out["token_logprobs"].append(lp)
-        out["top_logprobs"].append(None if top is None else {_token_text(tokenizer, tt): l for l, tt, _ in
-                                                             top[:top_n]})
-        out["text_offset"].append(offset)
-        offset += len(text)
-    return out
+        out["top_logprobs"].append(None if top is None else {token_text(tb(tt)): l for l, tt, _ in top[:top_n]})
+        out["text_offset"].append(offset - 1 if offset and raw and raw[0] & 0xC0 == 0x80 else offset)
+        offset += _chars(raw)
+    return out, offset

@@ -97,7 +97,8 @@ def test_openai_chat_logprobs_parse_and_match_native(client, server):
     content = r.choices[0].logprobs.content
     assert len(content) == 5
     for e in content:
-        assert isinstance(e.token, str) and isinstance(e.logprob, float) and e.bytes == list(e.token.encode())
+        assert isinstance(e.token, str) and isinstance(e.logprob, float)
+        assert e.token == bytes(e.bytes).decode("utf-8", "backslashreplace")  # a partial character: escaped bytes
         assert len(e.top_logprobs) == 2 and e.top_logprobs[0].logprob == pytest.approx(e.logprob)
     assert client.chat.completions.create(**kw).choices[0].logprobs is None
     streamed = [c for ch in client.chat.completions.create(logprobs=True, top_logprobs=2, stream=True, **kw)
@@ -251,3 +252,109 @@ def test_score_matches_hf(server, hf):
                         ({"query": query, "items": [], "label_token_ids": labels}, "items")):
         r = httpx.post(server.url + "/v1/score", json=body, timeout=60)
         assert r.status_code == 400 and r.json()["error"]["param"] == param, r.text
+
+
+# ---- logprob tokens that hold part of a character ------------------------------------------------------------------
+MULTIBYTE = "Caf\u00e9 \u65e5\u672c\u8a9e \U0001F600 \u00fcber x"  # 2-, 3- and 4-byte characters split over tokens
+
+
+def split_meta(ids, prompt_ids=()):
+    """SGLang meta_info with logprobs for the output ``ids`` (each its own top 1) after the prompt ``prompt_ids``."""
+    return {"input_token_logprobs": [(None if j == 0 else -1.0, t, None) for j, t in enumerate(prompt_ids)],
+            "input_top_logprobs": [None] + [[(-1.0, t, None)] for t in prompt_ids[1:]],
+            "output_token_logprobs": [(-0.5, t, None) for t in ids],
+            "output_top_logprobs": [[(-0.5, t, None)] for t in ids]}
+
+
+def check_token_bytes(tok, text):
+    """Chat logprobs of ``text``'s tokens: their bytes joined are the text's, partial characters are escaped bytes
+    in ``token`` (OpenAI's form); completions echo offsets are where each token's bytes start (HF's offset mapping),
+    streamed chunk by chunk the same."""
+    from specjax.serve import protocol as P
+    enc = tok(text, add_special_tokens=False, return_offsets_mapping=True)
+    ids = enc["input_ids"]
+    content = P.chat_logprobs(split_meta(ids), tok, 1)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode()
+    assert any("\\x" in e["token"] for e in content), "no token splits a character: the check tests nothing"
+    for e in content:
+        assert e["token"] == bytes(e["bytes"]).decode("utf-8", "backslashreplace") and "\ufffd" not in e["token"]
+        assert e["top_logprobs"] == [{k: v for k, v in e.items() if k != "top_logprobs"}]
+    lp = P.completion_logprobs(split_meta([], ids), tok, 1, echo=True)
+    assert lp["text_offset"] == [s for s, _ in enc["offset_mapping"]]
+    assert lp["tokens"] == [e["token"] for e in content]
+    assert all(len(t) == 1 for t in lp["top_logprobs"][1:]) and lp["top_logprobs"][0] is None
+    out = P.completion_logprobs(split_meta(ids), tok, 1, echo=False, text_offset=3)
+    assert out["text_offset"] == [3 + s for s, _ in enc["offset_mapping"]]
+    chunks, offset = [], 3
+    for start in range(len(ids)):
+        chunk, offset = P.completion_logprobs_chunk(split_meta(ids[:start + 1]), tok, 1, False, start, offset)
+        chunks += chunk["text_offset"]
+    assert chunks == out["text_offset"] and offset == 3 + len(text)
+
+
+def test_logprob_bytes_of_split_characters_byte_level(model_dir):
+    """The tiny byte-level BPE vocabulary: most non-ASCII characters are split into single-byte tokens."""
+    from transformers import AutoTokenizer
+    check_token_bytes(AutoTokenizer.from_pretrained(model_dir), MULTIBYTE)
+
+
+def test_logprob_bytes_of_split_characters_smollm2():
+    """The audit's case on the real SmolLM2 tokenizer: its "👏👏" reply (F0 9F 91 8F twice) and a CJK prompt."""
+    from real_model import smollm2_path
+
+    from specjax.weights import load_tokenizer
+    tok = load_tokenizer(smollm2_path())
+    check_token_bytes(tok, "\U0001F44F\U0001F44F")
+    check_token_bytes(tok, "\u65e5\u672c\u8a9e\u306e\u6587\u7ae0\u3067\u3059\u3002 " + MULTIBYTE)
+
+
+def test_logprob_bytes_sentencepiece_byte_fallback():
+    """A SentencePiece-style vocabulary (Llama 2, Mistral): ``▁`` is a space, ``<0xNN>`` pieces are single bytes,
+    special tokens are their text."""
+    from tokenizers import Tokenizer, decoders, models, normalizers
+    from transformers import PreTrainedTokenizerFast
+
+    from specjax.serve import protocol as P
+    pieces = ["<unk>", "<s>", "</s>", *(f"<0x{i:02X}>" for i in range(256)), *"\u2581helowrd", "or", "\u2581w",
+              "\u2581wor"]
+    tok = Tokenizer(models.BPE({p: i for i, p in enumerate(pieces)}, [("o", "r"), ("\u2581", "w"), ("\u2581w", "or")],
+                               byte_fallback=True, unk_token="<unk>"))
+    tok.normalizer = normalizers.Replace(" ", "\u2581")
+    tok.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(), decoders.Fuse()])
+    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>", unk_token="<unk>")
+    text = "hello \u65e5\u672c world \U0001F600"
+    ids = fast(text, add_special_tokens=False)["input_ids"]
+    assert "<0xE6>" in fast.convert_ids_to_tokens(ids) and "\u2581wor" in fast.convert_ids_to_tokens(ids)
+    content = P.chat_logprobs(split_meta(ids + [fast.eos_token_id]), fast, 0)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in content) == text.encode() + b"</s>"
+    assert "".join(e["token"] for e in content).startswith("hello \\xe6\\x97\\xa5\\xe6\\x9c\\xac world")
+    lp = P.completion_logprobs(split_meta(ids + [fast.eos_token_id]), fast, 0, echo=False)
+    assert lp["text_offset"][-1] == len(text)  # the skipped special token spans nothing, at the end of the text
+
+
+def test_split_characters_over_http(client, model_dir):
+    """Completions echo of a prompt whose characters span several tokens: ``text_offset`` is where each token's
+    bytes start in the returned text (HF's offset mapping for the prompt), never past it, the same streamed; chat
+    logprobs of output tokens that are single bytes of a character: escaped ``token``, raw ``bytes``."""
+    from transformers import AutoTokenizer
+    tok = AutoTokenizer.from_pretrained(model_dir)
+    enc = tok(MULTIBYTE, return_offsets_mapping=True)
+    kw = dict(model=SHARED_NAME, prompt=MULTIBYTE, max_tokens=4, temperature=0, logprobs=1, echo=True,
+              extra_body={"ignore_eos": True})
+    choice = client.completions.create(**kw).choices[0]
+    offsets = choice.logprobs.text_offset
+    assert offsets[:len(enc["input_ids"])] == [s for s, _ in enc["offset_mapping"]]
+    assert offsets == sorted(offsets) and offsets[-1] < len(choice.text)
+    streamed = [c.choices[0].logprobs for c in client.completions.create(stream=True, **kw)
+                if c.choices and c.choices[0].logprobs]
+    assert [o for c in streamed for o in c.text_offset] == offsets
+    assert [t for c in streamed for t in c.tokens] == choice.logprobs.tokens
+    emoji = tok("\U0001F600", add_special_tokens=False)["input_ids"]
+    assert len(emoji) == 4  # one token per byte: push the reply onto them
+    r = client.chat.completions.create(model=SHARED_NAME, messages=[{"role": "user", "content": "Hi"}],
+                                       max_tokens=6, temperature=0, logprobs=True, top_logprobs=1,
+                                       logit_bias={str(t): 100 for t in emoji}, extra_body={"ignore_eos": True})
+    r = r.choices[0]
+    assert all(len(e.bytes) == 1 and e.bytes[0] in "\U0001F600".encode() for e in r.logprobs.content)
+    assert all(e.token == f"\\x{e.bytes[0]:02x}" for e in r.logprobs.content)
+    assert bytes(b for e in r.logprobs.content for b in e.bytes).decode("utf-8", "replace") == r.message.content

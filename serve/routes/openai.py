@@ -79,14 +79,14 @@ async def completions(request: Request):
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
 
         async def gen():
-            echoed, sent, offset = set(), {}, {}  # per choice: tokens with logprobs sent, characters they span
+            echoed, sent, offset = set(), {}, {}  # per choice: tokens with logprobs sent, characters they start
             async for i, ev in fan.events():
                 text = ev["text"]
-                lps = P.completion_logprobs(ev["meta_info"], backend.tokenizer, sp.top_logprobs_num, body.echo,
-                                            start=sent.get(i, 0), text_offset=offset.get(i, 0))
+                lps, offset[i] = P.completion_logprobs_chunk(ev["meta_info"], backend.tokenizer, sp.top_logprobs_num,
+                                                             body.echo, start=sent.get(i, 0),
+                                                             text_offset=offset.get(i, 0),
+                                                             skip_special=sp.skip_special_tokens)
                 sent[i] = len(ev["meta_info"].get("output_token_logprobs", ()))
-                if lps and lps["tokens"]:
-                    offset[i] = lps["text_offset"][-1] + len(lps["tokens"][-1])
                 if body.echo and i not in echoed:
                     text, _ = echo_text[i // sp.n] + text, echoed.add(i)
                 fr = P.finish_reason_openai(ev["meta_info"]["finish_reason"]) if ev["finished"] else None
@@ -102,7 +102,8 @@ async def completions(request: Request):
     await fan.wait(request)
     choices = [P.CompletionChoice(index=i, text=echo_text[i // sp.n] + fan.text[i],
                                   logprobs=P.completion_logprobs(fan.meta[i], backend.tokenizer,
-                                                                 sp.top_logprobs_num, body.echo),
+                                                                 sp.top_logprobs_num, body.echo,
+                                                                 skip_special=sp.skip_special_tokens),
                                   finish_reason=P.finish_reason_openai(fan.meta[i]["finish_reason"]),
                                   matched_stop=(fan.meta[i]["finish_reason"] or {}).get("matched"))
                for i in range(len(fan.reqs))]
