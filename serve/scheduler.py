@@ -782,8 +782,9 @@ class Scheduler:
         """SGLang's retract_decode: the pool cannot give every decoding request the pages of its next step, so
         decoding requests are retracted (``_retract_all``) until it can: the one with the fewest output tokens
         first, among equals the longest prompt (with priority scheduling the lowest priority before all); requests
-        still prefilling (the latest admitted first) only when one decoding request is left. The token ratio then
-        becomes what the remaining decoding requests have shown (``budget.TokenRatio.after_retraction``)."""
+        still prefilling (the latest admitted first) only when one decoding request is left, and that one last only
+        when it holds a prefix twice (``_holds_copies``). The token ratio then becomes what the remaining decoding
+        requests have shown (``budget.TokenRatio.after_retraction``)."""
         rank = self.priority.rank if self.priority is not None else (lambda p: 0)
         running = [r for r in self.slots if r is not None and not r.finished]
         decoding = sorted((r for r in running if r.decoding), reverse=True,
@@ -792,9 +793,12 @@ class Scheduler:
 
         def victims():  # the caller's ``_grow`` has just failed
             while True:
-                if len(decoding) <= 1 and not prefilling:  # never: ``submit`` refuses what the pool cannot hold
-                    self._abort_all(decoding, "the KV pool cannot hold this request")
-                    return
+                if len(decoding) <= 1 and not prefilling:
+                    if decoding and self._holds_copies(decoding[0]):  # retracted, it comes back without the copies
+                        yield decoding.pop()
+                        return
+                    self._abort_all(decoding, "the KV pool cannot hold this request")  # never: ``submit`` refuses
+                    return  # what the pool cannot hold
                 yield decoding.pop() if len(decoding) > 1 else prefilling.pop()
                 if self._grow(self.runner.tokens_per_step):
                     return
@@ -807,6 +811,14 @@ class Scheduler:
         self.metrics.on_retract(len(retracted))
         log.info("KV pool full: retracted %d request(s), %d running; new token ratio %.4f -> %.4f", len(retracted),
                  len(left), before, self.ratio.value)
+
+    @staticmethod
+    def _holds_copies(req: Request) -> bool:
+        """Whether ``req`` holds prefix-cache pages outside its page row: a request that prefilled a prefix another
+        cached first keeps its own copy and locks the cached one (``_cache_prefix``), so that prefix takes its pages
+        twice; retracted and admitted again, it holds the cached pages alone."""
+        own = set(req.pages)
+        return any(n.page not in own for n in req.nodes)
 
     def _launch(self, pending: _Inflight | None = None) -> tuple[bool, _Inflight | None]:
         """Launch a step of every running request, except one that the step in flight (``pending``) finishes for
