@@ -144,11 +144,7 @@ class ModelConfig:
         if family != "qwen2" and hf.get("attention_bias"):  # Qwen2's q/k/v biases are the family's own
             raise ConfigError(f"{arch}: attention_bias=true is not supported")
 
-        if dtype is None:
-            dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
-        if dtype not in DTYPES:
-            raise ConfigError(f"unsupported dtype {dtype!r} (config.json's torch_dtype / dtype): pass --dtype "
-                              f"float32, bfloat16 or float16")
+        dtype = config_dtype(hf, dtype)
 
         return cls(
             architecture=arch,
@@ -199,6 +195,19 @@ def read_json(path: str) -> Any:
             return json.load(f)
         except json.JSONDecodeError as e:
             raise ConfigError(f"{path} is not valid JSON: {e}") from None
+
+
+def config_dtype(hf: dict[str, Any], dtype: str | None = None,
+                 hint: str = "pass --dtype float32, bfloat16 or float16") -> str:
+    """``dtype``, else the dtype label of a config.json (``torch_dtype``, or ``dtype`` as transformers >= 4.56 writes
+    it; bfloat16 when it has neither); a ConfigError naming the accepted ones (``DTYPES``) and ending in ``hint``
+    for any other (``bf16``, ``float8``, ``int8``, ``auto``)."""
+    if dtype is None:
+        dtype = hf.get("torch_dtype") or hf.get("dtype") or "bfloat16"
+    if not isinstance(dtype, str) or dtype not in DTYPES:
+        raise ConfigError(f"unsupported dtype {dtype!r} (config.json's torch_dtype / dtype; specjax takes "
+                          f"{', '.join(DTYPES)}): {hint}")
+    return dtype
 
 
 def config_architectures(path: str) -> list:

@@ -22,7 +22,7 @@ import numpy as np
 
 from specjax import torch_zip
 from specjax.cli import check_output_folder, clear_previous
-from specjax.config import ModelConfig, config_architectures, read_json
+from specjax.config import DTYPES, ModelConfig, config_dtype, read_json
 from specjax.models import eagle, eagle3
 from specjax.models.eagle import EagleHeadError
 from specjax.models.eagle3 import Eagle3Config, Eagle3Params, HeadLayerParams, VocabMap
@@ -32,6 +32,13 @@ from specjax.weights import WeightsError, hub_snapshot, is_hub_id, on_device
 
 class HeadFormatError(ValueError):
     """A head that does not match the EAGLE3 format or its target."""
+
+
+def eagle1_refusal(path: str, why: str) -> HeadFormatError:
+    """The one message for an EAGLE-1/2 head given where an EAGLE3 head is read (``why``: how it shows)."""
+    return HeadFormatError(f"{path} is an EAGLE-1/2 head ({why}), not an EAGLE3 head (what import-head, export-head "
+                           f"and --speculative-algorithm EAGLE3 take): serve an EAGLE head as it is with "
+                           f"--speculative-algorithm EAGLE --speculative-draft-model-path {path}")
 
 
 # ---- EAGLE3 key table ----------------------------------------------------------------------------------------------
@@ -142,6 +149,9 @@ class _TorchTensors:
     def shape(self, k: str) -> tuple[int, ...]:
         return tuple(self.t[k].shape)
 
+    def dtype(self, k: str) -> np.dtype:
+        return self.t[k].dtype
+
     def tensor(self, k: str) -> np.ndarray:
         return self.t[k]
 
@@ -178,27 +188,71 @@ def _vocab_tensors(ckpt, raw: dict[str, str], cfg: Eagle3Config, path: str) -> t
     raise HeadFormatError(f"head {path} has draft_vocab_size={vd} < vocab_size={v} but no d2t tensor")
 
 
-def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = None
-              ) -> tuple[Eagle3Config, Eagle3Params, VocabMap]:
-    """Read an HF EAGLE3 head folder (config.json + safetensors or pytorch_model*.bin; SpecForge / SGLang's layout,
-    vLLM speculators', Model Optimizer's) for ``target_cfg``; params in ``dtype`` (default: the config's
-    torch_dtype), except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every tensor's shape is
-    checked and every key must be used or known-ignorable."""
+def _head_config(path: str, target_cfg: ModelConfig, dtype: str | None) -> Eagle3Config:
+    """The config of head folder ``path`` for ``target_cfg``, in ``dtype`` or else the dtype label of its
+    config.json (``torch_dtype``, or ``dtype`` as transformers >= 4.56 writes it: ``config.config_dtype``, which
+    refuses a label specjax does not know); a head that does not fit the target is refused."""
     if not os.path.isdir(path) or not os.path.exists(os.path.join(path, "config.json")):
         raise HeadFormatError(f"{path} is not an EAGLE3 head folder (config.json + *.safetensors or "
                               f"pytorch_model*.bin)")
     hf = eagle3.read_hf_config(path)
+    if not isinstance(hf, dict):
+        raise HeadFormatError(f"{path}/config.json is a JSON {type(hf).__name__}, not an object")
     try:
-        head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=dtype)
+        label = config_dtype(hf, dtype, hint="fix the label (the head's weights keep the dtype they are stored in)")
+        head_cfg = eagle3.config_from_hf(hf, target_cfg.num_layers, dtype=label)
     except KeyError as e:
         raise HeadFormatError(f"{path}/config.json lacks the field {e.args[0]!r}") from None
     except ValueError as e:
         raise HeadFormatError(f"{path}/config.json: {e}") from None
     check_head_matches_target(head_cfg, target_cfg)
+    return head_cfg
+
+
+def _head_tensors(path: str):
+    """(the tensors of head folder ``path``, its key names with ``model.`` stripped and ``layers.0.`` read as
+    ``midlayer.`` -> stored names); an EAGLE-1/2 head's tensors (fc with a bias, no hidden_norm) are refused."""
     ckpt = open_head_tensors(path)
     raw = {(k[len("model."):] if k.startswith("model.") else k): k for k in ckpt.keys()}
     if "midlayer.input_layernorm.weight" not in raw and "layers.0.input_layernorm.weight" in raw:
         raw = {(("midlayer." + k[len("layers.0."):]) if k.startswith("layers.0.") else k): v for k, v in raw.items()}
+    if "fc.bias" in raw and "midlayer.hidden_norm.weight" not in raw:
+        raise eagle1_refusal(path, "its tensors: fc with a bias, a layer without hidden_norm")
+    return ckpt, raw
+
+
+_FLOATS = tuple(np.dtype(d) for d in (np.float16, jnp.bfloat16, np.float32, np.float64))
+
+
+def _stored_dtype(ckpt, raw: dict[str, str], keys: list[str], path: str) -> str:
+    """The dtype head weights ``keys`` are stored in, which import and export keep (the stored tensors are the
+    truth, config.json's label only a hint): theirs when they share one of ``DTYPES``, else float32 (bf16 beside
+    fp16: neither holds the other; float64: the widest specjax computes in). A weight stored as anything but a
+    float (a quantized head) is refused."""
+    found = set()
+    for key in (k for k in keys if k in raw):
+        dt = np.dtype(ckpt.dtype(raw[key]))
+        if dt not in _FLOATS:
+            raise HeadFormatError(f"head {path}: tensor {key!r} is stored as {dt}: specjax reads heads stored in "
+                                  f"{', '.join(DTYPES)} (not quantized ones)")
+        found.add(dt.name)
+    return found.pop() if len(found) == 1 and found <= set(DTYPES) else "float32"
+
+
+def load_eagle3_head(path: str, target_cfg: ModelConfig, dtype: str | None = None
+              ) -> tuple[Eagle3Config, Eagle3Params, VocabMap]:
+    """Read an HF EAGLE3 head folder (config.json + safetensors or pytorch_model*.bin; SpecForge / SGLang's layout,
+    vLLM speculators', Model Optimizer's) for ``target_cfg``; params in ``dtype`` (default: the dtype its weights
+    are stored in, ``_stored_dtype``, whatever config.json's label says: export -> import -> export is exact),
+    except that bf16 matrices stay bf16 under fp32 (``stored_matrix_dtype``). Every tensor's shape is checked and
+    every key must be used or known-ignorable."""
+    head_cfg = _head_config(path, target_cfg, dtype)
+    ckpt, raw = _head_tensors(path)
+    tables = [("", top_table(head_cfg))] + [(layer_prefix(i), layer_table(head_cfg, i))
+                                            for i in range(head_cfg.num_layers)]
+    stored = _stored_dtype(ckpt, raw, [prefix + key for prefix, table in tables for key in table], path)
+    if dtype is None:
+        head_cfg = head_cfg.replace(dtype=stored)
     consumed: set[str] = set()
     dt = jnp.dtype(head_cfg.dtype)
 
@@ -478,5 +532,7 @@ def export_head(head_params: Eagle3Params, head_cfg: Eagle3Config, vocab_map: Vo
 
 
 def is_hf_eagle3_head(path: str) -> bool:
-    """An HF EAGLE3 head folder (rather than a training checkpoint)."""
-    return any("Eagle3" in str(a) for a in config_architectures(path))
+    """An HF head folder (rather than a training checkpoint, which has no config.json): what ``load_eagle3_head``
+    reads, whatever its ``architectures`` say (none, ``LlamaForCausalLM``, an EAGLE3 name), and what it then
+    refuses with a message (an EAGLE-1/2 head, another architecture, a damaged config.json)."""
+    return os.path.isdir(path) and os.path.isfile(os.path.join(path, "config.json"))

@@ -26,7 +26,9 @@ class SafetensorsError(ValueError):
 
 
 class SafetensorsFile:
-    """One .safetensors file; ``tensor(name)`` returns a read-only memmap view (no copy)."""
+    """One .safetensors file; ``tensor(name)`` returns a read-only memmap view (no copy). The header is checked
+    when the file opens (every entry's dtype, shape and byte range), so that a damaged or hand-edited file is a
+    SafetensorsError naming the file and the tensor, never a KeyError or a reshape error later."""
 
     def __init__(self, path: str):
         self.path = path
@@ -39,17 +41,22 @@ class SafetensorsFile:
             if n > size - 8:
                 raise SafetensorsError(f"{path}: header length {n} exceeds file size {size}")
             try:
-                header = json.loads(f.read(n))
+                header = json.loads(f.read(n).decode("utf-8"))
+            except UnicodeDecodeError as e:
+                raise SafetensorsError(f"{path}: corrupt header: not UTF-8 text ({e.reason} at byte "
+                                       f"{8 + e.start})") from None
             except json.JSONDecodeError as e:
                 raise SafetensorsError(f"{path}: corrupt header: {e}") from None
+        if not isinstance(header, dict):
+            raise SafetensorsError(f"{path}: corrupt header: a JSON {type(header).__name__}, not an object of "
+                                   f"tensor entries")
         self.metadata = header.pop("__metadata__", None) or {}
+        if not isinstance(self.metadata, dict):
+            raise SafetensorsError(f"{path}: corrupt header: __metadata__ is not an object")
         self.header = header
         self._base = 8 + n
         for name, info in header.items():
-            if info["dtype"] not in _DTYPES:
-                raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {info['dtype']}")
-            if self._base + info["data_offsets"][1] > size:
-                raise SafetensorsError(f"{path}: tensor {name} extends past the end of the file (truncated?)")
+            _check_entry(path, name, info, size - self._base)
         self._mm = None
 
     def keys(self) -> list[str]:
@@ -70,6 +77,32 @@ class SafetensorsFile:
         return buf.view(_DTYPES[info["dtype"]]).reshape(info["shape"])
 
 
+def _check_entry(path: str, name: str, info, data_size: int) -> None:
+    """One header entry: a known dtype, a shape of non-negative ints, and ``data_offsets`` [begin, end] inside the
+    file's ``data_size`` bytes holding exactly the shape's elements."""
+    def bad(what: str):
+        return SafetensorsError(f"{path}: tensor {name!r} {what} (a damaged or hand-edited file?)")
+    if not isinstance(info, dict):
+        raise bad(f"has a header entry {info!r}, not an object with dtype, shape and data_offsets")
+    missing = [k for k in ("dtype", "shape", "data_offsets") if k not in info]
+    if missing:
+        raise bad(f"has no {' or '.join(missing)} in the header")
+    dtype, shape, offsets = info["dtype"], info["shape"], info["data_offsets"]
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
+        raise SafetensorsError(f"{path}: tensor {name} has unsupported dtype {dtype}")
+    is_count = lambda v: isinstance(v, int) and not isinstance(v, bool) and v >= 0
+    if not isinstance(shape, list) or not all(is_count(d) for d in shape):
+        raise bad(f"has shape {shape!r}, not a list of sizes")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(is_count(o) for o in offsets) \
+            or offsets[0] > offsets[1]:
+        raise bad(f"has data_offsets {offsets!r}, not [begin, end]")
+    if offsets[1] > data_size:
+        raise SafetensorsError(f"{path}: tensor {name} extends past the end of the file (truncated?)")
+    want = int(np.prod(shape, dtype=np.int64)) * np.dtype(_DTYPES[dtype]).itemsize
+    if offsets[1] - offsets[0] != want:
+        raise bad(f"holds {offsets[1] - offsets[0]} bytes, but {dtype} of shape {tuple(shape)} is {want} bytes")
+
+
 class CheckpointIndex:
     """All tensors of a checkpoint folder: one ``model.safetensors`` or shards listed in
     ``*.safetensors.index.json``."""
@@ -79,9 +112,7 @@ class CheckpointIndex:
         index_files = [f for f in os.listdir(folder) if f.endswith(".safetensors.index.json")]
         files: list[str]
         if index_files:
-            with open(os.path.join(folder, index_files[0])) as f:
-                weight_map = json.load(f)["weight_map"]
-            files = sorted(set(weight_map.values()))
+            files = _index_files(os.path.join(folder, index_files[0]))
         else:
             files = sorted(f for f in os.listdir(folder) if f.endswith(".safetensors"))
         if not files:
@@ -106,8 +137,24 @@ class CheckpointIndex:
     def shape(self, k: str) -> tuple[int, ...]:
         return self.where[k].shape(k)
 
+    def dtype(self, k: str) -> np.dtype:
+        return self.where[k].dtype(k)
+
     def tensor(self, k: str) -> np.ndarray:
         return self.where[k].tensor(k)
+
+
+def _index_files(path: str) -> list[str]:
+    """The shard files a ``*.safetensors.index.json`` lists (its ``weight_map`` of tensor -> file)."""
+    with open(path) as f:
+        try:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        except (ValueError, KeyError, TypeError, AttributeError):
+            raise SafetensorsError(f"{path}: not a safetensors index (a JSON object whose weight_map maps each "
+                                   f"tensor to its file)") from None
+    if not all(isinstance(fn, str) for fn in files):
+        raise SafetensorsError(f"{path}: the weight_map names files that are not strings")
+    return files
 
 
 def save_file(tensors: dict[str, np.ndarray], path: str, metadata: dict[str, str] | None = None) -> None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import collections
 import pickle
 import zipfile
+import zlib
 
 import ml_dtypes
 import numpy as np
@@ -93,21 +94,37 @@ def load(path: str) -> dict[str, np.ndarray]:
 
 
 def load_object(path: str):
-    """What ``torch.save`` wrote, made of tensors (numpy arrays), lists, dicts and numbers only."""
+    """What ``torch.save`` wrote, made of tensors (numpy arrays), lists, dicts and numbers only. A file that is not
+    such a checkpoint, or a damaged one (a zip record whose CRC fails, a truncated file), is a TorchFileError naming
+    the file."""
     if not zipfile.is_zipfile(path):
-        raise TorchFileError(f"{path} is not a PyTorch zip checkpoint (torch.save's format since PyTorch 1.6): "
-                             f"refused")
-    with zipfile.ZipFile(path) as archive:
-        pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
-        if len(pkl) != 1:
-            raise TorchFileError(f"{path} holds {len(pkl)} data.pkl records, expected one")
-        prefix = pkl[0][:-len("data.pkl")]
-        with archive.open(pkl[0]) as f:
-            try:
-                obj = _Unpickler(f, archive, prefix).load()
-            except TorchFileError as e:
-                raise TorchFileError(f"{path}: {e}") from None
-            except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError,
-                    IndexError) as e:
-                raise TorchFileError(f"{path} could not be read: {type(e).__name__}: {e}") from None
-    return obj
+        raise TorchFileError(f"{path} {_not_zip(path)}")
+    try:
+        with zipfile.ZipFile(path) as archive:
+            pkl = [n for n in archive.namelist() if n.endswith("data.pkl")]
+            if len(pkl) != 1:
+                raise TorchFileError(f"{path} holds {len(pkl)} data.pkl records, expected one")
+            prefix = pkl[0][:-len("data.pkl")]
+            with archive.open(pkl[0]) as f:
+                return _Unpickler(f, archive, prefix).load()
+    except TorchFileError as e:
+        raise TorchFileError(e.args[0] if str(e).startswith(path) else f"{path}: {e}") from None
+    except (zipfile.BadZipFile, zlib.error, NotImplementedError) as e:  # NotImplementedError: a compression method
+        raise TorchFileError(f"{path} is damaged ({type(e).__name__}: {e}): download or save it again") from None
+    except (pickle.UnpicklingError, EOFError, KeyError, ValueError, TypeError, AttributeError, IndexError) as e:
+        raise TorchFileError(f"{path} could not be read: {type(e).__name__}: {e}") from None
+
+
+def _not_zip(path: str) -> str:
+    """Why ``path``, not a zip file, is refused: what its first bytes say it is."""
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if not magic:
+        return "is empty"
+    if magic.startswith(b"PK"):
+        return ("is truncated or damaged: it starts as a zip file (torch.save's format) but its zip directory, at "
+                "the end of the file, is missing: download or save it again")
+    if magic[:1] == b"\x80":
+        return ("is not a PyTorch zip checkpoint (torch.save's format since PyTorch 1.6) but an older pickle: "
+                "refused; save it again with a current PyTorch")
+    return "is not a PyTorch checkpoint (torch.save's zip format): refused"

@@ -86,3 +86,21 @@ def test_parameters_read_as_their_data(tmp_path):
     w = torch.nn.Parameter(torch.randn(3, 2))
     torch.save({"w": w}, str(tmp_path / "p.bin"))
     np.testing.assert_array_equal(torch_zip.load(str(tmp_path / "p.bin"))["w"], w.detach().numpy())
+
+
+def test_damaged_files_are_named_not_tracebacks(tmp_path):
+    """A flipped byte in a tensor's record (its CRC fails), a file cut short and an empty file are each a
+    TorchFileError naming the file (the CRC failure was a bare zipfile.BadZipFile; a truncated file was called "not a
+    PyTorch zip checkpoint (since PyTorch 1.6)")."""
+    w = torch.arange(1000, 1064, dtype=torch.float32)
+    torch.save({"w": w}, str(tmp_path / "good.bin"))
+    data = (tmp_path / "good.bin").read_bytes()
+    at = data.index(w.numpy().tobytes())
+    (tmp_path / "flipped.bin").write_bytes(data[:at + 9] + bytes([data[at + 9] ^ 0xFF]) + data[at + 10:])
+    (tmp_path / "cut.bin").write_bytes(data[:len(data) // 2])
+    (tmp_path / "empty.bin").write_bytes(b"")
+    for name, message in (("flipped", "is damaged .BadZipFile: Bad CRC-32"), ("cut", "is truncated or damaged"),
+                          ("empty", "is empty")):
+        path = str(tmp_path / f"{name}.bin")
+        with pytest.raises(torch_zip.TorchFileError, match=f"^{path} {message}"):
+            torch_zip.load(path)

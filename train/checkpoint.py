@@ -408,6 +408,13 @@ def _resolve_dir(ckpt_dir: str) -> tuple[str, int | None]:
 def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Params, VocabMap, str]:
     """(head_cfg, head_params, vocab_map, target_model_path) of the newest valid checkpoint under ``ckpt_dir``
     (a training checkpoint folder or one step folder in it), on the first local device; params in fp32."""
+    head_cfg, params, vm, meta = load_head_checkpoint(ckpt_dir)
+    return head_cfg, params, vm, meta.get("target_model_path", "")
+
+
+def load_head_checkpoint(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Params, VocabMap, dict[str, Any]]:
+    """``load_head_for_export`` with the step's whole ``meta`` in place of its target path (``export-head`` also
+    reads the ``source_dtype`` that ``import-head`` records)."""
     root, step = _resolve_dir(ckpt_dir)
     if not epath.Path(root).exists():
         raise CheckpointError(f"checkpoint folder {root} does not exist")
@@ -436,8 +443,8 @@ def load_head_for_export(ckpt_dir: str) -> tuple[Eagle3Config, eagle3.Eagle3Para
               flush=True)
     head_cfg = head_config_from_dict(out["meta"]["head_config"])
     vm = VocabMap(d2t=out["vocab"]["d2t"], t2d=out["vocab"]["t2d"])
-    return head_cfg, out["params"], vm, out["meta"].get("target_model_path", "")
+    return head_cfg, out["params"], vm, out["meta"]
 
 
-__all__ = ["Checkpointer", "CheckpointError", "load_head_for_export", "validate_step_dir", "head_config_to_dict",
-           "head_config_from_dict"]
+__all__ = ["Checkpointer", "CheckpointError", "load_head_for_export", "load_head_checkpoint", "validate_step_dir",
+           "head_config_to_dict", "head_config_from_dict"]
