@@ -41,6 +41,7 @@ PAUSE_MODES = ("abort", "retract", "in_place")  # SGLang's pause_generation mode
 MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's release_memory_occupation tags (no CUDA graphs here)
 WEIGHTS_RELEASED = "the weights are released (release_memory_occupation): resume them first"
 GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
+IN_BATCH_PREFIX_TOKENS = 32  # a prefix shared with a prefill in progress worth waiting for (SGLang's 32 tokens)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,6 +74,15 @@ class PriorityPolicy:
 
 
 log = logging.getLogger("specjax.serve")
+
+
+def _common_prefix(a: list[int], b: list[int], limit: int) -> int:
+    """The length of the longest common prefix of token lists ``a`` and ``b``, at most ``limit``."""
+    n = min(len(a), len(b), limit)
+    if n == 0 or a[0] != b[0]:
+        return 0
+    diff = np.flatnonzero(np.asarray(a[:n]) != np.asarray(b[:n]))
+    return int(diff[0]) if len(diff) else n
 
 
 def _row(logprobs, b: int):
@@ -554,12 +564,30 @@ class Scheduler:
             order = [order[i] for i in self._order_rng.permutation(len(order))]
         if self.priority is not None:  # stable: the policy's order within a priority
             order.sort(key=lambda r: -self.priority.rank(r.priority))
+        prefilling = [r for r in self.slots if r is not None and not r.prefill_done]
         for req in order:
-            if self._admit_one(req):
+            if self._waits_for_prefill(req, prefilling):
+                continue  # admitted once that prefill is through, finding the prefix cached (SGLang's in-batch
+            if self._admit_one(req):  # prefix caching); the requests after it may go first meanwhile
+                prefilling.append(req)
                 continue
             if self.priority is not None and self._preempt_for(req):
                 self._admit_one(req)  # then stop: the retracted requests rank above the rest of ``order``
             return  # wait for running requests to finish (no overtaking: keeps the order fair)
+
+    def _waits_for_prefill(self, req: Request, prefilling) -> bool:
+        """Whether ``req`` shares at least ``IN_BATCH_PREFIX_TOKENS`` tokens of whole pages, beyond what the prefix
+        cache holds, with a request still being prefilled (``prefilling``): it waits until that prefill is through
+        and cached, instead of computing the same prefix again and holding it in pages of its own twice (SGLang
+        defers such requests within a batch; here also against a prefill running over several rounds)."""
+        if not prefilling or not self.radix.enabled:
+            return False
+        z, fill = self.page_size, req.fill_ids
+        most = (len(fill) - 1) // z  # whole pages a prefill may find cached (the last token is computed)
+        shared = max(_common_prefix(fill, r.fill_ids, most * z) for r in prefilling) // z
+        if (shared * z) < IN_BATCH_PREFIX_TOKENS:
+            return False
+        return (shared - len(self.radix.match(fill, most))) * z >= IN_BATCH_PREFIX_TOKENS
 
     def _may_preempt(self) -> bool:
         """With priority scheduling, whether a waiting request outranks a running one by more than the threshold

@@ -572,3 +572,21 @@ def test_auto_truncate_limits_where_the_pool_is_smaller_than_the_context(overlap
                 run(s, prompt + [5], 1)
         finally:
             s.shutdown()
+
+
+@pytest.mark.parametrize("chunk", [8, -1])
+def test_a_prompt_sharing_a_prefix_with_a_prefill_in_progress_finds_it_cached(chunk):
+    """SGLang's in-batch prefix caching: of two prompts sharing 40 tokens submitted together, the second waits for
+    the first's prefill (over several rounds with an 8-token chunk, or one) and finds those 40 tokens cached, instead
+    of computing them again and holding them twice; both give the fake model's tokens. A prefix under 32 tokens is
+    not waited for."""
+    runner = FakeRunner(pages_per_seq=16, num_pages=40)
+    sched = Scheduler(runner, FakeTokenizer(), context_length=64, vocab_size=V, chunked_prefill_size=chunk)
+    sched.start()
+    shared = [i % 20 + 1 for i in range(40)]
+    for prompts, hit in (([shared + [3], shared + [7, 8]], 40), ([shared[:28] + [3], shared[:28] + [7, 8]], 0)):
+        sched.flush_cache()
+        (ids_a, meta_a), (ids_b, meta_b) = run_together(sched, prompts, 3, ignore_eos=True)
+        assert ids_a == expected(prompts[0], 3) and ids_b == expected(prompts[1], 3)
+        assert (meta_a["cached_tokens"], meta_b["cached_tokens"]) == (0, hit), (meta_a, meta_b)
+    sched.shutdown()
