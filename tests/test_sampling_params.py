@@ -209,6 +209,31 @@ def test_target_probs_filters_match_sorting():
     assert tied == 40, tied  # every token tied at the edge stays
 
 
+def test_inverse_cdf_draws_the_float64_token_and_never_a_zero():
+    """``sampling.inverse_cdf`` (the draw of every sampled token, plain and speculative) picks the token whose
+    float64 cumulative interval holds u x the row's mass, over sparse rows (a top-k / top-p filter's zeros), a
+    vocabulary not a multiple of its block, rows that do not sum to 1, and u at 0 and just under 1 (where rounding
+    would run past the last token with mass); ``token_uniforms`` depend on the key and the token's index alone."""
+    rng = np.random.default_rng(5)
+    for v in (1000, 49152, 37):
+        p = rng.random((64, v)) ** 8 * (rng.random((64, v)) < 0.3)
+        p[:, 0] += (p.sum(-1) == 0)  # every row has some mass
+        p[:3] = 0.0
+        p[:3, 1:6] = 0.2
+        u = rng.random(64)
+        u[:3] = (0.0, 0.9999999, 1.0 - 2.0 ** -24)
+        got = np.asarray(sampling.inverse_cdf(p.astype(np.float32), u.astype(np.float32)))
+        want = (np.cumsum(p, -1) <= (u * p.sum(-1))[:, None]).sum(-1)
+        want[1:3] = 5  # just under 1: the last token with mass
+        np.testing.assert_array_equal(got, want)
+        assert (p[np.arange(64), got] > 0).all()
+    keys = np.stack([sampling._key_data(s) for s in (1, 2)])
+    a = np.asarray(sampling.token_uniforms(keys, np.asarray([[0, 1, 2], [0, 1, 2]])))
+    b = np.asarray(sampling.token_uniforms(keys, np.asarray([[2, 7, 0], [1, 9, 9]])))
+    assert a.shape == (2, 3, 2) and (a[0, 2] == b[0, 0]).all() and (a[0, 0] == b[0, 2]).all()
+    assert (a[1, 1] == b[1, 0]).all() and not (a[0] == a[1]).all()
+
+
 @pytest.mark.parametrize("alg", ["EAGLE3", "EAGLE"])
 def test_speculative_sampled_logprobs_are_the_targets(models, runner_outputs, alg):
     """A sampled, penalised row under speculation (its tokens differ from plain's: other random draws): the logprobs
