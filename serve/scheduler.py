@@ -576,18 +576,17 @@ class Scheduler:
             return  # wait for running requests to finish (no overtaking: keeps the order fair)
 
     def _waits_for_prefill(self, req: Request, prefilling) -> bool:
-        """Whether ``req`` shares at least ``IN_BATCH_PREFIX_TOKENS`` tokens of whole pages, beyond what the prefix
-        cache holds, with a request still being prefilled (``prefilling``): it waits until that prefill is through
-        and cached, instead of computing the same prefix again and holding it in pages of its own twice (SGLang
-        defers such requests within a batch; here also against a prefill running over several rounds)."""
+        """Whether ``req`` shares at least ``IN_BATCH_PREFIX_TOKENS`` tokens of whole pages with a request still being
+        prefilled (``prefilling``), not all of them cached yet: it waits until the chunks of that prefill that
+        compute them are through (each chunk's full pages go to the cache, ``_prefill_chunk``), instead of
+        computing the same prefix again and holding it in pages of its own twice (SGLang defers such requests within
+        a batch)."""
         if not prefilling or not self.radix.enabled:
             return False
         z, fill = self.page_size, req.fill_ids
         most = (len(fill) - 1) // z  # whole pages a prefill may find cached (the last token is computed)
         shared = max(_common_prefix(fill, r.fill_ids, most * z) for r in prefilling) // z
-        if (shared * z) < IN_BATCH_PREFIX_TOKENS:
-            return False
-        return (shared - len(self.radix.match(fill, most))) * z >= IN_BATCH_PREFIX_TOKENS
+        return shared * z >= IN_BATCH_PREFIX_TOKENS and shared > len(self.radix.match(fill, most))
 
     def _may_preempt(self) -> bool:
         """With priority scheduling, whether a waiting request outranks a running one by more than the threshold
@@ -729,8 +728,8 @@ class Scheduler:
             if not req.prompt_counted:  # a prompt's prefill once (not again after a retraction)
                 req.prompt_counted = True
                 self.metrics.on_prefill(len(req.prompt_ids) - req.cached_tokens, req.cached_tokens)
-            self._cache_prefix(req)
-        return True
+        self._cache_prefix(req)  # chunk by chunk: a request waiting for this prefix (``_waits_for_prefill``) goes
+        return True  # on once the chunk that computes it is through
 
     def _score_chunk(self, req: Request, begin: int, count: int) -> bool:
         """Score prompt positions [begin, begin + count) of a prefilled request (its prompt logprobs); False when

@@ -576,10 +576,10 @@ def test_auto_truncate_limits_where_the_pool_is_smaller_than_the_context(overlap
 
 @pytest.mark.parametrize("chunk", [8, -1])
 def test_a_prompt_sharing_a_prefix_with_a_prefill_in_progress_finds_it_cached(chunk):
-    """SGLang's in-batch prefix caching: of two prompts sharing 40 tokens submitted together, the second waits for
-    the first's prefill (over several rounds with an 8-token chunk, or one) and finds those 40 tokens cached, instead
-    of computing them again and holding them twice; both give the fake model's tokens. A prefix under 32 tokens is
-    not waited for."""
+    """SGLang's in-batch prefix caching: of two prompts sharing 40 tokens submitted together, one waits for the
+    other's prefill (chunk by chunk with an 8-token chunk, or at once) and finds those 40 tokens cached, instead of
+    computing them again and holding them twice; both give the fake model's tokens. A prefix under 32 tokens is not
+    waited for."""
     runner = FakeRunner(pages_per_seq=16, num_pages=40)
     sched = Scheduler(runner, FakeTokenizer(), context_length=64, vocab_size=V, chunked_prefill_size=chunk)
     sched.start()
@@ -588,5 +588,41 @@ def test_a_prompt_sharing_a_prefix_with_a_prefill_in_progress_finds_it_cached(ch
         sched.flush_cache()
         (ids_a, meta_a), (ids_b, meta_b) = run_together(sched, prompts, 3, ignore_eos=True)
         assert ids_a == expected(prompts[0], 3) and ids_b == expected(prompts[1], 3)
-        assert (meta_a["cached_tokens"], meta_b["cached_tokens"]) == (0, hit), (meta_a, meta_b)
+        # whichever the client threads queued first computes the prefix, the other finds it cached
+        assert sorted((meta_a["cached_tokens"], meta_b["cached_tokens"])) == [0, hit], (meta_a, meta_b)
+    sched.shutdown()
+
+
+def test_a_prefix_waited_for_is_shared_as_soon_as_its_chunk_is_through():
+    """Each prefill chunk's full pages go to the prefix cache at once: a prompt waiting for a 40-token prefix that a
+    60-token prompt computes in 16-token chunks is admitted once the chunk through token 48 is done, and is prefilled
+    in the same round as that prompt's last chunk (before its first decode step), finding the 40 tokens cached."""
+    runner = FakeRunner(pages_per_seq=16, num_pages=40)
+    calls = []
+    prefill, launch = runner.prefill, runner.launch
+    runner.prefill = lambda state, slot, tokens, *a, **kw: (calls.append(("prefill", slot)),
+                                                             prefill(state, slot, tokens, *a, **kw))[1]
+    runner.launch = lambda state, active: (calls.append(("launch", None)), launch(state, active))[1]
+    sched = Scheduler(runner, FakeTokenizer(), context_length=64, vocab_size=V, chunked_prefill_size=16,
+                      overlap_schedule=False)
+    sched.start()
+    shared = [i % 20 + 1 for i in range(40)]
+    long, short = shared + list(range(1, 21)), shared + [7, 8]
+    results = {}
+    sched.pause_generation("in_place")
+    threads = []
+    for n, (name, prompt) in enumerate((("long", long), ("short", short))):  # the long one queued first
+        threads.append(threading.Thread(target=lambda k=name, p=prompt: results.__setitem__(
+            k, run(sched, p, 3, ignore_eos=True))))
+        threads[-1].start()
+        while sched.stats()["num_waiting_reqs"] < n + 1:
+            time.sleep(0.002)
+    sched.continue_generation()
+    for t in threads:
+        t.join(30)
+    assert len(results) == 2
+    assert results["long"][0] == expected(long, 3) and results["short"][0] == expected(short, 3)
+    assert (results["long"][1]["cached_tokens"], results["short"][1]["cached_tokens"]) == (0, 40)
+    assert [c for c in calls if c[0] == "prefill"][:5] == [("prefill", 0)] * 4 + [("prefill", 1)], calls
+    assert calls.index(("prefill", 1)) < calls.index(("launch", None)), calls
     sched.shutdown()
