@@ -184,35 +184,41 @@ def test_sampling_acceptance_literal():
     probs[:, 2, 4] = 1.0
     probs[:, 4, 0] = 1.0
     coins = np.array([[0.1, 0.5, 0.5], [0.4, 0.5, 0.5], [0.7, 0.5, 0.5]], np.float32)
-    keys = jax.vmap(lambda s: jax.random.key_data(jax.random.PRNGKey(s)))(jnp.arange(3))
-    acc = jax.jit(verify.sample_accept, static_argnums=4)(t, jnp.asarray(probs), jnp.asarray(coins), keys, 3)
-    # Row 0: coin 0.1 < p(3) = 0.2 -> node 1; then 1 -> node 3 (p = 1); at node 3, p = {2: 1}, child 7 has p 0:
-    # rejected, the bonus is drawn from {2: 1}.
-    # Row 1: coin 0.4 in [0.2, 0.5) -> node 2 (token 5); node 2's p = {4: 1} -> node 4 (leaf); bonus from {0: 1}.
-    # Row 2: coin 0.7 >= 0.5: both children rejected; the residual {6: 1} gives the bonus 6.
+    acc = jax.jit(verify.sample_accept, static_argnums=3)(t, jnp.asarray(probs), _uniforms(coins), 3)
+    # The target's draw at the root, in id order: 3 for u in [0, 0.2), 5 in [0.2, 0.5), 6 in [0.5, 1).
+    # Row 0: u 0.1 draws 3 -> node 1; then 1 -> node 3 (p = 1); at node 3 the draw is 2, not its child 7: the
+    # bonus is 2.
+    # Row 1: u 0.4 draws 5 -> node 2 (token 5); node 2's p = {4: 1} -> node 4 (leaf); the bonus is 0.
+    # Row 2: u 0.7 draws 6, no child of the root: nothing accepted, the bonus is 6.
     np.testing.assert_array_equal(np.asarray(acc.accept_len), [2, 2, 0])
     np.testing.assert_array_equal(np.asarray(acc.tokens), [[3, 1, 2, 0], [5, 4, 0, 0], [6, 0, 0, 0]])
 
 
+def _uniforms(coins, second=0.5):
+    """``sample_accept``'s draws f32[B, S+1, 2] from one coin per level (the last level's: 0.5): [:, d, 0] the coin
+    of depth d, [:, d, 1] ``second`` (a relaxed bonus's draw)."""
+    coins = np.asarray(coins, np.float32)
+    first = np.concatenate([coins, np.full((coins.shape[0], 1), 0.5, np.float32)], axis=1)
+    return jnp.asarray(np.stack([first, np.full_like(first, second)], axis=-1))
+
+
 def _literal_sampling_case(b):
-    """The literal tree with the distributions of ``test_sampling_acceptance_literal`` and one coin per level."""
+    """The literal tree with the distributions of ``test_sampling_acceptance_literal``."""
     probs = np.zeros((b, 6, V), np.float32)
     probs[:, 0, [3, 5, 6]] = [0.2, 0.3, 0.5]
     probs[:, 1, 1] = probs[:, 3, 2] = probs[:, 2, 4] = probs[:, 4, 0] = 1.0
-    keys = jax.vmap(lambda s: jax.random.key_data(jax.random.PRNGKey(s)))(jnp.arange(b))
-    return literal_tree(b), jnp.asarray(probs), keys
+    return literal_tree(b), jnp.asarray(probs)
 
 
 @pytest.mark.parametrize("single, acc, want_len, want_tokens", [
-    (1.0, 1.0, 0, [6, 0, 0, 0]),  # lossless: coin 0.7 >= 0.2 + 0.3, both children rejected, the residual gives 6
+    (1.0, 1.0, 0, [6, 0, 0, 0]),  # lossless: u 0.7 draws 6, no child of the root: the bonus is 6
     (0.25, 1.0, 2, [5, 4, 0, 0]),  # p(5) = 0.3 >= 0.25: node 2, then its only token 4 (p 1), bonus 0
     (1.0, 0.5, 2, [5, 4, 0, 0]),  # 0.7 >= 0.2 / 0.5 for token 3, 0.7 < 0.5 / 0.5 for token 5
     (1.0, 0.0, 2, [3, 1, 2, 0]),  # acc 0 (SGLang floors it at 1e-9): the first child with any probability, not 7
 ])
 def test_relaxed_sampling_acceptance_literal(single, acc, want_len, want_tokens):
-    t, probs, keys = _literal_sampling_case(1)
-    coins = jnp.asarray([[0.7, 0.5, 0.5]], jnp.float32)
-    got = verify.sample_accept(t, probs, coins, keys, 3, verify.Thresholds(single, acc))
+    t, probs = _literal_sampling_case(1)
+    got = verify.sample_accept(t, probs, _uniforms([[0.7, 0.5, 0.5]]), 3, verify.Thresholds(single, acc))
     assert int(got.accept_len[0]) == want_len
     np.testing.assert_array_equal(np.asarray(got.tokens[0]), want_tokens)
 
@@ -258,27 +264,47 @@ def _random_trees(rng, b, m, num_steps):
                          candidate=j(np.tile(np.arange(m, dtype=np.int32), (b, 1))))
 
 
+def _draw_walk(parent, tokens, probs, coins, num_steps):
+    """The lossless rule as plain sampling draws a token, one row at a time in float64: at each level the target's
+    token is the one whose cumulative interval (ids in order) holds u x the mass, u the level's coin; the child
+    holding it is accepted, else it is the bonus. Returns the accepted node path and the bonus."""
+    cur, path = 0, [0]
+    for d in range(num_steps + 1):
+        p = probs[cur].astype(np.float64)
+        y = int((np.cumsum(p) <= coins[d] * p.sum()).sum())
+        hit = np.flatnonzero((parent == cur) & (tokens == y))
+        if d == num_steps or not len(hit):
+            return path, y
+        cur = int(hit[0])
+        path.append(cur)
+
+
 @pytest.mark.parametrize("single, acc", [(1.0, 1.0), (0.3, 1.0), (1.0, 0.6), (0.5, 0.8), (0.0, 1.0), (1.0, 0.0)])
 def test_relaxed_acceptance_is_sglangs_sibling_walk(single, acc):
     """``sample_accept`` with ``Thresholds(single, acc)`` accepts the nodes that SGLang's sibling walk accepts, row by
     row over 64 random (4, *, 10) trees with sparse random distributions and coins, and draws its bonus from that
-    walk's residual; (1, 1) is the lossless rule."""
+    walk's residual; (1, 1), the lossless rule, takes at each level the child holding the target's own draw
+    (``_draw_walk``: plain sampling's token for the coin), else that draw is the bonus."""
     rng = np.random.default_rng(7)
     b, m, s = 64, 10, 4
     tree = _random_trees(rng, b, m, s)
     probs = rng.dirichlet(np.full(V, 0.3), size=(b, m)).astype(np.float32)
-    coins = rng.random((b, s), dtype=np.float32)
-    keys = jax.vmap(lambda k: jax.random.key_data(jax.random.PRNGKey(k)))(jnp.arange(b))
-    got = jax.jit(verify.sample_accept, static_argnums=(4, 5))(tree, jnp.asarray(probs), jnp.asarray(coins), keys, s,
+    coins = rng.random((b, s + 1), dtype=np.float32)
+    uniforms = jnp.asarray(np.stack([coins, rng.random((b, s + 1), dtype=np.float32)], axis=-1))
+    got = jax.jit(verify.sample_accept, static_argnums=(3, 4))(tree, jnp.asarray(probs), uniforms, s,
                                                                verify.Thresholds(single, acc))
     parent, tokens = np.asarray(tree.parent), np.asarray(tree.tokens)
     lengths = []
     for r in range(b):
-        path, resid = _sibling_walk(parent[r], tokens[r], probs[r], coins[r], s, single, acc)
+        if (single, acc) == (1.0, 1.0):
+            path, bonus = _draw_walk(parent[r], tokens[r], probs[r], coins[r], s)
+            assert int(got.bonus[r]) == bonus, r
+        else:
+            path, resid = _sibling_walk(parent[r], tokens[r], probs[r], coins[r], s, single, acc)
+            assert resid[int(got.bonus[r])] > 0, (r, int(got.bonus[r]), resid)
         n = len(path) - 1
         lengths.append(n)
         assert int(got.accept_len[r]) == n, r
         np.testing.assert_array_equal(np.asarray(got.path[r, :n + 1]), path)
         np.testing.assert_array_equal(np.asarray(got.tokens[r, :n]), tokens[r, path[1:]])
-        assert resid[int(got.bonus[r])] > 0, (r, int(got.bonus[r]), resid)
     assert 0 < np.mean(lengths) < s or (single, acc) in ((0.0, 1.0), (1.0, 0.0))  # the cases are not all trivial
