@@ -320,6 +320,9 @@ class Request:
     nodes: list = dataclasses.field(default_factory=list)  # radix nodes this request holds a reference on
     cached_tokens: int = 0  # prompt tokens reused from the radix cache
     prefilled: int = 0  # prompt tokens in the KV cache
+    prefill_from: int = 0  # where its latest prefill began (the cached prefix found at admission)
+    shared_with: dict = dataclasses.field(default_factory=dict)  # (rid, arrival) -> whole pages its fill shares with
+    # that prefilling request's (``Scheduler._waits_for_prefill``; a waiting request's fill does not change)
     first_token: int | None = None  # the prefill's token, held while the prompt is scored
     admitted: bool = False  # it has held a slot (a retracted request waits again)
     prompt_counted: bool = False  # its prompt's prefill is in the metrics

@@ -42,6 +42,7 @@ MEMORY_TAGS = ("weights", "kv_cache", "cuda_graph")  # SGLang's release_memory_o
 WEIGHTS_RELEASED = "the weights are released (release_memory_occupation): resume them first"
 GROW_PAGES = 4  # pages a growing request takes beyond its next steps' when the pool has them free
 IN_BATCH_PREFIX_TOKENS = 32  # a prefix shared with a prefill in progress worth waiting for (SGLang's 32 tokens)
+IN_BATCH_PREFIX_CHECKS = 128  # waiting requests checked for it per admission pass (SGLang's LPM stops at 128 too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -565,10 +566,15 @@ class Scheduler:
         if self.priority is not None:  # stable: the policy's order within a priority
             order.sort(key=lambda r: -self.priority.rank(r.priority))
         prefilling = [r for r in self.slots if r is not None and not r.prefill_done]
-        for req in order:
-            if self._waits_for_prefill(req, prefilling):
-                continue  # admitted once that prefill is through, finding the prefix cached (SGLang's in-batch
-            if self._admit_one(req):  # prefix caching); the requests after it may go first meanwhile
+        waited = None  # the rank of the first request that waits for a prefill: none of a lower rank passes it
+        for i, req in enumerate(order):
+            rank = self.priority.rank(req.priority) if self.priority is not None else 0
+            if waited is not None and rank < waited:
+                return
+            if i < IN_BATCH_PREFIX_CHECKS and self._waits_for_prefill(req, prefilling):
+                waited = rank if waited is None else waited
+                continue  # admitted once that prefix is cached (SGLang's in-batch prefix caching); the requests
+            if self._admit_one(req):  # after it, of its rank, may go first meanwhile
                 prefilling.append(req)
                 continue
             if self.priority is not None and self._preempt_for(req):
@@ -585,8 +591,14 @@ class Scheduler:
             return False
         z, fill = self.page_size, req.fill_ids
         most = (len(fill) - 1) // z  # whole pages a prefill may find cached (the last token is computed)
-        shared = max(_common_prefix(fill, r.fill_ids, most * z) for r in prefilling) // z
-        return shared * z >= IN_BATCH_PREFIX_TOKENS and shared > len(self.radix.match(fill, most))
+        for r in prefilling:
+            key = (r.rid, r.arrival)  # (a finished request's rid may come again)
+            shared = req.shared_with.get(key)
+            if shared is None:  # once per pair: neither fill changes while one waits and the other prefills
+                shared = req.shared_with[key] = _common_prefix(fill, r.fill_ids, most * z) // z
+            if shared * z >= IN_BATCH_PREFIX_TOKENS and shared > len(r.nodes):  # r's first pages in the cache
+                return True
+        return False
 
     def _may_preempt(self) -> bool:
         """With priority scheduling, whether a waiting request outranks a running one by more than the threshold
@@ -618,7 +630,8 @@ class Scheduler:
         self.waiting.remove(req)
         req.nodes = list(nodes)
         req.pages = [n.page for n in nodes] + fresh
-        req.prefilled = len(nodes) * self.page_size
+        req.prefilled = req.prefill_from = len(nodes) * self.page_size
+        req.shared_with.clear()
         if not req.admitted:  # a retracted request keeps the count of prompt tokens it found cached at first
             req.cached_tokens, req.admitted = req.prefilled, True
             self.totals["cached_tokens"] += req.cached_tokens
@@ -680,7 +693,7 @@ class Scheduler:
                 continue
             if not req.prefill_done:
                 n = int(min(req.fill_len - req.prefilled, budget))
-                hit = len(req.nodes) * self.page_size  # before the prefill adds its own pages to the prefix cache
+                hit = req.prefill_from  # the cached prefix it began from
                 if not self._prefill_chunk(req, n):
                     continue
                 began = req.prefilled - n == hit

@@ -626,3 +626,23 @@ def test_a_prefix_waited_for_is_shared_as_soon_as_its_chunk_is_through():
     assert [c for c in calls if c[0] == "prefill"][:5] == [("prefill", 0)] * 4 + [("prefill", 1)], calls
     assert calls.index(("prefill", 1)) < calls.index(("launch", None)), calls
     sched.shutdown()
+
+
+@pytest.mark.parametrize("policy", [None, PriorityPolicy()])
+def test_a_request_waiting_for_a_prefill_keeps_its_rank(policy):
+    """A waiting request that waits for a prefill of its prefix lets the requests of its rank after it go first,
+    never one of a lower rank (with priority scheduling; without it every request has one rank). Driven by hand:
+    the scheduler's thread is not started."""
+    sched = Scheduler(FakeRunner(pages_per_seq=16, num_pages=40), FakeTokenizer(), context_length=64,
+                      vocab_size=V, chunked_prefill_size=8, priority=policy)
+    shared = [i % 20 + 1 for i in range(40)]
+    sp = SamplingParams(max_new_tokens=2, temperature=0.0)
+    sched.submit(shared + [3], sp, lambda ev: None, priority=5)
+    sched._drain(False)
+    sched._admit()  # the first prompt is admitted: its prefill takes several 8-token rounds
+    for prompt, priority in ((shared + [7], 5), ([9, 9, 9], 1), ([8, 8, 8], 5)):
+        sched.submit(prompt, sp, lambda ev: None, priority=priority)
+    sched._drain(False)
+    sched._admit()
+    running = sorted(r.prompt_ids[-1] for r in sched.slots if r is not None)
+    assert running == ([3, 8] if policy is not None else [3, 8, 9]), running  # the one sharing the prefix waits
