@@ -392,7 +392,7 @@ def inverse_cdf(probs, u):
     before = jnp.where(k > 0, jnp.take_along_axis(cum, jnp.maximum(k - 1, 0)[..., None], axis=-1)[..., 0], 0.0)
     inner = jnp.take_along_axis(blocks, k[..., None, None], axis=-2)[..., 0, :]  # [..., CDF_BLOCK]
     j = jnp.sum(before[..., None] + jnp.cumsum(inner, axis=-1) <= t[..., None], axis=-1)
-    return (k * CDF_BLOCK + jnp.minimum(j, _last_nonzero(inner))).astype(jnp.int32)
+    return jnp.minimum(k * CDF_BLOCK + jnp.minimum(j, _last_nonzero(inner)), v - 1).astype(jnp.int32)  # (NaN rows)
 
 
 def token_logprobs(x, sb: SamplingBatch, tokens, x_rows=None):

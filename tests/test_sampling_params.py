@@ -227,6 +227,8 @@ def test_inverse_cdf_draws_the_float64_token_and_never_a_zero():
         want[1:3] = 5  # just under 1: the last token with mass
         np.testing.assert_array_equal(got, want)
         assert (p[np.arange(64), got] > 0).all()
+    nan_row = np.asarray(sampling.inverse_cdf(np.zeros((1, 1000), np.float32), np.asarray([0.5], np.float32)))
+    assert 0 <= nan_row[0] < 1000  # a row without mass (NaN logits) still names a token of the vocabulary
     keys = np.stack([sampling._key_data(s) for s in (1, 2)])
     a = np.asarray(sampling.token_uniforms(keys, np.asarray([[0, 1, 2], [0, 1, 2]])))
     b = np.asarray(sampling.token_uniforms(keys, np.asarray([[2, 7, 0], [1, 9, 9]])))

@@ -132,7 +132,8 @@ def test_cli_flags_reach_the_config(tmp_path, capsys):
 
 @pytest.mark.parametrize("typed, want", [
     ("### Assistant:", "### Assistant:"), ("Assistant: ", "Assistant: "), ("[/INST]", "[/INST]"), ("3", "3"),
-    ('"<|im_start|>assistant\\n"', "<|im_start|>assistant\n"), ("null", None)])
+    ('"<|im_start|>assistant\\n"', "<|im_start|>assistant\n"), ("null", None), ("</s> ", "</s> "),
+    ("a # b", "a # b")])
 def test_text_keys_keep_what_was_typed(typed, want):
     """A text key's value is what was typed where YAML would read it as a comment, a mapping, a list or a number (a
     preformatted chat layout's header is all of those); a YAML double-quoted string still writes escapes, null still

@@ -338,10 +338,11 @@ def parse_value(raw: str, tp: Any = None) -> Any:
         value = raw
     if isinstance(value, str) and _is_number(value):  # yaml 1.1 reads "3e-4" as a string
         value = float(value)
-    if tp is not None and strip_optional(tp)[0] is str and not isinstance(value, str):
-        if value is None and raw.strip() in ("null", "Null", "NULL", "~"):
+    if tp is not None and strip_optional(tp)[0] is str:
+        if raw.strip() in ("null", "Null", "NULL", "~"):
             return None
-        return raw
+        quoted = raw.strip()[:1] in ("'", '"') and isinstance(value, str)
+        return value if quoted else raw  # YAML strips spaces and reads "#..." as a comment: kept as typed
     return value
 
 

@@ -120,7 +120,7 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
         if head.startswith(b"["):
             yield from _read_json_array(path, log)
         else:
-            _refuse_one_object(path, head)
+            _refuse_one_object(path)
             yield from _read_jsonl(path, log)  # JSON lines named .json
     elif low.endswith((".parquet", ".arrow", ".csv")):
         import datasets
@@ -131,15 +131,18 @@ def _read_local(path: str, log: Callable[[str], None]) -> Iterator[Any]:
                            f"compressed), .parquet, .arrow or a datasets.save_to_disk folder)")
 
 
-def _refuse_one_object(path: str, head: bytes) -> None:
+def _refuse_one_object(path: str) -> None:
     """A .json file whose first line is not a JSON value but whose whole text is one object (pretty-printed, e.g.
-    ``{"data": [...]}``) is refused in one line, not read as JSON lines that each fail to parse."""
-    first = head.split(b"\n", 1)[0].strip()
+    ``{"data": [...]}``) is refused in one line, not read as JSON lines that each fail to parse. Only a short first
+    line (an object's opening) makes it read the whole file."""
+    with open_binary(path) as f:
+        first = f.readline().strip()
     try:
         json.loads(first.decode("utf-8"))
         return
     except (UnicodeDecodeError, json.JSONDecodeError):
-        pass
+        if len(first) > 4096:
+            return  # a long record cut or damaged: read as JSON lines, the bad one counted
     try:
         with open_binary(path) as f:
             whole = json.loads(f.read().decode("utf-8"))
@@ -618,9 +621,8 @@ def fingerprint(cfg: DataConfig, tok) -> str:
     srcs = []
     for p in cfg.paths:
         srcs.extend([p] if p == "sharegpt" else [source_signature(q) for q in resolve_paths([p])])
-    if cfg.hf_datasets:
-        import datasets  # optional; the loaded set's fingerprint follows its content (a hub update, a new revision)
-        srcs.extend((name, datasets.load_dataset(name, split=cfg.split)._fingerprint) for name in cfg.hf_datasets)
+    for name in cfg.hf_datasets:
+        srcs.append((name, _hub_fingerprint(name, cfg.split)))
     vocab_sig = hashlib.sha256(json.dumps(sorted(tok.get_vocab().items())).encode()).hexdigest()
     h.update(json.dumps([srcs, list(cfg.hf_datasets), cfg.split, cfg.format, cfg.max_length, cfg.overlong,
                          cfg.max_examples, cfg.chat_template_kwargs, tok.chat_template, vocab_sig,
@@ -628,6 +630,17 @@ def fingerprint(cfg: DataConfig, tok) -> str:
                          4],  # the reader's version: 2 read reasoning_content and truncated turns, 3 tools, 4 text
                         sort_keys=True, default=str).encode())
     return h.hexdigest()[:20]
+
+
+def _hub_fingerprint(name: str, split: str) -> str | None:
+    """A hub dataset's ``datasets`` fingerprint (it follows the content: an update, a new revision), or None where it
+    cannot be loaded now (an offline host that has only the tokenized cache: keyed by name, as before)."""
+    try:
+        import datasets  # optional
+        return datasets.load_dataset(name, split=split)._fingerprint
+    except Exception as e:  # noqa: BLE001 - no network, no datasets: the name alone
+        _log.warning("data: %s: no fingerprint (%s); its tokenized cache is keyed by name", name, type(e).__name__)
+        return None
 
 
 def source_signature(path: str) -> list:

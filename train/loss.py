@@ -286,10 +286,11 @@ def finalize_metrics(stats, decay: float) -> dict[str, jax.Array]:
 
 
 def pool_metrics(batches: list[dict]) -> dict[str, float]:
-    """The ``finalize_metrics`` of several batches as one set: each batch weighed by its valid tokens (the loss,
-    acc_k, accept_len: a batch of long conversations counts for its tokens, not as one batch of short ones),
-    ``serving_accept_len`` by its rounds, ``valid_tokens`` and ``rounds`` summed. Batches without a valid token
-    weigh nothing (all of them: their plain mean)."""
+    """Several batches' ``finalize_metrics`` as one set: each batch weighed by its valid tokens (a batch of long
+    conversations counts for its tokens, not as one batch of short ones), ``serving_accept_len`` by its rounds,
+    ``valid_tokens`` and ``rounds`` summed. acc_0, accept_len and serving_accept_len are then exactly the figures of
+    one batch holding all the rows; the loss, ploss_k, acc_k for k > 0 (over valid[k]) and acc_k_allpos are their
+    token-weighted means. Batches without a valid token weigh nothing (all of them: their plain mean)."""
     tokens = sum(float(m["valid_tokens"]) for m in batches)
     rounds = sum(float(m.get("rounds", 0.0)) for m in batches)
     out = {}
